@@ -1,0 +1,1 @@
+"""Federated algorithms, each a frozen dataclass of pure functions (see `base.Algorithm`)."""

@@ -1,0 +1,175 @@
+"""pFedES: proxy feature extractor sharing for model-heterogeneous personalized FL.
+
+Yi et al., "pFedES: Generalized Proxy Feature Extractor Sharing for Model Heterogeneous
+Personalized Federated Learning", AAAI 2025; this module follows the variant of the pFedES seed
+document (shared/seeds/000_*.txt, sections 2-3):
+
+* Each client k keeps a private backbone F_k, classifier H_k and projection head P_k to a common
+  space of dimension d. The server keeps a small proxy feature extractor E_proxy (input
+  normalization + small backbone, output d).
+* Local step on a batch (x, y): z = F_k(x), logits = H_k(z), e_local = P_k(z),
+  e_proxy = stop_gradient(E_proxy(x)); loss = CE(logits, y) + lam * align(e_local, e_proxy) updates
+  F_k, P_k, H_k with SGD(lr_local). Then E_proxy takes one SGD step of lr_proxy = ratio * lr_local
+  on align(E_proxy(x), stop_gradient(e_local)), with e_local from the same forward pass. For the
+  first `warmup_steps` local steps of a client's life F_k is frozen (only P_k and H_k train).
+* Only E_proxy is uploaded. The server averages the uploads weighted by local sample counts and
+  smooths: new = beta * old + (1 - beta) * average.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from fedjax_pfedes import aggregation, alignment, local_training
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.models import registry
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedESConfig:
+    """Hyper-parameters of pFedES (defaults from the seed document's ranges)."""
+
+    num_classes: int
+    input_shape: tuple[int, ...]
+    pixel_mean: tuple[float, ...]
+    pixel_std: tuple[float, ...]
+    lam: float = 0.5
+    align: str = "mse"
+    contrastive_temperature: float = 0.1
+    proxy_dim: int = 128
+    proxy_arch: str = "proxy_cnn"
+    proxy_lr_ratio: float = 0.1
+    projection_layernorm: bool = False
+    lr_local: float = 0.05
+    local_momentum: float = 0.0
+    local_epochs: int = 1
+    batch_size: int = 32
+    warmup_steps: int = 0
+    server_momentum: float = 0.5
+    unroll_local_steps: bool = True
+
+
+@struct.dataclass
+class ServerState:
+    """Global E_proxy parameters and the number of completed rounds."""
+
+    proxy_params: dict
+    round: jnp.ndarray
+
+
+@struct.dataclass
+class ClientState:
+    """A client's private model, its optimizer state and its local step count (for warm-up)."""
+
+    params: dict
+    opt_state: optax.OptState
+    steps: jnp.ndarray
+
+
+def _freeze_backbone(grads: dict, frozen: jnp.ndarray) -> dict:
+    inner = dict(grads["params"])
+    inner["backbone"] = jax.tree.map(lambda g: jnp.where(frozen, 0.0, g), inner["backbone"])
+    return {**grads, "params": inner}
+
+
+def pfedes(cfg: PFedESConfig) -> Algorithm:
+    """Builds the pFedES algorithm for a dataset described by `cfg`."""
+    proxy = registry.proxy_model(cfg.proxy_arch, cfg.proxy_dim, cfg.pixel_mean, cfg.pixel_std)
+    align = alignment.get_alignment(cfg.align, cfg.contrastive_temperature)
+    local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
+    lr_proxy = cfg.proxy_lr_ratio * cfg.lr_local
+    dummy_x = jnp.zeros((1,) + tuple(cfg.input_shape), jnp.float32)
+
+    def init_server(rng: jax.Array) -> ServerState:
+        return ServerState(proxy.init(rng, dummy_x), jnp.zeros((), jnp.int32))
+
+    def broadcast(state: ServerState) -> dict:
+        return state.proxy_params
+
+    def server_update(state: ServerState, groups: Sequence[tuple[dict, jax.Array]]
+                      ) -> ServerState:
+        average, total = aggregation.weighted_mean(groups)
+        smoothed = aggregation.momentum_smoothing(state.proxy_params, average,
+                                                  cfg.server_momentum)
+        new_params = local_training.select_tree(total > 0, smoothed, state.proxy_params)
+        return ServerState(new_params, state.round + 1)
+
+    def cohort_program(arch: str) -> CohortProgram:
+        model = registry.client_model(arch, cfg.num_classes, cfg.proxy_dim, cfg.pixel_mean,
+                                      cfg.pixel_std, cfg.projection_layernorm)
+
+        def init_client(rng: jax.Array) -> ClientState:
+            params = model.init(rng, dummy_x)
+            return ClientState(params, local_opt.init(params), jnp.zeros((), jnp.int32))
+
+        def local_step(carry, step_inputs):
+            params, opt_state, proxy_params, steps = carry
+            x, y, mask, active = step_inputs
+            e_proxy = jax.lax.stop_gradient(proxy.apply(proxy_params, x))
+
+            def local_loss(p):
+                logits, e_local = model.apply(p, x)
+                ce = local_training.cross_entropy(logits, y, mask)
+                al = align(e_local, e_proxy, mask)
+                return ce + cfg.lam * al, (ce, al, e_local)
+
+            grads, (ce, al, e_local) = jax.grad(local_loss, has_aux=True)(params)
+            grads = _freeze_backbone(grads, steps < cfg.warmup_steps)
+            updates, new_opt_state = local_opt.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+
+            e_target = jax.lax.stop_gradient(e_local)
+            proxy_loss, proxy_grads = jax.value_and_grad(
+                lambda q: align(proxy.apply(q, x), e_target, mask))(proxy_params)
+            new_proxy = jax.tree.map(lambda q, g: q - lr_proxy * g, proxy_params, proxy_grads)
+
+            new_carry = local_training.select_tree(
+                active, (new_params, new_opt_state, new_proxy, steps + 1), carry)
+            on = active.astype(jnp.float32)
+            return new_carry, jnp.stack([ce * on, al * on, proxy_loss * on, on])
+
+        def client_update(global_proxy, state: ClientState, data, rng):
+            capacity = data.y.shape[0]
+            schedule = local_training.batch_schedule(rng, data.sizes, capacity, cfg.batch_size,
+                                                     cfg.local_epochs)
+            inputs = (data.x[schedule.indices], data.y[schedule.indices], schedule.sample_mask,
+                      schedule.step_active)
+            carry = (state.params, state.opt_state, global_proxy, state.steps)
+            unroll = schedule.step_active.shape[0] if cfg.unroll_local_steps else 1
+            (params, opt_state, local_proxy, steps), per_step = jax.lax.scan(
+                local_step, carry, inputs, unroll=unroll)
+            sums = per_step.sum(axis=0)
+            n_steps = jnp.maximum(sums[3], 1.0)
+            delta = jax.tree.map(jnp.subtract, local_proxy, global_proxy)
+            metrics = {
+                "train_ce_loss": sums[0] / n_steps,
+                "train_align_loss": sums[1] / n_steps,
+                "train_proxy_align_loss": sums[2] / n_steps,
+                "local_steps": sums[3],
+                "proxy_update_norm": optax.global_norm(delta),
+            }
+            return local_proxy, ClientState(params, opt_state, steps), metrics
+
+        def evaluate(global_proxy, state: ClientState, test, global_x, global_y):
+            logits, e_local = model.apply(state.params, test.x)
+            mask = jnp.arange(test.y.shape[0]) < test.sizes
+            e_proxy = proxy.apply(global_proxy, test.x)
+            correct = (jnp.argmax(logits, -1) == test.y).astype(jnp.float32)
+            global_logits = jax.lax.map(lambda xb: model.apply(state.params, xb[None])[0][0],
+                                        global_x, batch_size=512)
+            return {
+                "personalized_accuracy": local_training.masked_mean(correct, mask),
+                "global_accuracy": jnp.mean(jnp.argmax(global_logits, -1) == global_y),
+                "test_ce_loss": local_training.cross_entropy(logits, test.y, mask),
+                "test_align_loss": align(e_local, e_proxy, mask),
+            }
+
+        return CohortProgram(init_client, client_update, evaluate)
+
+    return Algorithm("pfedes", init_server, broadcast, broadcast, server_update, cohort_program)

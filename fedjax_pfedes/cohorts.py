@@ -1,0 +1,88 @@
+"""Clients grouped by architecture: each cohort's private states are stacked on a client axis."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from fedjax_pfedes.algorithms.base import CohortProgram, PyTree
+from fedjax_pfedes.data.federated import ClientArrays, FederatedData
+from fedjax_pfedes.execution import CohortRunner
+from fedjax_pfedes.models.registry import check_architecture
+
+
+def assign_architectures(spec: str, num_clients: int) -> list[str]:
+    """Architecture of every client from a spec string.
+
+    'a,b,c' cycles (client k gets the (k mod 3)-th name, as the published pFedES assigns CNN-1..5);
+    'a:8,b:6,c:6' gives consecutive blocks of the stated sizes, which must sum to `num_clients`.
+    """
+    field = "config.clients.architectures"
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"{field} is empty; e.g. 'convnet3,convnet5,vit'")
+    if all(":" not in s for s in items):
+        for name in items:
+            check_architecture(name, field)
+        return [items[k % len(items)] for k in range(num_clients)]
+    archs: list[str] = []
+    for s in items:
+        name, _, count = s.partition(":")
+        check_architecture(name.strip(), field)
+        if not count.strip().isdigit():
+            raise ValueError(f"{field}: '{s}' needs the form name:count, or give names only")
+        archs += [name.strip()] * int(count)
+    if len(archs) != num_clients:
+        raise ValueError(f"{field}: counts sum to {len(archs)} but config.data.num_clients is "
+                         f"{num_clients}")
+    return archs
+
+
+@dataclasses.dataclass
+class Cohort:
+    """The clients of one architecture.
+
+    Attributes:
+      arch: architecture name.
+      client_ids: global ids of the members, ascending; member j is row j of every stacked array.
+      train, test: padded local train / test arrays (on device).
+      states: stacked private client states (on device).
+      program, runner: what the members run and how.
+      bucket: fixed number of participant slots per round (no re-compilation).
+    """
+
+    arch: str
+    client_ids: np.ndarray
+    train: ClientArrays
+    test: ClientArrays
+    states: PyTree
+    program: CohortProgram
+    runner: CohortRunner
+    bucket: int
+
+    def slots(self, participants: np.ndarray) -> np.ndarray:
+        """Local indices of this round's participants, padded with len(client_ids)."""
+        local = np.flatnonzero(np.isin(self.client_ids, participants)).astype(np.int32)
+        padded = np.full(self.bucket, len(self.client_ids), np.int32)
+        padded[: len(local)] = local
+        return padded
+
+
+def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, CohortProgram],
+                  runners: dict[str, CohortRunner], participants_per_round: int,
+                  rng: jax.Array) -> list[Cohort]:
+    """Groups clients by architecture (in order of first appearance) and initializes states."""
+    cohorts = []
+    for arch in dict.fromkeys(archs):
+        ids = np.array([k for k, a in enumerate(archs) if a == arch])
+        keys = jax.vmap(lambda k: jax.random.fold_in(rng, k))(ids)
+        states = jax.vmap(programs[arch].init_client)(keys)
+        cohorts.append(Cohort(
+            arch=arch, client_ids=ids,
+            train=jax.device_put(data.client_arrays(ids, "train")),
+            test=jax.device_put(data.client_arrays(ids, "test")),
+            states=states, program=programs[arch], runner=runners[arch],
+            bucket=min(len(ids), participants_per_round)))
+    return cohorts

@@ -1,0 +1,85 @@
+"""Checks an experiment config before any data is loaded or compiled.
+
+Every error names the offending field, e.g. `config.lam must be >= 0, got -1.0`.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from fedjax_pfedes import alignment, execution
+from fedjax_pfedes.cohorts import assign_architectures
+from fedjax_pfedes.data.sources import LOADERS
+from fedjax_pfedes.models.registry import check_proxy
+
+ALGORITHMS = ("pfedes",)
+
+
+class ConfigError(ValueError):
+    """A config field with a value the simulator cannot run."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError naming the first invalid field."""
+    _require(config.algorithm in ALGORITHMS,
+             f"config.algorithm: unknown algorithm '{config.algorithm}'; known: {list(ALGORITHMS)}")
+    _require(config.lam >= 0, f"config.lam must be >= 0, got {config.lam}")
+    _require(config.proxy_dim > 0, f"config.proxy_dim must be > 0, got {config.proxy_dim}")
+    _require(config.proxy_lr_ratio > 0,
+             f"config.proxy_lr_ratio must be > 0, got {config.proxy_lr_ratio}")
+    _require(0 <= config.server_momentum < 1,
+             f"config.server_momentum must be in [0, 1), got {config.server_momentum}")
+    _require(config.warmup_steps >= 0,
+             f"config.warmup_steps must be >= 0, got {config.warmup_steps}")
+    _require(config.contrastive_temperature > 0, "config.contrastive_temperature must be > 0, "
+             f"got {config.contrastive_temperature}")
+    try:
+        alignment.get_alignment(config.align)
+        check_proxy(config.proxy_arch)
+        execution.resolve_strategy(config.execution.strategy)
+        assign_architectures(config.clients.architectures, config.data.num_clients)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+    data = config.data
+    _require(data.name in LOADERS,
+             f"config.data.name: unknown dataset '{data.name}'; known: {sorted(LOADERS)}")
+    _require(data.num_clients >= 1, f"config.data.num_clients must be >= 1, got "
+             f"{data.num_clients}")
+    _require(0 < data.local_test_fraction < 1, "config.data.local_test_fraction must be in "
+             f"(0, 1), got {data.local_test_fraction}")
+    _require(0 < data.global_test_fraction < 1, "config.data.global_test_fraction must be in "
+             f"(0, 1), got {data.global_test_fraction}")
+    _require(data.dirichlet_alpha > 0,
+             f"config.data.dirichlet_alpha must be > 0, got {data.dirichlet_alpha}")
+
+    train = config.train
+    _require(0 < train.client_fraction <= 1,
+             f"config.train.client_fraction must be in (0, 1], got {train.client_fraction}")
+    _require(train.rounds >= 1, f"config.train.rounds must be >= 1, got {train.rounds}")
+    _require(train.local_epochs >= 1,
+             f"config.train.local_epochs must be >= 1, got {train.local_epochs}")
+    _require(train.batch_size >= 1, f"config.train.batch_size must be >= 1, got "
+             f"{train.batch_size}")
+    _require(train.lr_local > 0, f"config.train.lr_local must be > 0, got {train.lr_local}")
+    _require(0 <= train.local_momentum < 1,
+             f"config.train.local_momentum must be in [0, 1), got {train.local_momentum}")
+    _require(config.eval.every >= 1, f"config.eval.every must be >= 1, got {config.eval.every}")
+
+
+def check_against_data(config: ml_collections.ConfigDict, num_train_samples: int) -> None:
+    """Checks the fields that depend on the dataset's size, once it is loaded."""
+    n = config.data.num_clients
+    _require(n <= num_train_samples, f"config.data.num_clients={n} exceeds the "
+             f"{num_train_samples} training samples of '{config.data.name}'")
+    if config.data.partition == "dirichlet":
+        need = n * config.data.min_samples_per_client
+        _require(need <= num_train_samples,
+                 f"config.data.min_samples_per_client={config.data.min_samples_per_client} x "
+                 f"config.data.num_clients={n} = {need} exceeds the {num_train_samples} "
+                 "training samples")

@@ -1,0 +1,1 @@
+"""Datasets, non-IID partitions and padded per-client arrays."""

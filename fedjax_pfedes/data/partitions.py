@@ -1,0 +1,126 @@
+"""Splitting a labelled pool across clients: IID, Dirichlet(alpha) and pathological n-classes.
+
+Every function returns one sorted index array per client; the arrays are disjoint and every call is
+deterministic given its `seed`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def iid_partition(labels: np.ndarray, num_clients: int, seed: int) -> list[np.ndarray]:
+    """Shuffles the pool and deals it into `num_clients` parts whose sizes differ by at most one."""
+    _check_num_clients(labels, num_clients)
+    perm = np.random.default_rng(seed).permutation(len(labels))
+    return [np.sort(part) for part in np.array_split(perm, num_clients)]
+
+
+def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, min_samples: int,
+                        seed: int) -> list[np.ndarray]:
+    """Label-skewed split: each class is spread over clients with proportions ~ Dirichlet(alpha).
+
+    Hsu et al., "Measuring the Effects of Non-Identical Data Distribution for Federated Visual
+    Classification", 2019. Instead of resampling until every client has `min_samples` (which can
+    loop for ever for small alpha), clients below the minimum take random samples from the client
+    that currently holds the most, so the call always finishes in one pass.
+
+    Raises:
+      ValueError: naming the field when `num_clients * min_samples` exceeds the pool.
+    """
+    _check_num_clients(labels, num_clients)
+    if alpha <= 0:
+        raise ValueError(f"config.data.dirichlet_alpha must be > 0, got {alpha}")
+    if min_samples * num_clients > len(labels):
+        raise ValueError(
+            f"config.data.min_samples_per_client={min_samples} x config.data.num_clients="
+            f"{num_clients} exceeds the {len(labels)} training samples")
+    rng = np.random.default_rng(seed)
+    owner = np.empty(len(labels), np.int64)
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        shares = rng.dirichlet(np.full(num_clients, alpha))
+        cuts = np.round(np.cumsum(shares)[:-1] * len(idx)).astype(int)
+        for k, part in enumerate(np.split(idx, cuts)):
+            owner[part] = k
+    sizes = np.bincount(owner, minlength=num_clients)
+    for k in np.flatnonzero(sizes < min_samples):
+        while sizes[k] < min_samples:
+            donor = int(np.argmax(sizes))
+            take = min(min_samples - sizes[k], sizes[donor] - min_samples)
+            moved = rng.choice(np.flatnonzero(owner == donor), size=take, replace=False)
+            owner[moved] = k
+            sizes[donor] -= take
+            sizes[k] += take
+    return [np.flatnonzero(owner == k) for k in range(num_clients)]
+
+
+def pathological_partition(labels: np.ndarray, num_clients: int, classes_per_client: int,
+                           seed: int, share_low: float = 0.4, share_high: float = 0.6
+                           ) -> list[np.ndarray]:
+    """Each client holds `classes_per_client` classes, as in the published pFedES split.
+
+    Yi et al., "pFedES: Generalized Proxy Feature Extractor Sharing for Model Heterogeneous
+    Personalized Federated Learning", AAAI 2025. Classes are dealt round-robin over a random class
+    order so every class has (nearly) the same number of holders; each (client, class) pair draws a
+    share ~ U(share_low, share_high) and a class's samples are divided among its holders in
+    proportion to those shares. Samples of classes that no client holds are left unassigned.
+    """
+    _check_num_clients(labels, num_clients)
+    classes = np.unique(labels)
+    if not 1 <= classes_per_client <= len(classes):
+        raise ValueError(f"config.data.classes_per_client must be in [1, {len(classes)}], "
+                         f"got {classes_per_client}")
+    if not 0 < share_low <= share_high:
+        raise ValueError(f"class shares need 0 < low <= high, got ({share_low}, {share_high})")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(classes)
+    holds = np.zeros((num_clients, len(classes)), bool)
+    for k in range(num_clients):
+        for j in range(classes_per_client):
+            holds[k, np.searchsorted(classes, order[(k * classes_per_client + j) % len(classes)])] \
+                = True
+    shares = np.where(holds, rng.uniform(share_low, share_high, holds.shape), 0.0)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for ci, c in enumerate(classes):
+        holders = np.flatnonzero(holds[:, ci])
+        if len(holders) == 0:
+            continue
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        fractions = shares[holders, ci] / shares[holders, ci].sum()
+        cuts = np.round(np.cumsum(fractions)[:-1] * len(idx)).astype(int)
+        for k, part in zip(holders, np.split(idx, cuts), strict=True):
+            parts[k].append(part)
+    return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
+
+
+def local_train_test_split(labels: np.ndarray, client_indices: list[np.ndarray],
+                           test_fraction: float, seed: int) -> tuple[list[np.ndarray],
+                                                                     list[np.ndarray]]:
+    """Splits each client's samples into local train / local test, stratified by class.
+
+    The local test split therefore has the client's own classes (the personalized evaluation of
+    pFedES). A class with a single sample at a client stays in its train split.
+    """
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"config.data.local_test_fraction must be in (0, 1), got {test_fraction}")
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for idx in client_indices:
+        tr, te = [], []
+        for c in np.unique(labels[idx]):
+            members = rng.permutation(idx[labels[idx] == c])
+            n_test = int(np.floor(test_fraction * len(members) + 0.5)) if len(members) > 1 else 0
+            te.append(members[:n_test])
+            tr.append(members[n_test:])
+        train.append(np.sort(np.concatenate(tr)) if tr else np.zeros(0, np.int64))
+        test.append(np.sort(np.concatenate(te)) if te else np.zeros(0, np.int64))
+    return train, test
+
+
+def _check_num_clients(labels: np.ndarray, num_clients: int) -> None:
+    if num_clients < 1:
+        raise ValueError(f"config.data.num_clients must be >= 1, got {num_clients}")
+    if num_clients > len(labels):
+        raise ValueError(f"config.data.num_clients={num_clients} exceeds the {len(labels)} "
+                         "training samples: every client needs at least one sample")

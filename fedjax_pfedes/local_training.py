@@ -1,0 +1,79 @@
+"""Pieces of one client's local training that every algorithm shares.
+
+All functions act on ONE client's padded arrays and are safe under `jax.vmap`: the number of local
+steps is static (from the padded length), steps past a client's own data are masked out, and
+padded samples never enter a loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSchedule:
+    """Which rows each local step reads.
+
+    Attributes:
+      indices: [steps, batch] row indices into the client's padded arrays.
+      sample_mask: [steps, batch] True where the row is a real sample.
+      step_active: [steps] True where the step has at least one real sample; inactive steps leave
+        every parameter and optimizer state untouched.
+    """
+
+    indices: jnp.ndarray
+    sample_mask: jnp.ndarray
+    step_active: jnp.ndarray
+
+
+def steps_per_epoch(capacity: int, batch_size: int) -> int:
+    """Local steps of one epoch for a client padded to `capacity` rows (static)."""
+    return -(-capacity // min(batch_size, capacity))
+
+
+def batch_schedule(rng: jax.Array, size: jnp.ndarray, capacity: int, batch_size: int,
+                   epochs: int) -> BatchSchedule:
+    """Shuffled mini-batches over `epochs` passes of a client's `size` real rows.
+
+    A client with n real rows takes ceil(n / B) steps per epoch, like a data loader over its own
+    data; the remaining steps up to ceil(capacity / B) are inactive. Each epoch reshuffles.
+    """
+    batch = min(batch_size, capacity)
+    per_epoch = steps_per_epoch(capacity, batch)
+    positions = jnp.arange(per_epoch * batch)
+    row = jnp.arange(capacity)
+
+    def one_epoch(key):
+        noise = jax.random.uniform(key, (capacity,))
+        order = jnp.argsort(jnp.where(row < size, noise, 2.0 + row))
+        order = jnp.pad(order, (0, per_epoch * batch - capacity))
+        return order.reshape(per_epoch, batch)
+
+    indices = jax.vmap(one_epoch)(jax.random.split(rng, epochs)).reshape(-1, batch)
+    sample_mask = jnp.tile((positions < size).reshape(per_epoch, batch), (epochs, 1))
+    return BatchSchedule(indices, sample_mask, sample_mask.any(axis=1))
+
+
+def masked_mean(values: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+    """Mean of `values` over entries where `mask` is True (0 when none is)."""
+    mask = mask.astype(values.dtype)
+    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+    """Masked mean softmax cross-entropy."""
+    return masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels), mask)
+
+
+def select_tree(pred: jnp.ndarray, on_true, on_false):
+    """`on_true` where the scalar `pred` holds, else `on_false`, leaf by leaf."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def sgd(learning_rate: float, momentum: float) -> optax.GradientTransformation:
+    """The local optimizer: SGD, with heavy-ball momentum when `momentum` > 0."""
+    return optax.sgd(learning_rate, momentum=momentum if momentum > 0 else None)

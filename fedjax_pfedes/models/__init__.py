@@ -1,0 +1,1 @@
+"""Flax client models (backbone + projection head + classifier) and proxy extractors."""

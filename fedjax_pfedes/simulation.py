@@ -1,0 +1,170 @@
+"""The host loop: the only place with Python loops over rounds.
+
+It owns RNG splitting, client sampling, per-cohort execution, the server step, evaluation,
+metrics and the progress bar. Everything it calls per round is jitted with fixed shapes, so
+nothing compiles again after the first round.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from tqdm.auto import tqdm
+
+from fedjax_pfedes import aggregation, execution, sampling
+from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
+from fedjax_pfedes.cohorts import Cohort, assign_architectures, build_cohorts
+from fedjax_pfedes.config_validation import check_against_data, validate_config
+from fedjax_pfedes.data.federated import FederatedData, partition_dataset
+from fedjax_pfedes.data.sources import load_dataset
+from fedjax_pfedes.metrics_io import MetricsWriter, write_json
+
+
+def build_federated_data(config: ml_collections.ConfigDict) -> FederatedData:
+    """Loads the configured dataset and partitions it over clients."""
+    d = config.data
+    central = load_dataset(d.name, d.global_test_fraction, config.seed, d.data_dir or None)
+    check_against_data(config, len(central.y_train))
+    return partition_dataset(
+        central, d.num_clients, d.partition, config.seed,
+        local_test_fraction=d.local_test_fraction, dirichlet_alpha=d.dirichlet_alpha,
+        min_samples_per_client=d.min_samples_per_client,
+        classes_per_client=d.classes_per_client, class_share_low=d.class_share_low,
+        class_share_high=d.class_share_high)
+
+
+def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
+    """The configured algorithm for the dataset's shapes and statistics."""
+    c = data.central
+    return pfedes(PFedESConfig(
+        num_classes=c.num_classes, input_shape=c.input_shape,
+        pixel_mean=tuple(c.pixel_mean.tolist()), pixel_std=tuple(c.pixel_std.tolist()),
+        lam=config.lam, align=config.align, contrastive_temperature=config.contrastive_temperature,
+        proxy_dim=config.proxy_dim, proxy_arch=config.proxy_arch,
+        proxy_lr_ratio=config.proxy_lr_ratio, projection_layernorm=config.projection_layernorm,
+        lr_local=config.train.lr_local, local_momentum=config.train.local_momentum,
+        local_epochs=config.train.local_epochs, batch_size=config.train.batch_size,
+        warmup_steps=config.warmup_steps, server_momentum=config.server_momentum,
+        unroll_local_steps=config.execution.unroll_local_steps))
+
+
+def _global_test(data: FederatedData, config: ml_collections.ConfigDict):
+    c = data.central
+    n = config.eval.global_test_samples or len(c.y_test)
+    idx = np.random.default_rng(config.seed).permutation(len(c.y_test))[:n]
+    return jnp.asarray(c.x_test[np.sort(idx)]), jnp.asarray(c.y_test[np.sort(idx)])
+
+
+def evaluate(algorithm, server_state, cohorts: list[Cohort], global_x, global_y
+             ) -> dict[str, Any]:
+    """Every client's model on its own local test split and on the global test set."""
+    broadcast = algorithm.broadcast(server_state)
+    per_client: dict[str, list[np.ndarray]] = {}
+    per_cohort = {}
+    for cohort in cohorts:
+        m = jax.device_get(cohort.runner.evaluate(broadcast, cohort.states, cohort.test,
+                                                  global_x, global_y))
+        for k, v in m.items():
+            per_client.setdefault(k, []).append(np.asarray(v))
+        per_cohort[cohort.arch] = float(np.mean(m["personalized_accuracy"]))
+    acc = np.concatenate(per_client["personalized_accuracy"])
+    return {
+        "personalized_accuracy_mean": float(acc.mean()),
+        "personalized_accuracy_std": float(acc.std()),
+        "personalized_accuracy_min": float(acc.min()),
+        "personalized_accuracy_max": float(acc.max()),
+        "global_accuracy_mean": float(np.concatenate(per_client["global_accuracy"]).mean()),
+        "test_ce_loss_mean": float(np.concatenate(per_client["test_ce_loss"]).mean()),
+        "test_align_loss_mean": float(np.concatenate(per_client["test_align_loss"]).mean()),
+        "personalized_accuracy_by_arch": per_cohort,
+    }
+
+
+def run_round(algorithm, server_state, cohorts: list[Cohort], participants: np.ndarray,
+              round_key: jax.Array, server_step) -> tuple[Any, dict[str, float]]:
+    """One round: broadcast, local updates of every cohort's participants, checks, server step."""
+    broadcast = algorithm.broadcast(server_state)
+    template = algorithm.upload_template(server_state)
+    groups, train_metrics = [], []
+    for cohort in cohorts:
+        slots = cohort.slots(participants)
+        valid = slots < len(cohort.client_ids)
+        ids = np.where(valid, cohort.client_ids[np.minimum(slots, len(cohort.client_ids) - 1)],
+                       -1)
+        keys = jax.vmap(lambda i: jax.random.fold_in(round_key, i))(jnp.asarray(ids))
+        uploads, cohort.states, metrics = cohort.runner.update(
+            broadcast, cohort.states, cohort.train, slots, keys)
+        aggregation.check_upload(template, uploads, f"clients {ids[valid].tolist()} "
+                                 f"(cohort '{cohort.arch}')", stacked=cohort.bucket)
+        sizes = jnp.take(cohort.train.sizes, jnp.asarray(slots), mode="clip")
+        groups.append((uploads, aggregation.client_weights(sizes, jnp.asarray(valid))))
+        if valid.any():
+            train_metrics.append({k: np.asarray(v)[valid] for k, v in metrics.items()})
+    server_state = server_step(server_state, groups)
+    summary = {f"{k}_mean": float(np.concatenate([m[k] for m in train_metrics]).mean())
+               for k in train_metrics[0]}
+    return server_state, summary
+
+
+def run_experiment(config: ml_collections.ConfigDict, workdir: str,
+                   show_progress: bool = True) -> dict[str, Any]:
+    """Runs a full experiment and writes metrics.jsonl and summary.json into `workdir`.
+
+    Returns:
+      The summary dict (final evaluation, best personalized accuracy, timings, config).
+    """
+    validate_config(config)
+    start = time.time()
+    data = build_federated_data(config)
+    algorithm = build_algorithm(config, data)
+    archs = assign_architectures(config.clients.architectures, data.num_clients)
+    strategy = execution.resolve_strategy(config.execution.strategy)
+    programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
+    runners = {a: execution.make_runner(p, strategy) for a, p in programs.items()}
+    m = sampling.participants_per_round(data.num_clients, config.train.client_fraction)
+    root = jax.random.key(config.seed)
+    server_key, client_key, train_key = jax.random.split(root, 3)
+    cohorts = build_cohorts(data, archs, programs, runners, m, client_key)
+    server_state = algorithm.init_server(server_key)
+    server_step = jax.jit(algorithm.server_update)
+    global_x, global_y = _global_test(data, config)
+    writer = MetricsWriter(workdir)
+
+    history, last = [], {}
+    bar = tqdm(range(config.train.rounds), desc=f"{config.algorithm} [{strategy}]",
+               disable=not show_progress, unit="round")
+    for r in bar:
+        t0 = time.time()
+        participants = sampling.uniform_sample(config.seed, r, data.num_clients,
+                                               config.train.client_fraction)
+        server_state, train_summary = run_round(
+            algorithm, server_state, cohorts, participants,
+            jax.random.fold_in(train_key, r), server_step)
+        jax.block_until_ready(server_state)
+        if (r + 1) % config.eval.every == 0 or r + 1 == config.train.rounds:
+            last = {"round": r + 1, "participants": len(participants),
+                    **train_summary,
+                    **evaluate(algorithm, server_state, cohorts, global_x, global_y),
+                    "round_time_s": time.time() - t0, "elapsed_s": time.time() - start}
+            writer.write(last)
+            history.append(last)
+            bar.set_postfix(pacc=f"{last['personalized_accuracy_mean']:.3f}",
+                            gacc=f"{last['global_accuracy_mean']:.3f}")
+    best = max(history, key=lambda h: h["personalized_accuracy_mean"])
+    summary = {
+        "final": last,
+        "best_personalized_accuracy": best["personalized_accuracy_mean"],
+        "best_round": best["round"],
+        "execution_strategy": strategy,
+        "platform": jax.default_backend(),
+        "clients_per_arch": {c.arch: len(c.client_ids) for c in cohorts},
+        "wall_time_s": time.time() - start,
+        "config": config.to_dict(),
+    }
+    write_json(f"{workdir}/summary.json", summary)
+    return summary
