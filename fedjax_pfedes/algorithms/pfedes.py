@@ -108,10 +108,13 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
             params = model.init(rng, dummy_x)
             return ClientState(params, local_opt.init(params), jnp.zeros((), jnp.int32))
 
-        def local_step(carry, step_inputs):
+        def train_step(carry, batch):
             params, opt_state, proxy_params, steps = carry
-            x, y, mask, active = step_inputs
-            e_proxy = jax.lax.stop_gradient(proxy.apply(proxy_params, x))
+            x, y, mask = batch
+            # One forward pass of E_proxy serves both steps: its output is a constant target in
+            # the local step, and its VJP gives the proxy step's gradient.
+            e_proxy, proxy_vjp = jax.vjp(lambda q: proxy.apply(q, x), proxy_params)
+            e_proxy = jax.lax.stop_gradient(e_proxy)
 
             def local_loss(p):
                 logits, e_local = model.apply(p, x)
@@ -125,14 +128,20 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
             new_params = optax.apply_updates(params, updates)
 
             e_target = jax.lax.stop_gradient(e_local)
-            proxy_loss, proxy_grads = jax.value_and_grad(
-                lambda q: align(proxy.apply(q, x), e_target, mask))(proxy_params)
+            proxy_loss, d_e_proxy = jax.value_and_grad(
+                lambda e: align(e, e_target, mask))(e_proxy)
+            (proxy_grads,) = proxy_vjp(d_e_proxy)
             new_proxy = jax.tree.map(lambda q, g: q - lr_proxy * g, proxy_params, proxy_grads)
 
-            new_carry = local_training.select_tree(
-                active, (new_params, new_opt_state, new_proxy, steps + 1), carry)
-            on = active.astype(jnp.float32)
-            return new_carry, jnp.stack([ce * on, al * on, proxy_loss * on, on])
+            return ((new_params, new_opt_state, new_proxy, steps + 1),
+                    jnp.stack([ce, al, proxy_loss, jnp.ones_like(ce)]))
+
+        def local_step(carry, step_inputs):
+            # A step past the client's own data changes nothing. Under vmap `cond` computes both
+            # branches and selects; run for one client it skips the work.
+            *batch, active = step_inputs
+            return jax.lax.cond(active, train_step, lambda c, _: (c, jnp.zeros(4)), carry,
+                                tuple(batch))
 
         def client_update(global_proxy, state: ClientState, data, rng):
             capacity = data.y.shape[0]
@@ -152,7 +161,7 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
                 "train_align_loss": sums[1] / n_steps,
                 "train_proxy_align_loss": sums[2] / n_steps,
                 "local_steps": sums[3],
-                "proxy_update_norm": optax.global_norm(delta),
+                "proxy_update_norm": optax.tree.norm(delta),
             }
             return local_proxy, ClientState(params, opt_state, steps), metrics
 

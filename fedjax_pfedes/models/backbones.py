@@ -108,8 +108,8 @@ BACKBONES = {
     "cnn4": lambda: PublishedCNN(conv2_features=32, fc1_features=800),
     "cnn5": lambda: PublishedCNN(conv2_features=32, fc1_features=500),
     "convnet3": lambda: ConvStack((16, 32, 64), pool_after=(0, 1), global_average_pool=False),
-    "convnet5": lambda: ConvStack((32, 32, 64, 64, 128), pool_after=(1, 3),
-                                  global_average_pool=True),
+    "convnet5": lambda: ConvStack((16, 32, 32, 64, 64), pool_after=(0, 2),
+                                  global_average_pool=False),
     "vit": ViT,
     "mlp": MLP,
 }

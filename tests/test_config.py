@@ -1,0 +1,80 @@
+"""Config validation: each bad field is rejected up front with an error that names it."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs import cifar_hetero, quickstart
+from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
+
+
+def _config(**overrides):
+    config = quickstart.get_config()
+    for dotted, value in overrides.items():
+        node = config
+        *parents, leaf = dotted.split("__")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
+def test_shipped_configs_are_valid():
+    validate_config(quickstart.get_config())
+    validate_config(cifar_hetero.get_config())
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"clients__architectures": "convnet3,resnet152"}, "config.clients.architectures"),
+    ({"lam": -0.1}, "config.lam"),
+    ({"train__client_fraction": 0.0}, "config.train.client_fraction"),
+    ({"train__client_fraction": 1.5}, "config.train.client_fraction"),
+    ({"proxy_dim": 0}, "config.proxy_dim"),
+    ({"proxy_dim": -8}, "config.proxy_dim"),
+    ({"align": "l1"}, "config.align"),
+    ({"proxy_arch": "resnet"}, "config.proxy_arch"),
+    ({"server_momentum": 1.0}, "config.server_momentum"),
+    ({"execution__strategy": "pmap"}, "config.execution.strategy"),
+    ({"data__name": "imagenet"}, "config.data.name"),
+    ({"clients__architectures": "vit:3,mlp:3"}, "config.clients.architectures"),
+    ({"algorithm": "fedsgd"}, "config.algorithm"),
+])
+def test_bad_fields_are_named(overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate_config(_config(**overrides))
+
+
+def test_more_clients_than_samples_is_named():
+    config = _config(data__num_clients=5000)
+    validate_config(config)
+    with pytest.raises(ConfigError, match=r"config\.data\.num_clients=5000 exceeds the 4000"):
+        check_against_data(config, 4000)
+
+
+def test_dirichlet_minimum_beyond_the_pool_is_named():
+    config = _config(data__num_clients=100, data__min_samples_per_client=50)
+    with pytest.raises(ConfigError, match=r"config\.data\.min_samples_per_client=50"):
+        check_against_data(config, 4000)
+
+
+def _run_main(*args, timeout=120):
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "launch.main", *args], capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, time.time() - start
+
+
+def test_cli_reports_a_bad_override_and_exits_2(tmp_path):
+    proc, _ = _run_main("--config=configs/quickstart.py", "--config.lam=-1",
+                        f"--workdir={tmp_path}")
+    assert proc.returncode == 2
+    assert "config.lam must be >= 0, got -1" in proc.stderr
+
+
+def test_cifar_config_stops_at_once_without_downloading(tmp_path):
+    proc, seconds = _run_main("--config=configs/cifar_hetero.py", f"--workdir={tmp_path}")
+    assert proc.returncode == 2
+    assert "config.data.name='cifar10'" in proc.stderr and "Nothing was downloaded" in proc.stderr
+    assert seconds < 60  # interpreter + jax import; the loader itself fails immediately

@@ -1,0 +1,109 @@
+"""vmap and loop execution give the same numbers; padding and non-participants have no effect;
+nothing compiles again after the first round."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pfedes import execution
+from fedjax_pfedes.algorithms.base import CohortProgram
+from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
+from fedjax_pfedes.data.federated import stack_clients
+
+
+def _setup(arch, num_clients=4):
+    cfg = PFedESConfig(num_classes=10, input_shape=(8, 8, 1), pixel_mean=(0.3,),
+                       pixel_std=(0.3,), proxy_dim=8, proxy_arch="proxy_cnn", batch_size=8,
+                       local_epochs=2, lr_local=0.05, local_momentum=0.5)
+    alg = pfedes(cfg)
+    rng = np.random.default_rng(0)
+    sizes = [13, 5, 20, 9, 11][:num_clients]
+    x = rng.uniform(size=(sum(sizes), 8, 8, 1)).astype(np.float32)
+    y = rng.integers(0, 10, sum(sizes)).astype(np.int32)
+    idx = np.split(np.arange(sum(sizes)), np.cumsum(sizes)[:-1])
+    data = jax.device_put(stack_clients(x, y, idx))
+    program = alg.cohort_program(arch)
+    states = jax.vmap(program.init_client)(jax.random.split(jax.random.key(0), num_clients))
+    server = alg.init_server(jax.random.key(1))
+    return alg, program, data, states, server
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.array, tree)
+
+
+@pytest.mark.parametrize("arch", ["mlp", "convnet3"])
+def test_vmap_and_loop_give_the_same_round(arch):
+    _, program, data, states, server = _setup(arch)
+    slots = np.array([2, 0, 4, 4], np.int32)  # clients 2 and 0; two padded slots (index 4)
+    keys = jax.random.split(jax.random.key(7), 4)
+    results = {}
+    for strategy in ("vmap", "loop"):
+        runner = execution.make_runner(program, strategy)
+        results[strategy] = runner.update(server.proxy_params, _copy(states), data, slots, keys)
+    (up_v, st_v, m_v), (up_l, st_l, m_l) = results["vmap"], results["loop"]
+    chex.assert_trees_all_close(up_v, up_l, rtol=2e-4, atol=2e-5)
+    chex.assert_trees_all_close(st_v.params, st_l.params, rtol=2e-4, atol=2e-5)
+    chex.assert_trees_all_close(m_v, m_l, rtol=2e-4, atol=2e-5)
+    for tree in (up_v, up_l):  # padded slots upload zeros
+        assert all(float(jnp.abs(leaf[2:]).max()) == 0.0 for leaf in jax.tree.leaves(tree))
+    for st in (st_v, st_l):  # clients 1 and 3 did not take part: unchanged
+        for i in (1, 3):
+            chex.assert_trees_all_equal(jax.tree.map(lambda a, i=i: a[i], st.params),
+                                        jax.tree.map(lambda a, i=i: a[i], states.params))
+    ev_v = execution.make_runner(program, "vmap").evaluate(server.proxy_params, st_v, data,
+                                                           data.x[0], data.y[0])
+    ev_l = execution.make_runner(program, "loop").evaluate(server.proxy_params, st_v, data,
+                                                           data.x[0], data.y[0])
+    chex.assert_trees_all_close(ev_v, ev_l, rtol=1e-4, atol=1e-5)
+
+
+def test_a_participant_gets_the_same_result_alone_or_in_a_padded_bucket():
+    _, program, data, states, server = _setup("mlp")
+    key = jax.random.key(3)
+    runner = execution.make_runner(program, "vmap")
+    alone = runner.update(server.proxy_params, _copy(states), data, np.array([1], np.int32),
+                          key[None])
+    crowd = runner.update(server.proxy_params, _copy(states), data,
+                          np.array([3, 1, 4], np.int32), jnp.stack([key, key, key]))
+    chex.assert_trees_all_close(jax.tree.map(lambda a: a[0], alone[0]),
+                                jax.tree.map(lambda a: a[1], crowd[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_loop_with_no_participant_returns_zero_uploads():
+    _, program, data, states, server = _setup("mlp")
+    runner = execution.make_runner(program, "loop")
+    ups, new_states, metrics = runner.update(server.proxy_params, _copy(states), data,
+                                             np.array([4, 4], np.int32),
+                                             jax.random.split(jax.random.key(0), 2))
+    assert all(leaf.shape[0] == 2 and float(jnp.abs(leaf).max()) == 0.0
+               for leaf in jax.tree.leaves(ups))
+    chex.assert_trees_all_equal(new_states.params, states.params)
+    assert float(metrics["local_steps"].sum()) == 0.0
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "loop"])
+def test_no_recompilation_after_the_first_round(strategy):
+    _, program, data, states, server = _setup("mlp")
+    traces = []
+
+    def counted_update(*args):
+        traces.append(1)
+        return program.client_update(*args)
+
+    counted = CohortProgram(program.init_client, counted_update, program.evaluate)
+    runner = execution.make_runner(counted, strategy)
+    for r, slots in enumerate([[0, 2], [3, 4], [1, 0]]):
+        keys = jax.random.split(jax.random.key(r), 2)
+        _, states, _ = runner.update(server.proxy_params, states, data,
+                                     np.array(slots, np.int32), keys)
+        if r == 0:
+            after_first = len(traces)
+    assert after_first >= 1 and len(traces) == after_first
+
+
+def test_unknown_strategy_names_the_field():
+    with pytest.raises(ValueError, match="config.execution.strategy: unknown strategy 'pmap'"):
+        execution.resolve_strategy("pmap")

@@ -1,0 +1,104 @@
+"""Partition invariants, checked directly on the index arrays."""
+
+import numpy as np
+import pytest
+
+from fedjax_pfedes.data import partitions
+from fedjax_pfedes.data.federated import stack_clients
+
+
+def _labels(n_per_class=100, classes=10):
+    return np.repeat(np.arange(classes), n_per_class)
+
+
+def _assert_exact_cover(parts, n):
+    allidx = np.concatenate(parts)
+    assert len(allidx) == n, "a sample is missing or assigned twice"
+    np.testing.assert_array_equal(np.sort(allidx), np.arange(n))
+
+
+def test_iid_covers_every_sample_once_with_balanced_sizes():
+    y = _labels()
+    parts = partitions.iid_partition(y, 7, seed=0)
+    _assert_exact_cover(parts, len(y))
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("alpha", [0.05, 0.3, 10.0])
+def test_dirichlet_covers_every_sample_and_respects_minimum(alpha):
+    y = _labels()
+    parts = partitions.dirichlet_partition(y, 20, alpha, min_samples=30, seed=1)
+    _assert_exact_cover(parts, len(y))
+    assert min(len(p) for p in parts) >= 30
+
+
+def test_dirichlet_small_alpha_is_skewed_large_alpha_is_not():
+    y = _labels(200)
+
+    def mean_classes(alpha):
+        parts = partitions.dirichlet_partition(y, 10, alpha, min_samples=1, seed=0)
+        return np.mean([np.count_nonzero(np.bincount(y[p], minlength=10) >= 5) for p in parts])
+
+    assert mean_classes(0.05) < 4 < 9 < mean_classes(100.0)
+
+
+def test_dirichlet_finishes_when_minimum_fills_the_pool_exactly():
+    y = _labels(50)  # 500 samples
+    parts = partitions.dirichlet_partition(y, 50, 0.01, min_samples=10, seed=3)
+    assert [len(p) for p in parts] == [10] * 50
+
+
+def test_dirichlet_impossible_minimum_names_the_fields():
+    with pytest.raises(ValueError, match="min_samples_per_client"):
+        partitions.dirichlet_partition(_labels(10), 20, 0.5, min_samples=10, seed=0)
+
+
+def test_pathological_gives_each_client_its_number_of_classes():
+    y = _labels(600)
+    parts = partitions.pathological_partition(y, 100, 2, seed=0)
+    _assert_exact_cover(parts, len(y))
+    for p in parts:
+        assert len(np.unique(y[p])) == 2
+    holders = np.zeros(10, int)
+    for p in parts:
+        holders[np.unique(y[p])] += 1
+    np.testing.assert_array_equal(holders, np.full(10, 20))
+
+
+def test_pathological_shares_stay_within_the_uniform_bounds():
+    # With two holders per class and shares in [0.4, 0.6], each holder gets 40-60 % of a class.
+    y = _labels(1000)
+    parts = partitions.pathological_partition(y, 10, 2, seed=5)
+    for p in parts:
+        for c in np.unique(y[p]):
+            frac = np.count_nonzero(y[p] == c) / 1000
+            assert 0.4 - 1e-3 <= frac <= 0.6 + 1e-3
+
+
+def test_pathological_leaves_unheld_classes_unassigned():
+    y = _labels(10)
+    parts = partitions.pathological_partition(y, 2, 2, seed=0)  # 4 of 10 classes are held
+    held = np.concatenate(parts)
+    assert len(np.unique(y[held])) == 4
+    assert len(held) == 40 and len(np.unique(held)) == 40
+
+
+def test_local_split_is_disjoint_stratified_and_same_classes():
+    y = _labels(100)
+    parts = partitions.pathological_partition(y, 10, 2, seed=0)
+    train, test = partitions.local_train_test_split(y, parts, 0.2, seed=0)
+    for p, tr, te in zip(parts, train, test, strict=True):
+        assert len(np.intersect1d(tr, te)) == 0
+        np.testing.assert_array_equal(np.sort(np.concatenate([tr, te])), p)
+        assert set(np.unique(y[te])) == set(np.unique(y[tr]))
+        assert abs(len(te) - 0.2 * len(p)) <= 2
+
+
+def test_stack_clients_pads_with_zeros_and_records_sizes():
+    x = np.arange(10, dtype=np.float32).reshape(10, 1) + 1
+    y = np.arange(10)
+    arrays = stack_clients(x, y, [np.array([0, 1, 2]), np.array([5])])
+    np.testing.assert_array_equal(arrays.sizes, [3, 1])
+    np.testing.assert_array_equal(arrays.x[:, :, 0], [[1, 2, 3], [6, 0, 0]])
+    np.testing.assert_array_equal(arrays.y, [[0, 1, 2], [5, 0, 0]])

@@ -1,0 +1,177 @@
+"""pFedES local step and server step against independent references."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedjax_pfedes.algorithms.pfedes import PFedESConfig, ServerState, pfedes
+from fedjax_pfedes.data.federated import ClientArrays
+from fedjax_pfedes.models import registry
+
+SHAPE = (8, 8, 1)
+
+
+def _cfg(**kw):
+    base = dict(num_classes=4, input_shape=SHAPE, pixel_mean=(0.3,), pixel_std=(0.2,), lam=0.7,
+                proxy_dim=6, proxy_arch="proxy_mlp", lr_local=0.1, batch_size=8,
+                local_epochs=1, server_momentum=0.5)
+    base.update(kw)
+    return PFedESConfig(**base)
+
+
+def _client_data(n, capacity, seed=0):
+    rng = np.random.default_rng(seed)
+    x = np.zeros((capacity,) + SHAPE, np.float32)
+    y = np.zeros((capacity,), np.int32)
+    x[:n] = rng.uniform(size=(n,) + SHAPE)
+    y[:n] = rng.integers(0, 4, n)
+    return ClientArrays(jnp.asarray(x), jnp.asarray(y), jnp.int32(n))
+
+
+def _setup(cfg, arch="mlp"):
+    alg = pfedes(cfg)
+    program = alg.cohort_program(arch)
+    server = alg.init_server(jax.random.key(0))
+    client = program.init_client(jax.random.key(1))
+    return alg, program, server, client
+
+
+@pytest.mark.parametrize("align", ["mse", "cosine"])
+def test_one_local_step_matches_a_reference_with_constant_targets(align):
+    """With one batch, the local model moves by the gradient of CE + lam*align to a CONSTANT
+    e_proxy, and E_proxy by the gradient of align to a CONSTANT e_local (both stop-gradients)."""
+    cfg = _cfg(align=align)
+    _, program, server, client = _setup(cfg)
+    data = _client_data(n=8, capacity=8)
+    upload, new_client, metrics = program.client_update(server.proxy_params, client, data,
+                                                        jax.random.key(2))
+    model = registry.client_model("mlp", 4, 6, (0.3,), (0.2,))
+    proxy = registry.proxy_model("proxy_mlp", 6, (0.3,), (0.2,))
+    x, y = np.asarray(data.x), np.asarray(data.y)
+
+    def align_ref(a, b):
+        if align == "mse":
+            return jnp.mean(jnp.mean((a - b) ** 2, axis=-1))
+        cos = jnp.sum(a * b, -1) / (jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1))
+        return jnp.mean(1.0 - cos)
+
+    e_proxy_const = np.asarray(proxy.apply(server.proxy_params, x))
+    _, e_local_const = model.apply(client.params, x)
+    e_local_const = np.asarray(e_local_const)
+
+    def local_loss(p):
+        logits, e = model.apply(p, x)
+        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+        return ce + cfg.lam * align_ref(e, e_proxy_const)
+
+    def proxy_loss(q):
+        return align_ref(proxy.apply(q, x), e_local_const)
+
+    want_local = jax.tree.map(lambda p, g: p - cfg.lr_local * g, client.params,
+                              jax.grad(local_loss)(client.params))
+    want_proxy = jax.tree.map(lambda q, g: q - 0.1 * cfg.lr_local * g, server.proxy_params,
+                              jax.grad(proxy_loss)(server.proxy_params))
+    chex.assert_trees_all_close(new_client.params, want_local, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(upload, want_proxy, rtol=1e-5, atol=1e-6)
+    assert int(new_client.steps) == 1 and float(metrics["local_steps"]) == 1.0
+    np.testing.assert_allclose(metrics["train_proxy_align_loss"],
+                               proxy_loss(server.proxy_params), rtol=1e-5)
+
+
+def test_steps_are_decoupled_by_the_stop_gradients():
+    """After one step, lam (the local objective) does not change the uploaded E_proxy, and the
+    proxy learning rate does not change the local model: no gradient crosses between the two."""
+    data = _client_data(n=8, capacity=8)
+
+    def run(**kw):
+        _, program, server, client = _setup(_cfg(**kw))
+        return program.client_update(server.proxy_params, client, data, jax.random.key(0))
+
+    up_lam, client_lam, _ = run(lam=0.7)
+    up_nolam, client_nolam, _ = run(lam=0.0)
+    chex.assert_trees_all_close(up_lam, up_nolam, rtol=1e-6)
+    assert not np.allclose(jax.tree.leaves(client_lam.params)[0],
+                           jax.tree.leaves(client_nolam.params)[0])
+    up_slow, client_slow, _ = run(proxy_lr_ratio=0.1)
+    up_fast, client_fast, _ = run(proxy_lr_ratio=0.9)
+    chex.assert_trees_all_close(client_slow.params, client_fast.params, rtol=1e-6)
+    assert not np.allclose(jax.tree.leaves(up_slow)[0], jax.tree.leaves(up_fast)[0])
+
+
+def test_padded_rows_and_inactive_steps_have_no_effect():
+    cfg = _cfg(batch_size=8)
+    _, program, server, client = _setup(cfg)
+    tight = _client_data(n=6, capacity=6)
+    padded = _client_data(n=6, capacity=24)
+    garbage = padded.x.at[6:].set(99.0)
+    padded = ClientArrays(garbage, padded.y.at[6:].set(3), padded.sizes)
+    up_t, c_t, m_t = program.client_update(server.proxy_params, client, tight, jax.random.key(4))
+    up_p, c_p, m_p = program.client_update(server.proxy_params, client, padded, jax.random.key(4))
+    chex.assert_trees_all_close(up_t, up_p, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(c_t.params, c_p.params, rtol=1e-5, atol=1e-6)
+    assert float(m_p["local_steps"]) == 1.0  # 3 scheduled steps, 2 inactive
+
+
+def test_steps_per_epoch_follow_the_clients_own_size():
+    cfg = _cfg(batch_size=4, local_epochs=3)
+    _, program, server, client = _setup(cfg)
+    data = _client_data(n=9, capacity=20)
+    _, new_client, metrics = program.client_update(server.proxy_params, client, data,
+                                                   jax.random.key(0))
+    assert float(metrics["local_steps"]) == 3 * 3  # ceil(9 / 4) per epoch
+    assert int(new_client.steps) == 9
+
+
+def test_warmup_freezes_the_backbone_only():
+    cfg = _cfg(warmup_steps=5)
+    _, program, server, client = _setup(cfg)
+    data = _client_data(n=8, capacity=8)
+    _, new_client, _ = program.client_update(server.proxy_params, client, data, jax.random.key(0))
+    chex.assert_trees_all_equal(new_client.params["params"]["backbone"],
+                                client.params["params"]["backbone"])
+    for head in ("projection", "classifier"):
+        assert not np.allclose(jax.tree.leaves(new_client.params["params"][head])[0],
+                               jax.tree.leaves(client.params["params"][head])[0])
+
+
+def test_server_step_is_weighted_mean_then_momentum_against_numpy():
+    cfg = _cfg(server_momentum=0.3)
+    alg = pfedes(cfg)
+    server = alg.init_server(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    # Two cohorts of stacked uploads; the last slot of the second is padding (weight 0).
+    ups = [jax.tree.map(lambda p, k=k: jnp.asarray(rng.normal(size=(k,) + p.shape), p.dtype),
+                        server.proxy_params) for k in (3, 2)]
+    weights = [jnp.array([10.0, 30.0, 5.0]), jnp.array([55.0, 0.0])]
+    new = alg.server_update(server, list(zip(ups, weights, strict=True)))
+    w = np.array([10.0, 30.0, 5.0, 55.0, 0.0])
+    flat_new = jax.tree.leaves(new.proxy_params)
+    flat_old = jax.tree.leaves(server.proxy_params)
+    flat_up = [np.concatenate([np.asarray(a), np.asarray(b)])
+               for a, b in zip(jax.tree.leaves(ups[0]), jax.tree.leaves(ups[1]), strict=True)]
+    for n, o, u in zip(flat_new, flat_old, flat_up, strict=True):
+        avg = np.tensordot(w, u.astype(np.float64), axes=1) / w.sum()
+        np.testing.assert_allclose(n, 0.3 * np.asarray(o) + 0.7 * avg, rtol=1e-5, atol=1e-6)
+    assert int(new.round) == 1
+
+
+def test_server_step_without_any_weight_keeps_the_proxy():
+    alg = pfedes(_cfg())
+    server = alg.init_server(jax.random.key(0))
+    ups = jax.tree.map(lambda p: jnp.ones((2,) + p.shape, p.dtype), server.proxy_params)
+    new = alg.server_update(server, [(ups, jnp.zeros(2))])
+    chex.assert_trees_all_equal(new.proxy_params, server.proxy_params)
+    assert isinstance(new, ServerState)
+
+
+def test_contrastive_alignment_runs_and_is_masked():
+    cfg = _cfg(align="contrastive", batch_size=8)
+    _, program, server, client = _setup(cfg)
+    tight = _client_data(n=5, capacity=5)
+    padded = _client_data(n=5, capacity=8)
+    up_t, _, _ = program.client_update(server.proxy_params, client, tight, jax.random.key(1))
+    up_p, _, _ = program.client_update(server.proxy_params, client, padded, jax.random.key(1))
+    chex.assert_trees_all_close(up_t, up_p, rtol=1e-5, atol=1e-6)
