@@ -33,11 +33,12 @@ def main(argv: list[str]) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     final = summary["final"]
+    by_arch = {k: round(v, 4) for k, v in final["personalized_accuracy_by_arch"].items()}
     print(f"round {final['round']}: mean personalized accuracy "
           f"{final['personalized_accuracy_mean']:.4f} "
           f"(std across clients {final['personalized_accuracy_std']:.4f}), "
           f"mean global accuracy {final['global_accuracy_mean']:.4f}; "
-          f"by architecture {({k: round(v, 4) for k, v in final['personalized_accuracy_by_arch'].items()})}; "
+          f"by architecture {by_arch}; "
           f"wall time {summary['wall_time_s']:.0f} s; results in {_WORKDIR.value}")
 
 

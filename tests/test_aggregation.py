@@ -49,7 +49,8 @@ def test_missing_and_extra_leaves_are_listed():
 
 
 def test_stacked_upload_with_wrong_client_axis_is_rejected():
-    with pytest.raises(aggregation.UploadMismatchError, match=r"leaf .conv/bias. has shape \(3, 4\), expected \(4, 4\)"):
+    with pytest.raises(aggregation.UploadMismatchError,
+                       match=r"leaf .conv/bias. has shape \(3, 4\), expected \(4, 4\)"):
         aggregation.check_upload(GLOBAL, _like(GLOBAL, lead=3), "clients [4]", stacked=4)
 
 

@@ -137,11 +137,12 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
                     jnp.stack([ce, al, proxy_loss, jnp.ones_like(ce)]))
 
         def local_step(carry, step_inputs):
-            # A step past the client's own data changes nothing. Under vmap `cond` computes both
-            # branches and selects; run for one client it skips the work.
+            # A step past the client's own data changes nothing. (`lax.select` rather than
+            # `lax.cond`: on CPU a cond per unrolled step measured ~2x slower overall.)
             *batch, active = step_inputs
-            return jax.lax.cond(active, train_step, lambda c, _: (c, jnp.zeros(4)), carry,
-                                tuple(batch))
+            new_carry, stats = train_step(carry, tuple(batch))
+            return (local_training.select_tree(active, new_carry, carry),
+                    stats * active.astype(stats.dtype))
 
         def client_update(global_proxy, state: ClientState, data, rng):
             capacity = data.y.shape[0]

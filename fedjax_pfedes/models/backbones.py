@@ -3,7 +3,7 @@
 - `cnn1` .. `cnn5`: the model zoo of the published pFedES (Yi et al., AAAI 2025; public code
   LipingYi/pFedES): conv5x5 C->16, pool, conv5x5 16->32 (CNN-2: 16), pool, fc1, fc2 (500). The
   classifier fc3 is the client's head H_k.
-- `convnet3`, `convnet5`, `vit`: the three architecture groups of the pFedES seed document (a 3-layer
+- `convnet3`, `convnet5`, `vit`: the three architecture groups of the pFedES seed document (3-layer
   CNN, a 5-layer CNN and a light Vision Transformer; Dosovitskiy et al., ICLR 2021).
 - `mlp`: a two-layer perceptron for small inputs.
 """

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fedjax_pfedes.models.backbones import BACKBONES, ConvStack, MLP
+from fedjax_pfedes.models.backbones import BACKBONES, MLP, ConvStack
 from fedjax_pfedes.models.layers import InputNormalization
 
 
@@ -77,7 +77,8 @@ def check_architecture(name: str, field: str = "config.clients.architectures") -
 
 def check_proxy(name: str, field: str = "config.proxy_arch") -> None:
     if name not in PROXY_BODIES:
-        raise ValueError(f"{field}: unknown proxy extractor '{name}'; known: {sorted(PROXY_BODIES)}")
+        raise ValueError(f"{field}: unknown proxy extractor '{name}'; "
+                         f"known: {sorted(PROXY_BODIES)}")
 
 
 def client_model(arch: str, num_classes: int, proxy_dim: int, mean: Sequence[float],
