@@ -71,12 +71,6 @@ class FederatedData:
         c = self.central
         return stack_clients(c.x_train, c.y_train, [chosen[int(k)] for k in client_ids])
 
-    def label_histograms(self) -> np.ndarray:
-        """[clients, classes] counts of each client's local train labels."""
-        y = self.central.y_train
-        return np.stack([np.bincount(y[i], minlength=self.central.num_classes)
-                         for i in self.train_indices])
-
 
 def partition_dataset(central: CentralDataset, num_clients: int, partition: str, seed: int,
                       local_test_fraction: float = 0.2, dirichlet_alpha: float = 0.5,
