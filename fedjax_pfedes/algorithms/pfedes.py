@@ -137,8 +137,8 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
                     jnp.stack([ce, al, proxy_loss, jnp.ones_like(ce)]))
 
         def local_step(carry, step_inputs):
-            # A step past the client's own data changes nothing. (`lax.select` rather than
-            # `lax.cond`: on CPU a cond per unrolled step measured ~2x slower overall.)
+            # A step past the client's own data changes nothing. (`select` rather than
+            # `lax.cond`: a cond per unrolled step was slower on CPU; docs/architecture.md.)
             *batch, active = step_inputs
             new_carry, stats = train_step(carry, tuple(batch))
             return (local_training.select_tree(active, new_carry, carry),

@@ -29,12 +29,11 @@ class ClientArrays:
         return int(self.sizes.shape[0])
 
 
-def stack_clients(x: np.ndarray, y: np.ndarray, client_indices: list[np.ndarray],
-                  pad_to_multiple: int = 1) -> ClientArrays:
+def stack_clients(x: np.ndarray, y: np.ndarray, client_indices: list[np.ndarray]
+                  ) -> ClientArrays:
     """Gathers each client's rows of (x, y) and zero-pads them to a common length."""
     sizes = np.array([len(i) for i in client_indices], np.int32)
     longest = max(int(sizes.max(initial=0)), 1)
-    longest = -(-longest // pad_to_multiple) * pad_to_multiple
     xs = np.zeros((len(client_indices), longest) + x.shape[1:], x.dtype)
     ys = np.zeros((len(client_indices), longest), np.int32)
     for k, idx in enumerate(client_indices):
@@ -60,10 +59,6 @@ class FederatedData:
     @property
     def num_clients(self) -> int:
         return len(self.train_indices)
-
-    @property
-    def train_sizes(self) -> np.ndarray:
-        return np.array([len(i) for i in self.train_indices], np.int64)
 
     def client_arrays(self, client_ids: np.ndarray, split: str) -> ClientArrays:
         """Padded arrays of the given clients' local `split` ('train' or 'test')."""
