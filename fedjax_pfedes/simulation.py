@@ -60,6 +60,15 @@ def _global_test(data: FederatedData, config: ml_collections.ConfigDict):
     return jnp.asarray(c.x_test[np.sort(idx)]), jnp.asarray(c.y_test[np.sort(idx)])
 
 
+def majority_class_accuracy(data: FederatedData) -> float:
+    """Mean over clients of predicting each client's most frequent local-train label on its local
+    test split: the label-only reference a personalized model has to beat."""
+    y = data.central.y_train
+    scores = [np.mean(y[te] == np.bincount(y[tr]).argmax()) if len(te) else 0.0
+              for tr, te in zip(data.train_indices, data.test_indices, strict=True)]
+    return float(np.mean(scores))
+
+
 def evaluate(algorithm, server_state, cohorts: list[Cohort], global_x, global_y
              ) -> dict[str, Any]:
     """Every client's model on its own local test split and on the global test set."""
@@ -158,6 +167,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     best = max(history, key=lambda h: h["personalized_accuracy_mean"])
     summary = {
         "final": last,
+        "majority_class_accuracy_mean": majority_class_accuracy(data),
         "best_personalized_accuracy": best["personalized_accuracy_mean"],
         "best_round": best["round"],
         "execution_strategy": strategy,
