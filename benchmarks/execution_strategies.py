@@ -25,6 +25,7 @@ from fedjax_pfedes import execution
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
 from fedjax_pfedes.cohorts import assign_architectures
 from fedjax_pfedes.data.federated import stack_clients
+from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.simulation import build_algorithm, build_federated_data
 
 _WORKLOAD = flags.DEFINE_list("workload", ["quickstart", "cifar"], "Workloads to time.")
@@ -63,8 +64,9 @@ def _cohorts_quickstart():
 
 
 def _cohorts_cifar():
-    cfg = PFedESConfig(num_classes=10, input_shape=(32, 32, 3), pixel_mean=(0.5,) * 3,
-                       pixel_std=(0.25,) * 3, batch_size=64, local_epochs=1, lr_local=0.01)
+    spec = InputSpec("image", (32, 32, 3), "float32", (0.5,) * 3, (0.25,) * 3)
+    cfg = PFedESConfig(num_classes=10, input_spec=spec, batch_size=64, local_epochs=1,
+                       lr_local=0.01)
     algorithm = pfedes(cfg)
     rng = np.random.default_rng(0)
     n, clients = 200, 4

@@ -20,20 +20,30 @@ def get_config() -> ml_collections.ConfigDict:
     config.align = "mse"                 # 'mse' | 'cosine' | 'contrastive' (InfoNCE)
     config.contrastive_temperature = 0.1  # InfoNCE temperature (align='contrastive' only)
     config.proxy_dim = 128               # d: dimension of the common feature space
-    config.proxy_arch = "proxy_cnn"      # shared proxy extractor E_proxy: 'proxy_cnn'|'proxy_mlp'
+    config.proxy_arch = "proxy_cnn"      # E_proxy body: image 'proxy_cnn' | 'proxy_mlp',
+    #                                      tabular 'proxy_mlp', text 'proxy_text'
     config.proxy_lr_ratio = 0.1          # lr_proxy = ratio * lr_local
     config.projection_layernorm = False  # LayerNorm after the projection head's ReLU
     config.warmup_steps = 0              # first W local steps of a client: backbone frozen
     config.server_momentum = 0.5         # beta: new = beta * old + (1 - beta) * average
 
     config.data = ml_collections.ConfigDict()
-    config.data.name = "mnist5k"         # 'mnist5k' | 'digits' (offline); 'cifar10' needs tfds
-    config.data.data_dir = ""            # tfds data_dir (tfds datasets only)
-    config.data.global_test_fraction = 0.2  # share of the dataset held out as global test set
+    # Datasets (README "Datasets"): offline 'mnist5k' | 'digits' | 'breast_cancer' | 'wine' |
+    # 'iris' | 'synthetic_text' | 'npz'; tfds 'cifar10' | 'cifar100' | 'mnist' | 'fashion_mnist' |
+    # 'emnist_balanced' | 'emnist_byclass' | 'ag_news'; TFF files 'femnist' | 'femnist_digits'.
+    config.data.name = "mnist5k"
+    config.data.data_dir = ""            # tfds data_dir ('' = tfds default); femnist: h5 folder
+    config.data.path = ""                # 'npz': the .npz file (x_train, y_train, x_test, y_test)
+    config.data.max_train_samples = 0    # keep a seeded random subset of the pool (0 = all)
+    config.data.text_max_length = 64     # text: tokens per example (truncate / pad)
+    config.data.text_vocab_size = 10000  # text: vocabulary incl. padding (0) and unknown (1)
+    config.data.global_test_fraction = 0.2  # held out as global test set (no official test split)
     config.data.num_clients = 20
-    config.data.partition = "dirichlet"  # 'iid' | 'dirichlet' | 'pathological'
+    # 'iid' | 'dirichlet' | 'pathological' | 'quantity_skew' | 'natural' (writers; femnist/npz)
+    config.data.partition = "dirichlet"
     config.data.dirichlet_alpha = 0.3    # smaller = more label skew
-    config.data.min_samples_per_client = 40  # Dirichlet: guaranteed minimum per client
+    config.data.min_samples_per_client = 40  # Dirichlet / quantity skew: guaranteed minimum
+    config.data.quantity_sigma = 1.0     # quantity skew: client sizes ~ LogNormal(0, sigma)
     config.data.classes_per_client = 2   # pathological: classes each client holds
     config.data.class_share_low = 0.4    # pathological: per-(client, class) share ~ U(low, high)
     config.data.class_share_high = 0.6

@@ -9,8 +9,10 @@ import ml_collections
 
 from fedjax_pfedes import alignment, execution
 from fedjax_pfedes.cohorts import assign_architectures
-from fedjax_pfedes.data.sources import LOADERS
-from fedjax_pfedes.models.registry import check_proxy
+from fedjax_pfedes.data.catalog import LOADERS
+from fedjax_pfedes.data.federated import PARTITIONS
+from fedjax_pfedes.data.sources import CentralDataset
+from fedjax_pfedes.models.registry import check_architecture, check_proxy
 
 ALGORITHMS = ("pfedes",)
 
@@ -55,8 +57,20 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              f"(0, 1), got {data.local_test_fraction}")
     _require(0 < data.global_test_fraction < 1, "config.data.global_test_fraction must be in "
              f"(0, 1), got {data.global_test_fraction}")
+    _require(data.partition in PARTITIONS, f"config.data.partition: unknown partition "
+             f"'{data.partition}'; known: {list(PARTITIONS)}")
     _require(data.dirichlet_alpha > 0,
              f"config.data.dirichlet_alpha must be > 0, got {data.dirichlet_alpha}")
+    _require(data.quantity_sigma >= 0,
+             f"config.data.quantity_sigma must be >= 0, got {data.quantity_sigma}")
+    _require(data.min_samples_per_client >= 0, "config.data.min_samples_per_client must be "
+             f">= 0, got {data.min_samples_per_client}")
+    _require(data.max_train_samples >= 0, "config.data.max_train_samples must be >= 0 "
+             f"(0 = all), got {data.max_train_samples}")
+    _require(data.text_max_length >= 1,
+             f"config.data.text_max_length must be >= 1, got {data.text_max_length}")
+    _require(data.text_vocab_size >= 3,
+             f"config.data.text_vocab_size must be >= 3, got {data.text_vocab_size}")
 
     train = config.train
     _require(0 < train.client_fraction <= 1,
@@ -72,14 +86,25 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(config.eval.every >= 1, f"config.eval.every must be >= 1, got {config.eval.every}")
 
 
-def check_against_data(config: ml_collections.ConfigDict, num_train_samples: int) -> None:
-    """Checks the fields that depend on the dataset's size, once it is loaded."""
+def check_against_data(config: ml_collections.ConfigDict, central: CentralDataset) -> None:
+    """Checks the fields that depend on the loaded dataset: sizes and the input modality."""
+    num_train_samples = len(central.y_train)
     n = config.data.num_clients
     _require(n <= num_train_samples, f"config.data.num_clients={n} exceeds the "
              f"{num_train_samples} training samples of '{config.data.name}'")
-    if config.data.partition == "dirichlet":
+    if config.data.partition in ("dirichlet", "quantity_skew"):
         need = n * config.data.min_samples_per_client
         _require(need <= num_train_samples,
                  f"config.data.min_samples_per_client={config.data.min_samples_per_client} x "
                  f"config.data.num_clients={n} = {need} exceeds the {num_train_samples} "
                  "training samples")
+    if config.data.partition == "pathological":
+        _require(config.data.classes_per_client <= central.num_classes,
+                 f"config.data.classes_per_client={config.data.classes_per_client} exceeds the "
+                 f"{central.num_classes} classes of '{config.data.name}'")
+    try:
+        for arch in dict.fromkeys(assign_architectures(config.clients.architectures, n)):
+            check_architecture(arch, modality=central.modality)
+        check_proxy(config.proxy_arch, modality=central.modality)
+    except ValueError as e:
+        raise ConfigError(f"{e} (config.data.name='{config.data.name}')") from None

@@ -7,6 +7,7 @@ nothing compiles again after the first round.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -16,34 +17,55 @@ import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
-from fedjax_pfedes import aggregation, execution, sampling
+from fedjax_pfedes import aggregation, execution, plotting, sampling
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
 from fedjax_pfedes.cohorts import Cohort, assign_architectures, build_cohorts
-from fedjax_pfedes.config_validation import check_against_data, validate_config
+from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
+from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.federated import FederatedData, partition_dataset
-from fedjax_pfedes.data.sources import load_dataset
+from fedjax_pfedes.data.profile import DataProfile, profile_partition
+from fedjax_pfedes.data.sources import LoadOptions
 from fedjax_pfedes.metrics_io import MetricsWriter, write_json
+
+
+def load_options(config: ml_collections.ConfigDict) -> LoadOptions:
+    """The `config.data` fields that loaders read."""
+    d = config.data
+    return LoadOptions(seed=config.seed, global_test_fraction=d.global_test_fraction,
+                       data_dir=d.data_dir, path=d.path, max_train_samples=d.max_train_samples,
+                       text_max_length=d.text_max_length, text_vocab_size=d.text_vocab_size)
 
 
 def build_federated_data(config: ml_collections.ConfigDict) -> FederatedData:
     """Loads the configured dataset and partitions it over clients."""
     d = config.data
-    central = load_dataset(d.name, d.global_test_fraction, config.seed, d.data_dir or None)
-    check_against_data(config, len(central.y_train))
-    return partition_dataset(
-        central, d.num_clients, d.partition, config.seed,
-        local_test_fraction=d.local_test_fraction, dirichlet_alpha=d.dirichlet_alpha,
-        min_samples_per_client=d.min_samples_per_client,
-        classes_per_client=d.classes_per_client, class_share_low=d.class_share_low,
-        class_share_high=d.class_share_high)
+    central = load_dataset(d.name, load_options(config))
+    check_against_data(config, central)
+    try:
+        return partition_dataset(
+            central, d.num_clients, d.partition, config.seed,
+            local_test_fraction=d.local_test_fraction, dirichlet_alpha=d.dirichlet_alpha,
+            min_samples_per_client=d.min_samples_per_client,
+            classes_per_client=d.classes_per_client, class_share_low=d.class_share_low,
+            class_share_high=d.class_share_high, quantity_sigma=d.quantity_sigma)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def write_data_profile(data: FederatedData, partition: str, workdir: str) -> DataProfile:
+    """Writes data_profile.json, label_heatmap.png and client_sizes.png into `workdir`."""
+    profile = profile_partition(data, partition)
+    write_json(os.path.join(workdir, "data_profile.json"), profile.summary())
+    plotting.label_heatmap(profile, os.path.join(workdir, "label_heatmap.png"))
+    plotting.size_histogram(profile, os.path.join(workdir, "client_sizes.png"))
+    return profile
 
 
 def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
     """The configured algorithm for the dataset's shapes and statistics."""
     c = data.central
     return pfedes(PFedESConfig(
-        num_classes=c.num_classes, input_shape=c.input_shape,
-        pixel_mean=tuple(c.pixel_mean.tolist()), pixel_std=tuple(c.pixel_std.tolist()),
+        num_classes=c.num_classes, input_spec=c.input_spec,
         lam=config.lam, align=config.align, contrastive_temperature=config.contrastive_temperature,
         proxy_dim=config.proxy_dim, proxy_arch=config.proxy_arch,
         proxy_lr_ratio=config.proxy_lr_ratio, projection_layernorm=config.projection_layernorm,
@@ -130,6 +152,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     validate_config(config)
     start = time.time()
     data = build_federated_data(config)
+    write_data_profile(data, config.data.partition, workdir)
     algorithm = build_algorithm(config, data)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
     strategy = execution.resolve_strategy(config.execution.strategy)

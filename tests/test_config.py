@@ -8,6 +8,9 @@ import pytest
 
 from configs import cifar_hetero, quickstart
 from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
+from fedjax_pfedes.data.catalog import load_dataset
+
+MNIST5K = load_dataset("mnist5k")  # 4,000 pool samples after the 20% global hold-out
 
 
 def _config(**overrides):
@@ -50,13 +53,31 @@ def test_more_clients_than_samples_is_named():
     config = _config(data__num_clients=5000)
     validate_config(config)
     with pytest.raises(ConfigError, match=r"config\.data\.num_clients=5000 exceeds the 4000"):
-        check_against_data(config, 4000)
+        check_against_data(config, MNIST5K)
 
 
 def test_dirichlet_minimum_beyond_the_pool_is_named():
     config = _config(data__num_clients=100, data__min_samples_per_client=50)
     with pytest.raises(ConfigError, match=r"config\.data\.min_samples_per_client=50"):
-        check_against_data(config, 4000)
+        check_against_data(config, MNIST5K)
+
+
+def test_models_of_another_modality_are_refused_once_the_data_is_known():
+    config = _config(data__name="breast_cancer", data__min_samples_per_client=10)
+    validate_config(config)
+    with pytest.raises(ConfigError, match=r"config\.clients\.architectures: model 'convnet3' "
+                                          r"takes image inputs but the dataset is tabular"):
+        check_against_data(config, load_dataset("breast_cancer"))
+    config = _config(data__name="breast_cancer", data__min_samples_per_client=10,
+                     clients__architectures="mlp,mlp_small")
+    with pytest.raises(ConfigError, match=r"config\.proxy_arch: proxy extractor 'proxy_cnn'"):
+        check_against_data(config, load_dataset("breast_cancer"))
+
+
+def test_pathological_classes_beyond_the_dataset_are_named():
+    config = _config(data__partition="pathological", data__classes_per_client=11)
+    with pytest.raises(ConfigError, match=r"config\.data\.classes_per_client=11 exceeds the 10"):
+        check_against_data(config, MNIST5K)
 
 
 def _run_main(*args, timeout=120):
@@ -73,8 +94,12 @@ def test_cli_reports_a_bad_override_and_exits_2(tmp_path):
     assert "config.lam must be >= 0, got -1" in proc.stderr
 
 
-def test_cifar_config_stops_at_once_without_downloading(tmp_path):
-    proc, seconds = _run_main("--config=configs/cifar_hetero.py", f"--workdir={tmp_path}")
-    assert proc.returncode == 2
-    assert "config.data.name='cifar10'" in proc.stderr and "Nothing was downloaded" in proc.stderr
-    assert seconds < 60  # interpreter + jax import; the loader itself fails immediately
+def test_cifar_config_stops_with_preparation_instructions(tmp_path):
+    empty = tmp_path / "tfds"
+    empty.mkdir()
+    proc, _ = _run_main("--config=configs/cifar_hetero.py", f"--workdir={tmp_path / 'run'}",
+                        f"--config.data.data_dir={empty}")
+    assert proc.returncode == 2, proc.stderr
+    assert "'cifar10' is not prepared in " + str(empty) in proc.stderr
+    assert "nothing was attempted" in proc.stderr
+    assert f"tfds build cifar10 --file_format=array_record --data_dir={empty}" in proc.stderr

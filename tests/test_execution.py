@@ -11,12 +11,13 @@ from fedjax_pfedes import execution
 from fedjax_pfedes.algorithms.base import CohortProgram
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
 from fedjax_pfedes.data.federated import stack_clients
+from fedjax_pfedes.data.spec import InputSpec
 
 
 def _setup(arch, num_clients=4):
-    cfg = PFedESConfig(num_classes=10, input_shape=(8, 8, 1), pixel_mean=(0.3,),
-                       pixel_std=(0.3,), proxy_dim=8, proxy_arch="proxy_cnn", batch_size=8,
-                       local_epochs=2, lr_local=0.05, local_momentum=0.5)
+    spec = InputSpec("image", (8, 8, 1), "float32", (0.3,), (0.3,))
+    cfg = PFedESConfig(num_classes=10, input_spec=spec, proxy_dim=8, proxy_arch="proxy_cnn",
+                       batch_size=8, local_epochs=2, lr_local=0.05, local_momentum=0.5)
     alg = pfedes(cfg)
     rng = np.random.default_rng(0)
     sizes = [13, 5, 20, 9, 11][:num_clients]

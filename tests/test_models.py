@@ -6,8 +6,16 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
+from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
+from fedjax_pfedes.models.backbones import BACKBONES
 from fedjax_pfedes.models.layers import InputNormalization, max_pool_2x2
+from fedjax_pfedes.models.registry import PROXY_BODIES
+
+IMAGE_RGB = InputSpec("image", (32, 32, 3), "float32", (0.5,) * 3, (0.25,) * 3)
+IMAGE_GRAY = InputSpec("image", (28, 28, 1), "float32", (0.1,), (0.3,))
+TABULAR = InputSpec("tabular", (5,), "float32", (0.0,) * 5, (1.0,) * 5)
+TEXT = InputSpec("text", (12,), "int32", vocab_size=50)
 
 
 @pytest.mark.parametrize("shape", [(2, 8, 8, 3), (1, 7, 9, 2), (3, 28, 28, 16)])
@@ -24,7 +32,7 @@ def _count(tree):
                                             ("cnn3", 32, 1000), ("cnn4", 32, 800),
                                             ("cnn5", 32, 500)])
 def test_published_cnn_sizes_on_cifar_shapes(arch, conv2, fc1):
-    model = registry.client_model(arch, 10, 128, [0.5] * 3, [0.25] * 3)
+    model = registry.client_model(arch, 10, 128, IMAGE_RGB)
     params = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]
     # 32 -conv5-> 28 -pool-> 14 -conv5-> 10 -pool-> 5: flatten 5*5*conv2.
     expected_backbone = ((5 * 5 * 3 * 16 + 16) + (5 * 5 * 16 * conv2 + conv2)
@@ -34,27 +42,96 @@ def test_published_cnn_sizes_on_cifar_shapes(arch, conv2, fc1):
     assert _count(params["projection"]) == 500 * 128 + 128
 
 
-@pytest.mark.parametrize("arch", ["convnet3", "convnet5", "vit", "mlp", "cnn1"])
+def _spec_and_input(modality):
+    if modality == "image":
+        return IMAGE_GRAY, jnp.ones((4, 28, 28, 1))
+    if modality == "tabular":
+        return TABULAR, jnp.ones((4, 5))
+    ids = np.zeros((4, 12), np.int32)
+    ids[0, :7] = np.arange(2, 9)
+    ids[1, :12] = 3
+    ids[2, :1] = 49  # row 3 stays all padding (a padded sample)
+    return TEXT, jnp.asarray(ids)
+
+
+@pytest.mark.parametrize("arch", sorted(BACKBONES))
 def test_every_client_model_returns_logits_and_projected_features(arch):
-    model = registry.client_model(arch, 7, 16, [0.1], [0.3])
-    x = jnp.ones((4, 28, 28, 1))
-    logits, e_local = model.apply(model.init(jax.random.key(0), x), x)
+    modality = BACKBONES[arch].modalities[-1]
+    spec, x = _spec_and_input(modality)
+    model = registry.client_model(arch, 7, 16, spec)
+    logits, e_local = model.apply(model.init(jax.random.key(0), spec.dummy_batch()), x)
     assert logits.shape == (4, 7) and e_local.shape == (4, 16)
+    assert np.all(np.isfinite(np.asarray(logits)))  # also for the all-padding text row
     assert np.all(np.asarray(e_local) >= 0)  # Linear + ReLU projection
 
 
-def test_input_normalization_puts_both_pixel_ranges_on_one_scale():
+@pytest.mark.parametrize("arch", sorted(PROXY_BODIES))
+def test_every_proxy_extractor_maps_its_modality_to_d(arch):
+    spec, x = _spec_and_input(PROXY_BODIES[arch].modalities[-1])
+    proxy = registry.proxy_model(arch, 9, spec)
+    out = proxy.apply(proxy.init(jax.random.key(0), spec.dummy_batch()), x)
+    assert out.shape == (4, 9) and np.all(np.isfinite(np.asarray(out)))
+
+
+def test_text_models_ignore_padding_tokens():
+    """Appending padding must not change a bag or CNN text model's output (masked pooling)."""
+    short = jnp.asarray([[5, 9, 17, 0, 0, 0]], jnp.int32)
+    longer = jnp.asarray([[5, 9, 17, 0, 0, 0, 0, 0, 0]], jnp.int32)
+    for arch in ("embedbag", "text_cnn"):
+        model = registry.client_model(arch, 3, 8, TEXT)
+        params = model.init(jax.random.key(0), short)
+        np.testing.assert_allclose(model.apply(params, short)[0], model.apply(params, longer)[0],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_text_transformer_output_does_not_depend_on_tokens_behind_padding_mask():
+    model = registry.client_model("text_transformer", 3, 8, TEXT)
+    a = jnp.asarray([[5, 9, 17, 0, 0, 0]], jnp.int32)
+    params = model.init(jax.random.key(0), a)
+    """Padded positions must not reach real ones through attention: the same model on the
+    sequence with its padding cut off (positions aligned) gives the same output."""
+    logits_full = model.apply(params, a)[0]
+    trimmed = {"params": dict(params["params"])}
+    backbone = dict(trimmed["params"]["backbone"])
+    backbone["pos_embed"] = backbone["pos_embed"][:, :3]
+    trimmed["params"]["backbone"] = backbone
+    logits_trim = model.apply(trimmed, a[:, :3])[0]
+    np.testing.assert_allclose(logits_full, logits_trim, rtol=1e-4, atol=1e-5)
+
+
+def test_image_normalization_puts_uint8_and_both_float_ranges_on_one_scale():
     x01 = jax.random.uniform(jax.random.key(1), (5, 8, 8, 3))
-    norm = InputNormalization(mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3))
+    spec = InputSpec("image", (8, 8, 3), "float32", (0.4, 0.5, 0.6), (0.2, 0.25, 0.3))
+    norm = InputNormalization(spec)
     out01 = norm.apply({}, x01)
     out255 = norm.apply({}, x01 * 255.0)
+    x_uint8 = np.round(np.asarray(x01) * 255).astype(np.uint8)
+    out_uint8 = norm.apply({}, jnp.asarray(x_uint8))
     np.testing.assert_allclose(out01, out255, rtol=1e-5, atol=1e-5)
     expected = (np.asarray(x01) - np.array([0.4, 0.5, 0.6])) / np.array([0.2, 0.25, 0.3])
     np.testing.assert_allclose(out01, expected, rtol=1e-5, atol=1e-5)
+    expected_uint8 = (x_uint8 / 255.0 - np.array([0.4, 0.5, 0.6])) / np.array([0.2, 0.25, 0.3])
+    np.testing.assert_allclose(out_uint8, expected_uint8, rtol=1e-5, atol=1e-5)
+
+
+def test_tabular_normalization_standardizes_without_range_detection():
+    x = np.array([[1000.0, 2.0], [3000.0, 4.0]], np.float32)  # large values stay large
+    spec = InputSpec("tabular", (2,), "float32", (2000.0, 3.0), (1000.0, 1.0))
+    np.testing.assert_allclose(InputNormalization(spec).apply({}, jnp.asarray(x)),
+                               [[-1.0, -1.0], [1.0, 1.0]])
 
 
 def test_unknown_model_names_are_rejected_with_the_field():
     with pytest.raises(ValueError, match=r"config.clients.architectures: unknown model 'resnet'"):
-        registry.client_model("resnet", 10, 8, [0.0], [1.0])
+        registry.client_model("resnet", 10, 8, IMAGE_GRAY)
     with pytest.raises(ValueError, match=r"config.proxy_arch: unknown proxy extractor"):
-        registry.proxy_model("big", 8, [0.0], [1.0])
+        registry.proxy_model("big", 8, IMAGE_GRAY)
+
+
+def test_model_of_another_modality_is_rejected_with_the_alternatives():
+    with pytest.raises(ValueError, match=r"model 'cnn1' takes image inputs but the dataset is "
+                                         r"text; text models: \['embedbag'"):
+        registry.client_model("cnn1", 4, 8, TEXT)
+    with pytest.raises(ValueError, match=r"proxy extractor 'proxy_cnn' takes image inputs but "
+                                         r"the dataset is tabular"):
+        registry.proxy_model("proxy_cnn", 8, TABULAR)

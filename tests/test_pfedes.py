@@ -9,13 +9,15 @@ import pytest
 
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, ServerState, pfedes
 from fedjax_pfedes.data.federated import ClientArrays
+from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
 SHAPE = (8, 8, 1)
+SPEC = InputSpec("image", SHAPE, "float32", (0.3,), (0.2,))
 
 
 def _cfg(**kw):
-    base = dict(num_classes=4, input_shape=SHAPE, pixel_mean=(0.3,), pixel_std=(0.2,), lam=0.7,
+    base = dict(num_classes=4, input_spec=SPEC, lam=0.7,
                 proxy_dim=6, proxy_arch="proxy_mlp", lr_local=0.1, batch_size=8,
                 local_epochs=1, server_momentum=0.5)
     base.update(kw)
@@ -48,8 +50,8 @@ def test_one_local_step_matches_a_reference_with_constant_targets(align):
     data = _client_data(n=8, capacity=8)
     upload, new_client, metrics = program.client_update(server.proxy_params, client, data,
                                                         jax.random.key(2))
-    model = registry.client_model("mlp", 4, 6, (0.3,), (0.2,))
-    proxy = registry.proxy_model("proxy_mlp", 6, (0.3,), (0.2,))
+    model = registry.client_model("mlp", 4, 6, SPEC)
+    proxy = registry.proxy_model("proxy_mlp", 6, SPEC)
     x, y = np.asarray(data.x), np.asarray(data.y)
 
     def align_ref(a, b):

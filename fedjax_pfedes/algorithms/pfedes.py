@@ -28,6 +28,7 @@ from flax import struct
 
 from fedjax_pfedes import aggregation, alignment, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
 
@@ -36,9 +37,7 @@ class PFedESConfig:
     """Hyper-parameters of pFedES (defaults from the seed document's ranges)."""
 
     num_classes: int
-    input_shape: tuple[int, ...]
-    pixel_mean: tuple[float, ...]
-    pixel_std: tuple[float, ...]
+    input_spec: InputSpec
     lam: float = 0.5
     align: str = "mse"
     contrastive_temperature: float = 0.1
@@ -80,11 +79,11 @@ def _freeze_backbone(grads: dict, frozen: jnp.ndarray) -> dict:
 
 def pfedes(cfg: PFedESConfig) -> Algorithm:
     """Builds the pFedES algorithm for a dataset described by `cfg`."""
-    proxy = registry.proxy_model(cfg.proxy_arch, cfg.proxy_dim, cfg.pixel_mean, cfg.pixel_std)
+    proxy = registry.proxy_model(cfg.proxy_arch, cfg.proxy_dim, cfg.input_spec)
     align = alignment.get_alignment(cfg.align, cfg.contrastive_temperature)
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     lr_proxy = cfg.proxy_lr_ratio * cfg.lr_local
-    dummy_x = jnp.zeros((1,) + tuple(cfg.input_shape), jnp.float32)
+    dummy_x = cfg.input_spec.dummy_batch()
 
     def init_server(rng: jax.Array) -> ServerState:
         return ServerState(proxy.init(rng, dummy_x), jnp.zeros((), jnp.int32))
@@ -101,8 +100,8 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
         return ServerState(new_params, state.round + 1)
 
     def cohort_program(arch: str) -> CohortProgram:
-        model = registry.client_model(arch, cfg.num_classes, cfg.proxy_dim, cfg.pixel_mean,
-                                      cfg.pixel_std, cfg.projection_layernorm)
+        model = registry.client_model(arch, cfg.num_classes, cfg.proxy_dim, cfg.input_spec,
+                                      cfg.projection_layernorm)
 
         def init_client(rng: jax.Array) -> ClientState:
             params = model.init(rng, dummy_x)

@@ -67,11 +67,14 @@ class FederatedData:
         return stack_clients(c.x_train, c.y_train, [chosen[int(k)] for k in client_ids])
 
 
+PARTITIONS = ("iid", "dirichlet", "pathological", "quantity_skew", "natural")
+
+
 def partition_dataset(central: CentralDataset, num_clients: int, partition: str, seed: int,
                       local_test_fraction: float = 0.2, dirichlet_alpha: float = 0.5,
                       min_samples_per_client: int = 10, classes_per_client: int = 2,
-                      class_share_low: float = 0.4, class_share_high: float = 0.6
-                      ) -> FederatedData:
+                      class_share_low: float = 0.4, class_share_high: float = 0.6,
+                      quantity_sigma: float = 1.0) -> FederatedData:
     """Partitions `central`'s pool over clients and splits each client into local train/test."""
     y = central.y_train
     if partition == "iid":
@@ -82,9 +85,14 @@ def partition_dataset(central: CentralDataset, num_clients: int, partition: str,
     elif partition == "pathological":
         parts = partitions.pathological_partition(y, num_clients, classes_per_client, seed,
                                                   class_share_low, class_share_high)
+    elif partition == "quantity_skew":
+        parts = partitions.quantity_skew_partition(y, num_clients, quantity_sigma,
+                                                   min_samples_per_client, seed)
+    elif partition == "natural":
+        parts = partitions.natural_partition(central.groups_train, num_clients, seed)
     else:
         raise ValueError(f"config.data.partition: unknown partition '{partition}'; "
-                         "known: ['dirichlet', 'iid', 'pathological']")
+                         f"known: {list(PARTITIONS)}")
     train, test = partitions.local_train_test_split(y, parts, local_test_fraction, seed + 1)
     empty = [k for k, idx in enumerate(train) if len(idx) == 0]
     if empty:

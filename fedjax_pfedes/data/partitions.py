@@ -1,7 +1,9 @@
-"""Splitting a labelled pool across clients: IID, Dirichlet(alpha) and pathological n-classes.
+"""Splitting a labelled pool across clients: IID, Dirichlet(alpha) label skew, pathological
+n-classes, log-normal quantity skew and natural groups (e.g. writers).
 
 Every function returns one sorted index array per client; the arrays are disjoint and every call is
-deterministic given its `seed`.
+deterministic given its `seed`. IID, Dirichlet and quantity skew assign every sample; pathological
+leaves out the classes no client holds and natural leaves out the groups that were not chosen.
 """
 
 from __future__ import annotations
@@ -92,6 +94,56 @@ def pathological_partition(labels: np.ndarray, num_clients: int, classes_per_cli
         for k, part in zip(holders, np.split(idx, cuts), strict=True):
             parts[k].append(part)
     return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
+
+
+def quantity_skew_partition(labels: np.ndarray, num_clients: int, sigma: float,
+                            min_samples: int, seed: int) -> list[np.ndarray]:
+    """IID labels, client sizes skewed: size shares ~ LogNormal(0, sigma), normalized.
+
+    Li et al., "Federated Learning on Non-IID Data Silos: An Experimental Study", ICDE 2022
+    (quantity skew). Every client first gets `min_samples`; the rest of the pool is divided in
+    proportion to the log-normal draws (largest remainders get the leftover samples), so sizes sum
+    exactly to the pool. sigma = 0 gives equal sizes.
+    """
+    _check_num_clients(labels, num_clients)
+    if sigma < 0:
+        raise ValueError(f"config.data.quantity_sigma must be >= 0, got {sigma}")
+    if min_samples * num_clients > len(labels):
+        raise ValueError(
+            f"config.data.min_samples_per_client={min_samples} x config.data.num_clients="
+            f"{num_clients} exceeds the {len(labels)} training samples")
+    rng = np.random.default_rng(seed)
+    shares = rng.lognormal(0.0, sigma, num_clients)
+    shares /= shares.sum()
+    free = len(labels) - min_samples * num_clients
+    exact = shares * free
+    sizes = np.floor(exact).astype(np.int64)
+    leftover = free - int(sizes.sum())
+    sizes[np.argsort(-(exact - sizes), kind="stable")[:leftover]] += 1
+    sizes += min_samples
+    perm = rng.permutation(len(labels))
+    return [np.sort(part) for part in np.split(perm, np.cumsum(sizes)[:-1])]
+
+
+def natural_partition(groups: np.ndarray | None, num_clients: int, seed: int
+                      ) -> list[np.ndarray]:
+    """One client per natural group (e.g. an EMNIST writer); `num_clients` groups chosen at random.
+
+    Caldas et al., "LEAF: A Benchmark for Federated Settings", 2018. With as many clients as
+    groups every sample is assigned; with fewer, the samples of unchosen groups are left out.
+    """
+    if groups is None:
+        raise ValueError("config.data.partition='natural' needs a dataset with natural groups "
+                         "(e.g. 'femnist', or an .npz file with a groups_train array)")
+    names = np.unique(groups)
+    if not 1 <= num_clients <= len(names):
+        raise ValueError(f"config.data.num_clients={num_clients}: the natural partition has "
+                         f"{len(names)} groups; choose 1..{len(names)} clients")
+    chosen = np.sort(np.random.default_rng(seed).permutation(len(names))[:num_clients])
+    order = np.argsort(groups, kind="stable")
+    starts = np.searchsorted(groups[order], names)
+    bounds = np.append(starts, len(groups))
+    return [np.sort(order[bounds[g]:bounds[g + 1]]) for g in chosen]
 
 
 def local_train_test_split(labels: np.ndarray, client_indices: list[np.ndarray],

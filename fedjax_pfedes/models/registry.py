@@ -1,17 +1,19 @@
 """Maps config names to client models and proxy feature extractors.
 
-Every client model is backbone F_k + projection head P_k + classifier head H_k (pFedES seed
-document, section 2.2); its parameters are the subtrees 'backbone', 'projection', 'classifier'.
+Every client model is input normalization + backbone F_k + projection head P_k + classifier H_k
+(pFedES seed document, section 2.2); its parameters are the subtrees 'backbone', 'projection',
+'classifier'. E_proxy is the same input normalization + a small modality-specific body (section
+2.1: "behind a suitable input-normalization layer, images, text and tabular features all enter
+the same alignment").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax.numpy as jnp
 from flax import linen as nn
 
-from fedjax_pfedes.models.backbones import BACKBONES, MLP, ConvStack
+from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.models.backbones import BACKBONES, MLP, Backbone, ConvStack, EmbeddingBag
 from fedjax_pfedes.models.layers import InputNormalization
 
 
@@ -33,13 +35,12 @@ class ClientModel(nn.Module):
     arch: str
     num_classes: int
     proxy_dim: int
-    mean: Sequence[float]
-    std: Sequence[float]
+    spec: InputSpec
     projection_layernorm: bool = False
 
     def setup(self):
-        self.normalize = InputNormalization(self.mean, self.std)
-        self.backbone = BACKBONES[self.arch]()
+        self.normalize = InputNormalization(self.spec)
+        self.backbone = BACKBONES[self.arch].build(self.spec)
         self.projection = ProjectionHead(self.proxy_dim, self.projection_layernorm)
         self.classifier = nn.Dense(self.num_classes)
 
@@ -49,48 +50,56 @@ class ClientModel(nn.Module):
 
 
 class ProxyExtractor(nn.Module):
-    """E_proxy: input normalization, then a small backbone on the raw input, output dimension d."""
+    """E_proxy: input normalization, then a small body on the raw input, output dimension d."""
 
     arch: str
     dim: int
-    mean: Sequence[float]
-    std: Sequence[float]
+    spec: InputSpec
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        x = InputNormalization(self.mean, self.std)(x)
-        body = PROXY_BODIES[self.arch]()
+        x = InputNormalization(self.spec)(x)
+        body = PROXY_BODIES[self.arch].build(self.spec)
         return nn.Dense(self.dim, name="out")(body(x))
 
 
-PROXY_BODIES = {
-    "proxy_cnn": lambda: ConvStack((16, 32, 64), pool_after=(0, 1, 2), global_average_pool=False,
-                                   out_features=128),
-    "proxy_mlp": lambda: MLP(hidden=(128,)),
+PROXY_BODIES: dict[str, Backbone] = {
+    "proxy_cnn": Backbone(("image",), lambda s: ConvStack((16, 32, 64), pool_after=(0, 1, 2))),
+    "proxy_mlp": Backbone(("image", "tabular"), lambda s: MLP(hidden=(128,))),
+    "proxy_text": Backbone(("text",), lambda s: EmbeddingBag(s.vocab_size, dim=32)),
 }
 
 
-def check_architecture(name: str, field: str = "config.clients.architectures") -> None:
-    if name not in BACKBONES:
-        raise ValueError(f"{field}: unknown model '{name}'; known: {sorted(BACKBONES)}")
+def _check(registry: dict[str, Backbone], kind: str, name: str, field: str,
+           modality: str | None) -> None:
+    if name not in registry:
+        raise ValueError(f"{field}: unknown {kind} '{name}'; known: {sorted(registry)}")
+    accepted = registry[name].modalities
+    if modality is not None and modality not in accepted:
+        fitting = sorted(k for k, v in registry.items() if modality in v.modalities)
+        raise ValueError(f"{field}: {kind} '{name}' takes {'/'.join(accepted)} inputs but the "
+                         f"dataset is {modality}; {modality} {kind}s: {fitting}")
 
 
-def check_proxy(name: str, field: str = "config.proxy_arch") -> None:
-    if name not in PROXY_BODIES:
-        raise ValueError(f"{field}: unknown proxy extractor '{name}'; "
-                         f"known: {sorted(PROXY_BODIES)}")
+def check_architecture(name: str, field: str = "config.clients.architectures",
+                       modality: str | None = None) -> None:
+    """Raises ValueError naming `field` for an unknown backbone or one of another modality."""
+    _check(BACKBONES, "model", name, field, modality)
 
 
-def client_model(arch: str, num_classes: int, proxy_dim: int, mean: Sequence[float],
-                 std: Sequence[float], projection_layernorm: bool = False) -> ClientModel:
+def check_proxy(name: str, field: str = "config.proxy_arch", modality: str | None = None) -> None:
+    """Raises ValueError naming `field` for an unknown proxy body or one of another modality."""
+    _check(PROXY_BODIES, "proxy extractor", name, field, modality)
+
+
+def client_model(arch: str, num_classes: int, proxy_dim: int, spec: InputSpec,
+                 projection_layernorm: bool = False) -> ClientModel:
     """The client model for a registered backbone name."""
-    check_architecture(arch)
-    return ClientModel(arch, num_classes, proxy_dim, tuple(map(float, mean)),
-                       tuple(map(float, std)), projection_layernorm)
+    check_architecture(arch, modality=spec.modality)
+    return ClientModel(arch, num_classes, proxy_dim, spec, projection_layernorm)
 
 
-def proxy_model(arch: str, dim: int, mean: Sequence[float], std: Sequence[float]
-                ) -> ProxyExtractor:
+def proxy_model(arch: str, dim: int, spec: InputSpec) -> ProxyExtractor:
     """The proxy feature extractor for a registered name."""
-    check_proxy(arch)
-    return ProxyExtractor(arch, dim, tuple(map(float, mean)), tuple(map(float, std)))
+    check_proxy(arch, modality=spec.modality)
+    return ProxyExtractor(arch, dim, spec)

@@ -1,0 +1,42 @@
+"""Config name -> dataset loader, for every source the simulator can read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fedjax_pfedes.data import sources, text
+from fedjax_pfedes.data.femnist import FILES as FEMNIST_FILES
+from fedjax_pfedes.data.femnist import femnist_loader
+from fedjax_pfedes.data.sources import CentralDataset, LoadOptions
+from fedjax_pfedes.data.tfds_sources import TFDS_DATASETS, tfds_loader
+
+
+def load_synthetic_text(options: LoadOptions) -> CentralDataset:
+    """6,000 generated topic-classification documents (4 classes), offline; see
+    `text.synthetic_topic_corpus` for the generative model. Not real text."""
+    vocab = min(options.text_vocab_size, 2000)
+    x, y = text.synthetic_topic_corpus(6000, 4, vocab, options.text_max_length, seed=1234)
+    return sources.from_single_pool("synthetic_text", "text", x, y, 4, options, vocab_size=vocab)
+
+
+LOADERS: dict[str, Callable[[LoadOptions], CentralDataset]] = {
+    "mnist5k": sources.load_mnist5k,
+    "digits": sources.load_sklearn_digits,
+    "breast_cancer": sources.load_breast_cancer,
+    "wine": sources.load_wine,
+    "iris": sources.load_iris,
+    "synthetic_text": load_synthetic_text,
+    "npz": sources.load_npz,
+    **{name: tfds_loader(name) for name in TFDS_DATASETS},
+    **{name: femnist_loader(name) for name in FEMNIST_FILES},
+}
+
+OFFLINE = ("mnist5k", "digits", "breast_cancer", "wine", "iris", "synthetic_text", "npz")
+
+
+def load_dataset(name: str, options: LoadOptions | None = None) -> CentralDataset:
+    """Loads a registered dataset by its config name (see `LOADERS`)."""
+    options = options or LoadOptions()
+    if name not in LOADERS:
+        raise ValueError(f"config.data.name: unknown dataset '{name}'; known: {sorted(LOADERS)}")
+    return LOADERS[name](options)
