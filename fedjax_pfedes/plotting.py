@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from fedjax_pfedes.data.profile import DataProfile  # noqa: E402
 
@@ -21,7 +22,9 @@ def label_heatmap(profile: DataProfile, path: str) -> str:
     width = min(3.5 + 0.25 * profile.num_classes, 16)
     fig, ax = plt.subplots(figsize=(width, height))
     image = ax.imshow(shares, aspect="auto", interpolation="nearest", cmap="viridis",
-                      vmin=0.0, vmax=1.0)
+                      vmin=0.0, vmax=max(float(shares.max()), 1e-9))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("class")
     ax.set_ylabel("client")
     ax.set_title(f"{profile.dataset} / {profile.partition}: label share per client")

@@ -102,3 +102,81 @@ def test_stack_clients_pads_with_zeros_and_records_sizes():
     np.testing.assert_array_equal(arrays.sizes, [3, 1])
     np.testing.assert_array_equal(arrays.x[:, :, 0], [[1, 2, 3], [6, 0, 0]])
     np.testing.assert_array_equal(arrays.y, [[0, 1, 2], [5, 0, 0]])
+
+
+def test_dirichlet_finishes_for_500_clients_alpha_0_1_and_100_classes():
+    y = _labels(500, classes=100)  # 50,000 samples, CIFAR-100 sized
+    parts = partitions.dirichlet_partition(y, 500, 0.1, min_samples=20, seed=0)
+    _assert_exact_cover(parts, len(y))
+    assert min(len(p) for p in parts) >= 20
+    again = partitions.dirichlet_partition(y, 500, 0.1, min_samples=20, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.5, 2.0])
+def test_quantity_skew_covers_every_sample_and_respects_minimum(sigma):
+    y = _labels(100)
+    parts = partitions.quantity_skew_partition(y, 30, sigma, min_samples=5, seed=2)
+    _assert_exact_cover(parts, len(y))
+    sizes = np.array([len(p) for p in parts])
+    assert sizes.min() >= 5
+    if sigma == 0.0:
+        assert sizes.max() - sizes.min() <= 1
+
+
+def test_quantity_skew_sizes_follow_the_lognormal_shares():
+    y = _labels(1000)  # 10,000 samples
+    parts = partitions.quantity_skew_partition(y, 50, 1.0, min_samples=0, seed=4)
+    shares = np.random.default_rng(4).lognormal(0.0, 1.0, 50)
+    expected = shares / shares.sum() * len(y)
+    np.testing.assert_allclose([len(p) for p in parts], expected, atol=1.0)
+
+    def cv(sigma):
+        sizes = [len(p) for p in partitions.quantity_skew_partition(y, 50, sigma, 0, seed=4)]
+        return np.std(sizes) / np.mean(sizes)
+
+    assert cv(0.1) < cv(0.5) < cv(1.5)
+
+
+def test_quantity_skew_impossible_minimum_names_the_fields():
+    with pytest.raises(ValueError, match="min_samples_per_client=10 x config.data.num_clients"):
+        partitions.quantity_skew_partition(_labels(10), 20, 1.0, min_samples=10, seed=0)
+
+
+def test_natural_partition_gives_one_group_per_client():
+    groups = np.array([3, 1, 3, 2, 1, 1, 7, 2, 3, 7])
+    parts = partitions.natural_partition(groups, 4, seed=0)
+    _assert_exact_cover(parts, len(groups))
+    assert sorted(len(np.unique(groups[p])) for p in parts) == [1, 1, 1, 1]
+    assert sorted(int(groups[p[0]]) for p in parts) == [1, 2, 3, 7]
+    fewer = partitions.natural_partition(groups, 2, seed=1)
+    chosen = np.concatenate(fewer)
+    assert len(np.unique(chosen)) == len(chosen)  # disjoint
+    for p in fewer:  # each chosen writer brings all of its samples
+        np.testing.assert_array_equal(p, np.flatnonzero(groups == groups[p[0]]))
+
+
+def test_natural_partition_errors_name_the_fields():
+    with pytest.raises(ValueError, match="needs a dataset with natural groups"):
+        partitions.natural_partition(None, 3, seed=0)
+    with pytest.raises(ValueError, match=r"num_clients=5: the natural partition has 4 groups"):
+        partitions.natural_partition(np.array([0, 1, 2, 3]), 5, seed=0)
+
+
+@pytest.mark.parametrize("partition", ["iid", "dirichlet", "pathological", "quantity_skew",
+                                       "natural"])
+def test_partition_dataset_is_deterministic_and_disjoint(partition):
+    from fedjax_pfedes.data.federated import partition_dataset
+    from fedjax_pfedes.data.sources import make_dataset
+
+    y = _labels(40)
+    x = np.zeros((len(y), 2), np.float32)
+    central = make_dataset("t", "tabular", x, y, x[:4], y[:4], 10,
+                           groups_train=np.arange(len(y)) % 10)
+    a = partition_dataset(central, 10, partition, seed=7, min_samples_per_client=5)
+    b = partition_dataset(central, 10, partition, seed=7, min_samples_per_client=5)
+    for split in ("train_indices", "test_indices"):
+        for u, v in zip(getattr(a, split), getattr(b, split), strict=True):
+            np.testing.assert_array_equal(u, v)
+    everything = np.concatenate(a.train_indices + a.test_indices)
+    assert len(everything) == len(np.unique(everything)) == len(y)  # all 10 classes/groups held

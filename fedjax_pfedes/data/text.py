@@ -47,7 +47,7 @@ def encode(texts: Sequence[str | bytes], vocabulary: dict[str, int], max_length:
 
 
 def synthetic_topic_corpus(num_docs: int, num_classes: int, vocab_size: int, max_length: int,
-                           seed: int, topic_share: float = 0.1, topic_words: int = 300,
+                           seed: int, topic_share: float = 0.2, topic_words: int = 300,
                            topic_concentration: float = 0.1
                            ) -> tuple[np.ndarray, np.ndarray]:
     """A generated topic-classification corpus (token ids, labels); no real text.
