@@ -135,3 +135,23 @@ def test_model_of_another_modality_is_rejected_with_the_alternatives():
     with pytest.raises(ValueError, match=r"proxy extractor 'proxy_cnn' takes image inputs but "
                                          r"the dataset is tabular"):
         registry.proxy_model("proxy_cnn", 8, TABULAR)
+
+
+def test_client_model_and_proxy_see_the_same_inputs_whatever_the_client_pixel_range():
+    """Clients storing uint8 [0, 255], float [0, 255] or float [0, 1] pixels get identical
+    outputs from their model and from E_proxy (one normalization, seed section 3.1)."""
+    spec = InputSpec("image", (28, 28, 1), "uint8", (0.13,), (0.31,))
+    pixels = np.random.default_rng(0).integers(0, 256, (3, 28, 28, 1)).astype(np.uint8)
+    views = [jnp.asarray(pixels), jnp.asarray(pixels, jnp.float32),
+             jnp.asarray(pixels / 255.0, jnp.float32)]
+    model = registry.client_model("convnet3", 10, 8, spec)
+    proxy = registry.proxy_model("proxy_cnn", 8, spec)
+    model_params = model.init(jax.random.key(0), spec.dummy_batch())
+    proxy_params = proxy.init(jax.random.key(1), spec.dummy_batch())
+    reference_logits, _ = model.apply(model_params, views[0])
+    reference_proxy = proxy.apply(proxy_params, views[0])
+    for x in views[1:]:
+        np.testing.assert_allclose(model.apply(model_params, x)[0], reference_logits,
+                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(proxy.apply(proxy_params, x), reference_proxy,
+                                   rtol=1e-4, atol=1e-5)
