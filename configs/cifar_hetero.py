@@ -2,9 +2,11 @@
 
 Yi et al., AAAI 2025: client k uses CNN-((k mod 5)+1); each client holds 2 classes with per-class
 shares ~ U(0.4, 0.6); its local test split has the same classes. CIFAR-10 is read through
-tensorflow-datasets and must be prepared on this machine beforehand.
+tfds.data_source and must be prepared beforehand (`tfds build cifar10 --file_format=array_record`
+on a machine with internet); without it the run stops at once with those instructions.
 
-  python -m launch.main --config=configs/cifar_hetero.py --workdir=runs/cifar_hetero
+  python -m launch.main --config=configs/cifar_hetero.py --workdir=runs/cifar_hetero \
+      --config.data.data_dir=/path/to/tensorflow_datasets
 """
 
 import ml_collections
