@@ -13,7 +13,8 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0                      # seeds data split, model init, sampling and batches
-    config.algorithm = "pfedes"          # federated algorithm (see fedjax_pfedes/algorithms)
+    # pfedes | pfedes_paper | standalone | fedavg | fedprox | fedavgm | fedadam
+    config.algorithm = "pfedes"
 
     # pFedES (seed document, section 3.4 gives the ranges).
     config.lam = 0.5                     # weight of the alignment loss; 0.1-1.0, 2.0 collapses
@@ -26,6 +27,20 @@ def get_config() -> ml_collections.ConfigDict:
     config.projection_layernorm = False  # LayerNorm after the projection head's ReLU
     config.warmup_steps = 0              # first W local steps of a client: backbone frozen
     config.server_momentum = 0.5         # beta: new = beta * old + (1 - beta) * average
+
+    # Other methods (config.algorithm = 'standalone' | 'fedavg' | 'fedprox' | 'fedavgm' | 'fedadam';
+    # the FedAvg family runs per architecture cohort). Local training uses config.train.
+    config.baseline = ml_collections.ConfigDict()
+    config.baseline.prox_mu = 0.01       # FedProx: mu/2 * ||w - w_global||^2
+    config.baseline.server_lr = 1.0      # FedAvgM / FedAdam: server learning rate
+    config.baseline.server_momentum = 0.9  # FedAvgM: server heavy-ball momentum
+    config.baseline.adam_b1 = 0.9        # FedAdam (Reddi et al. 2021)
+    config.baseline.adam_b2 = 0.99
+    config.baseline.adam_eps = 1e-3
+    # The published pFedES (config.algorithm = 'pfedes_paper', Yi et al. AAAI 2025): loss
+    # (1 - mu) CE(F(x)) + mu CE(F(G(x))); G's SGD learning rate = ratio * lr_local.
+    config.baseline.paper_mu = 0.5
+    config.baseline.paper_g_lr_ratio = 1.0
 
     config.data = ml_collections.ConfigDict()
     # Datasets (README "Datasets"): offline 'mnist5k' | 'digits' | 'breast_cancer' | 'wine' |

@@ -14,7 +14,9 @@ from fedjax_pfedes.data.federated import PARTITIONS
 from fedjax_pfedes.data.sources import CentralDataset
 from fedjax_pfedes.models.registry import check_architecture, check_proxy
 
-ALGORITHMS = ("pfedes",)
+FEDAVG_FAMILY = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",
+                 "fedadam": "adam"}  # algorithm -> server optimizer
+ALGORITHMS = ("pfedes", "pfedes_paper", "standalone", *FEDAVG_FAMILY)
 
 
 class ConfigError(ValueError):
@@ -84,6 +86,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(0 <= train.local_momentum < 1,
              f"config.train.local_momentum must be in [0, 1), got {train.local_momentum}")
     _require(config.eval.every >= 1, f"config.eval.every must be >= 1, got {config.eval.every}")
+    b = config.baseline
+    _require(0 <= b.paper_mu <= 1, f"config.baseline.paper_mu must be in [0, 1], got {b.paper_mu}")
+    _require(b.paper_g_lr_ratio > 0,
+             f"config.baseline.paper_g_lr_ratio must be > 0, got {b.paper_g_lr_ratio}")
+    _require(b.prox_mu >= 0, f"config.baseline.prox_mu must be >= 0, got {b.prox_mu}")
+    _require(b.server_lr > 0, f"config.baseline.server_lr must be > 0, got {b.server_lr}")
+    _require(0 <= b.server_momentum < 1,
+             f"config.baseline.server_momentum must be in [0, 1), got {b.server_momentum}")
 
 
 def check_against_data(config: ml_collections.ConfigDict, central: CentralDataset) -> None:
@@ -102,6 +112,9 @@ def check_against_data(config: ml_collections.ConfigDict, central: CentralDatase
         _require(config.data.classes_per_client <= central.num_classes,
                  f"config.data.classes_per_client={config.data.classes_per_client} exceeds the "
                  f"{central.num_classes} classes of '{config.data.name}'")
+    _require(config.algorithm != "pfedes_paper" or central.modality == "image",
+             "config.algorithm='pfedes_paper' needs image data (its proxy G is an image-to-image "
+             f"network); config.data.name='{config.data.name}' is {central.modality}")
     try:
         for arch in dict.fromkeys(assign_architectures(config.clients.architectures, n)):
             check_architecture(arch, modality=central.modality)

@@ -77,3 +77,32 @@ def select_tree(pred: jnp.ndarray, on_true, on_false):
 def sgd(learning_rate: float, momentum: float) -> optax.GradientTransformation:
     """The local optimizer: SGD, with heavy-ball momentum when `momentum` > 0."""
     return optax.sgd(learning_rate, momentum=momentum if momentum > 0 else None)
+
+
+def run_local_epochs(train_step, carry, data, rng: jax.Array, batch_size: int, epochs: int,
+                     unroll: bool):
+    """Runs `epochs` passes of `train_step` over one client's padded `data`.
+
+    Args:
+      train_step: (carry, (x, y, sample_mask)) -> (carry, stats [num_stats]).
+      carry: the training state threaded through the steps.
+      data: one client's `ClientArrays` (x [capacity, ...], y [capacity], sizes scalar).
+      unroll: unroll the scan over steps (fast conv gradients on CPU; SPEC.md).
+
+    Returns:
+      (final carry, per-stat sums over active steps, number of active steps). Steps past the
+      client's own data leave the carry untouched (`select`, see docs/architecture.md).
+    """
+    capacity = data.y.shape[0]
+    schedule = batch_schedule(rng, data.sizes, capacity, batch_size, epochs)
+
+    def step(carry, step_inputs):
+        *batch, active = step_inputs
+        new_carry, stats = train_step(carry, tuple(batch))
+        return select_tree(active, new_carry, carry), stats * active.astype(stats.dtype)
+
+    inputs = (data.x[schedule.indices], data.y[schedule.indices], schedule.sample_mask,
+              schedule.step_active)
+    n = schedule.step_active.shape[0]
+    carry, per_step = jax.lax.scan(step, carry, inputs, unroll=n if unroll else 1)
+    return carry, per_step.sum(axis=0), schedule.step_active.sum().astype(jnp.float32)

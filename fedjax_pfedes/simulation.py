@@ -18,9 +18,17 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from fedjax_pfedes import aggregation, execution, plotting, sampling
+from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
+from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
+from fedjax_pfedes.algorithms.standalone import standalone
 from fedjax_pfedes.cohorts import Cohort, assign_architectures, build_cohorts
-from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
+from fedjax_pfedes.config_validation import (
+    FEDAVG_FAMILY,
+    ConfigError,
+    check_against_data,
+    validate_config,
+)
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.federated import FederatedData, partition_dataset
 from fedjax_pfedes.data.profile import DataProfile, profile_partition
@@ -62,8 +70,28 @@ def write_data_profile(data: FederatedData, partition: str, workdir: str) -> Dat
 
 
 def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
-    """The configured algorithm for the dataset's shapes and statistics."""
+    """The configured algorithm (`config.algorithm`) for the dataset's shapes and statistics."""
     c = data.central
+    if config.algorithm in FEDAVG_FAMILY or config.algorithm == "standalone":
+        b, t = config.baseline, config.train
+        fedavg_config = FedAvgConfig(
+            num_classes=c.num_classes, input_spec=c.input_spec, lr_local=t.lr_local,
+            local_momentum=t.local_momentum, local_epochs=t.local_epochs,
+            batch_size=t.batch_size, unroll_local_steps=config.execution.unroll_local_steps,
+            prox_mu=b.prox_mu if config.algorithm == "fedprox" else 0.0,
+            server_optimizer=FEDAVG_FAMILY.get(config.algorithm, "none"),
+            server_lr=b.server_lr, server_momentum=b.server_momentum, adam_b1=b.adam_b1,
+            adam_b2=b.adam_b2, adam_eps=b.adam_eps, name=config.algorithm)
+        if config.algorithm == "standalone":
+            return standalone(fedavg_config)
+        return fedavg(fedavg_config)
+    if config.algorithm == "pfedes_paper":
+        t = config.train
+        return pfedes_paper(PFedESPaperConfig(
+            num_classes=c.num_classes, input_spec=c.input_spec, mu=config.baseline.paper_mu,
+            g_lr_ratio=config.baseline.paper_g_lr_ratio, lr_local=t.lr_local,
+            local_momentum=t.local_momentum, local_epochs=t.local_epochs,
+            batch_size=t.batch_size, unroll_local_steps=config.execution.unroll_local_steps))
     return pfedes(PFedESConfig(
         num_classes=c.num_classes, input_spec=c.input_spec,
         lam=config.lam, align=config.align, contrastive_temperature=config.contrastive_temperature,
@@ -94,35 +122,40 @@ def majority_class_accuracy(data: FederatedData) -> float:
 def evaluate(algorithm, server_state, cohorts: list[Cohort], global_x, global_y
              ) -> dict[str, Any]:
     """Every client's model on its own local test split and on the global test set."""
-    broadcast = algorithm.broadcast(server_state)
     per_client: dict[str, list[np.ndarray]] = {}
     per_cohort = {}
     for cohort in cohorts:
+        broadcast = algorithm.broadcast(server_state, cohort.arch)
         m = jax.device_get(cohort.runner.evaluate(broadcast, cohort.states, cohort.test,
                                                   global_x, global_y))
         for k, v in m.items():
             per_client.setdefault(k, []).append(np.asarray(v))
         per_cohort[cohort.arch] = float(np.mean(m["personalized_accuracy"]))
     acc = np.concatenate(per_client["personalized_accuracy"])
+    means = {f"{k}_mean": float(np.concatenate(v).mean()) for k, v in per_client.items()}
     return {
-        "personalized_accuracy_mean": float(acc.mean()),
+        **means,
         "personalized_accuracy_std": float(acc.std()),
         "personalized_accuracy_min": float(acc.min()),
         "personalized_accuracy_max": float(acc.max()),
-        "global_accuracy_mean": float(np.concatenate(per_client["global_accuracy"]).mean()),
-        "test_ce_loss_mean": float(np.concatenate(per_client["test_ce_loss"]).mean()),
-        "test_align_loss_mean": float(np.concatenate(per_client["test_align_loss"]).mean()),
         "personalized_accuracy_by_arch": per_cohort,
     }
+
+
+def tree_size(tree) -> tuple[int, int]:
+    """(number of parameters, bytes) of a pytree of arrays, dense."""
+    leaves = jax.tree.leaves(tree)
+    return (sum(int(np.prod(np.shape(x))) for x in leaves),
+            sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves))
 
 
 def run_round(algorithm, server_state, cohorts: list[Cohort], participants: np.ndarray,
               round_key: jax.Array, server_step) -> tuple[Any, dict[str, float]]:
     """One round: broadcast, local updates of every cohort's participants, checks, server step."""
-    broadcast = algorithm.broadcast(server_state)
-    template = algorithm.upload_template(server_state)
-    groups, train_metrics = [], []
+    groups, train_metrics, traffic = {}, [], []
     for cohort in cohorts:
+        broadcast = algorithm.broadcast(server_state, cohort.arch)
+        template = algorithm.upload_template(server_state, cohort.arch)
         slots = cohort.slots(participants)
         valid = slots < len(cohort.client_ids)
         ids = np.where(valid, cohort.client_ids[np.minimum(slots, len(cohort.client_ids) - 1)],
@@ -133,12 +166,18 @@ def run_round(algorithm, server_state, cohorts: list[Cohort], participants: np.n
         aggregation.check_upload(template, uploads, f"clients {ids[valid].tolist()} "
                                  f"(cohort '{cohort.arch}')", stacked=cohort.bucket)
         sizes = jnp.take(cohort.train.sizes, jnp.asarray(slots), mode="clip")
-        groups.append((uploads, aggregation.client_weights(sizes, jnp.asarray(valid))))
+        groups[cohort.arch] = (uploads, aggregation.client_weights(sizes, jnp.asarray(valid)))
         if valid.any():
             train_metrics.append({k: np.asarray(v)[valid] for k, v in metrics.items()})
+            traffic.append((int(valid.sum()), *tree_size(template), *tree_size(broadcast)))
     server_state = server_step(server_state, groups)
     summary = {f"{k}_mean": float(np.concatenate([m[k] for m in train_metrics]).mean())
                for k in train_metrics[0]}
+    counts = np.array(traffic, np.float64)
+    per_client = counts[:, 1:].T @ counts[:, 0] / counts[:, 0].sum()
+    summary.update(zip(("upload_params_per_client", "upload_bytes_per_client",
+                        "download_params_per_client", "download_bytes_per_client"),
+                       per_client.tolist(), strict=True))
     return server_state, summary
 
 
@@ -162,7 +201,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     root = jax.random.key(config.seed)
     server_key, client_key, train_key = jax.random.split(root, 3)
     cohorts = build_cohorts(data, archs, programs, runners, m, client_key)
-    server_state = algorithm.init_server(server_key)
+    server_state = algorithm.init_server(server_key, tuple(c.arch for c in cohorts))
     server_step = jax.jit(algorithm.server_update)
     global_x, global_y = _global_test(data, config)
     writer = MetricsWriter(workdir)

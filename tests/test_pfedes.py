@@ -148,7 +148,8 @@ def test_server_step_is_weighted_mean_then_momentum_against_numpy():
     ups = [jax.tree.map(lambda p, k=k: jnp.asarray(rng.normal(size=(k,) + p.shape), p.dtype),
                         server.proxy_params) for k in (3, 2)]
     weights = [jnp.array([10.0, 30.0, 5.0]), jnp.array([55.0, 0.0])]
-    new = alg.server_update(server, list(zip(ups, weights, strict=True)))
+    new = alg.server_update(server, {f"cohort{i}": g for i, g in
+                                     enumerate(zip(ups, weights, strict=True))})
     w = np.array([10.0, 30.0, 5.0, 55.0, 0.0])
     flat_new = jax.tree.leaves(new.proxy_params)
     flat_old = jax.tree.leaves(server.proxy_params)
@@ -164,7 +165,7 @@ def test_server_step_without_any_weight_keeps_the_proxy():
     alg = pfedes(_cfg())
     server = alg.init_server(jax.random.key(0))
     ups = jax.tree.map(lambda p: jnp.ones((2,) + p.shape, p.dtype), server.proxy_params)
-    new = alg.server_update(server, [(ups, jnp.zeros(2))])
+    new = alg.server_update(server, {"mlp": (ups, jnp.zeros(2))})
     chex.assert_trees_all_equal(new.proxy_params, server.proxy_params)
     assert isinstance(new, ServerState)
 

@@ -40,17 +40,20 @@ class Algorithm:
 
     Attributes:
       name: config name.
-      init_server: rng -> ServerState.
-      broadcast: ServerState -> what every participant receives this round.
-      upload_template: ServerState -> the tree every upload must match (structure, shapes, dtypes).
-      server_update: (ServerState, [(stacked uploads, weights) per cohort]) -> ServerState; pure
-        and jittable.
+      init_server: (rng, architecture names of the cohorts) -> ServerState.
+      broadcast: (ServerState, arch) -> what each participant of that cohort receives this round
+        (the same tree for every cohort when the server shares one model, e.g. pFedES's E_proxy;
+        the cohort's own global model for FedAvg run per cohort).
+      upload_template: (ServerState, arch) -> the tree every upload of that cohort must match
+        (structure, shapes, dtypes); `{}` when nothing is uploaded.
+      server_update: (ServerState, {arch: (stacked uploads, weights)}) -> ServerState; pure and
+        jittable.
       cohort_program: architecture name -> CohortProgram.
     """
 
     name: str
-    init_server: Callable[[jax.Array], PyTree]
-    broadcast: Callable[[PyTree], PyTree]
-    upload_template: Callable[[PyTree], PyTree]
-    server_update: Callable[[PyTree, list[tuple[PyTree, jax.Array]]], PyTree]
+    init_server: Callable[[jax.Array, tuple[str, ...]], PyTree]
+    broadcast: Callable[[PyTree, str], PyTree]
+    upload_template: Callable[[PyTree, str], PyTree]
+    server_update: Callable[[PyTree, dict[str, tuple[PyTree, jax.Array]]], PyTree]
     cohort_program: Callable[[str], CohortProgram]

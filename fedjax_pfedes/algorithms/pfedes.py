@@ -19,7 +19,7 @@ document (shared/seeds/000_*.txt, sections 2-3):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -85,15 +85,17 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
     lr_proxy = cfg.proxy_lr_ratio * cfg.lr_local
     dummy_x = cfg.input_spec.dummy_batch()
 
-    def init_server(rng: jax.Array) -> ServerState:
+    def init_server(rng: jax.Array, archs: tuple[str, ...] = ()) -> ServerState:
+        del archs  # one E_proxy shared by every cohort
         return ServerState(proxy.init(rng, dummy_x), jnp.zeros((), jnp.int32))
 
-    def broadcast(state: ServerState) -> dict:
+    def broadcast(state: ServerState, arch: str = "") -> dict:
+        del arch
         return state.proxy_params
 
-    def server_update(state: ServerState, groups: Sequence[tuple[dict, jax.Array]]
+    def server_update(state: ServerState, groups: Mapping[str, tuple[dict, jax.Array]]
                       ) -> ServerState:
-        average, total = aggregation.weighted_mean(groups)
+        average, total = aggregation.weighted_mean(list(groups.values()))
         smoothed = aggregation.momentum_smoothing(state.proxy_params, average,
                                                   cfg.server_momentum)
         new_params = local_training.select_tree(total > 0, smoothed, state.proxy_params)
@@ -133,34 +135,20 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
             new_proxy = jax.tree.map(lambda q, g: q - lr_proxy * g, proxy_params, proxy_grads)
 
             return ((new_params, new_opt_state, new_proxy, steps + 1),
-                    jnp.stack([ce, al, proxy_loss, jnp.ones_like(ce)]))
-
-        def local_step(carry, step_inputs):
-            # A step past the client's own data changes nothing. (`select` rather than
-            # `lax.cond`: a cond per unrolled step was slower on CPU; docs/architecture.md.)
-            *batch, active = step_inputs
-            new_carry, stats = train_step(carry, tuple(batch))
-            return (local_training.select_tree(active, new_carry, carry),
-                    stats * active.astype(stats.dtype))
+                    jnp.stack([ce, al, proxy_loss]))
 
         def client_update(global_proxy, state: ClientState, data, rng):
-            capacity = data.y.shape[0]
-            schedule = local_training.batch_schedule(rng, data.sizes, capacity, cfg.batch_size,
-                                                     cfg.local_epochs)
-            inputs = (data.x[schedule.indices], data.y[schedule.indices], schedule.sample_mask,
-                      schedule.step_active)
             carry = (state.params, state.opt_state, global_proxy, state.steps)
-            unroll = schedule.step_active.shape[0] if cfg.unroll_local_steps else 1
-            (params, opt_state, local_proxy, steps), per_step = jax.lax.scan(
-                local_step, carry, inputs, unroll=unroll)
-            sums = per_step.sum(axis=0)
-            n_steps = jnp.maximum(sums[3], 1.0)
+            (params, opt_state, local_proxy, steps), sums, n_active = \
+                local_training.run_local_epochs(train_step, carry, data, rng, cfg.batch_size,
+                                                cfg.local_epochs, cfg.unroll_local_steps)
+            n_steps = jnp.maximum(n_active, 1.0)
             delta = jax.tree.map(jnp.subtract, local_proxy, global_proxy)
             metrics = {
                 "train_ce_loss": sums[0] / n_steps,
                 "train_align_loss": sums[1] / n_steps,
                 "train_proxy_align_loss": sums[2] / n_steps,
-                "local_steps": sums[3],
+                "local_steps": n_active,
                 "proxy_update_norm": optax.tree.norm(delta),
             }
             return local_proxy, ClientState(params, opt_state, steps), metrics

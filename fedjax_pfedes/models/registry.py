@@ -103,3 +103,43 @@ def proxy_model(arch: str, dim: int, spec: InputSpec) -> ProxyExtractor:
     """The proxy feature extractor for a registered name."""
     check_proxy(arch, modality=spec.modality)
     return ProxyExtractor(arch, dim, spec)
+
+
+class Classifier(nn.Module):
+    """A plain classifier H(F(x)) for methods without a projection head (FedAvg family,
+    Standalone); parameter subtrees 'backbone' and 'classifier' as in `ClientModel`."""
+
+    arch: str
+    num_classes: int
+    spec: InputSpec
+
+    def setup(self):
+        self.normalize = InputNormalization(self.spec)
+        self.backbone = BACKBONES[self.arch].build(self.spec)
+        self.classifier = nn.Dense(self.num_classes)
+
+    def __call__(self, x: jnp.ndarray, pre_normalized: bool = False) -> jnp.ndarray:
+        """Logits; `pre_normalized=True` skips input normalization (input already normalized,
+        e.g. the output of the published pFedES's image-to-image proxy G)."""
+        return self.classifier(self.backbone(x if pre_normalized else self.normalize(x)))
+
+
+def classifier_model(arch: str, num_classes: int, spec: InputSpec) -> Classifier:
+    """The plain classifier for a registered backbone name."""
+    check_architecture(arch, modality=spec.modality)
+    return Classifier(arch, num_classes, spec)
+
+
+class ImageProxyG(nn.Module):
+    """The published pFedES's shared proxy G (Yi et al., AAAI 2025): input normalization, then
+    conv3x3 C->8, ReLU, conv3x3 8->C, ReLU — 443 parameters for RGB images. Returns an image in
+    the normalized input space, which the client's classifier reads with `pre_normalized=True`."""
+
+    spec: InputSpec
+    hidden: int = 8
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        x = InputNormalization(self.spec)(x)
+        x = nn.relu(nn.Conv(self.hidden, (3, 3), padding="SAME", name="conv1")(x))
+        return nn.relu(nn.Conv(self.spec.shape[-1], (3, 3), padding="SAME", name="conv2")(x))

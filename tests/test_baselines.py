@@ -1,0 +1,240 @@
+"""FedAvg family and Standalone: defining math against hand-derived references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tabular_hetero
+from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg
+from fedjax_pfedes.algorithms.standalone import standalone
+from fedjax_pfedes.data.federated import ClientArrays
+from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.simulation import run_experiment, tree_size
+
+SPEC = InputSpec("tabular", (5,), "float32", (0.0,) * 5, (1.0,) * 5)
+
+
+def _cfg(**kw):
+    base = dict(num_classes=3, input_spec=SPEC, lr_local=0.1, batch_size=8, local_epochs=1)
+    base.update(kw)
+    return FedAvgConfig(**base)
+
+
+def _data(n=8, capacity=8, seed=0):
+    rng = np.random.default_rng(seed)
+    x = np.zeros((capacity, 5), np.float32)
+    y = np.zeros((capacity,), np.int32)
+    x[:n] = rng.normal(size=(n, 5))
+    y[:n] = rng.integers(0, 3, n)
+    return ClientArrays(jnp.asarray(x), jnp.asarray(y), jnp.int32(n))
+
+
+def _reference_ce(model, params, x, y):
+    logp = jax.nn.log_softmax(model.apply(params, x))
+    return -jnp.mean(logp[jnp.arange(len(y)), y])
+
+
+def test_fedavg_local_update_is_sgd_on_the_clients_data():
+    alg = fedavg(_cfg())
+    server = alg.init_server(jax.random.key(0), ("mlp_small",))
+    program = alg.cohort_program("mlp_small")
+    data = _data()
+    upload, _, metrics = program.client_update(server.params["mlp_small"],
+                                               program.init_client(jax.random.key(1)), data,
+                                               jax.random.key(2))
+    from fedjax_pfedes.models import registry
+
+    model = registry.classifier_model("mlp_small", 3, SPEC)
+    w0 = server.params["mlp_small"]
+    grads = jax.grad(lambda p: _reference_ce(model, p, data.x, data.y))(w0)
+    expected = jax.tree.map(lambda w, g: w - 0.1 * g, w0, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 upload, expected)
+    assert float(metrics["local_steps"]) == 1.0
+
+
+def test_fedprox_with_mu_zero_equals_fedavg_and_mu_pulls_toward_the_global_model():
+    data = _data(n=16, capacity=16)
+    cfg = dict(batch_size=4, local_epochs=2)
+    runs = {}
+    for name, mu in (("fedavg", 0.0), ("fedprox0", 0.0), ("fedprox", 5.0)):
+        alg = fedavg(_cfg(prox_mu=mu, name=name, **cfg))
+        server = alg.init_server(jax.random.key(0), ("mlp",))
+        program = alg.cohort_program("mlp")
+        runs[name] = (server.params["mlp"], program.client_update(
+            server.params["mlp"], program.init_client(jax.random.key(1)), data,
+            jax.random.key(3))[0])
+    jax.tree.map(np.testing.assert_array_equal, runs["fedavg"][1], runs["fedprox0"][1])
+
+    def drift(name):
+        w0, w = runs[name]
+        return float(sum(jnp.sum((a - b) ** 2) for a, b in
+                         zip(jax.tree.leaves(w), jax.tree.leaves(w0), strict=True)))
+
+    assert drift("fedprox") < drift("fedavg")
+
+
+def test_fedprox_two_steps_match_the_proximal_gradient_by_hand():
+    """Step 1 starts at w_g (prox gradient 0); step 2 adds mu * (w1 - w_g)."""
+    mu, lr = 3.0, 0.1
+    data = _data(n=16, capacity=16)
+    alg = fedavg(_cfg(prox_mu=mu, batch_size=16, local_epochs=2, lr_local=lr))
+    server = alg.init_server(jax.random.key(0), ("mlp_small",))
+    program = alg.cohort_program("mlp_small")
+    upload, _, _ = program.client_update(server.params["mlp_small"],
+                                         program.init_client(jax.random.key(1)), data,
+                                         jax.random.key(2))
+    from fedjax_pfedes.models import registry
+
+    model = registry.classifier_model("mlp_small", 3, SPEC)
+    wg = server.params["mlp_small"]
+    ce_grad = jax.grad(lambda p: _reference_ce(model, p, data.x, data.y))
+    w1 = jax.tree.map(lambda w, g: w - lr * g, wg, ce_grad(wg))
+    w2 = jax.tree.map(lambda w, g, w_g: w - lr * (g + mu * (w - w_g)), w1, ce_grad(w1), wg)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), upload, w2)
+
+
+def _uploads_with_average(old, average, weights):
+    """Two stacked uploads whose weighted mean is `average`."""
+    w = np.asarray(weights, np.float64) / np.sum(weights)
+    first = jax.tree.map(lambda a: a + 1.0, average)
+    second = jax.tree.map(lambda a, f: (a - w[0] * f) / w[1], average, first)
+    del old
+    return jax.tree.map(lambda a, b: jnp.stack([a, b]), first, second)
+
+
+def test_server_averages_per_cohort_by_sample_counts_and_skips_empty_cohorts():
+    alg = fedavg(_cfg())
+    server = alg.init_server(jax.random.key(0), ("mlp", "mlp_small"))
+    ups = jax.tree.map(lambda a: jnp.stack([a + 1.0, a - 2.0]), server.params["mlp"])
+    new = alg.server_update(server, {"mlp": (ups, jnp.array([30.0, 10.0])),
+                                     "mlp_small": (jax.tree.map(lambda a: jnp.stack([a, a]) + 9,
+                                                                server.params["mlp_small"]),
+                                                   jnp.zeros(2))})
+    expected = jax.tree.map(lambda a: a + 0.75 * 1.0 + 0.25 * -2.0, server.params["mlp"])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
+                 new.params["mlp"], expected)
+    jax.tree.map(np.testing.assert_array_equal, new.params["mlp_small"],
+                 server.params["mlp_small"])
+
+
+def test_fedavgm_applies_heavy_ball_momentum_to_the_pseudo_gradient():
+    lr, beta = 0.5, 0.9
+    alg = fedavg(_cfg(server_optimizer="sgd_momentum", server_lr=lr, server_momentum=beta))
+    s0 = alg.init_server(jax.random.key(0), ("mlp_small",))
+    g = 0.2  # every round the clients' average sits 0.2 below the current model
+    weights = jnp.array([1.0, 3.0])
+    w0 = s0.params["mlp_small"]
+    s1 = alg.server_update(s0, {"mlp_small": (_uploads_with_average(
+        w0, jax.tree.map(lambda a: a - g, w0), weights), weights)})
+    w1 = s1.params["mlp_small"]
+    s2 = alg.server_update(s1, {"mlp_small": (_uploads_with_average(
+        w1, jax.tree.map(lambda a: a - g, w1), weights), weights)})
+    # v1 = g, w1 = w0 - lr g; v2 = beta g + g, w2 = w1 - lr (1 + beta) g.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b - lr * g, atol=1e-5), w1, w0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b - lr * (1 + beta) * g, atol=1e-5),
+                 s2.params["mlp_small"], w1)
+
+
+def test_fedadam_first_step_is_lr_times_sign_scaled_by_eps():
+    lr, eps = 0.01, 1e-3
+    alg = fedavg(_cfg(server_optimizer="adam", server_lr=lr, adam_eps=eps))
+    s0 = alg.init_server(jax.random.key(0), ("mlp_small",))
+    w0 = s0.params["mlp_small"]
+    g = 0.05
+    weights = jnp.array([2.0, 2.0])
+    s1 = alg.server_update(s0, {"mlp_small": (_uploads_with_average(
+        w0, jax.tree.map(lambda a: a - g, w0), weights), weights)})
+    # Bias-corrected first Adam step: m = g, v = g^2, update = -lr * g / (|g| + eps).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b - lr * g / (g + eps), atol=1e-6),
+                 s1.params["mlp_small"], w0)
+
+
+def test_standalone_uploads_nothing_and_continues_from_its_own_state():
+    alg = standalone(_cfg(batch_size=4))
+    program = alg.cohort_program("mlp_small")
+    server = alg.init_server(jax.random.key(0), ("mlp_small",))
+    state = program.init_client(jax.random.key(1))
+    data = _data(n=8, capacity=8)
+    upload, state1, _ = program.client_update(alg.broadcast(server, "mlp_small"), state, data,
+                                              jax.random.key(2))
+    _, state2, _ = program.client_update({}, state1, data, jax.random.key(3))
+    assert upload == {} and alg.upload_template(server, "mlp_small") == {}
+    assert tree_size(upload) == (0, 0)
+    assert int(alg.server_update(server, {}).round) == 1
+    changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.any(a != b)), state1.params,
+                                           state2.params))
+    assert any(changed)  # the second round trained further from the first round's model
+
+
+def test_tree_size_counts_parameters_and_bytes():
+    tree = {"a": jnp.zeros((3, 4)), "b": {"c": jnp.zeros(5, jnp.bfloat16)}}
+    assert tree_size(tree) == (17, 12 * 4 + 5 * 2)
+
+
+@pytest.mark.parametrize("algorithm", ["pfedes", "fedavg", "standalone"])
+def test_runs_report_upload_and_download_sizes(algorithm, tmp_path):
+    config = tabular_hetero.get_config()
+    config.algorithm = algorithm
+    config.train.rounds = 1
+    config.clients.architectures = "mlp_small"
+    summary = run_experiment(config, str(tmp_path), show_progress=False)
+    final = summary["final"]
+    if algorithm == "pfedes":
+        # proxy_mlp on 30 features: Dense 30->128, then out 128->32 (proxy_dim).
+        expected = 30 * 128 + 128 + 128 * 32 + 32
+    elif algorithm == "fedavg":
+        # mlp_small: Dense 30->64, classifier 64->2.
+        expected = 30 * 64 + 64 + 64 * 2 + 2
+    else:
+        expected = 0
+    assert final["upload_params_per_client"] == expected
+    assert final["download_params_per_client"] == expected
+    assert final["upload_bytes_per_client"] == 4 * expected
+
+
+def test_published_pfedes_proxy_g_has_443_parameters_on_rgb():
+    from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
+
+    spec = InputSpec("image", (32, 32, 3), "uint8", (0.5,) * 3, (0.25,) * 3)
+    alg = pfedes_paper(PFedESPaperConfig(num_classes=10, input_spec=spec))
+    server = alg.init_server(jax.random.key(0))
+    assert tree_size(server.g_params)[0] == 443 == (3 * 3 * 3 * 8 + 8) + (3 * 3 * 8 * 3 + 3)
+
+
+def test_published_pfedes_alternation_matches_a_hand_reference():
+    """F_k steps on (1-mu) CE(F(x)) + mu CE(F(G(x))) with G fixed; then G steps on
+    CE(F_new(G(x))) with F fixed at its new value; the upload is G."""
+    from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
+    from fedjax_pfedes.models import registry
+
+    spec = InputSpec("image", (6, 6, 3), "float32", (0.4,) * 3, (0.3,) * 3)
+    mu, lr, ratio = 0.3, 0.1, 0.5
+    alg = pfedes_paper(PFedESPaperConfig(num_classes=3, input_spec=spec, mu=mu, lr_local=lr,
+                                         g_lr_ratio=ratio, batch_size=8))
+    server = alg.init_server(jax.random.key(0))
+    program = alg.cohort_program("mlp_small")
+    state = program.init_client(jax.random.key(1))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(size=(8, 6, 6, 3)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 3, 8), jnp.int32)
+    upload, new_state, _ = program.client_update(server.g_params, state,
+                                                 ClientArrays(x, y, jnp.int32(8)),
+                                                 jax.random.key(2))
+    model = registry.classifier_model("mlp_small", 3, spec)
+    g_model = registry.ImageProxyG(spec)
+
+    def ce(logits):
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(8), y])
+
+    g0, f0 = server.g_params, state.params
+    gx = g_model.apply(g0, x)
+    f_grad = jax.grad(lambda p: (1 - mu) * ce(model.apply(p, x))
+                      + mu * ce(model.apply(p, gx, True)))(f0)
+    f1 = jax.tree.map(lambda w, g: w - lr * g, f0, f_grad)
+    g_grad = jax.grad(lambda q: ce(model.apply(f1, g_model.apply(q, x), True)))(g0)
+    g1 = jax.tree.map(lambda w, g: w - ratio * lr * g, g0, g_grad)
+    close = {"rtol": 1e-4, "atol": 1e-6}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **close), new_state.params, f1)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **close), upload, g1)
