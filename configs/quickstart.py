@@ -13,7 +13,8 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0                      # seeds data split, model init, sampling and batches
-    # pfedes | pfedes_paper | standalone | fedavg | fedprox | fedavgm | fedadam
+    # pfedes | pfedes_paper | standalone | fedavg | fedprox | fedavgm | fedadam | lg_fedavg |
+    # fedproto (README "Methods")
     config.algorithm = "pfedes"
 
     # pFedES (seed document, section 3.4 gives the ranges).
@@ -41,6 +42,8 @@ def get_config() -> ml_collections.ConfigDict:
     # (1 - mu) CE(F(x)) + mu CE(F(G(x))); G's SGD learning rate = ratio * lr_local.
     config.baseline.paper_mu = 0.5
     config.baseline.paper_g_lr_ratio = 1.0
+    # LG-FedAvg and FedProto use config.proxy_dim as the common feature dimension d.
+    config.baseline.proto_lambda = 1.0   # FedProto: weight of ||e - global prototype[y]||^2
 
     config.data = ml_collections.ConfigDict()
     # Datasets (README "Datasets"): offline 'mnist5k' | 'digits' | 'breast_cancer' | 'wine' |

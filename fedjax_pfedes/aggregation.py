@@ -93,3 +93,24 @@ def momentum_smoothing(old: PyTree, average: PyTree, beta: float) -> PyTree:
 def client_weights(sample_counts: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
     """Aggregation weight of each participant slot: its local sample count, 0 for padding."""
     return jnp.where(mask, sample_counts.astype(jnp.float32), 0.0)
+
+
+def class_weighted_mean(groups: Sequence[tuple[jax.Array, jax.Array, jax.Array]]
+                        ) -> tuple[jax.Array, jax.Array]:
+    """Per-class mean of uploaded class statistics, weighted by per-class sample counts.
+
+    Args:
+      groups: per cohort (values [slots, classes, d], counts [slots, classes], client weights
+        [slots]); a client's weight multiplies its counts (0 drops a padded slot).
+
+    Returns:
+      (mean [classes, d], total count [classes]); classes nobody holds get a zero mean.
+    """
+    numerator, total = None, None
+    for values, counts, weights in groups:
+        c = counts.astype(jnp.float32) * (weights > 0).astype(jnp.float32)[:, None]
+        num = jnp.einsum("kc,kcd->cd", c, values.astype(jnp.float32))
+        den = c.sum(axis=0)
+        numerator = num if numerator is None else numerator + num
+        total = den if total is None else total + den
+    return numerator / jnp.maximum(total, 1e-12)[:, None], total

@@ -16,7 +16,7 @@ from fedjax_pfedes.models.registry import check_architecture, check_proxy
 
 FEDAVG_FAMILY = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",
                  "fedadam": "adam"}  # algorithm -> server optimizer
-ALGORITHMS = ("pfedes", "pfedes_paper", "standalone", *FEDAVG_FAMILY)
+ALGORITHMS = ("pfedes", "pfedes_paper", "standalone", *FEDAVG_FAMILY, "lg_fedavg", "fedproto")
 
 
 class ConfigError(ValueError):
@@ -90,6 +90,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(0 <= b.paper_mu <= 1, f"config.baseline.paper_mu must be in [0, 1], got {b.paper_mu}")
     _require(b.paper_g_lr_ratio > 0,
              f"config.baseline.paper_g_lr_ratio must be > 0, got {b.paper_g_lr_ratio}")
+    _require(b.proto_lambda >= 0,
+             f"config.baseline.proto_lambda must be >= 0, got {b.proto_lambda}")
     _require(b.prox_mu >= 0, f"config.baseline.prox_mu must be >= 0, got {b.prox_mu}")
     _require(b.server_lr > 0, f"config.baseline.server_lr must be > 0, got {b.server_lr}")
     _require(0 <= b.server_momentum < 1,

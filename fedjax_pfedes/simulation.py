@@ -19,6 +19,8 @@ from tqdm.auto import tqdm
 
 from fedjax_pfedes import aggregation, execution, plotting, sampling
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg
+from fedjax_pfedes.algorithms.fedproto import fedproto
+from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, lg_fedavg
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
 from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
 from fedjax_pfedes.algorithms.standalone import standalone
@@ -85,6 +87,14 @@ def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
         if config.algorithm == "standalone":
             return standalone(fedavg_config)
         return fedavg(fedavg_config)
+    if config.algorithm in ("lg_fedavg", "fedproto"):
+        t = config.train
+        hetero_config = HeteroConfig(
+            num_classes=c.num_classes, input_spec=c.input_spec, dim=config.proxy_dim,
+            lr_local=t.lr_local, local_momentum=t.local_momentum, local_epochs=t.local_epochs,
+            batch_size=t.batch_size, unroll_local_steps=config.execution.unroll_local_steps,
+            proto_lambda=config.baseline.proto_lambda)
+        return (lg_fedavg if config.algorithm == "lg_fedavg" else fedproto)(hetero_config)
     if config.algorithm == "pfedes_paper":
         t = config.train
         return pfedes_paper(PFedESPaperConfig(

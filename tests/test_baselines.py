@@ -238,3 +238,82 @@ def test_published_pfedes_alternation_matches_a_hand_reference():
     close = {"rtol": 1e-4, "atol": 1e-6}
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **close), new_state.params, f1)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **close), upload, g1)
+
+
+def _hetero(**kw):
+    from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig
+
+    base = dict(num_classes=3, input_spec=SPEC, dim=4, lr_local=0.1, batch_size=4)
+    base.update(kw)
+    return HeteroConfig(**base)
+
+
+def test_fedproto_uploads_numpy_class_means_of_its_embeddings():
+    from fedjax_pfedes.algorithms.fedproto import fedproto
+    from fedjax_pfedes.models import registry
+
+    alg = fedproto(_hetero())
+    server = alg.init_server(jax.random.key(0))
+    program = alg.cohort_program("mlp_small")
+    data = _data(n=6, capacity=8, seed=3)
+    upload, state, _ = program.client_update(alg.broadcast(server), program.init_client(
+        jax.random.key(1)), data, jax.random.key(2))
+    model = registry.projected_classifier("mlp_small", 3, 4, SPEC)
+    e = np.asarray(model.apply(state.params, data.x)[1])[:6]
+    y = np.asarray(data.y)[:6]
+    for c in range(3):
+        count = int(np.sum(y == c))
+        assert float(upload["counts"][c]) == count
+        expected = e[y == c].mean(0) if count else np.zeros(4)
+        np.testing.assert_allclose(upload["prototypes"][c], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fedproto_server_takes_count_weighted_class_means_and_keeps_unseen_classes():
+    from fedjax_pfedes.algorithms.fedproto import fedproto, nearest_prototype
+
+    alg = fedproto(_hetero(num_classes=3, dim=2))
+    server = alg.init_server(jax.random.key(0))
+    server = server.replace(prototypes=jnp.full((3, 2), 7.0))
+    protos_a = jnp.array([[[1.0, 0.0], [2.0, 2.0], [0.0, 0.0]],
+                          [[3.0, 4.0], [9.0, 9.0], [0.0, 0.0]]])
+    counts_a = jnp.array([[1.0, 2.0, 0.0], [3.0, 5.0, 0.0]])
+    protos_b = jnp.array([[[5.0, 5.0], [4.0, 0.0], [0.0, 0.0]]])
+    counts_b = jnp.array([[4.0, 2.0, 0.0]])
+    new = alg.server_update(server, {
+        "a": ({"prototypes": protos_a, "counts": counts_a}, jnp.array([1.0, 0.0])),  # slot 2 pad
+        "b": ({"prototypes": protos_b, "counts": counts_b}, jnp.array([9.0]))})
+    # class 0: (1*[1,0] + 4*[5,5]) / 5; class 1: (2*[2,2] + 2*[4,0]) / 4; class 2: unseen.
+    np.testing.assert_allclose(new.prototypes, [[21 / 5, 20 / 5], [3.0, 1.0], [7.0, 7.0]],
+                               rtol=1e-6)
+    np.testing.assert_array_equal(new.available, [True, True, False])
+    e = jnp.array([[3.0, 1.2], [7.0, 7.0]])
+    np.testing.assert_array_equal(nearest_prototype(e, new.prototypes, new.available), [1, 0])
+
+
+def test_lg_fedavg_shares_only_the_head():
+    from fedjax_pfedes.algorithms.lg_fedavg import lg_fedavg
+
+    alg = lg_fedavg(_hetero())
+    server = alg.init_server(jax.random.key(0), ("mlp_small", "mlp"))
+    program = alg.cohort_program("mlp")
+    state = program.init_client(jax.random.key(1))
+    upload, new_state, _ = program.client_update(server.head, state, _data(), jax.random.key(2))
+    assert set(upload) == {"kernel", "bias"} and upload["kernel"].shape == (4, 3)
+    jax.tree.map(np.testing.assert_array_equal, upload,
+                 new_state.params["params"]["classifier"])
+    ups = jax.tree.map(lambda a: jnp.stack([a, a + 2.0]), upload)
+    new = alg.server_update(server, {"mlp": (ups, jnp.array([1.0, 3.0]))})
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b + 1.5, rtol=1e-6), new.head,
+                 upload)
+
+
+@pytest.mark.parametrize("algorithm", ["lg_fedavg", "fedproto", "fedprox", "fedavgm"])
+def test_heterogeneous_and_drift_methods_run_through_the_simulator(algorithm, tmp_path):
+    config = tabular_hetero.get_config()
+    config.algorithm = algorithm
+    config.train.rounds = 2
+    config.eval.every = 1
+    summary = run_experiment(config, str(tmp_path), show_progress=False)
+    assert set(summary["final"]["personalized_accuracy_by_arch"]) == {"mlp", "mlp_small",
+                                                                        "mlp_deep"}
+    assert 0.0 <= summary["final"]["personalized_accuracy_mean"] <= 1.0

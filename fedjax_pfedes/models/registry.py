@@ -143,3 +143,31 @@ class ImageProxyG(nn.Module):
         x = InputNormalization(self.spec)(x)
         x = nn.relu(nn.Conv(self.hidden, (3, 3), padding="SAME", name="conv1")(x))
         return nn.relu(nn.Conv(self.spec.shape[-1], (3, 3), padding="SAME", name="conv2")(x))
+
+
+class ProjectedClassifier(nn.Module):
+    """F_k, then a projection to a common dimension d, then a classifier head on it: returns
+    (logits = H(e), e = P(F(x))). The head and the d-dimensional features have the same shape in
+    every architecture, so heterogeneous clients can share the head (LG-FedAvg) or class
+    prototypes in that space (FedProto); subtrees 'backbone', 'projection', 'classifier'."""
+
+    arch: str
+    num_classes: int
+    dim: int
+    spec: InputSpec
+
+    def setup(self):
+        self.normalize = InputNormalization(self.spec)
+        self.backbone = BACKBONES[self.arch].build(self.spec)
+        self.projection = ProjectionHead(self.dim)
+        self.classifier = nn.Dense(self.num_classes)
+
+    def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        e = self.projection(self.backbone(self.normalize(x)))
+        return self.classifier(e), e
+
+
+def projected_classifier(arch: str, num_classes: int, dim: int, spec: InputSpec
+                         ) -> ProjectedClassifier:
+    check_architecture(arch, modality=spec.modality)
+    return ProjectedClassifier(arch, num_classes, dim, spec)

@@ -1,0 +1,125 @@
+"""LG-FedAvg: local representations, one global head.
+
+Liang et al., "Think Locally, Act Globally: Federated Learning with Local and Global
+Representations", 2020. For model-heterogeneous clients (as in HtFLlib) every client model is
+F_k -> P_k (projection to a common dimension d) -> H, and only the head H (d -> classes), whose
+shape is the same for every architecture, is averaged over all cohorts by sample counts. Each
+round a participant replaces its head with the global one, trains its whole model for E local
+epochs, and uploads its head. Evaluation uses each client's own F_k, P_k with the global head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.models import registry
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroConfig:
+    """Local training and common-space settings shared by LG-FedAvg and FedProto.
+
+    Attributes:
+      dim: the common feature dimension d (config.proxy_dim).
+      proto_lambda: FedProto's weight of the prototype-regularization term.
+    """
+
+    num_classes: int
+    input_spec: InputSpec
+    dim: int = 128
+    lr_local: float = 0.05
+    local_momentum: float = 0.0
+    local_epochs: int = 1
+    batch_size: int = 32
+    unroll_local_steps: bool = True
+    proto_lambda: float = 1.0
+
+
+@struct.dataclass
+class ServerState:
+    head: dict
+    round: jnp.ndarray
+
+
+@struct.dataclass
+class ClientState:
+    params: dict
+    opt_state: optax.OptState
+
+
+def with_head(params: dict, head: dict) -> dict:
+    """`params` with its 'classifier' subtree replaced by `head`."""
+    return {**params, "params": {**params["params"], "classifier": head}}
+
+
+def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
+    """Builds LG-FedAvg for heterogeneous cohorts."""
+    local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
+    dummy_x = cfg.input_spec.dummy_batch()
+
+    def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
+        model = registry.projected_classifier(archs[0], cfg.num_classes, cfg.dim, cfg.input_spec)
+        return ServerState(model.init(rng, dummy_x)["params"]["classifier"],
+                           jnp.zeros((), jnp.int32))
+
+    def broadcast(state: ServerState, arch: str = "") -> dict:
+        del arch
+        return state.head
+
+    def server_update(state: ServerState, groups: Mapping[str, tuple[dict, jax.Array]]
+                      ) -> ServerState:
+        average, total = aggregation.weighted_mean(list(groups.values()))
+        return ServerState(local_training.select_tree(total > 0, average, state.head),
+                           state.round + 1)
+
+    def cohort_program(arch: str) -> CohortProgram:
+        model = registry.projected_classifier(arch, cfg.num_classes, cfg.dim, cfg.input_spec)
+
+        def init_client(rng: jax.Array) -> ClientState:
+            params = model.init(rng, dummy_x)
+            return ClientState(params, local_opt.init(params))
+
+        def train_step(carry, batch):
+            params, opt_state = carry
+            x, y, mask = batch
+            ce, grads = jax.value_and_grad(
+                lambda p: local_training.cross_entropy(model.apply(p, x)[0], y, mask))(params)
+            updates, opt_state = local_opt.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), jnp.stack([ce])
+
+        def client_update(global_head, state: ClientState, data, rng):
+            start = with_head(state.params, global_head)
+            (params, opt_state), sums, n_active = local_training.run_local_epochs(
+                train_step, (start, state.opt_state), data, rng, cfg.batch_size,
+                cfg.local_epochs, cfg.unroll_local_steps)
+            head = params["params"]["classifier"]
+            metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
+                       "local_steps": n_active,
+                       "update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, head,
+                                                                   global_head))}
+            return head, ClientState(params, opt_state), metrics
+
+        def evaluate(global_head, state: ClientState, test, global_x, global_y):
+            params = with_head(state.params, global_head)
+            logits = model.apply(params, test.x)[0]
+            mask = jnp.arange(test.y.shape[0]) < test.sizes
+            correct = (jnp.argmax(logits, -1) == test.y).astype(jnp.float32)
+            global_logits = jax.lax.map(lambda xb: model.apply(params, xb[None])[0][0],
+                                        global_x, batch_size=512)
+            return {"personalized_accuracy": local_training.masked_mean(correct, mask),
+                    "global_accuracy": jnp.mean(jnp.argmax(global_logits, -1) == global_y),
+                    "test_ce_loss": local_training.cross_entropy(logits, test.y, mask)}
+
+        return CohortProgram(init_client, client_update, evaluate)
+
+    return Algorithm("lg_fedavg", init_server, broadcast, broadcast, server_update,
+                     cohort_program)
