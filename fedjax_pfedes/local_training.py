@@ -106,3 +106,18 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, batch_size: int, e
     n = schedule.step_active.shape[0]
     carry, per_step = jax.lax.scan(step, carry, inputs, unroll=n if unroll else 1)
     return carry, per_step.sum(axis=0), schedule.step_active.sum().astype(jnp.float32)
+
+
+def cross_entropy_step(logits_fn, optimizer: optax.GradientTransformation):
+    """A `run_local_epochs` train step: one `optimizer` step on the masked cross-entropy of
+    `logits_fn(params, x)`; carry = (params, opt_state), stats = [CE]."""
+
+    def train_step(carry, batch):
+        params, opt_state = carry
+        x, y, mask = batch
+        ce, grads = jax.value_and_grad(
+            lambda p: cross_entropy(logits_fn(p, x), y, mask))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), jnp.stack([ce])
+
+    return train_step

@@ -159,20 +159,20 @@ def fedavg(cfg: FedAvgConfig) -> Algorithm:
 
         def evaluate(global_params, state: ClientState, test, global_x, global_y):
             del state
-            return evaluate_classifier(model, global_params, test, global_x, global_y)
+            return evaluate_classifier(model.apply, global_params, test, global_x, global_y)
 
         return CohortProgram(init_client, client_update, evaluate)
 
     return Algorithm(cfg.name, init_server, broadcast, broadcast, server_update, cohort_program)
 
 
-def evaluate_classifier(model, params, test, global_x, global_y) -> dict[str, jax.Array]:
-    """A classifier's accuracy and CE on one client's local test split and on the global test
-    set (shared by the methods whose clients predict with a plain classifier)."""
-    logits = model.apply(params, test.x)
+def evaluate_classifier(logits_fn, params, test, global_x, global_y) -> dict[str, jax.Array]:
+    """Accuracy and CE of `logits_fn(params, x)` on one client's local test split and on the
+    global test set (shared by the methods whose clients predict with a classifier)."""
+    logits = logits_fn(params, test.x)
     mask = jnp.arange(test.y.shape[0]) < test.sizes
     correct = (jnp.argmax(logits, -1) == test.y).astype(jnp.float32)
-    global_logits = jax.lax.map(lambda xb: model.apply(params, xb[None])[0], global_x,
+    global_logits = jax.lax.map(lambda xb: logits_fn(params, xb[None])[0], global_x,
                                 batch_size=512)
     return {
         "personalized_accuracy": local_training.masked_mean(correct, mask),

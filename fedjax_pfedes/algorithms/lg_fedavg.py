@@ -20,6 +20,7 @@ from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
@@ -88,13 +89,10 @@ def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
             params = model.init(rng, dummy_x)
             return ClientState(params, local_opt.init(params))
 
-        def train_step(carry, batch):
-            params, opt_state = carry
-            x, y, mask = batch
-            ce, grads = jax.value_and_grad(
-                lambda p: local_training.cross_entropy(model.apply(p, x)[0], y, mask))(params)
-            updates, opt_state = local_opt.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), jnp.stack([ce])
+        def logits_fn(params, x):
+            return model.apply(params, x)[0]
+
+        train_step = local_training.cross_entropy_step(logits_fn, local_opt)
 
         def client_update(global_head, state: ClientState, data, rng):
             start = with_head(state.params, global_head)
@@ -109,15 +107,8 @@ def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
             return head, ClientState(params, opt_state), metrics
 
         def evaluate(global_head, state: ClientState, test, global_x, global_y):
-            params = with_head(state.params, global_head)
-            logits = model.apply(params, test.x)[0]
-            mask = jnp.arange(test.y.shape[0]) < test.sizes
-            correct = (jnp.argmax(logits, -1) == test.y).astype(jnp.float32)
-            global_logits = jax.lax.map(lambda xb: model.apply(params, xb[None])[0][0],
-                                        global_x, batch_size=512)
-            return {"personalized_accuracy": local_training.masked_mean(correct, mask),
-                    "global_accuracy": jnp.mean(jnp.argmax(global_logits, -1) == global_y),
-                    "test_ce_loss": local_training.cross_entropy(logits, test.y, mask)}
+            return evaluate_classifier(logits_fn, with_head(state.params, global_head), test,
+                                       global_x, global_y)
 
         return CohortProgram(init_client, client_update, evaluate)
 

@@ -124,7 +124,7 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
 
         def evaluate(global_g, state: ClientState, test, global_x, global_y):
             del global_g  # inference uses F_k(x) alone
-            return evaluate_classifier(model, state.params, test, global_x, global_y)
+            return evaluate_classifier(model.apply, state.params, test, global_x, global_y)
 
         return CohortProgram(init_client, client_update, evaluate)
 

@@ -54,13 +54,7 @@ def standalone(cfg: FedAvgConfig) -> Algorithm:
             params = model.init(rng, dummy_x)
             return ClientState(params, local_opt.init(params))
 
-        def train_step(carry, batch):
-            params, opt_state = carry
-            x, y, mask = batch
-            ce, grads = jax.value_and_grad(
-                lambda p: local_training.cross_entropy(model.apply(p, x), y, mask))(params)
-            updates, opt_state = local_opt.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), jnp.stack([ce])
+        train_step = local_training.cross_entropy_step(model.apply, local_opt)
 
         def client_update(broadcast, state: ClientState, data, rng):
             del broadcast
@@ -73,7 +67,7 @@ def standalone(cfg: FedAvgConfig) -> Algorithm:
 
         def evaluate(broadcast, state: ClientState, test, global_x, global_y):
             del broadcast
-            return evaluate_classifier(model, state.params, test, global_x, global_y)
+            return evaluate_classifier(model.apply, state.params, test, global_x, global_y)
 
         return CohortProgram(init_client, client_update, evaluate)
 
