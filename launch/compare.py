@@ -18,8 +18,15 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from fedjax_pfedes import experiments
-from fedjax_pfedes.config_validation import ALGORITHMS, ConfigError, validate_config
+from fedjax_pfedes.config_validation import (
+    ALGORITHMS,
+    ConfigError,
+    check_against_data,
+    validate_config,
+)
+from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.sources import DatasetUnavailableError
+from fedjax_pfedes.simulation import load_options
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _ALGORITHMS = flags.DEFINE_list("algorithms", ["pfedes", "standalone", "fedavg"],
@@ -38,9 +45,11 @@ def main(argv: list[str]) -> None:
             raise ConfigError(f"--algorithms: unknown {unknown}; known: {list(ALGORITHMS)}")
         if _SEEDS.value < 1:
             raise ConfigError(f"--seeds must be >= 1, got {_SEEDS.value}")
-        for name in _ALGORITHMS.value:
+        central = load_dataset(config.data.name, load_options(config))
+        for name in _ALGORITHMS.value:  # every method checked before the first run starts
             config.algorithm = name
             validate_config(config)
+            check_against_data(config, central)
         results = experiments.run_grid(config, {a: {"algorithm": a} for a in _ALGORITHMS.value},
                                        _SEEDS.value, _WORKDIR.value, _PROGRESS.value)
     except (ConfigError, DatasetUnavailableError) as e:
