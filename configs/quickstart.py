@@ -13,8 +13,8 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0                      # seeds data split, model init, sampling and batches
-    # pfedes | pfedes_paper | standalone | fedavg | fedprox | fedavgm | fedadam | lg_fedavg |
-    # fedproto (README "Methods")
+    # pfedes | pfedes_paper | standalone | fedavg | fedprox | fedavgm | fedadam | scaffold |
+    # fednova | fedbn | lg_fedavg | fedproto | fml | fedkd | fedgh | fedmrl (README "Methods")
     config.algorithm = "pfedes"
 
     # pFedES (seed document, section 3.4 gives the ranges).
@@ -29,11 +29,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.warmup_steps = 0              # first W local steps of a client: backbone frozen
     config.server_momentum = 0.5         # beta: new = beta * old + (1 - beta) * average
 
-    # Other methods (config.algorithm = 'standalone' | 'fedavg' | 'fedprox' | 'fedavgm' | 'fedadam';
-    # the FedAvg family runs per architecture cohort). Local training uses config.train.
+    # Other methods. The FedAvg family (fedavg, fedprox, fedavgm, fedadam, scaffold, fednova,
+    # fedbn) runs per architecture cohort. Local training uses config.train.
     config.baseline = ml_collections.ConfigDict()
     config.baseline.prox_mu = 0.01       # FedProx: mu/2 * ||w - w_global||^2
-    config.baseline.server_lr = 1.0      # FedAvgM / FedAdam: server learning rate
+    config.baseline.server_lr = 1.0      # FedAvgM / FedAdam / SCAFFOLD / FedNova: server lr
     config.baseline.server_momentum = 0.9  # FedAvgM: server heavy-ball momentum
     config.baseline.adam_b1 = 0.9        # FedAdam (Reddi et al. 2021)
     config.baseline.adam_b2 = 0.99
@@ -43,7 +43,17 @@ def get_config() -> ml_collections.ConfigDict:
     config.baseline.paper_mu = 0.5
     config.baseline.paper_g_lr_ratio = 1.0
     # LG-FedAvg and FedProto use config.proxy_dim as the common feature dimension d.
-    config.baseline.proto_lambda = 1.0   # FedProto: weight of ||e - global prototype[y]||^2
+    config.baseline.proto_lambda = 1.0   # FedProto: weight of mean_d (e - global prototype[y])^2
+    # FML, FedKD and FedMRL share one small model ('' = per modality: image 'cnn_small',
+    # tabular 'mlp_small', text 'embedbag').
+    config.baseline.shared_arch = ""
+    config.baseline.fml_alpha = 0.5      # FML: CE weight of the private model (rest: KL to meme)
+    config.baseline.fml_beta = 0.5       # FML: CE weight of the shared meme model
+    config.baseline.kd_energy_start = 0.95  # FedKD: SVD energy kept in uploads, first round ..
+    config.baseline.kd_energy_end = 0.98    # .. raised linearly to this at the last round
+    config.baseline.gh_server_lr = 0.05  # FedGH: server SGD on uploaded prototypes
+    config.baseline.gh_server_epochs = 1
+    config.baseline.mrl_sub_dim = 64     # FedMRL: nested dimension read by the shared header
 
     config.data = ml_collections.ConfigDict()
     # Datasets (README "Datasets"): offline 'mnist5k' | 'digits' | 'breast_cancer' | 'wine' |

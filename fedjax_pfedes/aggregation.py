@@ -83,6 +83,13 @@ def weighted_mean(groups: Sequence[tuple[PyTree, jnp.ndarray]]) -> tuple[PyTree,
     return mean, total
 
 
+def mean_over_cohorts(old: PyTree, groups) -> PyTree:
+    """The weighted mean of every cohort's uploads of one shared tree (a model every client
+    holds in the same shape), cast to `old`'s dtypes; `old` when nobody took part."""
+    average, total = weighted_mean(list(groups.values()))
+    return jax.tree.map(lambda a, o: jnp.where(total > 0, a.astype(o.dtype), o), average, old)
+
+
 def momentum_smoothing(old: PyTree, average: PyTree, beta: float) -> PyTree:
     """Server momentum of the pFedES seed (section 3.3): new = beta * old + (1 - beta) * average."""
     return jax.tree.map(

@@ -12,11 +12,19 @@ from fedjax_pfedes.cohorts import assign_architectures
 from fedjax_pfedes.data.catalog import LOADERS
 from fedjax_pfedes.data.federated import PARTITIONS
 from fedjax_pfedes.data.sources import CentralDataset
-from fedjax_pfedes.models.registry import check_architecture, check_proxy
+from fedjax_pfedes.models.registry import (
+    check_architecture,
+    check_proxy,
+    shared_arch,
+    uses_batch_norm,
+)
 
 FEDAVG_FAMILY = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",
                  "fedadam": "adam"}  # algorithm -> server optimizer
-ALGORITHMS = ("pfedes", "pfedes_paper", "standalone", *FEDAVG_FAMILY, "lg_fedavg", "fedproto")
+# Methods run per architecture cohort with one global model each (FedAvg family).
+PER_COHORT = (*FEDAVG_FAMILY, "scaffold", "fednova", "fedbn")
+ALGORITHMS = ("pfedes", "pfedes_paper", "standalone", *PER_COHORT, "lg_fedavg", "fedproto",
+              "fml", "fedkd", "fedgh", "fedmrl")
 
 
 class ConfigError(ValueError):
@@ -46,9 +54,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         alignment.get_alignment(config.align)
         check_proxy(config.proxy_arch)
         execution.resolve_strategy(config.execution.strategy)
-        assign_architectures(config.clients.architectures, config.data.num_clients)
+        archs = assign_architectures(config.clients.architectures, config.data.num_clients)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    with_bn = sorted({a for a in archs if uses_batch_norm(a)})
+    _require(not with_bn or config.algorithm == "fedbn",
+             f"config.clients.architectures: {with_bn} have BatchNorm layers, which only "
+             f"config.algorithm='fedbn' handles (running statistics); got '{config.algorithm}'")
 
     data = config.data
     _require(data.name in LOADERS,
@@ -96,6 +108,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(b.server_lr > 0, f"config.baseline.server_lr must be > 0, got {b.server_lr}")
     _require(0 <= b.server_momentum < 1,
              f"config.baseline.server_momentum must be in [0, 1), got {b.server_momentum}")
+    for name in ("fml_alpha", "fml_beta"):
+        _require(0 <= b[name] <= 1, f"config.baseline.{name} must be in [0, 1], got {b[name]}")
+    for name in ("kd_energy_start", "kd_energy_end"):
+        _require(0 < b[name] <= 1, f"config.baseline.{name} must be in (0, 1], got {b[name]}")
+    _require(b.gh_server_lr > 0, f"config.baseline.gh_server_lr must be > 0, got "
+             f"{b.gh_server_lr}")
+    _require(b.gh_server_epochs >= 1, f"config.baseline.gh_server_epochs must be >= 1, got "
+             f"{b.gh_server_epochs}")
+    _require(0 < b.mrl_sub_dim <= config.proxy_dim, "config.baseline.mrl_sub_dim must be in "
+             f"(0, config.proxy_dim={config.proxy_dim}], got {b.mrl_sub_dim}")
 
 
 def check_against_data(config: ml_collections.ConfigDict, central: CentralDataset) -> None:
@@ -121,5 +143,7 @@ def check_against_data(config: ml_collections.ConfigDict, central: CentralDatase
         for arch in dict.fromkeys(assign_architectures(config.clients.architectures, n)):
             check_architecture(arch, modality=central.modality)
         check_proxy(config.proxy_arch, modality=central.modality)
+        if config.algorithm in ("fml", "fedkd", "fedmrl"):
+            shared_arch(config.baseline.shared_arch, central.input_spec)
     except ValueError as e:
         raise ConfigError(f"{e} (config.data.name='{config.data.name}')") from None

@@ -69,6 +69,16 @@ def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, mask: jnp.ndarray) -
     return masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels), mask)
 
 
+def distillation_kl(teacher_logits: jnp.ndarray, student_logits: jnp.ndarray,
+                    mask: jnp.ndarray) -> jnp.ndarray:
+    """Masked mean of KL(softmax(teacher) || softmax(student)); the teacher is not
+    differentiated (Hinton et al. 2015; deep mutual learning, Zhang et al. CVPR 2018)."""
+    teacher = jax.lax.stop_gradient(teacher_logits)
+    log_t = jax.nn.log_softmax(teacher)
+    kl = jnp.sum(jnp.exp(log_t) * (log_t - jax.nn.log_softmax(student_logits)), axis=-1)
+    return masked_mean(kl, mask)
+
+
 def select_tree(pred: jnp.ndarray, on_true, on_false):
     """`on_true` where the scalar `pred` holds, else `on_false`, leaf by leaf."""
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)

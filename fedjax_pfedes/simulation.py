@@ -7,6 +7,7 @@ nothing compiles again after the first round.
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from typing import Any
@@ -19,14 +20,22 @@ from tqdm.auto import tqdm
 
 from fedjax_pfedes import aggregation, execution, plotting, sampling
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg
+from fedjax_pfedes.algorithms.fedbn import fedbn
+from fedjax_pfedes.algorithms.fedgh import fedgh
+from fedjax_pfedes.algorithms.fedkd import fedkd
+from fedjax_pfedes.algorithms.fedmrl import fedmrl
+from fedjax_pfedes.algorithms.fednova import fednova
 from fedjax_pfedes.algorithms.fedproto import fedproto
+from fedjax_pfedes.algorithms.fml import fml
 from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, lg_fedavg
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
 from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
+from fedjax_pfedes.algorithms.scaffold import scaffold
 from fedjax_pfedes.algorithms.standalone import standalone
 from fedjax_pfedes.cohorts import Cohort, assign_architectures, build_cohorts
 from fedjax_pfedes.config_validation import (
     FEDAVG_FAMILY,
+    PER_COHORT,
     ConfigError,
     check_against_data,
     validate_config,
@@ -36,6 +45,11 @@ from fedjax_pfedes.data.federated import FederatedData, partition_dataset
 from fedjax_pfedes.data.profile import DataProfile, profile_partition
 from fedjax_pfedes.data.sources import LoadOptions
 from fedjax_pfedes.metrics_io import MetricsWriter, write_json
+
+
+# Model-heterogeneous baselines built from HeteroConfig.
+HETEROGENEOUS = {"lg_fedavg": lg_fedavg, "fedproto": fedproto, "fml": fml, "fedkd": fedkd,
+                 "fedgh": fedgh, "fedmrl": fedmrl}
 
 
 def load_options(config: ml_collections.ConfigDict) -> LoadOptions:
@@ -73,44 +87,39 @@ def write_data_profile(data: FederatedData, partition: str, workdir: str) -> Dat
 
 def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
     """The configured algorithm (`config.algorithm`) for the dataset's shapes and statistics."""
-    c = data.central
-    if config.algorithm in FEDAVG_FAMILY or config.algorithm == "standalone":
-        b, t = config.baseline, config.train
+    c, t, b = data.central, config.train, config.baseline
+    name = config.algorithm
+    local = dict(num_classes=c.num_classes, input_spec=c.input_spec, lr_local=t.lr_local,
+                 local_momentum=t.local_momentum, local_epochs=t.local_epochs,
+                 batch_size=t.batch_size, unroll_local_steps=config.execution.unroll_local_steps)
+    if name in PER_COHORT or name == "standalone":
         fedavg_config = FedAvgConfig(
-            num_classes=c.num_classes, input_spec=c.input_spec, lr_local=t.lr_local,
-            local_momentum=t.local_momentum, local_epochs=t.local_epochs,
-            batch_size=t.batch_size, unroll_local_steps=config.execution.unroll_local_steps,
-            prox_mu=b.prox_mu if config.algorithm == "fedprox" else 0.0,
-            server_optimizer=FEDAVG_FAMILY.get(config.algorithm, "none"),
-            server_lr=b.server_lr, server_momentum=b.server_momentum, adam_b1=b.adam_b1,
-            adam_b2=b.adam_b2, adam_eps=b.adam_eps, name=config.algorithm)
-        if config.algorithm == "standalone":
-            return standalone(fedavg_config)
-        return fedavg(fedavg_config)
-    if config.algorithm in ("lg_fedavg", "fedproto"):
-        t = config.train
+            **local, prox_mu=b.prox_mu if name == "fedprox" else 0.0,
+            server_optimizer=FEDAVG_FAMILY.get(name, "none"), server_lr=b.server_lr,
+            server_momentum=b.server_momentum, adam_b1=b.adam_b1, adam_b2=b.adam_b2,
+            adam_eps=b.adam_eps, name=name)
+        if name == "scaffold":
+            archs = assign_architectures(config.clients.architectures, data.num_clients)
+            return scaffold(fedavg_config, collections.Counter(archs))
+        per_cohort = {"standalone": standalone, "fednova": fednova, "fedbn": fedbn}
+        return per_cohort.get(name, fedavg)(fedavg_config)
+    if name in HETEROGENEOUS:
         hetero_config = HeteroConfig(
-            num_classes=c.num_classes, input_spec=c.input_spec, dim=config.proxy_dim,
-            lr_local=t.lr_local, local_momentum=t.local_momentum, local_epochs=t.local_epochs,
-            batch_size=t.batch_size, unroll_local_steps=config.execution.unroll_local_steps,
-            proto_lambda=config.baseline.proto_lambda)
-        return (lg_fedavg if config.algorithm == "lg_fedavg" else fedproto)(hetero_config)
-    if config.algorithm == "pfedes_paper":
-        t = config.train
-        return pfedes_paper(PFedESPaperConfig(
-            num_classes=c.num_classes, input_spec=c.input_spec, mu=config.baseline.paper_mu,
-            g_lr_ratio=config.baseline.paper_g_lr_ratio, lr_local=t.lr_local,
-            local_momentum=t.local_momentum, local_epochs=t.local_epochs,
-            batch_size=t.batch_size, unroll_local_steps=config.execution.unroll_local_steps))
+            **local, dim=config.proxy_dim, proto_lambda=b.proto_lambda,
+            shared_arch=b.shared_arch, fml_alpha=b.fml_alpha, fml_beta=b.fml_beta,
+            kd_energy_start=b.kd_energy_start, kd_energy_end=b.kd_energy_end, rounds=t.rounds,
+            gh_server_lr=b.gh_server_lr, gh_server_epochs=b.gh_server_epochs,
+            mrl_sub_dim=b.mrl_sub_dim)
+        return HETEROGENEOUS[name](hetero_config)
+    if name == "pfedes_paper":
+        return pfedes_paper(PFedESPaperConfig(**local, mu=b.paper_mu,
+                                              g_lr_ratio=b.paper_g_lr_ratio))
     return pfedes(PFedESConfig(
-        num_classes=c.num_classes, input_spec=c.input_spec,
-        lam=config.lam, align=config.align, contrastive_temperature=config.contrastive_temperature,
-        proxy_dim=config.proxy_dim, proxy_arch=config.proxy_arch,
-        proxy_lr_ratio=config.proxy_lr_ratio, projection_layernorm=config.projection_layernorm,
-        lr_local=config.train.lr_local, local_momentum=config.train.local_momentum,
-        local_epochs=config.train.local_epochs, batch_size=config.train.batch_size,
-        warmup_steps=config.warmup_steps, server_momentum=config.server_momentum,
-        unroll_local_steps=config.execution.unroll_local_steps))
+        **local, lam=config.lam, align=config.align,
+        contrastive_temperature=config.contrastive_temperature, proxy_dim=config.proxy_dim,
+        proxy_arch=config.proxy_arch, proxy_lr_ratio=config.proxy_lr_ratio,
+        projection_layernorm=config.projection_layernorm, warmup_steps=config.warmup_steps,
+        server_momentum=config.server_momentum))
 
 
 def _global_test(data: FederatedData, config: ml_collections.ConfigDict):
@@ -178,8 +187,13 @@ def run_round(algorithm, server_state, cohorts: list[Cohort], participants: np.n
         sizes = jnp.take(cohort.train.sizes, jnp.asarray(slots), mode="clip")
         groups[cohort.arch] = (uploads, aggregation.client_weights(sizes, jnp.asarray(valid)))
         if valid.any():
-            train_metrics.append({k: np.asarray(v)[valid] for k, v in metrics.items()})
-            traffic.append((int(valid.sum()), *tree_size(template), *tree_size(broadcast)))
+            client_metrics = {k: np.asarray(v)[valid] for k, v in metrics.items()}
+            train_metrics.append(client_metrics)
+            upload = tree_size(template)
+            if "upload_encoded_params" in client_metrics:  # compressed uploads (FedKD's SVD)
+                encoded = float(client_metrics["upload_encoded_params"].mean())
+                upload = (encoded, encoded * upload[1] / max(upload[0], 1))
+            traffic.append((int(valid.sum()), *upload, *tree_size(broadcast)))
     server_state = server_step(server_state, groups)
     summary = {f"{k}_mean": float(np.concatenate([m[k] for m in train_metrics]).mean())
                for k in train_metrics[0]}

@@ -27,11 +27,20 @@ from fedjax_pfedes.models import registry
 
 @dataclasses.dataclass(frozen=True)
 class HeteroConfig:
-    """Local training and common-space settings shared by LG-FedAvg and FedProto.
+    """Local training and common-space settings of the model-heterogeneous baselines
+    (LG-FedAvg, FedProto, FML, FedKD, FedGH, FedMRL).
 
     Attributes:
       dim: the common feature dimension d (config.proxy_dim).
       proto_lambda: FedProto's weight of the prototype-regularization term.
+      shared_arch: the small model every client shares in FML, FedKD and FedMRL ('' = the
+        modality's default, `registry.DEFAULT_SHARED_ARCH`).
+      fml_alpha, fml_beta: FML's CE weights of the private and the shared (meme) model; the rest
+        of each loss is the KL term to the other model.
+      kd_energy_start, kd_energy_end, rounds: FedKD's SVD energy threshold, raised linearly from
+        start (round 1) to end (round `rounds`).
+      gh_server_lr, gh_server_epochs: FedGH's server SGD on the uploaded prototypes.
+      mrl_sub_dim: FedMRL's nested (Matryoshka) dimension read by the shared header (< dim).
     """
 
     num_classes: int
@@ -43,6 +52,15 @@ class HeteroConfig:
     batch_size: int = 32
     unroll_local_steps: bool = True
     proto_lambda: float = 1.0
+    shared_arch: str = ""
+    fml_alpha: float = 0.5
+    fml_beta: float = 0.5
+    kd_energy_start: float = 0.95
+    kd_energy_end: float = 0.98
+    rounds: int = 1
+    gh_server_lr: float = 0.05
+    gh_server_epochs: int = 1
+    mrl_sub_dim: int = 64
 
 
 @struct.dataclass
@@ -78,9 +96,7 @@ def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
 
     def server_update(state: ServerState, groups: Mapping[str, tuple[dict, jax.Array]]
                       ) -> ServerState:
-        average, total = aggregation.weighted_mean(list(groups.values()))
-        return ServerState(local_training.select_tree(total > 0, average, state.head),
-                           state.round + 1)
+        return ServerState(aggregation.mean_over_cohorts(state.head, groups), state.round + 1)
 
     def cohort_program(arch: str) -> CohortProgram:
         model = registry.projected_classifier(arch, cfg.num_classes, cfg.dim, cfg.input_spec)

@@ -6,6 +6,9 @@ Images [batch, H, W, C]:
   classifier fc3 is the client's head H_k.
 - `convnet3`, `convnet5`, `vit`: the three architecture groups of the pFedES seed document (3-layer
   CNN, a 5-layer CNN and a light Vision Transformer; Dosovitskiy et al., ICLR 2021).
+- `convnet3_bn`: `convnet3` with BatchNorm after every conv (for FedBN; other methods refuse it).
+- `cnn_small`: a 2-conv CNN (8, 16 channels, 64 features), the default shared small model of FML,
+  FedKD and FedMRL on images.
 Tabular [batch, F] (and small images, flattened):
 - `mlp`, `mlp_small`, `mlp_deep`: perceptrons of different widths and depths.
 
@@ -48,16 +51,29 @@ class PublishedCNN(nn.Module):
 
 
 class ConvStack(nn.Module):
-    """3x3 conv layers with ReLU; a 2x2 max pool follows the layers listed in `pool_after`."""
+    """3x3 conv layers with ReLU; a 2x2 max pool follows the layers listed in `pool_after`.
+
+    With `batch_norm`, a BatchNorm (Ioffe & Szegedy, ICML 2015) sits between each conv and its
+    ReLU: `train=True` normalizes with the statistics of the real samples of the batch (`mask`
+    [batch] excludes padded rows) and updates the running averages in the 'batch_stats'
+    collection; `train=False` uses the running averages.
+    """
 
     features: tuple[int, ...]
     pool_after: tuple[int, ...]
     out_features: int = 128
+    batch_norm: bool = False
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, train: bool = False,
+                 mask: jnp.ndarray | None = None) -> jnp.ndarray:
         for i, f in enumerate(self.features):
-            x = nn.relu(nn.Conv(f, (3, 3), padding="SAME", name=f"conv{i + 1}")(x))
+            x = nn.Conv(f, (3, 3), padding="SAME", name=f"conv{i + 1}")(x)
+            if self.batch_norm:
+                bn_mask = None if mask is None else mask.reshape(-1, 1, 1, 1)
+                x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
+                                 name=f"bn{i + 1}")(x, mask=bn_mask)
+            x = nn.relu(x)
             if i in self.pool_after and min(x.shape[-3:-1]) >= 2:
                 x = max_pool_2x2(x)
         x = x.reshape(x.shape[0], -1)
@@ -179,10 +195,13 @@ class TextTransformer(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Backbone:
-    """A registered backbone: the input modalities it accepts and how to build it."""
+    """A registered backbone: the input modalities it accepts, how to build it, and whether it
+    holds BatchNorm layers (then it is called as `backbone(x, train, mask)` and carries a
+    'batch_stats' collection)."""
 
     modalities: tuple[str, ...]
     build: Callable[[InputSpec], nn.Module]
+    batch_norm: bool = False
 
 
 BACKBONES: dict[str, Backbone] = {
@@ -194,6 +213,10 @@ BACKBONES: dict[str, Backbone] = {
     "convnet3": Backbone(("image",), lambda s: ConvStack((16, 32, 64), pool_after=(0, 1))),
     "convnet5": Backbone(("image",), lambda s: ConvStack((16, 32, 32, 64, 64),
                                                          pool_after=(0, 2))),
+    "convnet3_bn": Backbone(("image",), lambda s: ConvStack((16, 32, 64), pool_after=(0, 1),
+                                                            batch_norm=True), batch_norm=True),
+    "cnn_small": Backbone(("image",), lambda s: ConvStack((8, 16), pool_after=(0, 1),
+                                                          out_features=64)),
     "vit": Backbone(("image",), lambda s: ViT()),
     "mlp": Backbone(("image", "tabular"), lambda s: MLP(hidden=(256, 128))),
     "mlp_small": Backbone(("image", "tabular"), lambda s: MLP(hidden=(64,))),

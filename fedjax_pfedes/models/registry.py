@@ -87,6 +87,31 @@ def check_architecture(name: str, field: str = "config.clients.architectures",
     _check(BACKBONES, "model", name, field, modality)
 
 
+# The small model every client shares in FML, FedKD and FedMRL, per modality.
+DEFAULT_SHARED_ARCH = {"image": "cnn_small", "tabular": "mlp_small", "text": "embedbag"}
+
+
+def shared_arch(name: str, spec: InputSpec, field: str = "config.baseline.shared_arch") -> str:
+    """`name`, or the modality's default small model when `name` is ''; checked."""
+    name = name or DEFAULT_SHARED_ARCH[spec.modality]
+    check_architecture(name, field, spec.modality)
+    _refuse_batch_norm(name, "the shared small model", field)
+    return name
+
+
+def uses_batch_norm(name: str) -> bool:
+    """True for backbones with BatchNorm layers (runnable with FedBN only)."""
+    return BACKBONES[name].batch_norm
+
+
+def _refuse_batch_norm(name: str, what: str, field: str = "config.clients.architectures"
+                       ) -> None:
+    if uses_batch_norm(name):
+        raise ValueError(f"{field}: '{name}' has BatchNorm layers, which "
+                         f"{what} does not handle (running statistics); use it with "
+                         f"config.algorithm='fedbn'")
+
+
 def check_proxy(name: str, field: str = "config.proxy_arch", modality: str | None = None) -> None:
     """Raises ValueError naming `field` for an unknown proxy body or one of another modality."""
     _check(PROXY_BODIES, "proxy extractor", name, field, modality)
@@ -96,6 +121,7 @@ def client_model(arch: str, num_classes: int, proxy_dim: int, spec: InputSpec,
                  projection_layernorm: bool = False) -> ClientModel:
     """The client model for a registered backbone name."""
     check_architecture(arch, modality=spec.modality)
+    _refuse_batch_norm(arch, "pFedES's client model")
     return ClientModel(arch, num_classes, proxy_dim, spec, projection_layernorm)
 
 
@@ -118,15 +144,24 @@ class Classifier(nn.Module):
         self.backbone = BACKBONES[self.arch].build(self.spec)
         self.classifier = nn.Dense(self.num_classes)
 
-    def __call__(self, x: jnp.ndarray, pre_normalized: bool = False) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, pre_normalized: bool = False, train: bool = False,
+                 mask: jnp.ndarray | None = None) -> jnp.ndarray:
         """Logits; `pre_normalized=True` skips input normalization (input already normalized,
-        e.g. the output of the published pFedES's image-to-image proxy G)."""
-        return self.classifier(self.backbone(x if pre_normalized else self.normalize(x)))
+        e.g. the output of the published pFedES's image-to-image proxy G). `train` and `mask`
+        (real samples of the batch) reach BatchNorm backbones only."""
+        h = x if pre_normalized else self.normalize(x)
+        if BACKBONES[self.arch].batch_norm:
+            return self.classifier(self.backbone(h, train, mask))
+        return self.classifier(self.backbone(h))
 
 
-def classifier_model(arch: str, num_classes: int, spec: InputSpec) -> Classifier:
-    """The plain classifier for a registered backbone name."""
+def classifier_model(arch: str, num_classes: int, spec: InputSpec,
+                     allow_batch_norm: bool = False) -> Classifier:
+    """The plain classifier for a registered backbone name (BatchNorm backbones only for the
+    methods that handle 'batch_stats': `allow_batch_norm=True`)."""
     check_architecture(arch, modality=spec.modality)
+    if not allow_batch_norm:
+        _refuse_batch_norm(arch, "this method")
     return Classifier(arch, num_classes, spec)
 
 
@@ -170,4 +205,5 @@ class ProjectedClassifier(nn.Module):
 def projected_classifier(arch: str, num_classes: int, dim: int, spec: InputSpec
                          ) -> ProjectedClassifier:
     check_architecture(arch, modality=spec.modality)
+    _refuse_batch_norm(arch, "the projected classifier (LG-FedAvg, FedProto, FedGH, FedKD)")
     return ProjectedClassifier(arch, num_classes, dim, spec)

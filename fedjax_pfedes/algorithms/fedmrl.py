@@ -1,0 +1,151 @@
+"""FedMRL: a shared small model fused with each private model by Matryoshka representations.
+
+Yi et al., "Federated Model Heterogeneous Matryoshka Representation Learning", NeurIPS 2024.
+Every client model has two feature extractors on the same input: the shared homogeneous small
+extractor G (architecture `HeteroConfig.shared_arch`, followed by a Dense to d) and the client's
+private heterogeneous extractor F_k. A private lightweight projector fuses them,
+r = P_k([G(x), F_k(x)]) in R^d, and two headers read nested prefixes of r (Matryoshka
+representation learning, Kusupati et al., NeurIPS 2022): the shared header reads r[:d1]
+(`mrl_sub_dim`), the private header reads all of r. The local loss is
+CE(shared header) + CE(private header); every part is trained together. Participants upload G and
+the shared header; the server averages them over all cohorts by sample counts. Inference uses the
+private header's output (as in HtFLlib's FedMRL).
+Parameter subtrees: 'shared_backbone', 'shared_out', 'shared_header' (uploaded) and
+'private_backbone', 'projector', 'private_header' (kept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from flax import struct
+
+from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
+from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig
+from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.models import registry
+from fedjax_pfedes.models.backbones import BACKBONES
+from fedjax_pfedes.models.layers import InputNormalization
+
+SHARED_KEYS = ("shared_backbone", "shared_out", "shared_header")
+
+
+@struct.dataclass
+class ServerState:
+    shared: dict
+    round: jnp.ndarray
+
+
+class MatryoshkaModel(nn.Module):
+    """Returns (private logits, shared logits) of FedMRL's fused model."""
+
+    arch: str
+    shared_arch: str
+    num_classes: int
+    dim: int
+    sub_dim: int
+    spec: InputSpec
+
+    def setup(self):
+        self.normalize = InputNormalization(self.spec)
+        self.shared_backbone = BACKBONES[self.shared_arch].build(self.spec)
+        self.shared_out = nn.Dense(self.dim)
+        self.shared_header = nn.Dense(self.num_classes)
+        self.private_backbone = BACKBONES[self.arch].build(self.spec)
+        self.projector = nn.Dense(self.dim)
+        self.private_header = nn.Dense(self.num_classes)
+
+    def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        x = self.normalize(x)
+        g = self.shared_out(self.shared_backbone(x))
+        f = self.private_backbone(x)
+        r = self.projector(jnp.concatenate([g, f], axis=-1))
+        return self.private_header(r), self.shared_header(r[:, : self.sub_dim])
+
+
+def shared_part(params: dict) -> dict:
+    return {k: params["params"][k] for k in SHARED_KEYS}
+
+
+def with_shared(params: dict, shared: dict) -> dict:
+    return {**params, "params": {**params["params"], **shared}}
+
+
+def fedmrl(cfg: HeteroConfig) -> Algorithm:
+    """Builds FedMRL for heterogeneous cohorts."""
+    if not 0 < cfg.mrl_sub_dim <= cfg.dim:
+        raise ValueError(f"config.baseline.mrl_sub_dim must be in (0, config.proxy_dim="
+                         f"{cfg.dim}], got {cfg.mrl_sub_dim}")
+    local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
+    dummy_x = cfg.input_spec.dummy_batch()
+    small = registry.shared_arch(cfg.shared_arch, cfg.input_spec)
+
+    def model_of(arch: str) -> MatryoshkaModel:
+        registry.check_architecture(arch, modality=cfg.input_spec.modality)
+        if registry.uses_batch_norm(arch):
+            raise ValueError(f"config.clients.architectures: '{arch}' has BatchNorm layers, "
+                             "which FedMRL does not handle; use it with config.algorithm='fedbn'")
+        return MatryoshkaModel(arch, small, cfg.num_classes, cfg.dim, cfg.mrl_sub_dim,
+                               cfg.input_spec)
+
+    def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
+        return ServerState(shared_part(model_of(archs[0]).init(rng, dummy_x)),
+                           jnp.zeros((), jnp.int32))
+
+    def broadcast(state: ServerState, arch: str = "") -> dict:
+        del arch
+        return state.shared
+
+    def server_update(state: ServerState, groups: Mapping[str, tuple[dict, jax.Array]]
+                      ) -> ServerState:
+        return ServerState(aggregation.mean_over_cohorts(state.shared, groups),
+                           state.round + 1)
+
+    def cohort_program(arch: str) -> CohortProgram:
+        model = model_of(arch)
+
+        def init_client(rng: jax.Array) -> ClientState:
+            params = model.init(rng, dummy_x)
+            return ClientState(params, local_opt.init(params))
+
+        def train_step(carry, batch):
+            params, opt_state = carry
+            x, y, mask = batch
+
+            def loss_fn(p):
+                private_logits, shared_logits = model.apply(p, x)
+                ce_private = local_training.cross_entropy(private_logits, y, mask)
+                ce_shared = local_training.cross_entropy(shared_logits, y, mask)
+                return ce_private + ce_shared, jnp.stack([ce_private, ce_shared])
+
+            grads, stats = jax.grad(loss_fn, has_aux=True)(params)
+            updates, opt_state = local_opt.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), stats
+
+        def client_update(shared, state: ClientState, data, rng):
+            start = with_shared(state.params, shared)
+            (params, opt_state), sums, n_active = local_training.run_local_epochs(
+                train_step, (start, state.opt_state), data, rng, cfg.batch_size,
+                cfg.local_epochs, cfg.unroll_local_steps)
+            upload = shared_part(params)
+            n = jnp.maximum(n_active, 1.0)
+            metrics = {"train_ce_loss": sums[0] / n, "train_shared_ce_loss": sums[1] / n,
+                       "local_steps": n_active,
+                       "update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, upload,
+                                                                   shared))}
+            return upload, ClientState(params, opt_state), metrics
+
+        def evaluate(shared, state: ClientState, test, global_x, global_y):
+            return evaluate_classifier(lambda p, x: model.apply(p, x)[0],
+                                       with_shared(state.params, shared), test, global_x,
+                                       global_y)
+
+        return CohortProgram(init_client, client_update, evaluate)
+
+    return Algorithm("fedmrl", init_server, broadcast, broadcast, server_update, cohort_program)

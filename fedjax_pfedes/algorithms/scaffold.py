@@ -1,0 +1,134 @@
+"""SCAFFOLD: stochastic controlled averaging, run per architecture cohort.
+
+Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning", ICML 2020.
+The server keeps, per cohort, the global model x and a server control variate c; every client keeps
+its own control variate c_i (zeros at start, private state). A participant starts from x and takes
+K local steps on the corrected gradient g(y) - c_i + c, then refreshes its control with the
+paper's option II, c_i+ = c_i - c + (x - y) / (K * lr), and uploads (y, c_i+ - c_i). The server
+sets x <- x + lr_g * (weighted mean of y - x) (sample-count weights, as everywhere here; the paper
+averages uniformly) and c <- c + (1/N) * sum of the participants' control deltas, N = the cohort's
+client count. With zero controls SCAFFOLD is FedAvg exactly.
+
+K is the client's own number of local steps (clients of different sizes take different K). With
+local momentum the correction enters the gradient before the momentum buffer; option II's
+(x - y)/(K lr) then estimates the momentum-averaged gradient (the paper analyses plain SGD).
+Upload size is twice FedAvg's (model + control delta), as in the paper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, evaluate_classifier
+from fedjax_pfedes.models import registry
+
+
+@struct.dataclass
+class ServerState:
+    params: dict   # arch -> global model x
+    control: dict  # arch -> server control variate c
+    round: jnp.ndarray
+
+
+@struct.dataclass
+class ClientState:
+    control: dict  # c_i
+    rounds: jnp.ndarray
+
+
+def zeros_like_f32(tree):
+    return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.float32), tree)
+
+
+def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
+    """Builds SCAFFOLD per cohort; `cohort_sizes[arch]` is N, the cohort's number of clients.
+    `cfg.server_lr` is the global step size lr_g (1 = the averaged model)."""
+    local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
+    dummy_x = cfg.input_spec.dummy_batch()
+    models = {}
+
+    def model_of(arch: str):
+        if arch not in models:
+            models[arch] = registry.classifier_model(arch, cfg.num_classes, cfg.input_spec)
+        return models[arch]
+
+    def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
+        missing = [a for a in archs if a not in cohort_sizes]
+        if missing:
+            raise ValueError(f"SCAFFOLD needs the client count of every cohort; missing {missing}")
+        params = {a: model_of(a).init(jax.random.fold_in(rng, i), dummy_x)
+                  for i, a in enumerate(archs)}
+        control = {a: zeros_like_f32(p) for a, p in params.items()}
+        return ServerState(params, control, jnp.zeros((), jnp.int32))
+
+    def broadcast(state: ServerState, arch: str) -> dict:
+        return {"params": state.params[arch], "control": state.control[arch]}
+
+    def upload_template(state: ServerState, arch: str) -> dict:
+        return {"params": state.params[arch], "control_delta": state.control[arch]}
+
+    def server_update(state: ServerState, groups: Mapping[str, tuple[dict, jax.Array]]
+                      ) -> ServerState:
+        params, control = dict(state.params), dict(state.control)
+        for arch, (uploads, weights) in groups.items():
+            average, total = aggregation.weighted_mean([(uploads["params"], weights)])
+            old = state.params[arch]
+            new = jax.tree.map(lambda o, a: (o + cfg.server_lr * (a - o)).astype(o.dtype),
+                               old, average)
+            params[arch] = local_training.select_tree(total > 0, new, old)
+            took_part = (weights > 0).astype(jnp.float32)
+            control[arch] = jax.tree.map(
+                lambda c, d: c + jnp.tensordot(took_part, d, axes=1) / cohort_sizes[arch],
+                state.control[arch], uploads["control_delta"])
+        return ServerState(params, control, state.round + 1)
+
+    def cohort_program(arch: str) -> CohortProgram:
+        model = model_of(arch)
+
+        def init_client(rng: jax.Array) -> ClientState:
+            return ClientState(zeros_like_f32(model.init(rng, dummy_x)), jnp.zeros((), jnp.int32))
+
+        def client_update(received, state: ClientState, data, rng):
+            x, c = received["params"], received["control"]
+            correction = jax.tree.map(jnp.subtract, c, state.control)
+
+            def train_step(carry, batch):
+                params, opt_state = carry
+                bx, by, mask = batch
+                ce, grads = jax.value_and_grad(
+                    lambda p: local_training.cross_entropy(model.apply(p, bx), by, mask))(params)
+                grads = jax.tree.map(lambda g, k: g + k.astype(g.dtype), grads, correction)
+                updates, opt_state = local_opt.update(grads, opt_state, params)
+                return (optax.apply_updates(params, updates), opt_state), jnp.stack([ce])
+
+            (y, _), sums, n_active = local_training.run_local_epochs(
+                train_step, (x, local_opt.init(x)), data, rng, cfg.batch_size,
+                cfg.local_epochs, cfg.unroll_local_steps)
+            scale = 1.0 / (jnp.maximum(n_active, 1.0) * cfg.lr_local)
+            new_control = jax.tree.map(
+                lambda ci, cs, xo, yo: ci - cs + (xo - yo).astype(jnp.float32) * scale,
+                state.control, c, x, y)
+            new_control = local_training.select_tree(n_active > 0, new_control, state.control)
+            control_delta = jax.tree.map(jnp.subtract, new_control, state.control)
+            metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
+                       "local_steps": n_active,
+                       "update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, y, x))}
+            return ({"params": y, "control_delta": control_delta},
+                    ClientState(new_control, state.rounds + 1), metrics)
+
+        def evaluate(received, state: ClientState, test, global_x, global_y):
+            del state
+            return evaluate_classifier(model.apply, received["params"], test, global_x,
+                                       global_y)
+
+        return CohortProgram(init_client, client_update, evaluate)
+
+    return Algorithm("scaffold", init_server, broadcast, upload_template, server_update,
+                     cohort_program)
