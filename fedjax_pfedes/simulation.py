@@ -46,7 +46,6 @@ from fedjax_pfedes.data.profile import DataProfile, profile_partition
 from fedjax_pfedes.data.sources import LoadOptions
 from fedjax_pfedes.metrics_io import MetricsWriter, write_json
 
-
 # Model-heterogeneous baselines built from HeteroConfig.
 HETEROGENEOUS = {"lg_fedavg": lg_fedavg, "fedproto": fedproto, "fml": fml, "fedkd": fedkd,
                  "fedgh": fedgh, "fedmrl": fedmrl}

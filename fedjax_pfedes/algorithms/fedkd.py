@@ -79,7 +79,8 @@ def compress_update(update: dict, energy: jax.Array) -> tuple[dict, jax.Array]:
 
 
 def energy_threshold(round_index: jax.Array, cfg: HeteroConfig) -> jax.Array:
-    """T for 0-based `round_index`: kd_energy_start at the first round, kd_energy_end at the last."""
+    """T for 0-based `round_index`: kd_energy_start at the first round, kd_energy_end at the
+    last."""
     frac = jnp.clip(round_index / max(cfg.rounds - 1, 1), 0.0, 1.0)
     return cfg.kd_energy_start + (cfg.kd_energy_end - cfg.kd_energy_start) * frac
 

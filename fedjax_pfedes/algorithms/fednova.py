@@ -5,7 +5,8 @@ Optimization", NeurIPS 2020. Clients of different sizes take different numbers o
 tau_i (here tau_i = E * ceil(n_i / B)), so FedAvg's average over-weights the directions of clients
 that ran longer. FedNova has each participant upload its normalized update
 d_i = (x - y_i) / a_i with a_i = ||a_i||_1 of the paper's local-solver vector: a_i = tau_i for
-plain SGD, and for SGD with momentum rho a_i = [tau_i - rho (1 - rho^tau_i) / (1 - rho)] / (1 - rho).
+plain SGD, and for SGD with momentum rho
+a_i = [tau_i - rho (1 - rho^tau_i) / (1 - rho)] / (1 - rho).
 The server applies x <- x - lr_g * tau_eff * sum_i p_i d_i with p_i = n_i / sum n (sample counts)
 and tau_eff = sum_i p_i a_i. When every participant has the same a_i this is FedAvg exactly.
 """

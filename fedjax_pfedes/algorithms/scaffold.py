@@ -47,6 +47,14 @@ def zeros_like_f32(tree):
     return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.float32), tree)
 
 
+def server_control_update(control: dict, deltas: dict, weights: jax.Array, num_clients: int
+                          ) -> dict:
+    """c + (1/N) * sum of the participants' control deltas (padded slots: weight 0)."""
+    took_part = (weights > 0).astype(jnp.float32)
+    return jax.tree.map(lambda c, d: c + jnp.tensordot(took_part, d, axes=1) / num_clients,
+                        control, deltas)
+
+
 def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
     """Builds SCAFFOLD per cohort; `cohort_sizes[arch]` is N, the cohort's number of clients.
     `cfg.server_lr` is the global step size lr_g (1 = the averaged model)."""
@@ -83,10 +91,8 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
             new = jax.tree.map(lambda o, a: (o + cfg.server_lr * (a - o)).astype(o.dtype),
                                old, average)
             params[arch] = local_training.select_tree(total > 0, new, old)
-            took_part = (weights > 0).astype(jnp.float32)
-            control[arch] = jax.tree.map(
-                lambda c, d: c + jnp.tensordot(took_part, d, axes=1) / cohort_sizes[arch],
-                state.control[arch], uploads["control_delta"])
+            control[arch] = server_control_update(state.control[arch], uploads["control_delta"],
+                                                  weights, cohort_sizes[arch])
         return ServerState(params, control, state.round + 1)
 
     def cohort_program(arch: str) -> CohortProgram:
