@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.baseline.kd_energy_end = 0.98    # .. raised linearly to this at the last round
     config.baseline.gh_server_lr = 0.05  # FedGH: server SGD on uploaded prototypes
     config.baseline.gh_server_epochs = 1
-    config.baseline.mrl_sub_dim = 64     # FedMRL: nested dimension read by the shared header
+    config.baseline.mrl_sub_dim = 0      # FedMRL: nested dim read by the shared header (0 = d/2)
 
     config.data = ml_collections.ConfigDict()
     # Datasets (README "Datasets"): offline 'mnist5k' | 'digits' | 'breast_cancer' | 'wine' |

@@ -116,8 +116,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              f"{b.gh_server_lr}")
     _require(b.gh_server_epochs >= 1, f"config.baseline.gh_server_epochs must be >= 1, got "
              f"{b.gh_server_epochs}")
-    _require(0 < b.mrl_sub_dim <= config.proxy_dim, "config.baseline.mrl_sub_dim must be in "
-             f"(0, config.proxy_dim={config.proxy_dim}], got {b.mrl_sub_dim}")
+    _require(0 <= b.mrl_sub_dim <= config.proxy_dim, "config.baseline.mrl_sub_dim must be in "
+             f"[0, config.proxy_dim={config.proxy_dim}] (0 = half), got {b.mrl_sub_dim}")
 
 
 def check_against_data(config: ml_collections.ConfigDict, central: CentralDataset) -> None:

@@ -6,7 +6,7 @@ extractor G (architecture `HeteroConfig.shared_arch`, followed by a Dense to d) 
 private heterogeneous extractor F_k. A private lightweight projector fuses them,
 r = P_k([G(x), F_k(x)]) in R^d, and two headers read nested prefixes of r (Matryoshka
 representation learning, Kusupati et al., NeurIPS 2022): the shared header reads r[:d1]
-(`mrl_sub_dim`), the private header reads all of r. The local loss is
+(`mrl_sub_dim`, 0 = d/2), the private header reads all of r. The local loss is
 CE(shared header) + CE(private header); every part is trained together. Participants upload G and
 the shared header; the server averages them over all cohorts by sample counts. Inference uses the
 private header's output (as in HtFLlib's FedMRL).
@@ -79,9 +79,10 @@ def with_shared(params: dict, shared: dict) -> dict:
 
 def fedmrl(cfg: HeteroConfig) -> Algorithm:
     """Builds FedMRL for heterogeneous cohorts."""
-    if not 0 < cfg.mrl_sub_dim <= cfg.dim:
-        raise ValueError(f"config.baseline.mrl_sub_dim must be in (0, config.proxy_dim="
-                         f"{cfg.dim}], got {cfg.mrl_sub_dim}")
+    sub_dim = cfg.mrl_sub_dim or cfg.dim // 2
+    if not 0 < sub_dim <= cfg.dim:
+        raise ValueError(f"config.baseline.mrl_sub_dim must be in [0, config.proxy_dim="
+                         f"{cfg.dim}] (0 = half of it), got {cfg.mrl_sub_dim}")
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
     small = registry.shared_arch(cfg.shared_arch, cfg.input_spec)
@@ -91,8 +92,7 @@ def fedmrl(cfg: HeteroConfig) -> Algorithm:
         if registry.uses_batch_norm(arch):
             raise ValueError(f"config.clients.architectures: '{arch}' has BatchNorm layers, "
                              "which FedMRL does not handle; use it with config.algorithm='fedbn'")
-        return MatryoshkaModel(arch, small, cfg.num_classes, cfg.dim, cfg.mrl_sub_dim,
-                               cfg.input_spec)
+        return MatryoshkaModel(arch, small, cfg.num_classes, cfg.dim, sub_dim, cfg.input_spec)
 
     def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
         return ServerState(shared_part(model_of(archs[0]).init(rng, dummy_x)),

@@ -2,9 +2,10 @@
 
 Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients", AAAI 2022.
 Every client model is F_k -> P_k (to a common dimension d) -> H_k, all private. A local step
-minimizes CE(H_k(e), y) + proto_lambda * ||e - global_prototype[y]||^2 (mean over the samples
-whose class has a global prototype), e = P_k(F_k(x)). After E local epochs a participant uploads
-its class prototypes (mean e per class over its training data) and per-class counts; the server's
+minimizes CE(H_k(e), y) + proto_lambda * mean_d (e - global_prototype[y])^2 (the authors' MSE;
+mean over the samples whose class has a global prototype), e = P_k(F_k(x)). After E local epochs
+a participant uploads its class prototypes (mean e per class over its training data) and
+per-class counts; the server's
 prototype of class c is the count-weighted mean over clients holding c (classes nobody has
 uploaded keep their previous prototype). Inference, as in the paper, assigns each sample to the
 nearest global prototype (over classes that have one).
@@ -93,7 +94,9 @@ def fedproto(cfg: HeteroConfig) -> Algorithm:
                     logits, e = model.apply(p, x)
                     ce = local_training.cross_entropy(logits, y, mask)
                     has = mask & available[y]
-                    dist = jnp.sum((e - protos[y]) ** 2, axis=-1)
+                    # Mean over the d dimensions, as the authors' code (nn.MSELoss); the sum
+                    # over d made the term d times larger and the quick start diverge.
+                    dist = jnp.mean((e - protos[y]) ** 2, axis=-1)
                     return ce + cfg.proto_lambda * local_training.masked_mean(dist, has), ce
 
                 grads, ce = jax.grad(loss_fn, has_aux=True)(params)

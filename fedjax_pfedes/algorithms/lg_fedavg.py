@@ -40,7 +40,8 @@ class HeteroConfig:
       kd_energy_start, kd_energy_end, rounds: FedKD's SVD energy threshold, raised linearly from
         start (round 1) to end (round `rounds`).
       gh_server_lr, gh_server_epochs: FedGH's server SGD on the uploaded prototypes.
-      mrl_sub_dim: FedMRL's nested (Matryoshka) dimension read by the shared header (< dim).
+      mrl_sub_dim: FedMRL's nested (Matryoshka) dimension read by the shared header (<= dim;
+        0 = dim // 2).
     """
 
     num_classes: int
@@ -60,7 +61,7 @@ class HeteroConfig:
     rounds: int = 1
     gh_server_lr: float = 0.05
     gh_server_epochs: int = 1
-    mrl_sub_dim: int = 64
+    mrl_sub_dim: int = 0
 
 
 @struct.dataclass
