@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ml_collections
@@ -31,17 +31,50 @@ def heterogeneous_architectures(num_clients: int, ratio: float, majority: str,
     return ",".join(f"{arch}:{n}" for arch, n in counts.items() if n > 0)
 
 
+def _record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -> dict:
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {
+        "seed": config.seed, "final": summary["final"],
+        "rounds": [r["round"] for r in rows],
+        "personalized_accuracy": [r["personalized_accuracy_mean"] for r in rows],
+        "global_accuracy": [r["global_accuracy_mean"] for r in rows],
+        "upload_params_per_client": summary["final"]["upload_params_per_client"],
+        "wall_time_s": summary["wall_time_s"],
+        "majority_class_accuracy_mean": summary["majority_class_accuracy_mean"],
+    }
+
+
+def _finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | None:
+    """The summary of a finished run in `run_dir` made with exactly `config`, else None."""
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        summary = json.load(f)
+    same = summary.get("config") == json.loads(json.dumps(config.to_dict()))
+    return summary if same else None
+
+
 def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]],
-             seeds: int, workdir: str, show_progress: bool = True) -> dict[str, list[dict]]:
+             seeds: int, workdir: str, show_progress: bool = True, reuse: bool = False,
+             on_seed_done: Callable[[dict[str, list[dict]]], None] | None = None
+             ) -> dict[str, list[dict]]:
     """Runs every variant (name -> dotted config overrides) for seeds base.seed .. +seeds-1.
+
+    Seeds are the outer loop, so after the first seed every variant has one result.
+
+    Args:
+      reuse: take a run whose <workdir>/<name>/seed<k>/summary.json was written with exactly
+        the same config instead of running it again (resuming an interrupted grid).
+      on_seed_done: called with the results so far after each seed (e.g. to write the table).
 
     Returns:
       name -> one record per seed: the summary's final metrics, the personalized/global accuracy
       curve, upload size and wall time. Each run's files go to <workdir>/<name>/seed<k>.
     """
-    results: dict[str, list[dict]] = {}
-    for name, overrides in variants.items():
-        for s in range(seeds):
+    results: dict[str, list[dict]] = {name: [] for name in variants}
+    for s in range(seeds):
+        for name, overrides in variants.items():
             config = ml_collections.ConfigDict(base.to_dict())
             for dotted, value in overrides.items():
                 node = config
@@ -51,23 +84,29 @@ def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]
                 node[leaf] = value
             config.seed = base.seed + s
             run_dir = os.path.join(workdir, name, f"seed{config.seed}")
-            summary = run_experiment(config, run_dir, show_progress=show_progress)
-            rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-            results.setdefault(name, []).append({
-                "seed": config.seed, "final": summary["final"],
-                "rounds": [r["round"] for r in rows],
-                "personalized_accuracy": [r["personalized_accuracy_mean"] for r in rows],
-                "global_accuracy": [r["global_accuracy_mean"] for r in rows],
-                "upload_params_per_client": summary["final"]["upload_params_per_client"],
-                "wall_time_s": summary["wall_time_s"],
-                "majority_class_accuracy_mean": summary["majority_class_accuracy_mean"],
-            })
+            summary = _finished_run(config, run_dir) if reuse else None
+            if summary is None:
+                os.makedirs(run_dir, exist_ok=True)
+                summary = run_experiment(config, run_dir, show_progress=show_progress)
+            results[name].append(_record(config, summary, run_dir))
+        if on_seed_done is not None:
+            on_seed_done(results)
     return results
 
 
 def _mean_std(values: Sequence[float]) -> str:
+    """'mean ± std' over seeds; seeds with a non-finite value are counted as diverged and left
+    out of the mean (said in the cell)."""
     v = np.asarray(values, np.float64)
-    return f"{v.mean():.4f} ± {v.std():.4f}" if len(v) > 1 else f"{v.mean():.4f}"
+    finite = v[np.isfinite(v)]
+    if len(finite) == 0:
+        return f"diverged ({len(v)}/{len(v)} seeds)"
+    cell = f"{finite.mean():.4f}"
+    if len(finite) > 1:
+        cell += f" ± {finite.std():.4f}"
+    if len(finite) < len(v):
+        cell += f" (diverged in {len(v) - len(finite)}/{len(v)} seeds)"
+    return cell
 
 
 def markdown_table(results: dict[str, list[dict]]) -> str:
@@ -90,20 +129,23 @@ def accuracy_curves(results: dict[str, list[dict]], path: str, title: str) -> st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
+    colors = plt.get_cmap("tab20")
     for k, (name, runs) in enumerate(results.items()):
-        color = f"C{k}"
         rounds = runs[0]["rounds"]
-        for key, style in (("personalized_accuracy", "-"), ("global_accuracy", "--")):
+        for ax, key in zip(axes, ("personalized_accuracy", "global_accuracy"), strict=True):
             curves = np.array([r[key] for r in runs])
             mean, std = curves.mean(0), curves.std(0)
-            ax.plot(rounds, mean, style, color=color,
-                    label=f"{name} ({'personalized' if style == '-' else 'global'})")
-            ax.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.15)
-    ax.set_xlabel("round")
-    ax.set_ylabel("mean accuracy over clients")
-    ax.set_title(title)
-    ax.legend(fontsize=7, ncol=2)
+            ax.plot(rounds, mean, "-o", ms=3, color=colors(k % 20), label=name)
+            ax.fill_between(rounds, mean - std, mean + std, color=colors(k % 20), alpha=0.15)
+    for ax, what in zip(axes, ("personalized (local test split)", "global (global test set)"),
+                        strict=True):
+        ax.set_xlabel("round")
+        ax.set_title(what, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("mean accuracy over clients")
+    fig.suptitle(title, fontsize=10)
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)

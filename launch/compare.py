@@ -34,6 +34,8 @@ _ALGORITHMS = flags.DEFINE_list("algorithms", ["pfedes", "standalone", "fedavg"]
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per method (config.seed, config.seed+1, ...).")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare", "Where runs and the table go.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
+_REUSE = flags.DEFINE_bool("reuse", True, "Reuse finished runs in the workdir made with the same "
+                           "config (resume an interrupted comparison).")
 
 
 def main(argv: list[str]) -> None:
@@ -50,22 +52,32 @@ def main(argv: list[str]) -> None:
             config.algorithm = name
             validate_config(config)
             check_against_data(config, central)
+        header = (f"{config.data.name}, {config.data.num_clients} clients "
+                  f"({config.clients.architectures}), partition {config.data.partition}, "
+                  f"{config.train.rounds} rounds, {_SEEDS.value} seed(s); accuracy at the last "
+                  "round.")
+
+        def write(results):  # after every seed, so an interrupted comparison leaves a table
+            done = {k: v for k, v in results.items() if v}
+            seeds_done = min(len(v) for v in done.values())
+            table = experiments.markdown_table(done)
+            note = "" if seeds_done == _SEEDS.value else (
+                f" (partial: {seeds_done} of {_SEEDS.value} seeds so far)")
+            with open(os.path.join(_WORKDIR.value, "comparison.md"), "w") as f:
+                f.write(header + note + "\n\n" + table + "\n")
+            with open(os.path.join(_WORKDIR.value, "comparison.json"), "w") as f:
+                json.dump(done, f, indent=1)
+            experiments.accuracy_curves(done, os.path.join(_WORKDIR.value, "accuracy_curves.png"),
+                                        header.split(";")[0])
+            return table
+
         results = experiments.run_grid(config, {a: {"algorithm": a} for a in _ALGORITHMS.value},
-                                       _SEEDS.value, _WORKDIR.value, _PROGRESS.value)
+                                       _SEEDS.value, _WORKDIR.value, _PROGRESS.value,
+                                       reuse=_REUSE.value, on_seed_done=write)
     except (ConfigError, DatasetUnavailableError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    table = experiments.markdown_table(results)
-    header = (f"{config.data.name}, {config.data.num_clients} clients "
-              f"({config.clients.architectures}), partition {config.data.partition}, "
-              f"{config.train.rounds} rounds, {_SEEDS.value} seed(s); accuracy at the last round.")
-    with open(os.path.join(_WORKDIR.value, "comparison.md"), "w") as f:
-        f.write(header + "\n\n" + table + "\n")
-    with open(os.path.join(_WORKDIR.value, "comparison.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    experiments.accuracy_curves(results, os.path.join(_WORKDIR.value, "accuracy_curves.png"),
-                                header.split(";")[0])
-    print(header + "\n\n" + table)
+    print(header + "\n\n" + write(results))
     print(f"\nwrote {_WORKDIR.value}/comparison.md, comparison.json, accuracy_curves.png")
 
 
