@@ -84,10 +84,39 @@ def get_config() -> ml_collections.ConfigDict:
     config.train = ml_collections.ConfigDict()
     config.train.rounds = 20
     config.train.client_fraction = 0.5   # C: share of clients sampled each round
+    config.train.sampling = "uniform"    # 'uniform' (m = C*N each round) | 'poisson' (each w.p. C)
     config.train.local_epochs = 2        # E (seed: 1-3)
     config.train.batch_size = 32
     config.train.lr_local = 0.05         # local SGD learning rate
     config.train.local_momentum = 0.9    # local SGD momentum (0 = plain SGD); never aggregated
+
+    # The upload pipeline (README "Uploads: validation, compression, privacy").
+    config.upload = ml_collections.ConfigDict()
+    config.upload.reject_nonfinite = True  # NaN/Inf uploads are rejected, the round goes on
+    config.upload.norm_outlier_factor = 0.0  # reject update norms > factor x median (0 = off)
+    config.upload.weighting = "samples"  # 'samples' | 'sqrt_samples' | 'uniform'
+    config.upload.aggregator = "mean"    # 'mean' | 'median' | 'trimmed_mean' (per coordinate)
+    config.upload.trim_fraction = 0.1    # trimmed mean: share cut at each end
+    config.upload.topk_fraction = 1.0    # top-k sparsification with error feedback (1 = off)
+    config.upload.value_encoding = "none"  # 'none' (float32) | 'bf16' | 'qsgd'
+    config.upload.qsgd_levels = 16       # QSGD: quantization levels s
+
+    # Client-level DP (DP-FedAvg): clip updates to clip_norm, Gaussian noise on the sum.
+    config.dp = ml_collections.ConfigDict()
+    config.dp.enabled = False            # needs config.upload.weighting = 'uniform'
+    config.dp.clip_norm = 1.0            # C
+    config.dp.noise_multiplier = 1.0     # sigma (noise std = sigma * C on the sum)
+    config.dp.target_epsilon = 0.0       # > 0: calibrate sigma to reach this epsilon at the end
+    config.dp.delta = 1e-5
+    config.dp.accountant = "rdp"         # 'rdp' | 'pld' (pld needs train.sampling='poisson')
+
+    # Secure aggregation (Bonawitz et al. 2017): the server sees only masked vectors.
+    config.secagg = ml_collections.ConfigDict()
+    config.secagg.enabled = False
+    config.secagg.threshold_fraction = 0.6  # Shamir threshold t = ceil(fraction * participants)
+    config.secagg.ring_bits = 64         # fixed-point ring Z_(2^bits): 32 | 64
+    config.secagg.fraction_bits = 24     # fixed-point fractional bits
+    config.secagg.dropout_after_upload = 0.0  # simulated share of senders lost before unmasking
 
     config.eval = ml_collections.ConfigDict()
     config.eval.every = 5                # evaluate every k rounds (and after the last)

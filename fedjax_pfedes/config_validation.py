@@ -90,6 +90,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(0 < train.client_fraction <= 1,
              f"config.train.client_fraction must be in (0, 1], got {train.client_fraction}")
     _require(train.rounds >= 1, f"config.train.rounds must be >= 1, got {train.rounds}")
+    _require(train.sampling in ("uniform", "poisson"), "config.train.sampling must be "
+             f"'uniform' or 'poisson', got '{train.sampling}'")
     _require(train.local_epochs >= 1,
              f"config.train.local_epochs must be >= 1, got {train.local_epochs}")
     _require(train.batch_size >= 1, f"config.train.batch_size must be >= 1, got "

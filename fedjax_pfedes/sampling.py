@@ -18,3 +18,14 @@ def uniform_sample(seed: int, round_index: int, num_clients: int, fraction: floa
     rng = np.random.default_rng([seed, round_index])
     m = participants_per_round(num_clients, fraction)
     return np.sort(rng.choice(num_clients, size=m, replace=False))
+
+
+def poisson_sample(seed: int, round_index: int, num_clients: int, fraction: float
+                   ) -> np.ndarray:
+    """Sorted ids of the clients that take part, each independently with probability C
+    (Poisson sampling, as assumed by the DP accountant's PoissonSampledDpEvent; may be empty)."""
+    rng = np.random.default_rng([seed, round_index, 1])
+    return np.flatnonzero(rng.random(num_clients) < fraction)
+
+
+SAMPLERS = {"uniform": uniform_sample, "poisson": poisson_sample}

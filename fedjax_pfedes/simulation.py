@@ -8,6 +8,7 @@ nothing compiles again after the first round.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import time
 from typing import Any
@@ -16,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 from tqdm.auto import tqdm
 
-from fedjax_pfedes import aggregation, execution, plotting, sampling
+from fedjax_pfedes import execution, plotting, sampling
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg
 from fedjax_pfedes.algorithms.fedbn import fedbn
 from fedjax_pfedes.algorithms.fedgh import fedgh
@@ -45,6 +47,9 @@ from fedjax_pfedes.data.federated import FederatedData, partition_dataset
 from fedjax_pfedes.data.profile import DataProfile, profile_partition
 from fedjax_pfedes.data.sources import LoadOptions
 from fedjax_pfedes.metrics_io import MetricsWriter, write_json
+from fedjax_pfedes.upload import compression, privacy
+from fedjax_pfedes.upload import secure_aggregation as secagg
+from fedjax_pfedes.upload.pipeline import CohortUploads, PipelineConfig, UploadPipeline
 
 # Model-heterogeneous baselines built from HeteroConfig.
 HETEROGENEOUS = {"lg_fedavg": lg_fedavg, "fedproto": fedproto, "fml": fml, "fedkd": fedkd,
@@ -167,10 +172,41 @@ def tree_size(tree) -> tuple[int, int]:
             sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves))
 
 
+def build_pipeline(config: ml_collections.ConfigDict, algorithm, num_clients: int
+                   ) -> UploadPipeline:
+    """The upload pipeline from `config.upload`, `config.dp` and `config.secagg`."""
+    u, d, sa, t = config.upload, config.dp, config.secagg, config.train
+    m = sampling.participants_per_round(num_clients, t.client_fraction)
+    try:
+        dp = None
+        if d.enabled:
+            dp = privacy.ClientDPConfig(
+                clip_norm=d.clip_norm, noise_multiplier=d.noise_multiplier,
+                target_epsilon=d.target_epsilon, delta=d.delta, accountant=d.accountant,
+                sampling="poisson" if t.sampling == "poisson" else "fixed")
+        cfg = PipelineConfig(
+            reject_nonfinite=u.reject_nonfinite, norm_outlier_factor=u.norm_outlier_factor,
+            weighting=u.weighting, aggregator=u.aggregator, trim_fraction=u.trim_fraction,
+            compression=compression.CompressionConfig(u.topk_fraction, u.value_encoding,
+                                                      u.qsgd_levels),
+            dp=dp, secagg=sa.enabled, secagg_threshold_fraction=sa.threshold_fraction,
+            secagg_dropout_after_upload=sa.dropout_after_upload,
+            encoding=secagg.RingEncoding(sa.ring_bits, sa.fraction_bits))
+        expected = (t.client_fraction * num_clients if t.sampling == "poisson" else m)
+        return UploadPipeline(cfg, algorithm.aggregation, algorithm.name, num_clients,
+                              expected, m, t.rounds)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def run_round(algorithm, server_state, cohorts: list[Cohort], participants: np.ndarray,
-              round_key: jax.Array, server_step) -> tuple[Any, dict[str, float]]:
-    """One round: broadcast, local updates of every cohort's participants, checks, server step."""
-    groups, train_metrics, traffic = {}, [], []
+              round_key: jax.Array, server_step, pipeline: UploadPipeline, memories: dict,
+              round_index: int, upload_key: jax.Array) -> tuple[Any, dict[str, Any], dict]:
+    """One round: broadcast, local updates of every cohort's participants, the upload pipeline
+    (checks, compression, DP, secure aggregation, robust aggregation), the server step.
+
+    Returns (server state, round summary, error-feedback memories)."""
+    uploads, train_metrics, traffic = {}, [], []
     for cohort in cohorts:
         broadcast = algorithm.broadcast(server_state, cohort.arch)
         template = algorithm.upload_template(server_state, cohort.arch)
@@ -179,12 +215,10 @@ def run_round(algorithm, server_state, cohorts: list[Cohort], participants: np.n
         ids = np.where(valid, cohort.client_ids[np.minimum(slots, len(cohort.client_ids) - 1)],
                        -1)
         keys = jax.vmap(lambda i: jax.random.fold_in(round_key, i))(jnp.asarray(ids))
-        uploads, cohort.states, metrics = cohort.runner.update(
+        stacked, cohort.states, metrics = cohort.runner.update(
             broadcast, cohort.states, cohort.train, slots, keys)
-        aggregation.check_upload(template, uploads, f"clients {ids[valid].tolist()} "
-                                 f"(cohort '{cohort.arch}')", stacked=cohort.bucket)
         sizes = jnp.take(cohort.train.sizes, jnp.asarray(slots), mode="clip")
-        groups[cohort.arch] = (uploads, aggregation.client_weights(sizes, jnp.asarray(valid)))
+        uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, slots)
         if valid.any():
             client_metrics = {k: np.asarray(v)[valid] for k, v in metrics.items()}
             train_metrics.append(client_metrics)
@@ -193,15 +227,41 @@ def run_round(algorithm, server_state, cohorts: list[Cohort], participants: np.n
                 encoded = float(client_metrics["upload_encoded_params"].mean())
                 upload = (encoded, encoded * upload[1] / max(upload[0], 1))
             traffic.append((int(valid.sum()), *upload, *tree_size(broadcast)))
+    members = {c.arch: len(c.client_ids) for c in cohorts}
+    groups, memories, report = pipeline.process(round_index, uploads, memories, members,
+                                                upload_key)
+    for r in report["rejections"]:
+        logging.warning("round %d: upload of client %d rejected: %s", round_index + 1,
+                        r["client"], r["reason"])
     server_state = server_step(server_state, groups)
-    summary = {f"{k}_mean": float(np.concatenate([m[k] for m in train_metrics]).mean())
-               for k in train_metrics[0]}
-    counts = np.array(traffic, np.float64)
-    per_client = counts[:, 1:].T @ counts[:, 0] / counts[:, 0].sum()
-    summary.update(zip(("upload_params_per_client", "upload_bytes_per_client",
-                        "download_params_per_client", "download_bytes_per_client"),
-                       per_client.tolist(), strict=True))
-    return server_state, summary
+    summary: dict[str, Any] = {}
+    if train_metrics:
+        summary = {f"{k}_mean": float(np.concatenate([m[k] for m in train_metrics]).mean())
+                   for k in train_metrics[0]}
+        counts = np.array(traffic, np.float64)
+        per_client = counts[:, 1:].T @ counts[:, 0] / counts[:, 0].sum()
+        summary.update(zip(("upload_params_per_client", "upload_bytes_per_client",
+                            "download_params_per_client", "download_bytes_per_client"),
+                           per_client.tolist(), strict=True))
+    if "upload_bytes_per_client" in report:  # counted from the encoded form
+        summary["upload_bytes_per_client"] = report["upload_bytes_per_client"]
+    summary["uploads_rejected"] = report["rejected"]
+    summary["rejections"] = report["rejections"]
+    for k in ("secagg_senders", "secagg_dropped_after_upload", "secagg_failures"):
+        if k in report:
+            summary[k] = report[k]
+    return server_state, summary, memories
+
+
+def privacy_metrics(pipeline: UploadPipeline, rounds_done: int) -> dict[str, float]:
+    """dp_epsilon (at dp_delta) spent after `rounds_done` rounds, from dp_accounting."""
+    dp = pipeline.cfg.dp
+    if dp is None:
+        return {}
+    eps = privacy.epsilon(dp, pipeline.noise_multiplier, pipeline.num_clients,
+                          pipeline.clients_per_round, rounds_done)
+    return {"dp_epsilon": eps, "dp_delta": dp.delta,
+            "dp_noise_multiplier": pipeline.noise_multiplier, "dp_clip_norm": dp.clip_norm}
 
 
 def run_experiment(config: ml_collections.ConfigDict, workdir: str,
@@ -221,34 +281,52 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
     runners = {a: execution.make_runner(p, strategy) for a, p in programs.items()}
     m = sampling.participants_per_round(data.num_clients, config.train.client_fraction)
+    sample = sampling.SAMPLERS[config.train.sampling]
+    # Poisson sampling has no fixed round size: every member gets a slot.
+    slots_per_round = data.num_clients if config.train.sampling == "poisson" else m
     root = jax.random.key(config.seed)
     server_key, client_key, train_key = jax.random.split(root, 3)
-    cohorts = build_cohorts(data, archs, programs, runners, m, client_key)
+    upload_key = jax.random.fold_in(root, 7)  # compression / DP noise / secure-agg stream
+    cohorts = build_cohorts(data, archs, programs, runners, slots_per_round, client_key)
     server_state = algorithm.init_server(server_key, tuple(c.arch for c in cohorts))
     server_step = jax.jit(algorithm.server_update)
+    pipeline = build_pipeline(config, algorithm, data.num_clients)
+    memories = {c.arch: (pipeline.init_memory(algorithm.upload_template(server_state, c.arch),
+                                              len(c.client_ids))
+                         if pipeline.cfg.compression.topk_fraction < 1
+                         else jnp.zeros((len(c.client_ids),), jnp.float32))
+                for c in cohorts}
     global_x, global_y = _global_test(data, config)
     writer = MetricsWriter(workdir)
+    rejections_log = open(os.path.join(workdir, "rejections.jsonl"), "w")
+    rejected_total = 0
 
     history, last = [], {}
     bar = tqdm(range(config.train.rounds), desc=f"{config.algorithm} [{strategy}]",
                disable=not show_progress, unit="round")
     for r in bar:
         t0 = time.time()
-        participants = sampling.uniform_sample(config.seed, r, data.num_clients,
-                                               config.train.client_fraction)
-        server_state, train_summary = run_round(
+        participants = sample(config.seed, r, data.num_clients, config.train.client_fraction)
+        server_state, train_summary, memories = run_round(
             algorithm, server_state, cohorts, participants,
-            jax.random.fold_in(train_key, r), server_step)
+            jax.random.fold_in(train_key, r), server_step, pipeline, memories, r,
+            jax.random.fold_in(upload_key, r))
         jax.block_until_ready(server_state)
+        for rejection in train_summary.pop("rejections"):
+            rejections_log.write(json.dumps({"round": r + 1, **rejection}) + "\n")
+        rejections_log.flush()
+        rejected_total += train_summary["uploads_rejected"]
         if (r + 1) % config.eval.every == 0 or r + 1 == config.train.rounds:
             last = {"round": r + 1, "participants": len(participants),
-                    **train_summary,
+                    **train_summary, "uploads_rejected_total": rejected_total,
+                    **privacy_metrics(pipeline, r + 1),
                     **evaluate(algorithm, server_state, cohorts, global_x, global_y),
                     "round_time_s": time.time() - t0, "elapsed_s": time.time() - start}
             writer.write(last)
             history.append(last)
             bar.set_postfix(pacc=f"{last['personalized_accuracy_mean']:.3f}",
                             gacc=f"{last['global_accuracy_mean']:.3f}")
+    rejections_log.close()
     best = max(history, key=lambda h: h["personalized_accuracy_mean"])
     summary = {
         "final": last,

@@ -45,10 +45,17 @@ class Algorithm:
         (the same tree for every cohort when the server shares one model, e.g. pFedES's E_proxy;
         the cohort's own global model for FedAvg run per cohort).
       upload_template: (ServerState, arch) -> the tree every upload of that cohort must match
-        (structure, shapes, dtypes); `{}` when nothing is uploaded.
+        (structure, shapes, dtypes) and the reference it is compared against: a client's update
+        is upload - template (the broadcast model for model uploads, zeros for uploads that are
+        already updates or statistics). `{}` when nothing is uploaded.
       server_update: (ServerState, {arch: (stacked uploads, weights)}) -> ServerState; pure and
         jittable.
       cohort_program: architecture name -> CohortProgram.
+      aggregation: how the server combines uploads, which tells the upload pipeline what it may
+        do (`fedjax_pfedes.upload`): 'shared' — one tree for every cohort, a weighted mean over
+        all participants; 'per_cohort' — a weighted mean within each cohort; 'custom' — other
+        server math (prototypes, header training): robust aggregators, DP and secure
+        aggregation are refused; 'none' — nothing is uploaded.
     """
 
     name: str
@@ -57,3 +64,4 @@ class Algorithm:
     upload_template: Callable[[PyTree, str], PyTree]
     server_update: Callable[[PyTree, dict[str, tuple[PyTree, jax.Array]]], PyTree]
     cohort_program: Callable[[str], CohortProgram]
+    aggregation: str = "shared"

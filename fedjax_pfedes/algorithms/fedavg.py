@@ -163,7 +163,8 @@ def fedavg(cfg: FedAvgConfig) -> Algorithm:
 
         return CohortProgram(init_client, client_update, evaluate)
 
-    return Algorithm(cfg.name, init_server, broadcast, broadcast, server_update, cohort_program)
+    return Algorithm(cfg.name, init_server, broadcast, broadcast, server_update, cohort_program,
+                     aggregation="per_cohort")
 
 
 def evaluate_classifier(logits_fn, params, test, global_x, global_y) -> dict[str, jax.Array]:

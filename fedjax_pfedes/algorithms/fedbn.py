@@ -153,4 +153,5 @@ def fedbn(cfg: FedAvgConfig) -> Algorithm:
 
         return CohortProgram(init_client, client_update, evaluate)
 
-    return Algorithm("fedbn", init_server, broadcast, broadcast, server_update, cohort_program)
+    return Algorithm("fedbn", init_server, broadcast, broadcast, server_update, cohort_program,
+                     aggregation="per_cohort")

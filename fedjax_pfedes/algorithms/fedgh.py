@@ -123,4 +123,4 @@ def fedgh(cfg: HeteroConfig) -> Algorithm:
         return CohortProgram(init_client, client_update, evaluate)
 
     return Algorithm("fedgh", init_server, broadcast, upload_template, server_update,
-                     cohort_program)
+                     cohort_program, aggregation="custom")

@@ -104,7 +104,7 @@ def fedkd(cfg: HeteroConfig) -> Algorithm:
 
     def upload_template(state: ServerState, arch: str = "") -> dict:
         del arch
-        return state.mentee
+        return jax.tree.map(jnp.zeros_like, state.mentee)  # uploads are updates
 
     def server_update(state: ServerState, groups: Mapping[str, tuple[dict, jax.Array]]
                       ) -> ServerState:

@@ -70,7 +70,8 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
         return state.params[arch]
 
     def upload_template(state: ServerState, arch: str) -> dict:
-        return {"normalized_update": state.params[arch],
+        # Both fields are already updates: their reference is zero.
+        return {"normalized_update": jax.tree.map(jnp.zeros_like, state.params[arch]),
                 "solver_norm": jnp.zeros((), jnp.float32)}
 
     def server_update(state: ServerState, groups: Mapping[str, tuple[dict, jax.Array]]
@@ -111,4 +112,4 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
         return CohortProgram(init_client, client_update, evaluate)
 
     return Algorithm("fednova", init_server, broadcast, upload_template, server_update,
-                     cohort_program)
+                     cohort_program, aggregation="per_cohort")

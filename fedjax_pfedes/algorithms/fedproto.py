@@ -128,4 +128,4 @@ def fedproto(cfg: HeteroConfig) -> Algorithm:
         return CohortProgram(init_client, client_update, evaluate)
 
     return Algorithm("fedproto", init_server, broadcast, upload_template, server_update,
-                     cohort_program)
+                     cohort_program, aggregation="custom")

@@ -80,7 +80,9 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
         return {"params": state.params[arch], "control": state.control[arch]}
 
     def upload_template(state: ServerState, arch: str) -> dict:
-        return {"params": state.params[arch], "control_delta": state.control[arch]}
+        # The model's reference is the broadcast model; the control delta is already a delta.
+        return {"params": state.params[arch],
+                "control_delta": zeros_like_f32(state.control[arch])}
 
     def server_update(state: ServerState, groups: Mapping[str, tuple[dict, jax.Array]]
                       ) -> ServerState:
@@ -137,4 +139,4 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
         return CohortProgram(init_client, client_update, evaluate)
 
     return Algorithm("scaffold", init_server, broadcast, upload_template, server_update,
-                     cohort_program)
+                     cohort_program, aggregation="per_cohort")

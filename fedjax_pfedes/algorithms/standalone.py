@@ -71,4 +71,5 @@ def standalone(cfg: FedAvgConfig) -> Algorithm:
 
         return CohortProgram(init_client, client_update, evaluate)
 
-    return Algorithm("standalone", init_server, nothing, nothing, server_update, cohort_program)
+    return Algorithm("standalone", init_server, nothing, nothing, server_update, cohort_program,
+                     aggregation="none")

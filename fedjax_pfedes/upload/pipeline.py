@@ -1,0 +1,359 @@
+"""The upload pipeline of one round: validation -> compression -> clipping -> aggregation.
+
+For each cohort the simulator hands over the stacked uploads, the upload template (the reference
+the updates are measured from), the sample counts and which slots are real. The pipeline
+
+1. checks each cohort's model fingerprint against the template's (a mismatch rejects the
+   cohort's clients);
+2. forms each client's update u_i = upload_i - template and, on the client side (vmapped),
+   compresses it (top-k with error feedback kept per client, then bf16 or QSGD values) and, with
+   DP, clips it to L2 <= C;
+3. without secure aggregation, rejects non-finite updates and norm outliers (logged with the
+   client id and reason; the weights of the rest are used as they are, i.e. renormalized);
+4. aggregates: either leaves the (decoded) uploads to the algorithm's own weighted mean, or
+   computes the aggregate itself — coordinate-wise median / trimmed mean, the DP-FedAvg noisy
+   fixed-denominator mean, or the secure-aggregation sum — and hands every real slot
+   template + aggregate, so the algorithm's weighted mean of those is exactly that aggregate.
+
+The aggregate is taken per cohort for per-cohort methods (FedAvg family) and over all cohorts for
+methods that share one tree (pFedES, LG-FedAvg, FML, FedKD, FedMRL); see `Algorithm.aggregation`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pfedes.upload import compression, privacy, robust, validation
+from fedjax_pfedes.upload import secure_aggregation as sa_protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Everything `config.upload`, `config.dp` and `config.secagg` set."""
+
+    reject_nonfinite: bool = True
+    norm_outlier_factor: float = 0.0  # 0 = off
+    weighting: str = "samples"
+    aggregator: str = "mean"
+    trim_fraction: float = 0.1
+    compression: compression.CompressionConfig = compression.CompressionConfig()
+    dp: privacy.ClientDPConfig | None = None
+    secagg: bool = False
+    secagg_threshold_fraction: float = 0.6
+    secagg_dropout_after_upload: float = 0.0
+    encoding: sa_protocol.RingEncoding = sa_protocol.RingEncoding()
+
+
+def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> None:
+    """Raises ValueError naming the field for combinations that cannot be honest."""
+    pre_aggregates = cfg.aggregator != "mean" or cfg.dp is not None or cfg.secagg
+    if aggregation == "custom" and pre_aggregates:
+        raise ValueError(
+            f"config.algorithm='{algorithm}' combines uploads with its own server math "
+            "(prototypes / header training), not a weighted mean: config.upload.aggregator "
+            "must be 'mean' and config.dp.enabled / config.secagg.enabled must be False")
+    if cfg.aggregator not in robust.AGGREGATORS:
+        raise ValueError(f"config.upload.aggregator must be one of {robust.AGGREGATORS}, got "
+                         f"'{cfg.aggregator}'")
+    if cfg.weighting not in robust.WEIGHTINGS:
+        raise ValueError(f"config.upload.weighting must be one of {robust.WEIGHTINGS}, got "
+                         f"'{cfg.weighting}'")
+    if cfg.secagg and (cfg.aggregator != "mean" or cfg.norm_outlier_factor > 0):
+        raise ValueError("config.secagg.enabled: the server sees only the sum, so "
+                         "config.upload.aggregator must be 'mean' and "
+                         "config.upload.norm_outlier_factor 0")
+    if cfg.dp is not None and cfg.aggregator != "mean":
+        raise ValueError("config.dp.enabled: DP-FedAvg's noisy sum needs "
+                         "config.upload.aggregator='mean'")
+    if cfg.dp is not None and cfg.weighting != "uniform":
+        raise ValueError("config.dp.enabled needs config.upload.weighting='uniform' (every "
+                         "clipped update counts once, so one client changes the sum by <= C)")
+    if not 0 < cfg.secagg_threshold_fraction <= 1:
+        raise ValueError("config.secagg.threshold_fraction must be in (0, 1], got "
+                         f"{cfg.secagg_threshold_fraction}")
+    if not 0 <= cfg.secagg_dropout_after_upload < 1:
+        raise ValueError("config.secagg.dropout_after_upload must be in [0, 1), got "
+                         f"{cfg.secagg_dropout_after_upload}")
+    if cfg.norm_outlier_factor < 0:
+        raise ValueError("config.upload.norm_outlier_factor must be >= 0 (0 = off), got "
+                         f"{cfg.norm_outlier_factor}")
+
+
+@dataclasses.dataclass
+class CohortUploads:
+    """One cohort's round: stacked uploads [slots, ...], the template, sample counts [slots],
+    which slots are real [slots], their global client ids [slots] (-1 = padding), and the rows
+    of the cohort's clients they occupy [slots]."""
+
+    uploads: Any
+    template: Any
+    sizes: jax.Array
+    valid: np.ndarray
+    client_ids: np.ndarray
+    slots: np.ndarray
+
+
+def _replicate(tree, slots: int):
+    """`tree` repeated on a new leading axis of `slots`."""
+    return jax.tree.map(lambda t: jnp.broadcast_to(t, (slots, *jnp.shape(t))), tree)
+
+
+def _where_rows(keep, on_true, on_false):
+    """Per slot (leading axis): `on_true` where `keep`, else `on_false`."""
+    return jax.tree.map(lambda a, b: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
+                        on_true, on_false)
+
+
+def _take_rows(tree, rows):
+    return jax.tree.map(lambda m: jnp.take(m, rows, axis=0, mode="clip"), tree)
+
+
+def _put_rows(tree, rows, values):
+    """Rows out of range (padding, skipped clients) are dropped."""
+    return jax.tree.map(lambda m, r: m.at[rows].set(r, mode="drop"), tree, values)
+
+
+def _sub(a, b):
+    return jax.tree.map(lambda x, y: x.astype(jnp.float32) - y.astype(jnp.float32), a, b)
+
+
+class UploadPipeline:
+    """Runs the stages for every round; holds the jitted pieces and the noise multiplier."""
+
+    def __init__(self, cfg: PipelineConfig, aggregation: str, algorithm: str, num_clients: int,
+                 expected_participants: float, clients_per_round: int, rounds: int):
+        check_compatible(cfg, aggregation, algorithm)
+        self.cfg = cfg
+        self.aggregation = aggregation
+        self.num_clients = num_clients
+        self.expected_participants = expected_participants
+        self.clients_per_round = clients_per_round
+        self.noise_multiplier = 0.0
+        if cfg.dp is not None:
+            self.noise_multiplier = privacy.resolve_noise_multiplier(
+                cfg.dp, num_clients, clients_per_round, rounds)
+        self._client_side = jax.jit(jax.vmap(self._one_client))
+        self._robust = jax.jit(self._robust_aggregate)
+        self._noisy_mean = jax.jit(self._dp_mean)
+        self.rejections: list[tuple[int, int, str]] = []
+
+    @property
+    def active(self) -> bool:
+        c = self.cfg
+        return (c.compression.active or c.dp is not None or c.secagg or c.aggregator != "mean"
+                or c.norm_outlier_factor > 0 or c.weighting != "samples")
+
+    # --- client side (one client, vmapped) ----------------------------------------------------
+    def _one_client(self, delta, memory, key):
+        finite = validation.finite_mask(jax.tree.map(lambda a: a[None], delta))[0]
+        sent, memory = compression.compress(delta, memory, key, self.cfg.compression)
+        norm = validation.update_norms(jax.tree.map(lambda a: a[None], sent))[0]
+        if self.cfg.dp is not None:
+            sent, _ = privacy.clip_update(sent, self.cfg.dp.clip_norm)
+        return sent, memory, norm, finite
+
+    def init_memory(self, template, num_members: int):
+        """Error-feedback memory of a cohort: zeros [members, ...] (float32)."""
+        return jax.tree.map(lambda a: jnp.zeros((num_members, *jnp.shape(a)), jnp.float32),
+                            template)
+
+    # --- server side --------------------------------------------------------------------------
+    def _robust_aggregate(self, stacked, valid):
+        if self.cfg.aggregator == "median":
+            return robust.coordinate_median(stacked, valid)
+        return robust.trimmed_mean(stacked, valid, self.cfg.trim_fraction)
+
+    def _dp_mean(self, stacked, valid, key, denominator):
+        total = jax.tree.map(
+            lambda a: jnp.tensordot(valid.astype(jnp.float32), a, axes=1), stacked)
+        std = self.noise_multiplier * self.cfg.dp.clip_norm
+        noise = privacy.gaussian_noise_like(total, key, std)
+        return jax.tree.map(lambda t, z: (t + z) / denominator, total, noise)
+
+    def expected_in_scope(self, members: int) -> float:
+        """Fixed denominator: the expected number of participants among `members` clients."""
+        return self.expected_participants * members / self.num_clients
+
+    def process(self, round_index: int, cohorts: dict[str, CohortUploads],
+                memories: dict[str, Any], members: dict[str, int], key: jax.Array
+                ) -> tuple[dict[str, tuple[Any, jax.Array]], dict[str, Any], dict[str, Any]]:
+        """Returns ({arch: (uploads, weights)} for the server step, new memories, report)."""
+        cfg = self.cfg
+        report: dict[str, Any] = {"rejected": 0, "rejections": []}
+        if not self.active:
+            return self._validate_only(round_index, cohorts, report), memories, report
+        sent, valid, weights, new_memories = {}, {}, {}, dict(memories)
+        upload_bytes = []
+        for k, (arch, c) in enumerate(cohorts.items()):
+            ok = np.asarray(c.valid).copy()
+            if validation.fingerprint(c.uploads, leading_axes=1) != validation.fingerprint(
+                    c.template):
+                self._reject(round_index, c.client_ids[ok], "model fingerprint mismatch",
+                             report)
+                ok[:] = False
+                uploads = _replicate(c.template, len(ok))
+            else:
+                uploads = c.uploads
+            deltas = _sub(uploads, jax.tree.map(lambda t: t[None], c.template))
+            rows = jnp.asarray(c.slots)
+            memory_rows = _take_rows(memories[arch], rows)
+            keys = jax.random.split(jax.random.fold_in(key, k), len(ok))
+            s, new_rows, norms, finite = self._client_side(deltas, memory_rows, keys)
+            finite = np.asarray(finite)
+            if cfg.reject_nonfinite:
+                bad = ok & ~finite
+                self._reject(round_index, c.client_ids[bad],
+                             "non-finite values (client-side check)" if cfg.secagg
+                             else "non-finite values", report)
+                ok &= finite
+            if cfg.norm_outlier_factor > 0:
+                outlier = np.asarray(validation.norm_outliers(norms, jnp.asarray(ok),
+                                                              cfg.norm_outlier_factor))
+                self._reject(round_index, c.client_ids[outlier],
+                             f"update norm beyond {cfg.norm_outlier_factor} x median", report)
+                ok &= ~outlier
+            # Error feedback: only real participants with finite updates write their rows.
+            write = jnp.where(jnp.asarray(np.asarray(c.valid) & finite), rows, members[arch])
+            new_memories[arch] = _put_rows(memories[arch], write, new_rows)
+            sent[arch], valid[arch] = s, ok
+            weights[arch] = robust.smooth_weights(c.sizes, jnp.asarray(ok), cfg.weighting)
+            if ok.any():
+                upload_bytes.append((int(ok.sum()), compression.encoded_bytes(
+                    c.template, cfg.compression) + (4 if cfg.dp is not None else 0)))
+
+        aggregates = self._aggregate(round_index, cohorts, sent, valid, weights, members, key,
+                                     report)
+        if cfg.secagg and report.get("secagg_bytes"):  # the wire carries dense masked vectors
+            upload_bytes = report.pop("secagg_bytes")
+        groups = {}
+        for arch, c in cohorts.items():
+            if aggregates is None:  # the algorithm averages the decoded uploads itself
+                uploads = jax.tree.map(lambda t, d: (t[None] + d).astype(t.dtype), c.template,
+                                       sent[arch])
+            else:
+                uploads = _replicate(jax.tree.map(lambda t, d: (t + d).astype(t.dtype),
+                                                  c.template, aggregates[arch]), len(c.valid))
+            groups[arch] = (uploads, weights[arch])
+        if upload_bytes:
+            counts = np.array(upload_bytes, np.float64)
+            report["upload_bytes_per_client"] = float(counts[:, 1] @ counts[:, 0]
+                                                      / counts[:, 0].sum())
+        return groups, new_memories, report
+
+    def _validate_only(self, round_index: int, cohorts: dict[str, CohortUploads],
+                       report: dict) -> dict[str, tuple[Any, jax.Array]]:
+        """Default settings: fingerprint and finiteness checks on the uploads as they are (no
+        arithmetic on accepted uploads, so results equal a run without the pipeline)."""
+        groups = {}
+        for arch, c in cohorts.items():
+            ok = np.asarray(c.valid).copy()
+            uploads = c.uploads
+            if validation.fingerprint(uploads, leading_axes=1) != validation.fingerprint(
+                    c.template):
+                self._reject(round_index, c.client_ids[ok], "model fingerprint mismatch",
+                             report)
+                ok[:] = False
+                uploads = _replicate(c.template, len(ok))
+            elif self.cfg.reject_nonfinite:
+                finite = np.asarray(validation.finite_mask(uploads))
+                self._reject(round_index, c.client_ids[ok & ~finite], "non-finite values",
+                             report)
+                if (ok & ~finite).any():  # a NaN times weight 0 is still NaN: drop the values
+                    uploads = _where_rows(jnp.asarray(finite), uploads,
+                                          _replicate(c.template, len(ok)))
+                ok &= finite
+            groups[arch] = (uploads, robust.smooth_weights(c.sizes, jnp.asarray(ok),
+                                                           self.cfg.weighting))
+        return groups
+
+    def _reject(self, round_index: int, ids: np.ndarray, reason: str, report: dict) -> None:
+        for cid in np.asarray(ids).tolist():
+            self.rejections.append((round_index + 1, int(cid), reason))
+            report["rejections"].append({"client": int(cid), "reason": reason})
+            report["rejected"] += 1
+
+    def _scopes(self, cohorts: dict[str, CohortUploads]) -> list[list[str]]:
+        if self.aggregation == "per_cohort":
+            return [[a] for a in cohorts]
+        return [list(cohorts)]
+
+    def _aggregate(self, round_index, cohorts, sent, valid, weights, members, key, report):
+        cfg = self.cfg
+        if cfg.aggregator == "mean" and cfg.dp is None and not cfg.secagg:
+            return None
+        out = {}
+        for s_idx, scope in enumerate(self._scopes(cohorts)):
+            stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[sent[a] for a in scope])
+            ok = np.concatenate([valid[a] for a in scope])
+            w = jnp.concatenate([weights[a] for a in scope])
+            scope_key = jax.random.fold_in(jax.random.fold_in(key, 1000 + s_idx), round_index)
+            denominator = self.expected_in_scope(sum(members[a] for a in scope))
+            if cfg.secagg:
+                agg = self._secure_mean(round_index, scope, cohorts, stacked, ok, w, scope_key,
+                                        denominator, report)
+                if agg is None:  # protocol failed: nobody in this scope counts this round
+                    for a in scope:
+                        weights[a] = jnp.zeros_like(weights[a])
+                    agg = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], jnp.float32), stacked)
+            elif cfg.dp is not None:
+                agg = self._noisy_mean(stacked, jnp.asarray(ok), scope_key,
+                                       jnp.float32(denominator))
+            else:
+                agg = self._robust(stacked, jnp.asarray(ok))
+            for a in scope:
+                out[a] = agg
+        return out
+
+    def _secure_mean(self, round_index, scope, cohorts, stacked, ok, w, key, denominator,
+                     report):
+        cfg = self.cfg
+        ids = np.concatenate([cohorts[a].client_ids for a in scope])
+        flat_leaves = [np.asarray(a, np.float64).reshape(a.shape[0], -1)
+                       for a in jax.tree.leaves(stacked)]
+        flat = np.concatenate(flat_leaves, axis=1)
+        w = np.asarray(w, np.float64)
+        noise_std = 0.0
+        if cfg.dp is not None:  # distributed noise: each client adds its share of the variance
+            noise_std = self.noise_multiplier * cfg.dp.clip_norm / math.sqrt(
+                max(denominator, 1.0))
+        rng = np.random.default_rng([int(jax.random.randint(key, (), 0, 2 ** 31 - 1)),
+                                     round_index])
+        vectors = {}
+        for j in np.flatnonzero(ok):
+            x = flat[j] * (1.0 if cfg.dp is not None else w[j])
+            if noise_std > 0:
+                x = x + rng.normal(0.0, noise_std, x.shape)
+            vectors[int(ids[j])] = np.append(x, w[j])
+        zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), stacked)
+        if not vectors:
+            return None
+        drop = frozenset(u for u in vectors if rng.random() < cfg.secagg_dropout_after_upload)
+        threshold = max(1, math.ceil(cfg.secagg_threshold_fraction * len(vectors)))
+        try:
+            result = sa_protocol.secure_sum(vectors, threshold, cfg.encoding,
+                                       int(rng.integers(0, 2 ** 62)), drop_after_upload=drop)
+        except sa_protocol.SecureAggregationError as e:
+            report.setdefault("secagg_failures", []).append(str(e))
+            self._reject(round_index, np.array(sorted(vectors)), "secure aggregation failed",
+                         report)
+            return None  # the round's update is lost; the server keeps its state
+        report["secagg_senders"] = report.get("secagg_senders", 0) + len(result.senders)
+        report["secagg_dropped_after_upload"] = (report.get("secagg_dropped_after_upload", 0)
+                                                 + len(drop))
+        report.setdefault("secagg_bytes", []).append((len(result.senders),
+                                                      result.bytes_per_sender))
+        total, weight = result.total[:-1], result.total[-1]
+        mean = total / (denominator if cfg.dp is not None else max(weight, 1e-12))
+        leaves, treedef = jax.tree.flatten(zero)
+        out, start = [], 0
+        for leaf in leaves:
+            out.append(jnp.asarray(mean[start:start + leaf.size].reshape(leaf.shape),
+                                   jnp.float32))
+            start += leaf.size
+        return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,58 @@
+"""Checks on uploads before they are aggregated: model fingerprints, non-finite values, norm
+outliers. A failed check rejects the client (weight 0) instead of stopping the round."""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def fingerprint(tree, leading_axes: int = 0) -> str:
+    """SHA-256 over the sorted (leaf path, shape, dtype) of `tree`: which model an upload is for.
+
+    `leading_axes` leading dimensions of every leaf (e.g. the stacked client axis) are ignored.
+    Two trees have the same fingerprint iff they have the same leaf names, shapes and dtypes.
+    """
+    entries = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        shape = tuple(np.shape(leaf))[leading_axes:]
+        entries.append(f"{name}:{shape}:{jnp.result_type(leaf)}")
+    return hashlib.sha256("\n".join(sorted(entries)).encode()).hexdigest()
+
+
+def finite_mask(stacked) -> jax.Array:
+    """[slots] True where every value of the slot's upload is finite."""
+    leaves = jax.tree.leaves(stacked)
+    flags = [jnp.all(jnp.isfinite(a.reshape(a.shape[0], -1)), axis=1) for a in leaves]
+    return jnp.stack(flags).all(axis=0)
+
+
+def update_norms(deltas) -> jax.Array:
+    """[slots] global L2 norm of each slot's update (non-finite slots give inf/nan)."""
+    leaves = jax.tree.leaves(deltas)
+    sq = sum(jnp.sum(a.reshape(a.shape[0], -1).astype(jnp.float32) ** 2, axis=1)
+             for a in leaves)
+    return jnp.sqrt(sq)
+
+
+def norm_outliers(norms: jax.Array, valid: jax.Array, factor: float) -> jax.Array:
+    """[slots] True where a valid slot's norm exceeds `factor` x the median norm of the valid
+    slots (never flags anything with fewer than 3 valid slots: no meaningful median)."""
+    n = jnp.sum(valid)
+    median = masked_median(norms[:, None], valid)[0]
+    return valid & (n >= 3) & (norms > factor * median)
+
+
+def masked_median(values: jax.Array, valid: jax.Array) -> jax.Array:
+    """Median over axis 0 of `values` [slots, ...] among the valid slots (0 when none is)."""
+    big = jnp.finfo(jnp.float32).max
+    shape = (-1,) + (1,) * (values.ndim - 1)
+    ordered = jnp.sort(jnp.where(valid.reshape(shape), values.astype(jnp.float32), big), axis=0)
+    n = jnp.sum(valid)
+    lo = jnp.take(ordered, jnp.maximum((n - 1) // 2, 0), axis=0)
+    hi = jnp.take(ordered, jnp.maximum(n // 2, 0), axis=0)
+    return jnp.where(n > 0, 0.5 * (lo + hi), 0.0)
