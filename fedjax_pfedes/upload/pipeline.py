@@ -335,6 +335,9 @@ class UploadPipeline:
             return None
         drop = frozenset(u for u in vectors if rng.random() < cfg.secagg_dropout_after_upload)
         threshold = max(1, math.ceil(cfg.secagg_threshold_fraction * len(vectors)))
+        senders = len(vectors)  # clients that drop after uploading have sent their vector
+        report.setdefault("secagg_bytes", []).append((senders, sa_protocol.bytes_per_sender(
+            next(iter(vectors.values())).shape[0], senders, cfg.encoding)))
         try:
             result = sa_protocol.secure_sum(vectors, threshold, cfg.encoding,
                                        int(rng.integers(0, 2 ** 62)), drop_after_upload=drop)
@@ -346,8 +349,6 @@ class UploadPipeline:
         report["secagg_senders"] = report.get("secagg_senders", 0) + len(result.senders)
         report["secagg_dropped_after_upload"] = (report.get("secagg_dropped_after_upload", 0)
                                                  + len(drop))
-        report.setdefault("secagg_bytes", []).append((len(result.senders),
-                                                      result.bytes_per_sender))
         total, weight = result.total[:-1], result.total[-1]
         mean = total / (denominator if cfg.dp is not None else max(weight, 1e-12))
         leaves, treedef = jax.tree.flatten(zero)

@@ -282,7 +282,12 @@ def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEnc
     responses = {u: clients[u].unmask_shares(set(senders), dropped) for u in live}
     total = server.unmask(responses)
     length = next(iter(vectors.values())).shape[0] if vectors else 0
-    share_bytes = 2 * 66 * (n - 1)  # two 521-bit shares to every other participant
-    return SecureSumResult(total, tuple(senders),
-                           length * encoding.ring_bits / 8 + 32 + share_bytes)
+    return SecureSumResult(total, tuple(senders), bytes_per_sender(length, n, encoding))
+
+
+def bytes_per_sender(length: int, participants: int, encoding: RingEncoding) -> float:
+    """What one client sends: its public key (32 bytes), two 521-bit Shamir shares for every
+    other participant, and the masked vector of `length` ring elements (unmasking shares,
+    sent only by the clients online at the end, are not counted)."""
+    return length * encoding.ring_bits / 8 + 32 + 2 * 66 * (participants - 1)
 

@@ -1,0 +1,298 @@
+"""The upload pipeline: each stage against numpy / hand references / dp_accounting."""
+
+import math
+
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from dp_accounting import rdp
+from scipy import stats
+
+from configs import tabular_hetero
+from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.upload import compression, privacy, robust, validation
+from fedjax_pfedes.upload import secure_aggregation as sa
+from fedjax_pfedes.upload.pipeline import CohortUploads, PipelineConfig, UploadPipeline
+
+
+def _cohort(uploads, template, sizes, valid=None, ids=None):
+    n = len(sizes)
+    valid = np.ones(n, bool) if valid is None else np.asarray(valid)
+    ids = np.arange(n) if ids is None else np.asarray(ids)
+    return CohortUploads(uploads, template, jnp.asarray(sizes, jnp.float32), valid, ids,
+                         np.arange(n, dtype=np.int32))
+
+
+def _pipeline(aggregation="shared", **kw):
+    return UploadPipeline(PipelineConfig(**kw), aggregation, "test", num_clients=10,
+                          expected_participants=4, clients_per_round=4, rounds=5)
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+def test_fingerprint_ignores_values_and_the_client_axis_but_not_names_shapes_dtypes():
+    a = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
+    assert validation.fingerprint(a) == validation.fingerprint(jax.tree.map(jnp.ones_like, a))
+    stacked = jax.tree.map(lambda x: jnp.stack([x] * 4), a)
+    assert validation.fingerprint(stacked, leading_axes=1) == validation.fingerprint(a)
+    assert validation.fingerprint({"w": jnp.zeros((2, 3)), "b": jnp.zeros(2)}) != \
+        validation.fingerprint(a)
+    assert validation.fingerprint({"w": jnp.zeros((3, 2), jnp.bfloat16), "b": jnp.zeros(2)}) != \
+        validation.fingerprint(a)
+    assert validation.fingerprint({"v": jnp.zeros((3, 2)), "b": jnp.zeros(2)}) != \
+        validation.fingerprint(a)
+
+
+def test_nan_and_wrong_model_uploads_are_rejected_and_the_rest_averaged():
+    template = {"w": jnp.zeros(3)}
+    good = {"w": jnp.array([[1.0, 2.0, 3.0], [jnp.nan, 0.0, 0.0], [3.0, 2.0, 1.0]])}
+    wrong = {"w": jnp.ones((2, 4))}  # another model's shape
+    pipe = _pipeline()
+    cohorts = {"a": _cohort(good, template, [10.0, 10.0, 30.0], ids=[4, 7, 9]),
+               "b": _cohort(wrong, template, [5.0, 5.0], ids=[1, 2])}
+    groups, _, report = pipe.process(0, cohorts, {"a": jnp.zeros(3), "b": jnp.zeros(2)},
+                                     {"a": 3, "b": 2}, jax.random.key(0))
+    reasons = {(r["client"], r["reason"]) for r in report["rejections"]}
+    assert reasons == {(7, "non-finite values"), (1, "model fingerprint mismatch"),
+                       (2, "model fingerprint mismatch")}
+    np.testing.assert_array_equal(groups["a"][1], [10.0, 0.0, 30.0])
+    np.testing.assert_array_equal(groups["b"][1], [0.0, 0.0])
+    from fedjax_pfedes.aggregation import weighted_mean
+    mean, total = weighted_mean(list(groups.values()))
+    np.testing.assert_allclose(mean["w"], [2.5, 2.0, 1.5])  # (10 x + 30 y) / 40, renormalized
+    assert float(total) == 40.0
+
+
+def test_norm_outliers_are_rejected_beyond_factor_times_median():
+    template = {"w": jnp.zeros(2)}
+    ups = {"w": jnp.array([[1.0, 0.0], [0.0, 1.2], [0.9, 0.0], [30.0, 0.0]])}
+    pipe = _pipeline(norm_outlier_factor=5.0)
+    groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1, 1])},
+                                     {"a": jnp.zeros(4)}, {"a": 4}, jax.random.key(0))
+    assert [r["client"] for r in report["rejections"]] == [3]
+    np.testing.assert_array_equal(groups["a"][1], [1, 1, 1, 0])
+
+
+# --- robust aggregation and weights -------------------------------------------------------------
+
+def test_median_and_trimmed_mean_match_numpy_over_valid_clients():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(9, 4, 3)).astype(np.float32)
+    valid = np.array([1, 1, 0, 1, 1, 1, 0, 1, 1], bool)
+    got = robust.coordinate_median({"w": jnp.asarray(x)}, jnp.asarray(valid))["w"]
+    np.testing.assert_allclose(got, np.median(x[valid], axis=0), rtol=1e-6)
+    got = robust.trimmed_mean({"w": jnp.asarray(x)}, jnp.asarray(valid), 0.2)["w"]
+    kept = np.sort(x[valid], axis=0)[1:-1]  # 7 valid: floor(0.2 * 7) = 1 cut at each end
+    np.testing.assert_allclose(got, kept.mean(axis=0), rtol=1e-5)
+    even = valid.copy()
+    even[0] = False  # 6 valid: median = mean of the middle two
+    got = robust.coordinate_median({"w": jnp.asarray(x)}, jnp.asarray(even))["w"]
+    np.testing.assert_allclose(got, np.median(x[even], axis=0), rtol=1e-6)
+
+
+def test_weight_smoothing():
+    counts, valid = jnp.array([4.0, 9.0, 16.0]), jnp.array([True, False, True])
+    np.testing.assert_array_equal(robust.smooth_weights(counts, valid, "samples"), [4, 0, 16])
+    np.testing.assert_array_equal(robust.smooth_weights(counts, valid, "sqrt_samples"),
+                                  [2, 0, 4])
+    np.testing.assert_array_equal(robust.smooth_weights(counts, valid, "uniform"), [1, 0, 1])
+    with pytest.raises(ValueError, match="config.upload.weighting"):
+        robust.smooth_weights(counts, valid, "median")
+
+
+def test_pipeline_median_hands_the_algorithm_the_median_in_every_slot():
+    template = {"w": jnp.array([1.0, 1.0])}
+    ups = {"w": jnp.array([[2.0, 1.0], [1.0, 5.0], [100.0, 1.5]])}
+    pipe = _pipeline(aggregator="median")
+    groups, _, _ = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1])},
+                                {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
+    np.testing.assert_allclose(groups["a"][0]["w"], [[2.0, 1.5]] * 3, rtol=1e-6)
+
+
+# --- compression --------------------------------------------------------------------------------
+
+def test_topk_error_feedback_sends_every_coordinates_mass_eventually():
+    rng = np.random.default_rng(0)
+    memory = {"a": jnp.zeros((5, 4)), "b": jnp.zeros(7)}
+    total_updates = jax.tree.map(jnp.zeros_like, memory)
+    total_sent = jax.tree.map(jnp.zeros_like, memory)
+    for _ in range(30):
+        update = {"a": jnp.asarray(rng.normal(size=(5, 4)), jnp.float32),
+                  "b": jnp.asarray(rng.normal(size=7), jnp.float32)}
+        sent, memory = compression.topk_with_feedback(update, memory, 0.1)
+        assert sum(int(jnp.sum(s != 0)) for s in jax.tree.leaves(sent)) == 3  # ceil(0.1 * 27)
+        total_updates = jax.tree.map(jnp.add, total_updates, update)
+        total_sent = jax.tree.map(jnp.add, total_sent, sent)
+    jax.tree.map(lambda s, m, u: np.testing.assert_allclose(s + m, u, atol=1e-4),
+                 total_sent, memory, total_updates)
+
+
+def test_qsgd_is_unbiased_and_on_its_levels():
+    v = {"w": jnp.array([0.3, -1.2, 0.05, 2.0, 0.0])}
+    keys = jax.random.split(jax.random.key(0), 20000)
+    draws = jax.vmap(lambda k: compression.qsgd(v, k, 4)["w"])(keys)
+    norm = float(jnp.linalg.norm(v["w"]))
+    np.testing.assert_allclose(draws.mean(0), v["w"], atol=4 * norm / 4 / math.sqrt(20000) * 2)
+    levels = np.asarray(draws) / norm * 4
+    np.testing.assert_allclose(levels, np.round(levels), atol=1e-4)
+
+
+def test_encoded_bytes_count_the_encoded_form():
+    tree = {"w": jnp.zeros((10, 10)), "b": jnp.zeros(10)}  # 110 float32 values
+    assert compression.encoded_bytes(tree, compression.CompressionConfig()) == 440
+    assert compression.encoded_bytes(tree, compression.CompressionConfig(values="bf16")) == 220
+    # top 10%: ceil(11) = 11 values x (4 value + 4 index) bytes.
+    assert compression.encoded_bytes(tree, compression.CompressionConfig(0.1)) == 88
+    # QSGD s=16: 1 sign + 5 level bits per value, plus a float32 norm per leaf.
+    assert compression.encoded_bytes(tree, compression.CompressionConfig(
+        values="qsgd", qsgd_levels=16)) == 110 * 6 / 8 + 8
+
+
+# --- differential privacy -----------------------------------------------------------------------
+
+def test_clipping_bounds_every_update_norm():
+    rng = np.random.default_rng(0)
+    for scale in (0.01, 1.0, 100.0):
+        u = {"a": jnp.asarray(scale * rng.normal(size=(6, 3))), "b": jnp.asarray(rng.normal(3))}
+        clipped, norm = privacy.clip_update(u, 1.5)
+        new_norm = math.sqrt(sum(float(jnp.sum(x ** 2)) for x in jax.tree.leaves(clipped)))
+        assert new_norm <= 1.5 * (1 + 1e-6)
+        if float(norm) <= 1.5:
+            jax.tree.map(np.testing.assert_allclose, clipped, u)
+
+
+def test_dp_mean_noise_has_std_sigma_c_over_the_fixed_denominator():
+    template = {"w": jnp.zeros(20000)}
+    pipe = UploadPipeline(PipelineConfig(weighting="uniform", dp=privacy.ClientDPConfig(
+        clip_norm=2.0, noise_multiplier=1.5)), "shared", "test", num_clients=10,
+        expected_participants=4, clients_per_round=4, rounds=5)
+    ups = {"w": jnp.zeros((3, 20000))}  # zero updates: the aggregate is pure noise
+    groups, _, _ = pipe.process(0, {"a": _cohort(ups, template, [5, 5, 5])},
+                                {"a": jnp.zeros(3)}, {"a": 10}, jax.random.key(3))
+    noise = np.asarray(groups["a"][0]["w"][0])
+    expected = 1.5 * 2.0 / 4  # sigma C / expected participants (4 of 10)
+    assert abs(noise.std() - expected) < 0.02 * expected
+    assert abs(noise.mean()) < 4 * expected / math.sqrt(20000)
+
+
+def test_epsilon_in_the_metrics_equals_dp_accounting_for_the_same_events(tmp_path):
+    config = tabular_hetero.get_config()
+    config.train.rounds = 3
+    config.eval.every = 1
+    config.upload.weighting = "uniform"
+    config.dp.enabled = True
+    config.dp.noise_multiplier = 1.1
+    summary = run_experiment(config, str(tmp_path), show_progress=False)
+    n, m = 10, 5  # tabular_hetero: 10 clients, C = 0.5
+    accountant = rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    accountant.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(n, m, dp_accounting.GaussianDpEvent(1.1)),
+        3))
+    assert summary["final"]["dp_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5),
+                                                           rel=1e-9)
+
+
+def test_noise_calibrated_from_a_target_epsilon_spends_it():
+    cfg = privacy.ClientDPConfig(clip_norm=1.0, target_epsilon=5.0, delta=1e-5,
+                                 accountant="pld", sampling="poisson")
+    sigma = privacy.calibrate_noise_multiplier(cfg, 100, 10, 50)
+    assert privacy.epsilon(cfg, sigma, 100, 10, 50) == pytest.approx(5.0, rel=1e-2)
+    assert privacy.epsilon(cfg, sigma * 1.2, 100, 10, 50) < 5.0
+
+
+def test_incompatible_settings_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="config.upload.weighting='uniform'"):
+        _pipeline(dp=privacy.ClientDPConfig(clip_norm=1.0))
+    with pytest.raises(ValueError, match="config.upload.aggregator must be 'mean'"):
+        _pipeline(secagg=True, aggregator="median")
+    with pytest.raises(ValueError, match="own server math"):
+        UploadPipeline(PipelineConfig(aggregator="median"), "custom", "fedgh", 10, 4, 4, 5)
+    with pytest.raises(ValueError, match="config.dp.accountant='pld' needs"):
+        privacy.ClientDPConfig(clip_norm=1.0, accountant="pld", sampling="fixed")
+
+
+# --- secure aggregation -------------------------------------------------------------------------
+
+def test_secure_sum_equals_the_plain_fixed_point_sum_exactly():
+    enc = sa.RingEncoding(64, 24)
+    rng = np.random.default_rng(1)
+    vectors = {u: rng.normal(scale=5.0, size=1000) for u in (3, 8, 11, 20, 41)}
+    result = sa.secure_sum(vectors, threshold=3, encoding=enc, seed=7)
+    plain = np.zeros(1000, np.uint64)
+    for v in vectors.values():
+        plain = (plain + enc.encode(v)) & enc.mask
+    np.testing.assert_array_equal(result.total, enc.decode(plain))  # bit-exact
+    np.testing.assert_allclose(result.total, sum(vectors.values()), atol=5 * 2.0 ** -24)
+
+
+def test_a_single_masked_vector_looks_uniform():
+    enc = sa.RingEncoding(64, 24)
+    rng = np.random.default_rng(0)
+    client = sa.SecureAggregationClient(0, rng, enc)
+    others = [sa.SecureAggregationClient(i, np.random.default_rng(i), enc) for i in (1, 2)]
+    publics = {0: client.advertise(), **{c.id: c.advertise() for c in others}}
+    client.share_keys(publics, 2)
+    y = client.masked_input(np.zeros(50000))  # the most structured input there is
+    counts = np.bincount((y >> np.uint64(60)).astype(np.int64), minlength=16)  # top 4 bits
+    assert stats.chisquare(counts).pvalue > 1e-3
+    low = np.bincount((y & np.uint64(15)).astype(np.int64), minlength=16)  # low 4 bits
+    assert stats.chisquare(low).pvalue > 1e-3
+
+
+def test_unmasking_survives_up_to_n_minus_t_dropouts_and_fails_clearly_below():
+    enc = sa.RingEncoding(32, 12)
+    rng = np.random.default_rng(2)
+    vectors = {u: rng.normal(size=64) for u in range(7)}
+    t = 4
+    # One client drops before sending, two after: 6 senders, 4 online at unmasking = t.
+    result = sa.secure_sum(vectors, t, enc, seed=3, drop_before_upload=frozenset({5}),
+                           drop_after_upload=frozenset({0, 2}))
+    np.testing.assert_allclose(result.total, sum(v for u, v in vectors.items() if u != 5),
+                               atol=7 * 2.0 ** -12)
+    assert result.senders == (0, 1, 2, 3, 4, 6)
+    with pytest.raises(sa.SecureAggregationError, match="at least t=4 needed"):
+        sa.secure_sum(vectors, t, enc, seed=3, drop_before_upload=frozenset({5}),
+                      drop_after_upload=frozenset({0, 2, 6}))
+    with pytest.raises(sa.SecureAggregationError, match="threshold is 4"):
+        sa.secure_sum(vectors, t, enc, seed=3, drop_before_upload=frozenset({0, 1, 2, 3}))
+
+
+def test_shamir_reconstructs_from_any_t_shares_only():
+    rng = np.random.default_rng(0)
+    secret = int.from_bytes(rng.bytes(32), "big")
+    shares = sa.shamir_share(secret, 3, 6, rng)
+    assert sa.shamir_reconstruct([shares[5], shares[1], shares[3]], 3) == secret
+    assert sa.shamir_reconstruct(shares[:2] + [shares[0]] * 0 + [shares[4]], 3) == secret
+    with pytest.raises(sa.SecureAggregationError, match="3 shares needed, got 2"):
+        sa.shamir_reconstruct(shares[:2], 3)
+
+
+def test_fixed_point_range_is_checked_per_client():
+    enc = sa.RingEncoding(32, 24)
+    with pytest.raises(ValueError, match="client 1 has .* beyond the fixed-point range"):
+        sa.secure_sum({0: np.zeros(3), 1: np.array([0.0, 500.0, 0.0])}, 1, enc, seed=0)
+
+
+# --- everything together ------------------------------------------------------------------------
+
+def test_pfedes_with_topk_dp_and_secure_aggregation_runs_end_to_end(tmp_path):
+    config = tabular_hetero.get_config()
+    config.train.rounds = 2
+    config.eval.every = 1
+    config.upload.topk_fraction = 0.1
+    config.upload.weighting = "uniform"
+    config.dp.enabled = True
+    config.dp.target_epsilon = 8.0
+    config.secagg.enabled = True
+    config.secagg.dropout_after_upload = 0.2
+    final = run_experiment(config, str(tmp_path), show_progress=False)["final"]
+    assert final["dp_epsilon"] == pytest.approx(8.0, rel=0.02)  # 2 of 2 rounds spent
+    assert 0.0 <= final["personalized_accuracy_mean"] <= 1.0
+    # Secure aggregation sends dense masked vectors whatever top-k kept: proxy_mlp on 30
+    # features with d = 32 has 30*128 + 128 + 128*32 + 32 = 8,096 values, plus the weight, as
+    # 64-bit ring elements; plus a 32-byte key and two 66-byte shares per other participant
+    # (5 participants per round).
+    assert final["upload_bytes_per_client"] == 8097 * 8 + 32 + 2 * 66 * 4
