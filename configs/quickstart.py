@@ -110,6 +110,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.dp.delta = 1e-5
     config.dp.accountant = "rdp"         # 'rdp' | 'pld' (pld needs train.sampling='poisson')
 
+    # Sample-level DP-SGD in local training (pfedes and the FedAvg family): per-example
+    # gradients clipped to clip_norm, Gaussian noise per step; per-client epsilon in the metrics.
+    config.dp_sgd = ml_collections.ConfigDict()
+    config.dp_sgd.enabled = False
+    config.dp_sgd.clip_norm = 1.0
+    config.dp_sgd.noise_multiplier = 1.0
+    config.dp_sgd.delta = 1e-5
+
     # Secure aggregation (Bonawitz et al. 2017): the server sees only masked vectors.
     config.secagg = ml_collections.ConfigDict()
     config.secagg.enabled = False

@@ -23,6 +23,7 @@ FEDAVG_FAMILY = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",
                  "fedadam": "adam"}  # algorithm -> server optimizer
 # Methods run per architecture cohort with one global model each (FedAvg family).
 PER_COHORT = (*FEDAVG_FAMILY, "scaffold", "fednova", "fedbn")
+DP_SGD_ALGORITHMS = ("pfedes", *FEDAVG_FAMILY)
 ALGORITHMS = ("pfedes", "pfedes_paper", "standalone", *PER_COHORT, "lg_fedavg", "fedproto",
               "fml", "fedkd", "fedgh", "fedmrl")
 
@@ -57,6 +58,18 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         archs = assign_architectures(config.clients.architectures, config.data.num_clients)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if config.dp_sgd.enabled:
+        _require(config.algorithm in DP_SGD_ALGORITHMS, "config.dp_sgd.enabled: DP-SGD is built "
+                 f"into {list(DP_SGD_ALGORITHMS)}, not '{config.algorithm}'")
+        _require(config.algorithm != "pfedes" or config.align != "contrastive",
+                 "config.dp_sgd.enabled needs a per-example alignment loss: config.align "
+                 "'mse' or 'cosine' (InfoNCE couples the examples of a batch)")
+        _require(config.dp_sgd.clip_norm > 0,
+                 f"config.dp_sgd.clip_norm must be > 0, got {config.dp_sgd.clip_norm}")
+        _require(config.dp_sgd.noise_multiplier >= 0, "config.dp_sgd.noise_multiplier must be "
+                 f">= 0, got {config.dp_sgd.noise_multiplier}")
+        _require(0 < config.dp_sgd.delta < 1,
+                 f"config.dp_sgd.delta must be in (0, 1), got {config.dp_sgd.delta}")
     with_bn = sorted({a for a in archs if uses_batch_norm(a)})
     _require(not with_bn or config.algorithm == "fedbn",
              f"config.clients.architectures: {with_bn} have BatchNorm layers, which only "

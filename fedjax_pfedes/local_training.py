@@ -79,6 +79,55 @@ def distillation_kl(teacher_logits: jnp.ndarray, student_logits: jnp.ndarray,
     return masked_mean(kl, mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class DPSGDConfig:
+    """Sample-level DP-SGD (Abadi et al., "Deep Learning with Differential Privacy", CCS 2016):
+    per-example gradients clipped to L2 <= `clip_norm`, N(0, (noise_multiplier * clip_norm)^2)
+    added to their sum, divided by the batch size."""
+
+    clip_norm: float
+    noise_multiplier: float
+
+    def __post_init__(self):
+        if self.clip_norm <= 0:
+            raise ValueError(f"config.dp_sgd.clip_norm must be > 0, got {self.clip_norm}")
+        if self.noise_multiplier < 0:
+            raise ValueError(f"config.dp_sgd.noise_multiplier must be >= 0, got "
+                             f"{self.noise_multiplier}")
+
+
+def private_gradient(loss_fn, params, batch: tuple, mask: jnp.ndarray, rng: jax.Array,
+                     dp: DPSGDConfig):
+    """The DP-SGD gradient of a batch loss that is a masked mean of per-example terms.
+
+    Args:
+      loss_fn: (params, batch) -> (loss, aux); evaluated on one example at a time (every array
+        of `batch` sliced to one row), so it must not couple examples (no BatchNorm, no
+        contrastive terms).
+      batch: arrays with a leading axis of B rows (the batch size).
+      mask: [B] real rows; padded rows contribute nothing.
+
+    Returns:
+      ((sum_i clip(g_i) + N(0, (sigma C)^2)) / B, mean loss over the real rows).
+    """
+    def one(*example):
+        return jax.value_and_grad(
+            lambda p: loss_fn(p, tuple(e[None] for e in example))[0])(params)
+
+    losses, grads = jax.vmap(one)(*batch)
+    sq = sum(jnp.sum(g.reshape(g.shape[0], -1).astype(jnp.float32) ** 2, axis=1)
+             for g in jax.tree.leaves(grads))
+    scale = jnp.minimum(1.0, dp.clip_norm / jnp.maximum(jnp.sqrt(sq), 1e-12))
+    scale = scale * mask.astype(jnp.float32)
+    leaves, treedef = jax.tree.flatten(grads)
+    keys = jax.random.split(rng, len(leaves))
+    std = dp.noise_multiplier * dp.clip_norm
+    noisy = [((jnp.tensordot(scale, g.astype(jnp.float32), axes=1)
+               + std * jax.random.normal(k, g.shape[1:], jnp.float32)) / mask.shape[0]
+              ).astype(g.dtype) for g, k in zip(leaves, keys, strict=True)]
+    return jax.tree.unflatten(treedef, noisy), masked_mean(losses, mask)
+
+
 def select_tree(pred: jnp.ndarray, on_true, on_false):
     """`on_true` where the scalar `pred` holds, else `on_false`, leaf by leaf."""
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
@@ -90,7 +139,7 @@ def sgd(learning_rate: float, momentum: float) -> optax.GradientTransformation:
 
 
 def run_local_epochs(train_step, carry, data, rng: jax.Array, batch_size: int, epochs: int,
-                     unroll: bool):
+                     unroll: bool, step_keys: bool = False):
     """Runs `epochs` passes of `train_step` over one client's padded `data`.
 
     Args:
@@ -98,6 +147,7 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, batch_size: int, e
       carry: the training state threaded through the steps.
       data: one client's `ClientArrays` (x [capacity, ...], y [capacity], sizes scalar).
       unroll: unroll the scan over steps (fast conv gradients on CPU; SPEC.md).
+      step_keys: append a fresh PRNG key to every batch tuple (DP-SGD noise).
 
     Returns:
       (final carry, per-stat sums over active steps, number of active steps). Steps past the
@@ -111,9 +161,11 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, batch_size: int, e
         new_carry, stats = train_step(carry, tuple(batch))
         return select_tree(active, new_carry, carry), stats * active.astype(stats.dtype)
 
-    inputs = (data.x[schedule.indices], data.y[schedule.indices], schedule.sample_mask,
-              schedule.step_active)
     n = schedule.step_active.shape[0]
+    inputs = (data.x[schedule.indices], data.y[schedule.indices], schedule.sample_mask)
+    if step_keys:
+        inputs += (jax.random.split(jax.random.fold_in(rng, 1), n),)
+    inputs += (schedule.step_active,)
     carry, per_step = jax.lax.scan(step, carry, inputs, unroll=n if unroll else 1)
     return carry, per_step.sum(axis=0), schedule.step_active.sum().astype(jnp.float32)
 

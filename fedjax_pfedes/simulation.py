@@ -13,6 +13,7 @@ import os
 import time
 from typing import Any
 
+import dp_accounting
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -20,7 +21,7 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from fedjax_pfedes import execution, plotting, sampling
+from fedjax_pfedes import execution, local_training, plotting, sampling
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg
 from fedjax_pfedes.algorithms.fedbn import fedbn
 from fedjax_pfedes.algorithms.fedgh import fedgh
@@ -96,12 +97,15 @@ def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
     local = dict(num_classes=c.num_classes, input_spec=c.input_spec, lr_local=t.lr_local,
                  local_momentum=t.local_momentum, local_epochs=t.local_epochs,
                  batch_size=t.batch_size, unroll_local_steps=config.execution.unroll_local_steps)
+    dp_sgd = (local_training.DPSGDConfig(config.dp_sgd.clip_norm,
+                                         config.dp_sgd.noise_multiplier)
+              if config.dp_sgd.enabled else None)
     if name in PER_COHORT or name == "standalone":
         fedavg_config = FedAvgConfig(
             **local, prox_mu=b.prox_mu if name == "fedprox" else 0.0,
             server_optimizer=FEDAVG_FAMILY.get(name, "none"), server_lr=b.server_lr,
             server_momentum=b.server_momentum, adam_b1=b.adam_b1, adam_b2=b.adam_b2,
-            adam_eps=b.adam_eps, name=name)
+            adam_eps=b.adam_eps, name=name, dp_sgd=dp_sgd)
         if name == "scaffold":
             archs = assign_architectures(config.clients.architectures, data.num_clients)
             return scaffold(fedavg_config, collections.Counter(archs))
@@ -123,7 +127,7 @@ def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
         contrastive_temperature=config.contrastive_temperature, proxy_dim=config.proxy_dim,
         proxy_arch=config.proxy_arch, proxy_lr_ratio=config.proxy_lr_ratio,
         projection_layernorm=config.projection_layernorm, warmup_steps=config.warmup_steps,
-        server_momentum=config.server_momentum))
+        server_momentum=config.server_momentum, dp_sgd=dp_sgd))
 
 
 def _global_test(data: FederatedData, config: ml_collections.ConfigDict):
@@ -206,7 +210,7 @@ def run_round(algorithm, server_state, cohorts: list[Cohort], participants: np.n
     (checks, compression, DP, secure aggregation, robust aggregation), the server step.
 
     Returns (server state, round summary, error-feedback memories)."""
-    uploads, train_metrics, traffic = {}, [], []
+    uploads, train_metrics, traffic, client_steps = {}, [], [], {}
     for cohort in cohorts:
         broadcast = algorithm.broadcast(server_state, cohort.arch)
         template = algorithm.upload_template(server_state, cohort.arch)
@@ -222,6 +226,9 @@ def run_round(algorithm, server_state, cohorts: list[Cohort], participants: np.n
         if valid.any():
             client_metrics = {k: np.asarray(v)[valid] for k, v in metrics.items()}
             train_metrics.append(client_metrics)
+            if "local_steps" in client_metrics:
+                client_steps.update(zip(ids[valid].tolist(),
+                                        client_metrics["local_steps"].tolist(), strict=True))
             upload = tree_size(template)
             if "upload_encoded_params" in client_metrics:  # compressed uploads (FedKD's SVD)
                 encoded = float(client_metrics["upload_encoded_params"].mean())
@@ -245,6 +252,7 @@ def run_round(algorithm, server_state, cohorts: list[Cohort], participants: np.n
                            per_client.tolist(), strict=True))
     if "upload_bytes_per_client" in report:  # counted from the encoded form
         summary["upload_bytes_per_client"] = report["upload_bytes_per_client"]
+    summary["client_steps"] = client_steps
     summary["uploads_rejected"] = report["rejected"]
     summary["rejections"] = report["rejections"]
     for k in ("secagg_senders", "secagg_dropped_after_upload", "secagg_failures"):
@@ -262,6 +270,27 @@ def privacy_metrics(pipeline: UploadPipeline, rounds_done: int) -> dict[str, flo
                           pipeline.clients_per_round, rounds_done)
     return {"dp_epsilon": eps, "dp_delta": dp.delta,
             "dp_noise_multiplier": pipeline.noise_multiplier, "dp_clip_norm": dp.clip_norm}
+
+
+def dp_sgd_metrics(config: ml_collections.ConfigDict, steps_taken: dict[int, int],
+                   batch_rate: dict[int, float]) -> dict[str, float]:
+    """Per-client epsilon of sample-level DP-SGD so far (max and mean over clients that have
+    trained), RDP accounting. Each local step is accounted as a Poisson-sampled Gaussian with
+    q = B / n_k (the usual approximation for shuffled batches, as in Opacus / TF Privacy)."""
+    if not config.dp_sgd.enabled or not steps_taken:
+        return {}
+    d = config.dp_sgd
+    eps = []
+    for cid, steps in steps_taken.items():
+        if d.noise_multiplier == 0:
+            eps.append(float("inf"))
+            continue
+        accountant = privacy.make_accountant("rdp", "poisson")
+        accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+            batch_rate[cid], dp_accounting.GaussianDpEvent(d.noise_multiplier)), steps))
+        eps.append(float(accountant.get_epsilon(d.delta)))
+    return {"dp_sgd_epsilon_max": max(eps), "dp_sgd_epsilon_mean": float(np.mean(eps)),
+            "dp_sgd_delta": d.delta, "dp_sgd_noise_multiplier": d.noise_multiplier}
 
 
 def run_experiment(config: ml_collections.ConfigDict, workdir: str,
@@ -300,6 +329,10 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     writer = MetricsWriter(workdir)
     rejections_log = open(os.path.join(workdir, "rejections.jsonl"), "w")
     rejected_total = 0
+    steps_taken: dict[int, int] = {}  # local steps per client so far (DP-SGD accounting)
+    batch_rate = {int(cid): min(1.0, min(config.train.batch_size, c.train.y.shape[1]) / max(n, 1))
+                  for c in cohorts
+                  for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
 
     history, last = [], {}
     bar = tqdm(range(config.train.rounds), desc=f"{config.algorithm} [{strategy}]",
@@ -312,6 +345,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
             jax.random.fold_in(train_key, r), server_step, pipeline, memories, r,
             jax.random.fold_in(upload_key, r))
         jax.block_until_ready(server_state)
+        for cid, steps in train_summary.pop("client_steps").items():
+            steps_taken[cid] = steps_taken.get(cid, 0) + int(steps)
         for rejection in train_summary.pop("rejections"):
             rejections_log.write(json.dumps({"round": r + 1, **rejection}) + "\n")
         rejections_log.flush()
@@ -320,6 +355,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
             last = {"round": r + 1, "participants": len(participants),
                     **train_summary, "uploads_rejected_total": rejected_total,
                     **privacy_metrics(pipeline, r + 1),
+                    **dp_sgd_metrics(config, steps_taken, batch_rate),
                     **evaluate(algorithm, server_state, cohorts, global_x, global_y),
                     "round_time_s": time.time() - t0, "elapsed_s": time.time() - start}
             writer.write(last)

@@ -40,6 +40,17 @@ def main(argv: list[str]) -> None:
           f"mean global accuracy {final['global_accuracy_mean']:.4f}; "
           f"by architecture {by_arch}; "
           f"wall time {summary['wall_time_s']:.0f} s; results in {_WORKDIR.value}")
+    uploads = (f"uploads: {final['upload_bytes_per_client']:,.0f} bytes per client per round "
+               f"(encoded), {final['uploads_rejected_total']} rejected")
+    if "dp_epsilon" in final:
+        uploads += (f"; client-level DP: epsilon {final['dp_epsilon']:.2f} at delta "
+                    f"{final['dp_delta']:g} (noise multiplier {final['dp_noise_multiplier']:.3f}, "
+                    f"clip {final['dp_clip_norm']:g})")
+    if "secagg_senders" in final or "secagg_failures" in final:
+        uploads += (f"; secure aggregation: {final.get('secagg_senders', 0)} senders, "
+                    f"{final.get('secagg_dropped_after_upload', 0)} dropped after upload, "
+                    f"{len(final.get('secagg_failures', []))} failed unmaskings in the last round")
+    print(uploads)
 
 
 if __name__ == "__main__":

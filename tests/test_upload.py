@@ -296,3 +296,58 @@ def test_pfedes_with_topk_dp_and_secure_aggregation_runs_end_to_end(tmp_path):
     # 64-bit ring elements; plus a 32-byte key and two 66-byte shares per other participant
     # (5 participants per round).
     assert final["upload_bytes_per_client"] == 8097 * 8 + 32 + 2 * 66 * 4
+
+
+# --- sample-level DP-SGD --------------------------------------------------------------------------
+
+def test_private_gradient_clips_each_example_and_divides_by_the_batch_size():
+    from fedjax_pfedes.local_training import DPSGDConfig, private_gradient
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=6), jnp.float32)
+    mask = jnp.array([1, 1, 1, 1, 0, 0], bool)
+    w = jnp.asarray(rng.normal(size=3), jnp.float32)
+
+    def loss(p, batch):
+        bx, by, bm = batch
+        return jnp.sum(bm * (bx @ p - by) ** 2) / jnp.maximum(jnp.sum(bm), 1), ()
+
+    g, _ = private_gradient(loss, w, (x, y, mask), mask, jax.random.key(0),
+                            DPSGDConfig(clip_norm=0.5, noise_multiplier=0.0))
+    per_example = 2 * (np.asarray(x) @ np.asarray(w) - np.asarray(y))[:, None] * np.asarray(x)
+    norms = np.linalg.norm(per_example, axis=1)
+    clipped = per_example * np.minimum(1, 0.5 / norms)[:, None]
+    np.testing.assert_allclose(g, clipped[:4].sum(0) / 6, rtol=1e-5)
+    noisy = jax.vmap(lambda k: private_gradient(
+        loss, w, (x, y, mask), mask, k, DPSGDConfig(clip_norm=0.5, noise_multiplier=2.0))[0])(
+        jax.random.split(jax.random.key(1), 4000))
+    assert np.std(np.asarray(noisy) - np.asarray(g), axis=0) == pytest.approx(
+        [2.0 * 0.5 / 6] * 3, rel=0.05)
+
+
+def test_dp_sgd_runs_for_fedavg_and_reports_per_client_epsilon(tmp_path):
+    config = tabular_hetero.get_config()
+    config.algorithm = "fedavg"
+    config.train.rounds = 2
+    config.eval.every = 2
+    config.clients.architectures = "mlp_small"
+    config.dp_sgd.enabled = True
+    config.dp_sgd.noise_multiplier = 1.3
+    final = run_experiment(config, str(tmp_path), show_progress=False)["final"]
+    assert np.isfinite(final["dp_sgd_epsilon_max"])
+    assert final["dp_sgd_epsilon_max"] >= final["dp_sgd_epsilon_mean"] > 0
+
+
+def test_dp_sgd_is_refused_where_it_is_not_built_in():
+    from configs import quickstart
+    from fedjax_pfedes.config_validation import ConfigError, validate_config
+
+    config = quickstart.get_config()
+    config.dp_sgd.enabled = True
+    config.algorithm = "lg_fedavg"
+    with pytest.raises(ConfigError, match="config.dp_sgd.enabled: DP-SGD is built into"):
+        validate_config(config)
+    config.algorithm, config.align = "pfedes", "contrastive"
+    with pytest.raises(ConfigError, match="per-example alignment"):
+        validate_config(config)

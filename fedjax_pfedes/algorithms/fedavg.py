@@ -58,6 +58,7 @@ class FedAvgConfig:
     adam_b2: float = 0.99
     adam_eps: float = 1e-3
     name: str = "fedavg"
+    dp_sgd: local_training.DPSGDConfig | None = None
 
 
 @struct.dataclass
@@ -134,24 +135,27 @@ def fedavg(cfg: FedAvgConfig) -> Algorithm:
             return ClientState(jnp.zeros((), jnp.int32))
 
         def client_update(global_params, state: ClientState, data, rng):
+            def ce_loss(p, batch):
+                x, y, mask = batch
+                ce = local_training.cross_entropy(model.apply(p, x), y, mask)
+                return ce, ce
+
             def train_step(carry, batch):
                 params, opt_state = carry
-                x, y, mask = batch
-
-                def loss_fn(p):
-                    ce = local_training.cross_entropy(model.apply(p, x), y, mask)
-                    drift = jax.tree.map(jnp.subtract, p, global_params)
-                    prox = 0.5 * cfg.prox_mu * optax.tree.norm(drift, squared=True)
-                    return ce + prox, ce
-
-                grads, ce = jax.grad(loss_fn, has_aux=True)(params)
+                if cfg.dp_sgd is None:
+                    grads, ce = jax.grad(ce_loss, has_aux=True)(params, batch)
+                else:  # the proximal term does not touch data: it is added after DP-SGD
+                    grads, ce = local_training.private_gradient(ce_loss, params, batch[:3],
+                                                                batch[2], batch[3], cfg.dp_sgd)
+                drift = jax.tree.map(jnp.subtract, params, global_params)
+                grads = jax.tree.map(lambda g, d: g + cfg.prox_mu * d, grads, drift)
                 updates, opt_state = local_opt.update(grads, opt_state, params)
                 return (optax.apply_updates(params, updates), opt_state), jnp.stack([ce])
 
             carry = (global_params, local_opt.init(global_params))
             (params, _), sums, n_active = local_training.run_local_epochs(
                 train_step, carry, data, rng, cfg.batch_size, cfg.local_epochs,
-                cfg.unroll_local_steps)
+                cfg.unroll_local_steps, step_keys=cfg.dp_sgd is not None)
             delta = jax.tree.map(jnp.subtract, params, global_params)
             metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
                        "local_steps": n_active, "update_norm": optax.tree.norm(delta)}

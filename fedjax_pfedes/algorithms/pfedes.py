@@ -52,6 +52,7 @@ class PFedESConfig:
     warmup_steps: int = 0
     server_momentum: float = 0.5
     unroll_local_steps: bool = True
+    dp_sgd: local_training.DPSGDConfig | None = None
 
 
 @struct.dataclass
@@ -109,29 +110,50 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
             params = model.init(rng, dummy_x)
             return ClientState(params, local_opt.init(params), jnp.zeros((), jnp.int32))
 
+        def local_loss(p, batch):
+            x, y, mask, e_proxy = batch
+            logits, e_local = model.apply(p, x)
+            ce = local_training.cross_entropy(logits, y, mask)
+            al = align(e_local, e_proxy, mask)
+            return ce + cfg.lam * al, (ce, al, e_local)
+
+        def proxy_loss_fn(q, batch):
+            x, mask, e_target = batch
+            return align(proxy.apply(q, x), e_target, mask), ()
+
+        def private_step(params, proxy_params, e_proxy, batch):
+            """Both steps with DP-SGD: per-example clipping and noise (own keys per step)."""
+            x, y, mask, key = batch
+            k_local, k_proxy = jax.random.split(key)
+            grads, _ = local_training.private_gradient(local_loss, params, (x, y, mask, e_proxy),
+                                                       mask, k_local, cfg.dp_sgd)
+            _, (ce, al, e_local) = local_loss(params, (x, y, mask, e_proxy))
+            e_target = jax.lax.stop_gradient(e_local)
+            proxy_grads, proxy_loss = local_training.private_gradient(
+                proxy_loss_fn, proxy_params, (x, mask, e_target), mask, k_proxy, cfg.dp_sgd)
+            return grads, proxy_grads, ce, al, proxy_loss
+
         def train_step(carry, batch):
             params, opt_state, proxy_params, steps = carry
-            x, y, mask = batch
+            x, y, mask = batch[:3]
             # One forward pass of E_proxy serves both steps: its output is a constant target in
             # the local step, and its VJP gives the proxy step's gradient.
             e_proxy, proxy_vjp = jax.vjp(lambda q: proxy.apply(q, x), proxy_params)
             e_proxy = jax.lax.stop_gradient(e_proxy)
 
-            def local_loss(p):
-                logits, e_local = model.apply(p, x)
-                ce = local_training.cross_entropy(logits, y, mask)
-                al = align(e_local, e_proxy, mask)
-                return ce + cfg.lam * al, (ce, al, e_local)
-
-            grads, (ce, al, e_local) = jax.grad(local_loss, has_aux=True)(params)
+            if cfg.dp_sgd is not None:
+                grads, proxy_grads, ce, al, proxy_loss = private_step(params, proxy_params,
+                                                                      e_proxy, batch)
+            else:
+                grads, (ce, al, e_local) = jax.grad(local_loss, has_aux=True)(
+                    params, (x, y, mask, e_proxy))
+                e_target = jax.lax.stop_gradient(e_local)
+                proxy_loss, d_e_proxy = jax.value_and_grad(
+                    lambda e: align(e, e_target, mask))(e_proxy)
+                (proxy_grads,) = proxy_vjp(d_e_proxy)
             grads = _freeze_backbone(grads, steps < cfg.warmup_steps)
             updates, new_opt_state = local_opt.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
-
-            e_target = jax.lax.stop_gradient(e_local)
-            proxy_loss, d_e_proxy = jax.value_and_grad(
-                lambda e: align(e, e_target, mask))(e_proxy)
-            (proxy_grads,) = proxy_vjp(d_e_proxy)
             new_proxy = jax.tree.map(lambda q, g: q - lr_proxy * g, proxy_params, proxy_grads)
 
             return ((new_params, new_opt_state, new_proxy, steps + 1),
@@ -141,7 +163,8 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
             carry = (state.params, state.opt_state, global_proxy, state.steps)
             (params, opt_state, local_proxy, steps), sums, n_active = \
                 local_training.run_local_epochs(train_step, carry, data, rng, cfg.batch_size,
-                                                cfg.local_epochs, cfg.unroll_local_steps)
+                                                cfg.local_epochs, cfg.unroll_local_steps,
+                                                step_keys=cfg.dp_sgd is not None)
             n_steps = jnp.maximum(n_active, 1.0)
             delta = jax.tree.map(jnp.subtract, local_proxy, global_proxy)
             metrics = {
