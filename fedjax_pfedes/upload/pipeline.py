@@ -53,6 +53,9 @@ class PipelineConfig:
 def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> None:
     """Raises ValueError naming the field for combinations that cannot be honest."""
     pre_aggregates = cfg.aggregator != "mean" or cfg.dp is not None or cfg.secagg
+    if aggregation == "none" and (pre_aggregates or cfg.compression.active):
+        raise ValueError(f"config.algorithm='{algorithm}' uploads nothing: config.upload "
+                         "compression / aggregator, config.dp and config.secagg do not apply")
     if aggregation == "custom" and pre_aggregates:
         raise ValueError(
             f"config.algorithm='{algorithm}' combines uploads with its own server math "
@@ -186,6 +189,9 @@ class UploadPipeline:
         """Returns ({arch: (uploads, weights)} for the server step, new memories, report)."""
         cfg = self.cfg
         report: dict[str, Any] = {"rejected": 0, "rejections": []}
+        if self.aggregation == "none":  # nothing is uploaded (Standalone)
+            return ({a: (c.uploads, jnp.zeros(len(c.valid), jnp.float32))
+                     for a, c in cohorts.items()}, memories, report)
         if not self.active:
             return self._validate_only(round_index, cohorts, report), memories, report
         sent, valid, weights, new_memories = {}, {}, {}, dict(memories)

@@ -27,6 +27,8 @@ def fingerprint(tree, leading_axes: int = 0) -> str:
 def finite_mask(stacked) -> jax.Array:
     """[slots] True where every value of the slot's upload is finite."""
     leaves = jax.tree.leaves(stacked)
+    if not leaves:
+        raise ValueError("finite_mask: the upload tree has no leaves")
     flags = [jnp.all(jnp.isfinite(a.reshape(a.shape[0], -1)), axis=1) for a in leaves]
     return jnp.stack(flags).all(axis=0)
 
