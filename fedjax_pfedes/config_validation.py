@@ -18,6 +18,7 @@ from fedjax_pfedes.models.registry import (
     shared_arch,
     uses_batch_norm,
 )
+from fedjax_pfedes.upload.pipeline import check_compatible, pipeline_config
 
 FEDAVG_FAMILY = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",
                  "fedadam": "adam"}  # algorithm -> server optimizer
@@ -26,6 +27,17 @@ PER_COHORT = (*FEDAVG_FAMILY, "scaffold", "fednova", "fedbn")
 DP_SGD_ALGORITHMS = ("pfedes", *FEDAVG_FAMILY)
 ALGORITHMS = ("pfedes", "pfedes_paper", "standalone", *PER_COHORT, "lg_fedavg", "fedproto",
               "fml", "fedkd", "fedgh", "fedmrl")
+
+
+def aggregation_kind(algorithm: str) -> str:
+    """`Algorithm.aggregation` of a method, known before it is built (for config checks)."""
+    if algorithm in PER_COHORT:
+        return "per_cohort"
+    if algorithm in ("fedproto", "fedgh"):
+        return "custom"
+    if algorithm == "standalone":
+        return "none"
+    return "shared"
 
 
 class ConfigError(ValueError):
@@ -70,6 +82,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                  f">= 0, got {config.dp_sgd.noise_multiplier}")
         _require(0 < config.dp_sgd.delta < 1,
                  f"config.dp_sgd.delta must be in (0, 1), got {config.dp_sgd.delta}")
+    try:
+        check_compatible(pipeline_config(config), aggregation_kind(config.algorithm),
+                         config.algorithm)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     with_bn = sorted({a for a in archs if uses_batch_norm(a)})
     _require(not with_bn or config.algorithm == "fedbn",
              f"config.clients.architectures: {with_bn} have BatchNorm layers, which only "

@@ -48,9 +48,8 @@ from fedjax_pfedes.data.federated import FederatedData, partition_dataset
 from fedjax_pfedes.data.profile import DataProfile, profile_partition
 from fedjax_pfedes.data.sources import LoadOptions
 from fedjax_pfedes.metrics_io import MetricsWriter, write_json
-from fedjax_pfedes.upload import compression, privacy
-from fedjax_pfedes.upload import secure_aggregation as secagg
-from fedjax_pfedes.upload.pipeline import CohortUploads, PipelineConfig, UploadPipeline
+from fedjax_pfedes.upload import privacy
+from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline, pipeline_config
 
 # Model-heterogeneous baselines built from HeteroConfig.
 HETEROGENEOUS = {"lg_fedavg": lg_fedavg, "fedproto": fedproto, "fml": fml, "fedkd": fedkd,
@@ -179,26 +178,12 @@ def tree_size(tree) -> tuple[int, int]:
 def build_pipeline(config: ml_collections.ConfigDict, algorithm, num_clients: int
                    ) -> UploadPipeline:
     """The upload pipeline from `config.upload`, `config.dp` and `config.secagg`."""
-    u, d, sa, t = config.upload, config.dp, config.secagg, config.train
+    t = config.train
     m = sampling.participants_per_round(num_clients, t.client_fraction)
+    expected = t.client_fraction * num_clients if t.sampling == "poisson" else m
     try:
-        dp = None
-        if d.enabled:
-            dp = privacy.ClientDPConfig(
-                clip_norm=d.clip_norm, noise_multiplier=d.noise_multiplier,
-                target_epsilon=d.target_epsilon, delta=d.delta, accountant=d.accountant,
-                sampling="poisson" if t.sampling == "poisson" else "fixed")
-        cfg = PipelineConfig(
-            reject_nonfinite=u.reject_nonfinite, norm_outlier_factor=u.norm_outlier_factor,
-            weighting=u.weighting, aggregator=u.aggregator, trim_fraction=u.trim_fraction,
-            compression=compression.CompressionConfig(u.topk_fraction, u.value_encoding,
-                                                      u.qsgd_levels),
-            dp=dp, secagg=sa.enabled, secagg_threshold_fraction=sa.threshold_fraction,
-            secagg_dropout_after_upload=sa.dropout_after_upload,
-            encoding=secagg.RingEncoding(sa.ring_bits, sa.fraction_bits))
-        expected = (t.client_fraction * num_clients if t.sampling == "poisson" else m)
-        return UploadPipeline(cfg, algorithm.aggregation, algorithm.name, num_clients,
-                              expected, m, t.rounds)
+        return UploadPipeline(pipeline_config(config), algorithm.aggregation, algorithm.name,
+                              num_clients, expected, m, t.rounds)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -54,9 +54,11 @@ def test_nan_and_wrong_model_uploads_are_rejected_and_the_rest_averaged():
                "b": _cohort(wrong, template, [5.0, 5.0], ids=[1, 2])}
     groups, _, report = pipe.process(0, cohorts, {"a": jnp.zeros(3), "b": jnp.zeros(2)},
                                      {"a": 3, "b": 2}, jax.random.key(0))
-    reasons = {(r["client"], r["reason"]) for r in report["rejections"]}
+    reasons = {(r["client"], r["reason"].split(" (")[0]) for r in report["rejections"]}
     assert reasons == {(7, "non-finite values"), (1, "model fingerprint mismatch"),
                        (2, "model fingerprint mismatch")}
+    detail = next(r["reason"] for r in report["rejections"] if r["client"] == 1)
+    assert "leaf 'w' has shape (2, 4), expected (2, 3)" in detail
     np.testing.assert_array_equal(groups["a"][1], [10.0, 0.0, 30.0])
     np.testing.assert_array_equal(groups["b"][1], [0.0, 0.0])
     from fedjax_pfedes.aggregation import weighted_mean
@@ -351,3 +353,16 @@ def test_dp_sgd_is_refused_where_it_is_not_built_in():
     config.algorithm, config.align = "pfedes", "contrastive"
     with pytest.raises(ConfigError, match="per-example alignment"):
         validate_config(config)
+
+
+def test_every_algorithm_declares_the_aggregation_the_config_checks_assume():
+    from fedjax_pfedes.config_validation import ALGORITHMS, aggregation_kind
+    from fedjax_pfedes.simulation import build_algorithm, build_federated_data
+
+    config = tabular_hetero.get_config()
+    data = build_federated_data(config)
+    for name in ALGORITHMS:
+        if name == "pfedes_paper":  # images only
+            continue
+        config.algorithm = name
+        assert build_algorithm(config, data).aggregation == aggregation_kind(name), name

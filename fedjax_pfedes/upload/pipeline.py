@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pfedes import aggregation
 from fedjax_pfedes.upload import compression, privacy, robust, validation
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 
@@ -48,6 +49,26 @@ class PipelineConfig:
     secagg_threshold_fraction: float = 0.6
     secagg_dropout_after_upload: float = 0.0
     encoding: sa_protocol.RingEncoding = sa_protocol.RingEncoding()
+
+
+def pipeline_config(config) -> PipelineConfig:
+    """`PipelineConfig` from an experiment config's `upload`, `dp`, `secagg` and
+    `train.sampling` fields (ValueError naming the field for a bad value)."""
+    u, d, s = config.upload, config.dp, config.secagg
+    dp = None
+    if d.enabled:
+        dp = privacy.ClientDPConfig(
+            clip_norm=d.clip_norm, noise_multiplier=d.noise_multiplier,
+            target_epsilon=d.target_epsilon, delta=d.delta, accountant=d.accountant,
+            sampling="poisson" if config.train.sampling == "poisson" else "fixed")
+    return PipelineConfig(
+        reject_nonfinite=u.reject_nonfinite, norm_outlier_factor=u.norm_outlier_factor,
+        weighting=u.weighting, aggregator=u.aggregator, trim_fraction=u.trim_fraction,
+        compression=compression.CompressionConfig(u.topk_fraction, u.value_encoding,
+                                                  u.qsgd_levels),
+        dp=dp, secagg=s.enabled, secagg_threshold_fraction=s.threshold_fraction,
+        secagg_dropout_after_upload=s.dropout_after_upload,
+        encoding=sa_protocol.RingEncoding(s.ring_bits, s.fraction_bits))
 
 
 def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> None:
@@ -83,6 +104,9 @@ def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> N
     if not 0 <= cfg.secagg_dropout_after_upload < 1:
         raise ValueError("config.secagg.dropout_after_upload must be in [0, 1), got "
                          f"{cfg.secagg_dropout_after_upload}")
+    if not 0 <= cfg.trim_fraction < 0.5:
+        raise ValueError(f"config.upload.trim_fraction must be in [0, 0.5), got "
+                         f"{cfg.trim_fraction}")
     if cfg.norm_outlier_factor < 0:
         raise ValueError("config.upload.norm_outlier_factor must be >= 0 (0 = off), got "
                          f"{cfg.norm_outlier_factor}")
@@ -100,6 +124,15 @@ class CohortUploads:
     valid: np.ndarray
     client_ids: np.ndarray
     slots: np.ndarray
+
+
+def _mismatch(c: CohortUploads) -> str:
+    """The rejection reason of a fingerprint mismatch, naming the first offending leaf."""
+    try:
+        aggregation.check_upload(c.template, c.uploads, "the cohort", stacked=len(c.valid))
+    except aggregation.UploadMismatchError as e:
+        return f"model fingerprint mismatch ({e})"
+    return "model fingerprint mismatch"
 
 
 def _replicate(tree, slots: int):
@@ -200,8 +233,7 @@ class UploadPipeline:
             ok = np.asarray(c.valid).copy()
             if validation.fingerprint(c.uploads, leading_axes=1) != validation.fingerprint(
                     c.template):
-                self._reject(round_index, c.client_ids[ok], "model fingerprint mismatch",
-                             report)
+                self._reject(round_index, c.client_ids[ok], _mismatch(c), report)
                 ok[:] = False
                 uploads = _replicate(c.template, len(ok))
             else:
@@ -262,8 +294,7 @@ class UploadPipeline:
             uploads = c.uploads
             if validation.fingerprint(uploads, leading_axes=1) != validation.fingerprint(
                     c.template):
-                self._reject(round_index, c.client_ids[ok], "model fingerprint mismatch",
-                             report)
+                self._reject(round_index, c.client_ids[ok], _mismatch(c), report)
                 ok[:] = False
                 uploads = _replicate(c.template, len(ok))
             elif self.cfg.reject_nonfinite:
