@@ -1,33 +1,25 @@
 """FedAvg family and Standalone: defining math against hand-derived references."""
 
+import fl_helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs import tabular_hetero
-from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg
+from fedjax_pfedes.algorithms.fedavg import fedavg
 from fedjax_pfedes.algorithms.standalone import standalone
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.simulation import run_experiment, tree_size
 
-SPEC = InputSpec("tabular", (5,), "float32", (0.0,) * 5, (1.0,) * 5)
+SPEC = fl_helpers.SPEC
 
 
-def _cfg(**kw):
-    base = dict(num_classes=3, input_spec=SPEC, lr_local=0.1, batch_size=8, local_epochs=1)
-    base.update(kw)
-    return FedAvgConfig(**base)
+_cfg = fl_helpers.fedavg_config
 
 
-def _data(n=8, capacity=8, seed=0):
-    rng = np.random.default_rng(seed)
-    x = np.zeros((capacity, 5), np.float32)
-    y = np.zeros((capacity,), np.int32)
-    x[:n] = rng.normal(size=(n, 5))
-    y[:n] = rng.integers(0, 3, n)
-    return ClientArrays(jnp.asarray(x), jnp.asarray(y), jnp.int32(n))
+_data = fl_helpers.client_data
 
 
 def _reference_ce(model, params, x, y):

@@ -1,27 +1,25 @@
 """SCAFFOLD, FedNova, FedBN, FML, FedKD, FedGH and FedMRL: defining math against hand-derived or
 numpy references, and runs through the simulator with hand-counted upload sizes."""
 
+import fl_helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs import tabular_hetero
-from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg
+from fedjax_pfedes.algorithms.fedavg import fedavg
 from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 from fedjax_pfedes.simulation import run_experiment
 
-SPEC = InputSpec("tabular", (5,), "float32", (0.0,) * 5, (1.0,) * 5)
+SPEC = fl_helpers.SPEC
 IMAGE = InputSpec("image", (8, 8, 1), "float32", (0.0,), (1.0,))
 
 
-def _cfg(**kw):
-    base = dict(num_classes=3, input_spec=SPEC, lr_local=0.1, batch_size=8, local_epochs=1)
-    base.update(kw)
-    return FedAvgConfig(**base)
+_cfg = fl_helpers.fedavg_config
 
 
 def _hetero(**kw):
@@ -31,13 +29,7 @@ def _hetero(**kw):
     return HeteroConfig(**base)
 
 
-def _data(n=8, capacity=8, seed=0):
-    rng = np.random.default_rng(seed)
-    x = np.zeros((capacity, 5), np.float32)
-    y = np.zeros((capacity,), np.int32)
-    x[:n] = rng.normal(size=(n, 5))
-    y[:n] = rng.integers(0, 3, n)
-    return ClientArrays(jnp.asarray(x), jnp.asarray(y), jnp.int32(n))
+_data = fl_helpers.client_data
 
 
 def _ce(model, params, data):

@@ -89,21 +89,33 @@ def server_optimizer(cfg: FedAvgConfig) -> optax.GradientTransformation | None:
                      f"'{cfg.server_optimizer}'")
 
 
-def fedavg(cfg: FedAvgConfig) -> Algorithm:
-    """Builds FedAvg (or FedProx / FedAvgM / FedAdam, by `cfg`) run per cohort."""
-    local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
-    server_opt = server_optimizer(cfg)
-    dummy_x = cfg.input_spec.dummy_batch()
+def cohort_models(cfg: FedAvgConfig):
+    """arch -> its `Classifier`, built once per architecture (FedAvg, SCAFFOLD, FedNova)."""
     models = {}
 
-    def model_of(arch: str):
+    def model_of(arch: str) -> registry.Classifier:
         if arch not in models:
             models[arch] = registry.classifier_model(arch, cfg.num_classes, cfg.input_spec)
         return models[arch]
 
+    return model_of
+
+
+def init_cohort_models(model_of, rng: jax.Array, archs: tuple[str, ...], cfg: FedAvgConfig
+                       ) -> dict:
+    """One freshly initialized global model per cohort (key folded with the cohort index)."""
+    dummy_x = cfg.input_spec.dummy_batch()
+    return {a: model_of(a).init(jax.random.fold_in(rng, i), dummy_x) for i, a in enumerate(archs)}
+
+
+def fedavg(cfg: FedAvgConfig) -> Algorithm:
+    """Builds FedAvg (or FedProx / FedAvgM / FedAdam, by `cfg`) run per cohort."""
+    local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
+    server_opt = server_optimizer(cfg)
+    model_of = cohort_models(cfg)
+
     def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
-        params = {a: model_of(a).init(jax.random.fold_in(rng, i), dummy_x)
-                  for i, a in enumerate(archs)}
+        params = init_cohort_models(model_of, rng, archs, cfg)
         opt_state = {a: server_opt.init(p) if server_opt else () for a, p in params.items()}
         return ServerState(params, opt_state, jnp.zeros((), jnp.int32))
 

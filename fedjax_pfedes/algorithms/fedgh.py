@@ -23,9 +23,8 @@ from flax import struct
 
 from fedjax_pfedes import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
 from fedjax_pfedes.algorithms.fedproto import class_prototypes
-from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, with_head
+from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, global_head_program
 from fedjax_pfedes.models import registry
 
 
@@ -58,7 +57,6 @@ def train_header_on_prototypes(head: dict, head_apply, prototypes: jnp.ndarray,
 
 def fedgh(cfg: HeteroConfig) -> Algorithm:
     """Builds FedGH for heterogeneous cohorts."""
-    local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
 
     def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
@@ -91,36 +89,15 @@ def fedgh(cfg: HeteroConfig) -> Algorithm:
             jnp.concatenate(valid), cfg.gh_server_lr, cfg.gh_server_epochs)
         return ServerState(head, state.round + 1)
 
+    def prototype_upload(model, params, data, global_head):
+        del global_head
+        _, e = model.apply(params, data.x)
+        mask = jnp.arange(data.y.shape[0]) < data.sizes
+        prototypes, counts = class_prototypes(e, data.y, mask, cfg.num_classes)
+        return {"prototypes": prototypes, "counts": counts}, {}
+
     def cohort_program(arch: str) -> CohortProgram:
-        model = registry.projected_classifier(arch, cfg.num_classes, cfg.dim, cfg.input_spec)
-
-        def init_client(rng: jax.Array) -> ClientState:
-            params = model.init(rng, dummy_x)
-            return ClientState(params, local_opt.init(params))
-
-        def logits_fn(params, x):
-            return model.apply(params, x)[0]
-
-        train_step = local_training.cross_entropy_step(logits_fn, local_opt)
-
-        def client_update(global_head, state: ClientState, data, rng):
-            start = with_head(state.params, global_head)
-            (params, opt_state), sums, n_active = local_training.run_local_epochs(
-                train_step, (start, state.opt_state), data, rng, cfg.batch_size,
-                cfg.local_epochs, cfg.unroll_local_steps)
-            _, e = model.apply(params, data.x)
-            mask = jnp.arange(data.y.shape[0]) < data.sizes
-            prototypes, counts = class_prototypes(e, data.y, mask, cfg.num_classes)
-            metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
-                       "local_steps": n_active}
-            return ({"prototypes": prototypes, "counts": counts},
-                    ClientState(params, opt_state), metrics)
-
-        def evaluate(global_head, state: ClientState, test, global_x, global_y):
-            return evaluate_classifier(logits_fn, with_head(state.params, global_head), test,
-                                       global_x, global_y)
-
-        return CohortProgram(init_client, client_update, evaluate)
+        return global_head_program(arch, cfg, prototype_upload)
 
     return Algorithm("fedgh", init_server, broadcast, upload_template, server_update,
                      cohort_program, aggregation="custom")

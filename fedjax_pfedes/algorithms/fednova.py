@@ -22,8 +22,13 @@ from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.fedavg import ClientState, FedAvgConfig, evaluate_classifier
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.algorithms.fedavg import (
+    ClientState,
+    FedAvgConfig,
+    cohort_models,
+    evaluate_classifier,
+    init_cohort_models,
+)
 
 
 @struct.dataclass
@@ -54,17 +59,11 @@ def normalized_aggregate(old: dict, normalized: dict, solver_norms: jax.Array,
 def fednova(cfg: FedAvgConfig) -> Algorithm:
     """Builds FedNova per cohort (`cfg.server_lr` is the global step size lr_g)."""
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
-    dummy_x = cfg.input_spec.dummy_batch()
-    models = {}
-
-    def model_of(arch: str):
-        if arch not in models:
-            models[arch] = registry.classifier_model(arch, cfg.num_classes, cfg.input_spec)
-        return models[arch]
+    model_of = cohort_models(cfg)
 
     def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
-        return ServerState({a: model_of(a).init(jax.random.fold_in(rng, i), dummy_x)
-                            for i, a in enumerate(archs)}, jnp.zeros((), jnp.int32))
+        return ServerState(init_cohort_models(model_of, rng, archs, cfg),
+                           jnp.zeros((), jnp.int32))
 
     def broadcast(state: ServerState, arch: str) -> dict:
         return state.params[arch]

@@ -81,9 +81,43 @@ def with_head(params: dict, head: dict) -> dict:
     return {**params, "params": {**params["params"], "classifier": head}}
 
 
+def global_head_program(arch: str, cfg: HeteroConfig, make_upload) -> CohortProgram:
+    """Clients that replace their head with the broadcast global head, train their whole
+    `ProjectedClassifier` with CE for E local epochs, and predict with their own F_k, P_k and the
+    global head (LG-FedAvg, FedGH). `make_upload(model, params, data, global_head)` -> (upload,
+    extra metrics) says what goes up."""
+    local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
+    dummy_x = cfg.input_spec.dummy_batch()
+    model = registry.projected_classifier(arch, cfg.num_classes, cfg.dim, cfg.input_spec)
+
+    def init_client(rng: jax.Array) -> ClientState:
+        params = model.init(rng, dummy_x)
+        return ClientState(params, local_opt.init(params))
+
+    def logits_fn(params, x):
+        return model.apply(params, x)[0]
+
+    train_step = local_training.cross_entropy_step(logits_fn, local_opt)
+
+    def client_update(global_head, state: ClientState, data, rng):
+        start = with_head(state.params, global_head)
+        (params, opt_state), sums, n_active = local_training.run_local_epochs(
+            train_step, (start, state.opt_state), data, rng, cfg.batch_size, cfg.local_epochs,
+            cfg.unroll_local_steps)
+        upload, extra = make_upload(model, params, data, global_head)
+        metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
+                   "local_steps": n_active, **extra}
+        return upload, ClientState(params, opt_state), metrics
+
+    def evaluate(global_head, state: ClientState, test, global_x, global_y):
+        return evaluate_classifier(logits_fn, with_head(state.params, global_head), test,
+                                   global_x, global_y)
+
+    return CohortProgram(init_client, client_update, evaluate)
+
+
 def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
     """Builds LG-FedAvg for heterogeneous cohorts."""
-    local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
 
     def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
@@ -99,35 +133,14 @@ def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
                       ) -> ServerState:
         return ServerState(aggregation.mean_over_cohorts(state.head, groups), state.round + 1)
 
+    def head_upload(model, params, data, global_head):
+        del model, data
+        head = params["params"]["classifier"]
+        return head, {"update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, head,
+                                                                  global_head))}
+
     def cohort_program(arch: str) -> CohortProgram:
-        model = registry.projected_classifier(arch, cfg.num_classes, cfg.dim, cfg.input_spec)
-
-        def init_client(rng: jax.Array) -> ClientState:
-            params = model.init(rng, dummy_x)
-            return ClientState(params, local_opt.init(params))
-
-        def logits_fn(params, x):
-            return model.apply(params, x)[0]
-
-        train_step = local_training.cross_entropy_step(logits_fn, local_opt)
-
-        def client_update(global_head, state: ClientState, data, rng):
-            start = with_head(state.params, global_head)
-            (params, opt_state), sums, n_active = local_training.run_local_epochs(
-                train_step, (start, state.opt_state), data, rng, cfg.batch_size,
-                cfg.local_epochs, cfg.unroll_local_steps)
-            head = params["params"]["classifier"]
-            metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
-                       "local_steps": n_active,
-                       "update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, head,
-                                                                   global_head))}
-            return head, ClientState(params, opt_state), metrics
-
-        def evaluate(global_head, state: ClientState, test, global_x, global_y):
-            return evaluate_classifier(logits_fn, with_head(state.params, global_head), test,
-                                       global_x, global_y)
-
-        return CohortProgram(init_client, client_update, evaluate)
+        return global_head_program(arch, cfg, head_upload)
 
     return Algorithm("lg_fedavg", init_server, broadcast, broadcast, server_update,
                      cohort_program)

@@ -26,8 +26,12 @@ from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, evaluate_classifier
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.algorithms.fedavg import (
+    FedAvgConfig,
+    cohort_models,
+    evaluate_classifier,
+    init_cohort_models,
+)
 
 
 @struct.dataclass
@@ -60,19 +64,13 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
     `cfg.server_lr` is the global step size lr_g (1 = the averaged model)."""
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
-    models = {}
-
-    def model_of(arch: str):
-        if arch not in models:
-            models[arch] = registry.classifier_model(arch, cfg.num_classes, cfg.input_spec)
-        return models[arch]
+    model_of = cohort_models(cfg)
 
     def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
         missing = [a for a in archs if a not in cohort_sizes]
         if missing:
             raise ValueError(f"SCAFFOLD needs the client count of every cohort; missing {missing}")
-        params = {a: model_of(a).init(jax.random.fold_in(rng, i), dummy_x)
-                  for i, a in enumerate(archs)}
+        params = init_cohort_models(model_of, rng, archs, cfg)
         control = {a: zeros_like_f32(p) for a, p in params.items()}
         return ServerState(params, control, jnp.zeros((), jnp.int32))
 
