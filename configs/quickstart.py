@@ -33,7 +33,11 @@ def get_config() -> ml_collections.ConfigDict:
     # fedbn) runs per architecture cohort. Local training uses config.train.
     config.baseline = ml_collections.ConfigDict()
     config.baseline.prox_mu = 0.01       # FedProx: mu/2 * ||w - w_global||^2
-    config.baseline.server_lr = 1.0      # FedAvgM / FedAdam / SCAFFOLD / FedNova: server lr
+    config.baseline.server_lr = 1.0      # SCAFFOLD / FedNova: global step size (1 = average)
+    # FedAvgM / FedAdam server learning rates. With lr 1.0 both diverged on the quick start
+    # (docs/baselines.md): 0.1 with momentum 0.9 is a steady-state step of 1.
+    config.baseline.fedavgm_lr = 0.1
+    config.baseline.fedadam_lr = 0.01    # Reddi et al. 2021 tune it in [1e-3, 1]
     config.baseline.server_momentum = 0.9  # FedAvgM: server heavy-ball momentum
     config.baseline.adam_b1 = 0.9        # FedAdam (Reddi et al. 2021)
     config.baseline.adam_b2 = 0.99

@@ -137,7 +137,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(b.proto_lambda >= 0,
              f"config.baseline.proto_lambda must be >= 0, got {b.proto_lambda}")
     _require(b.prox_mu >= 0, f"config.baseline.prox_mu must be >= 0, got {b.prox_mu}")
-    _require(b.server_lr > 0, f"config.baseline.server_lr must be > 0, got {b.server_lr}")
+    for name in ("server_lr", "fedavgm_lr", "fedadam_lr"):
+        _require(b[name] > 0, f"config.baseline.{name} must be > 0, got {b[name]}")
     _require(0 <= b.server_momentum < 1,
              f"config.baseline.server_momentum must be in [0, 1), got {b.server_momentum}")
     for name in ("fml_alpha", "fml_beta"):

@@ -41,6 +41,10 @@ def _record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -> d
         "upload_params_per_client": summary["final"]["upload_params_per_client"],
         "wall_time_s": summary["wall_time_s"],
         "majority_class_accuracy_mean": summary["majority_class_accuracy_mean"],
+        # Non-finite training losses at an evaluated round: the run diverged (its accuracy is
+        # then that of NaN logits, not of a model).
+        "diverged": any(not np.isfinite(v) for r in rows for k, v in r.items()
+                        if k.startswith("train_") and k.endswith("_loss_mean")),
     }
 
 
@@ -114,8 +118,12 @@ def markdown_table(results: dict[str, list[dict]]) -> str:
     lines = ["| method | mean personalized accuracy | mean global accuracy | "
              "upload params / client / round | wall time s |", "|---|---|---|---|---|"]
     for name, runs in results.items():
+        diverged = sum(bool(r.get("diverged")) for r in runs)
+        note = f" (diverged: non-finite training loss in {diverged}/{len(runs)} seeds)" \
+            if diverged else ""
         lines.append(
-            f"| {name} | {_mean_std([r['final']['personalized_accuracy_mean'] for r in runs])} | "
+            f"| {name} | {_mean_std([r['final']['personalized_accuracy_mean'] for r in runs])}"
+            f"{note} | "
             f"{_mean_std([r['final']['global_accuracy_mean'] for r in runs])} | "
             f"{int(np.mean([r['upload_params_per_client'] for r in runs])):,} | "
             f"{np.mean([r['wall_time_s'] for r in runs]):.0f} |")

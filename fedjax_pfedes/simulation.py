@@ -102,7 +102,8 @@ def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
     if name in PER_COHORT or name == "standalone":
         fedavg_config = FedAvgConfig(
             **local, prox_mu=b.prox_mu if name == "fedprox" else 0.0,
-            server_optimizer=FEDAVG_FAMILY.get(name, "none"), server_lr=b.server_lr,
+            server_optimizer=FEDAVG_FAMILY.get(name, "none"),
+            server_lr={"fedavgm": b.fedavgm_lr, "fedadam": b.fedadam_lr}.get(name, b.server_lr),
             server_momentum=b.server_momentum, adam_b1=b.adam_b1, adam_b2=b.adam_b2,
             adam_eps=b.adam_eps, name=name, dp_sgd=dp_sgd)
         if name == "scaffold":

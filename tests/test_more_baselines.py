@@ -346,7 +346,7 @@ UPLOADS = {
     "fedbn": MLP_SMALL,                             # mlp_small has no BatchNorm
     "fml": MLP_SMALL,                               # the meme (shared_arch = mlp_small)
     "fedgh": 2 * 32 + 2,                            # prototypes [2, d] + counts [2]
-    "fedmrl": (30 * 64 + 64) + (64 * 32 + 32) + (16 * 2 + 2),  # G, G's Dense to d, header
+    "fedmrl": (30 * 64 + 64) + (16 * 2 + 2),      # G (mlp_small), shared header d1=16 -> 2
 }
 
 

@@ -2,7 +2,7 @@
 
 Yi et al., "Federated Model Heterogeneous Matryoshka Representation Learning", NeurIPS 2024.
 Every client model has two feature extractors on the same input: the shared homogeneous small
-extractor G (architecture `HeteroConfig.shared_arch`, followed by a Dense to d) and the client's
+extractor G (architecture `HeteroConfig.shared_arch`, its ReLU features) and the client's
 private heterogeneous extractor F_k. A private lightweight projector fuses them,
 r = P_k([G(x), F_k(x)]) in R^d, and two headers read nested prefixes of r (Matryoshka
 representation learning, Kusupati et al., NeurIPS 2022): the shared header reads r[:d1]
@@ -10,7 +10,7 @@ representation learning, Kusupati et al., NeurIPS 2022): the shared header reads
 CE(shared header) + CE(private header); every part is trained together. Participants upload G and
 the shared header; the server averages them over all cohorts by sample counts. Inference uses the
 private header's output (as in HtFLlib's FedMRL).
-Parameter subtrees: 'shared_backbone', 'shared_out', 'shared_header' (uploaded) and
+Parameter subtrees: 'shared_backbone', 'shared_header' (uploaded) and
 'private_backbone', 'projector', 'private_header' (kept).
 """
 
@@ -33,7 +33,7 @@ from fedjax_pfedes.models import registry
 from fedjax_pfedes.models.backbones import BACKBONES
 from fedjax_pfedes.models.layers import InputNormalization
 
-SHARED_KEYS = ("shared_backbone", "shared_out", "shared_header")
+SHARED_KEYS = ("shared_backbone", "shared_header")
 
 
 @struct.dataclass
@@ -55,7 +55,6 @@ class MatryoshkaModel(nn.Module):
     def setup(self):
         self.normalize = InputNormalization(self.spec)
         self.shared_backbone = BACKBONES[self.shared_arch].build(self.spec)
-        self.shared_out = nn.Dense(self.dim)
         self.shared_header = nn.Dense(self.num_classes)
         self.private_backbone = BACKBONES[self.arch].build(self.spec)
         self.projector = nn.Dense(self.dim)
@@ -63,7 +62,7 @@ class MatryoshkaModel(nn.Module):
 
     def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
         x = self.normalize(x)
-        g = self.shared_out(self.shared_backbone(x))
+        g = self.shared_backbone(x)
         f = self.private_backbone(x)
         r = self.projector(jnp.concatenate([g, f], axis=-1))
         return self.private_header(r), self.shared_header(r[:, : self.sub_dim])

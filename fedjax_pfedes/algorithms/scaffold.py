@@ -9,9 +9,12 @@ sets x <- x + lr_g * (weighted mean of y - x) (sample-count weights, as everywhe
 averages uniformly) and c <- c + (1/N) * sum of the participants' control deltas, N = the cohort's
 client count. With zero controls SCAFFOLD is FedAvg exactly.
 
-K is the client's own number of local steps (clients of different sizes take different K). With
-local momentum the correction enters the gradient before the momentum buffer; option II's
-(x - y)/(K lr) then estimates the momentum-averaged gradient (the paper analyses plain SGD).
+K is the client's own number of local steps (clients of different sizes take different K). The
+paper analyses plain SGD; with local momentum rho the correction enters the gradient before the
+momentum buffer, and option II divides by lr * ||a||_1 instead of lr * K, where
+||a||_1 = [K - rho (1 - rho^K) / (1 - rho)] / (1 - rho) is the total weight the K momentum steps
+give the gradients (FedNova's local-solver norm; = K without momentum). Dividing by K * lr made
+the controls ~1/(1 - rho) times too large and the quick start diverge.
 Upload size is twice FedAvg's (model + control delta), as in the paper.
 """
 
@@ -32,6 +35,7 @@ from fedjax_pfedes.algorithms.fedavg import (
     evaluate_classifier,
     init_cohort_models,
 )
+from fedjax_pfedes.algorithms.fednova import local_solver_norm
 
 
 @struct.dataclass
@@ -117,7 +121,10 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
             (y, _), sums, n_active = local_training.run_local_epochs(
                 train_step, (x, local_opt.init(x)), data, rng, cfg.batch_size,
                 cfg.local_epochs, cfg.unroll_local_steps)
-            scale = 1.0 / (jnp.maximum(n_active, 1.0) * cfg.lr_local)
+            # Option II divides by K * lr for plain SGD; with momentum rho the K steps move the
+            # model by lr * ||a||_1 average gradients (FedNova's local-solver norm).
+            solver = local_solver_norm(n_active, cfg.local_momentum)
+            scale = 1.0 / (jnp.maximum(solver, 1.0) * cfg.lr_local)
             new_control = jax.tree.map(
                 lambda ci, cs, xo, yo: ci - cs + (xo - yo).astype(jnp.float32) * scale,
                 state.control, c, x, y)
