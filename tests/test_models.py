@@ -54,7 +54,7 @@ def _spec_and_input(modality):
     return TEXT, jnp.asarray(ids)
 
 
-@pytest.mark.parametrize("arch", sorted(BACKBONES))
+@pytest.mark.parametrize("arch", sorted(a for a in BACKBONES if not BACKBONES[a].batch_norm))
 def test_every_client_model_returns_logits_and_projected_features(arch):
     modality = BACKBONES[arch].modalities[-1]
     spec, x = _spec_and_input(modality)
@@ -63,6 +63,15 @@ def test_every_client_model_returns_logits_and_projected_features(arch):
     assert logits.shape == (4, 7) and e_local.shape == (4, 16)
     assert np.all(np.isfinite(np.asarray(logits)))  # also for the all-padding text row
     assert np.all(np.asarray(e_local) >= 0)  # Linear + ReLU projection
+
+
+def test_batch_norm_backbones_are_refused_by_the_projected_models():
+    spec, _ = _spec_and_input("image")
+    with pytest.raises(ValueError, match="config.clients.architectures: 'convnet3_bn' has "
+                                         "BatchNorm layers.*fedbn"):
+        registry.client_model("convnet3_bn", 7, 16, spec)
+    with pytest.raises(ValueError, match="BatchNorm"):
+        registry.projected_classifier("convnet3_bn", 7, 16, spec)
 
 
 @pytest.mark.parametrize("arch", sorted(PROXY_BODIES))

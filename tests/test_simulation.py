@@ -15,7 +15,7 @@ METRIC_KEYS = {
     "train_ce_loss_mean", "train_align_loss_mean", "train_proxy_align_loss_mean",
     "local_steps_mean", "proxy_update_norm_mean", "round_time_s", "elapsed_s",
     "upload_params_per_client", "upload_bytes_per_client", "download_params_per_client",
-    "download_bytes_per_client",
+    "download_bytes_per_client", "uploads_rejected", "uploads_rejected_total",
 }
 
 
