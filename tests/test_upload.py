@@ -67,6 +67,28 @@ def test_nan_and_wrong_model_uploads_are_rejected_and_the_rest_averaged():
     assert float(total) == 40.0
 
 
+@pytest.mark.parametrize("settings", [dict(topk_fraction=0.5), dict(
+    dp=privacy.ClientDPConfig(clip_norm=100.0, noise_multiplier=0.0), weighting="uniform")])
+def test_rejected_nan_uploads_leave_no_trace_when_the_pipeline_transforms(settings):
+    from fedjax_pfedes.aggregation import weighted_mean
+
+    cfg = dict(settings)
+    topk = cfg.pop("topk_fraction", 1.0)
+    pipe = UploadPipeline(PipelineConfig(compression=compression.CompressionConfig(topk), **cfg),
+                          "shared", "test", num_clients=3, expected_participants=2,
+                          clients_per_round=3, rounds=5)
+    template = {"w": jnp.zeros(2)}
+    ups = {"w": jnp.array([[1.0, 2.0], [jnp.nan, 1.0], [3.0, 0.0]])}
+    groups, memories, report = pipe.process(
+        0, {"a": _cohort(ups, template, [1, 1, 1])},
+        {"a": pipe.init_memory(template, 3) if topk < 1 else jnp.zeros(3)}, {"a": 3},
+        jax.random.key(0))
+    assert [r["client"] for r in report["rejections"]] == [1]
+    mean, _ = weighted_mean([groups["a"]])
+    assert np.all(np.isfinite(np.asarray(mean["w"])))
+    assert np.all(np.isfinite(np.asarray(jax.tree.leaves(memories)[0])))
+
+
 def test_norm_outliers_are_rejected_beyond_factor_times_median():
     template = {"w": jnp.zeros(2)}
     ups = {"w": jnp.array([[1.0, 0.0], [0.0, 1.2], [0.9, 0.0], [30.0, 0.0]])}

@@ -259,6 +259,8 @@ class UploadPipeline:
             # Error feedback: only real participants with finite updates write their rows.
             write = jnp.where(jnp.asarray(np.asarray(c.valid) & finite), rows, members[arch])
             new_memories[arch] = _put_rows(memories[arch], write, new_rows)
+            # Rejected slots send nothing: their values leave every sum (NaN x 0 is NaN).
+            s = _where_rows(jnp.asarray(ok), s, jax.tree.map(jnp.zeros_like, s))
             sent[arch], valid[arch] = s, ok
             weights[arch] = robust.smooth_weights(c.sizes, jnp.asarray(ok), cfg.weighting)
             if ok.any():
