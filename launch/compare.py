@@ -67,8 +67,10 @@ def main(argv: list[str]) -> None:
                 f.write(header + note + "\n\n" + table + "\n")
             with open(os.path.join(_WORKDIR.value, "comparison.json"), "w") as f:
                 json.dump(done, f, indent=1)
+            title = header.split(";")[0].replace(f"{_SEEDS.value} seed(s)",
+                                                 f"{seeds_done} of {_SEEDS.value} seed(s)")
             experiments.accuracy_curves(done, os.path.join(_WORKDIR.value, "accuracy_curves.png"),
-                                        header.split(";")[0])
+                                        title)
             return table
 
         results = experiments.run_grid(config, {a: {"algorithm": a} for a in _ALGORITHMS.value},
