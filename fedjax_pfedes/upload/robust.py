@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from fedjax_pfedes import aggregation
 from fedjax_pfedes.upload.validation import masked_median
 
 WEIGHTINGS = ("samples", "sqrt_samples", "uniform")
@@ -19,10 +20,10 @@ AGGREGATORS = ("mean", "median", "trimmed_mean")
 
 def smooth_weights(sample_counts: jax.Array, valid: jax.Array, weighting: str) -> jax.Array:
     """Aggregation weight per slot: counts, sqrt(counts) or 1; 0 for invalid slots."""
+    if weighting == "samples":  # FedAvg's weights, written once in aggregation.py
+        return aggregation.client_weights(sample_counts, valid)
     counts = sample_counts.astype(jnp.float32)
-    if weighting == "samples":
-        w = counts
-    elif weighting == "sqrt_samples":
+    if weighting == "sqrt_samples":
         w = jnp.sqrt(counts)
     elif weighting == "uniform":
         w = jnp.ones_like(counts)
