@@ -88,8 +88,17 @@ def get_config() -> ml_collections.ConfigDict:
     config.train = ml_collections.ConfigDict()
     config.train.rounds = 20
     config.train.client_fraction = 0.5   # C: share of clients sampled each round
-    config.train.sampling = "uniform"    # 'uniform' (m = C*N each round) | 'poisson' (each w.p. C)
+    # 'uniform' (m = C*N each round) | 'poisson' (each w.p. C) | 'stratified' (quotas per
+    # bucket of sample count x availability class, least-selected clients first)
+    config.train.sampling = "uniform"
+    config.train.strata = 3              # stratified: sample-count buckets (quantiles)
+    config.train.min_samples = 0         # clients with fewer local samples ..
+    config.train.below_min = "skip"      # .. are never sampled ('skip') or run one epoch
     config.train.local_epochs = 2        # E (seed: 1-3)
+    # Adaptive epochs: E_i = clip(round(E * sqrt(median n / n_i)), min_epochs, max_epochs).
+    config.train.adaptive_epochs = False
+    config.train.min_epochs = 1
+    config.train.max_epochs = 4
     config.train.batch_size = 32
     config.train.lr_local = 0.05         # local SGD learning rate
     config.train.local_momentum = 0.9    # local SGD momentum (0 = plain SGD); never aggregated
@@ -129,6 +138,44 @@ def get_config() -> ml_collections.ConfigDict:
     config.secagg.ring_bits = 64         # fixed-point ring Z_(2^bits): 32 | 64
     config.secagg.fraction_bits = 24     # fixed-point fractional bits
     config.secagg.dropout_after_upload = 0.0  # simulated share of senders lost before unmasking
+
+    # Unreliable clients (README "Unreliable clients"); the defaults model none.
+    config.system = ml_collections.ConfigDict()
+    config.system.availability = "1.0"   # P(online) per round; '0.9,0.5' = classes, equal shares
+    config.system.availability_period = 0  # > 0: reachable only in a window of duty x period
+    config.system.availability_duty = 0.5  # rounds per period (random phase per client)
+    config.system.dropout = 0.0          # P(a selected client fails before uploading)
+    config.system.speed_classes = "1.0"  # step-time multipliers, e.g. '1,2,4' (equal shares)
+    config.system.step_time_s = 0.05     # simulated seconds per local step, fastest class
+    config.system.time_jitter = 0.0      # per-round log-normal sigma on a client's step time
+    config.system.upload_mbps = "10"     # uplink Mbit/s: one value or one per speed class
+    config.system.download_mbps = "50"   # downlink Mbit/s
+    config.system.deadline_s = 0.0       # round deadline in simulated seconds (0 = none)
+    config.system.deadline_policy = "drop"  # late clients: 'drop' | 'partial' (steps in time)
+    config.system.failure_decay = 0.5    # sampling weight x decay^(consecutive failures)
+
+    # Buffered asynchronous aggregation (FedBuff, Nguyen et al. 2022): the server steps whenever
+    # buffer_size updates have arrived in simulated time; one round = one server step.
+    config.asynchronous = ml_collections.ConfigDict()
+    config.asynchronous.enabled = False
+    config.asynchronous.concurrency = 10  # clients training at any time
+    config.asynchronous.buffer_size = 5   # K updates per server step
+    config.asynchronous.staleness = "polynomial"  # 'constant' | 'polynomial' | 'hinge'
+    config.asynchronous.staleness_exponent = 0.5  # polynomial: (1 + tau)^-a
+    config.asynchronous.hinge_a = 10.0    # hinge: 1 if tau <= b else 1 / (a (tau - b) + 1)
+    config.asynchronous.hinge_b = 4.0
+
+    # Checkpoints (orbax) of the whole simulation; launch.main resumes from the latest one.
+    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint.every = 5          # save every k rounds and after the last (0 = off)
+    config.checkpoint.max_to_keep = 2
+    config.checkpoint.resume = True      # resume from <workdir>/checkpoints if there is one
+
+    # Per-round monitoring (README "Monitoring").
+    config.monitor = ml_collections.ConfigDict()
+    config.monitor.aggregation_loss = True  # participants' local-test loss before/after step
+    config.monitor.client_report = True  # <workdir>/clients.jsonl: one line per participant
+    config.monitor.tensorboard = True    # <workdir>/tensorboard event files
 
     config.eval = ml_collections.ConfigDict()
     config.eval.every = 5                # evaluate every k rounds (and after the last)

@@ -18,7 +18,16 @@ from fedjax_pfedes.models.registry import (
     shared_arch,
     uses_batch_norm,
 )
+from fedjax_pfedes.sampling import BELOW_MIN
+from fedjax_pfedes.sampling import METHODS as SAMPLING_METHODS
+from fedjax_pfedes.system import system_config
 from fedjax_pfedes.upload.pipeline import check_compatible, pipeline_config
+
+# Buffered asynchronous aggregation (fedjax_pfedes.asynchronous; kept here to avoid an import
+# cycle): methods whose upload is a model measured from the broadcast.
+ASYNC_ALGORITHMS = ("pfedes", "pfedes_paper", "fedavg", "fedprox", "fedavgm", "fedadam", "fedbn",
+                    "lg_fedavg", "fml", "fedmrl")
+STALENESS = ("constant", "polynomial", "hinge")
 
 FEDAVG_FAMILY = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",
                  "fedadam": "adam"}  # algorithm -> server optimizer
@@ -120,8 +129,15 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(0 < train.client_fraction <= 1,
              f"config.train.client_fraction must be in (0, 1], got {train.client_fraction}")
     _require(train.rounds >= 1, f"config.train.rounds must be >= 1, got {train.rounds}")
-    _require(train.sampling in ("uniform", "poisson"), "config.train.sampling must be "
-             f"'uniform' or 'poisson', got '{train.sampling}'")
+    _require(train.sampling in SAMPLING_METHODS, f"config.train.sampling: unknown "
+             f"'{train.sampling}'; known: {list(SAMPLING_METHODS)}")
+    _require(train.strata >= 1, f"config.train.strata must be >= 1, got {train.strata}")
+    _require(train.min_samples >= 0,
+             f"config.train.min_samples must be >= 0 (0 = off), got {train.min_samples}")
+    _require(train.below_min in BELOW_MIN, f"config.train.below_min: unknown "
+             f"'{train.below_min}'; known: {list(BELOW_MIN)}")
+    _require(1 <= train.min_epochs <= train.max_epochs, "config.train.min_epochs / max_epochs "
+             f"need 1 <= min_epochs <= max_epochs, got {train.min_epochs} / {train.max_epochs}")
     _require(train.local_epochs >= 1,
              f"config.train.local_epochs must be >= 1, got {train.local_epochs}")
     _require(train.batch_size >= 1, f"config.train.batch_size must be >= 1, got "
@@ -130,6 +146,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(0 <= train.local_momentum < 1,
              f"config.train.local_momentum must be in [0, 1), got {train.local_momentum}")
     _require(config.eval.every >= 1, f"config.eval.every must be >= 1, got {config.eval.every}")
+    _validate_runtime(config)
     b = config.baseline
     _require(0 <= b.paper_mu <= 1, f"config.baseline.paper_mu must be in [0, 1], got {b.paper_mu}")
     _require(b.paper_g_lr_ratio > 0,
@@ -151,6 +168,40 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              f"{b.gh_server_epochs}")
     _require(0 <= b.mrl_sub_dim <= config.proxy_dim, "config.baseline.mrl_sub_dim must be in "
              f"[0, config.proxy_dim={config.proxy_dim}] (0 = half), got {b.mrl_sub_dim}")
+
+
+def _validate_runtime(config: ml_collections.ConfigDict) -> None:
+    """config.system, config.asynchronous, config.checkpoint."""
+    try:
+        sys_cfg = system_config(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    ck = config.checkpoint
+    _require(ck.every >= 0, f"config.checkpoint.every must be >= 0 (0 = off), got {ck.every}")
+    _require(ck.max_to_keep >= 1,
+             f"config.checkpoint.max_to_keep must be >= 1, got {ck.max_to_keep}")
+    a = config.asynchronous
+    if not a.enabled:
+        return
+    _require(config.algorithm in ASYNC_ALGORITHMS, "config.asynchronous.enabled: buffered "
+             f"asynchronous aggregation rebases model updates onto a newer server model, which "
+             f"{list(ASYNC_ALGORITHMS)} upload; not '{config.algorithm}'")
+    _require(a.buffer_size >= 1, f"config.asynchronous.buffer_size must be >= 1, got "
+             f"{a.buffer_size}")
+    _require(a.buffer_size <= a.concurrency <= config.data.num_clients,
+             "config.asynchronous.concurrency must be in [buffer_size, data.num_clients] = "
+             f"[{a.buffer_size}, {config.data.num_clients}], got {a.concurrency}")
+    _require(a.staleness in STALENESS, f"config.asynchronous.staleness: unknown "
+             f"'{a.staleness}'; known: {list(STALENESS)}")
+    _require(a.staleness_exponent >= 0 and a.hinge_a >= 0 and a.hinge_b >= 0,
+             "config.asynchronous.staleness_exponent, hinge_a and hinge_b must be >= 0")
+    _require(not config.dp.enabled and not config.secagg.enabled,
+             "config.asynchronous.enabled: client-level DP and secure aggregation need "
+             "synchronous rounds (config.dp.enabled / config.secagg.enabled must be False)")
+    _require(sys_cfg.deadline_s == 0, "config.system.deadline_s: asynchronous rounds have no "
+             "deadline (updates arrive when they arrive); set it to 0")
+    _require(config.train.sampling == "uniform", "config.train.sampling: asynchronous rounds "
+             f"start clients as slots free up (uniform); got '{config.train.sampling}'")
 
 
 def check_against_data(config: ml_collections.ConfigDict, central: CentralDataset) -> None:

@@ -64,11 +64,15 @@ class CohortRunner:
       [bucket] are the participants' RNG keys. Returned uploads and metrics are stacked over the
       bucket (zeros in padded slots); states of non-participants are unchanged.
     evaluate(broadcast, states, test, global_x, global_y) -> metrics stacked over all clients.
+    evaluate_slots(broadcast, states, test, slots, global_x, global_y) -> metrics of the clients
+      in `slots` only, stacked over the bucket (zeros in padded slots); the per-round monitoring
+      (loss before / after aggregation) uses it.
     """
 
     strategy: str
     update: Callable[..., tuple[PyTree, PyTree, Metrics]]
     evaluate: Callable[..., Metrics]
+    evaluate_slots: Callable[..., Metrics]
 
 
 def make_runner(program: CohortProgram, strategy: str) -> CohortRunner:
@@ -94,10 +98,21 @@ def _vmap_runner(program: CohortProgram) -> CohortRunner:
         return jax.vmap(program.evaluate, in_axes=(None, 0, 0, None, None))(
             broadcast, states, test, global_x, global_y)
 
+    @jax.jit
+    def vmapped_evaluate_slots(broadcast, states, test, slots, global_x, global_y):
+        valid = slots < test.sizes.shape[0]
+        metrics = jax.vmap(program.evaluate, in_axes=(None, 0, 0, None, None))(
+            broadcast, _take(states, slots), _take(test, slots), global_x, global_y)
+        return jax.tree.map(lambda a: jnp.where(valid, a, 0), metrics)
+
     def update(broadcast, states, train, slots, keys):
         return vmapped_update(broadcast, states, train, jnp.asarray(slots), keys)
 
-    return CohortRunner("vmap", update, vmapped_evaluate)
+    def evaluate_slots(broadcast, states, test, slots, global_x, global_y):
+        return vmapped_evaluate_slots(broadcast, states, test, jnp.asarray(slots), global_x,
+                                      global_y)
+
+    return CohortRunner("vmap", update, vmapped_evaluate, evaluate_slots)
 
 
 def _loop_runner(program: CohortProgram) -> CohortRunner:
@@ -132,7 +147,18 @@ def _loop_runner(program: CohortProgram) -> CohortRunner:
                 for i in range(test.sizes.shape[0])]
         return jax.tree.map(lambda *r: jnp.stack(r), *rows)
 
-    return CohortRunner("loop", update, evaluate)
+    def evaluate_slots(broadcast, states, test, slots, global_x, global_y):
+        slots = np.asarray(slots)
+        outputs = [(int(j), None, one_client_evaluate(broadcast, states, test,
+                                                      jnp.int32(slots[j]), global_x, global_y))
+                   for j in np.flatnonzero(slots < test.sizes.shape[0])]
+        if not outputs:
+            shapes = jax.eval_shape(one_client_evaluate, broadcast, states, test, jnp.int32(0),
+                                    global_x, global_y)
+            return _zeros_in_slots(shapes, len(slots))
+        return _stack_into_slots(outputs, len(slots))[1]
+
+    return CohortRunner("loop", update, evaluate, evaluate_slots)
 
 
 def _row(tree: PyTree, i: jax.Array) -> PyTree:
@@ -149,7 +175,8 @@ def _stack_into_slots(outputs: list[tuple[int, PyTree, Metrics]], bucket: int
         full = jnp.zeros((bucket,) + stacked.shape[1:], stacked.dtype)
         return full.at[positions].set(stacked)
 
-    uploads = jax.tree.map(place, *[u for _, u, _ in outputs])
+    uploads = (jax.tree.map(place, *[u for _, u, _ in outputs]) if outputs[0][1] is not None
+               else None)
     metrics = jax.tree.map(place, *[m for _, _, m in outputs])
     return uploads, metrics
 

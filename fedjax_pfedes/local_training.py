@@ -36,11 +36,13 @@ def steps_per_epoch(capacity: int, batch_size: int) -> int:
 
 
 def batch_schedule(rng: jax.Array, size: jnp.ndarray, capacity: int, batch_size: int,
-                   epochs: int) -> BatchSchedule:
+                   epochs: int, step_limit: jnp.ndarray | None = None) -> BatchSchedule:
     """Shuffled mini-batches over `epochs` passes of a client's `size` real rows.
 
     A client with n real rows takes ceil(n / B) steps per epoch, like a data loader over its own
     data; the remaining steps up to ceil(capacity / B) are inactive. Each epoch reshuffles.
+    With `step_limit`, only the first `step_limit` real steps are active (fewer epochs, or the
+    partial work a straggler finishes before the round deadline).
     """
     batch = min(batch_size, capacity)
     per_epoch = steps_per_epoch(capacity, batch)
@@ -55,6 +57,9 @@ def batch_schedule(rng: jax.Array, size: jnp.ndarray, capacity: int, batch_size:
 
     indices = jax.vmap(one_epoch)(jax.random.split(rng, epochs)).reshape(-1, batch)
     sample_mask = jnp.tile((positions < size).reshape(per_epoch, batch), (epochs, 1))
+    if step_limit is not None:
+        real_step = jnp.cumsum(sample_mask.any(axis=1)) - 1  # index among real steps
+        sample_mask = sample_mask & (real_step < step_limit)[:, None]
     return BatchSchedule(indices, sample_mask, sample_mask.any(axis=1))
 
 
@@ -154,7 +159,8 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, batch_size: int, e
       client's own data leave the carry untouched (`select`, see docs/architecture.md).
     """
     capacity = data.y.shape[0]
-    schedule = batch_schedule(rng, data.sizes, capacity, batch_size, epochs)
+    schedule = batch_schedule(rng, data.sizes, capacity, batch_size, epochs,
+                              getattr(data, "step_limit", None))
 
     def step(carry, step_inputs):
         *batch, active = step_inputs

@@ -1,7 +1,16 @@
-"""Where metrics go: `<workdir>/metrics.jsonl` (one object per evaluated round) and summary.json."""
+"""Where metrics go.
+
+`<workdir>/metrics.jsonl`: one JSON object per round (evaluation fields at evaluated rounds);
+`metrics.csv`: the same rows flattened (nested dicts become `key/sub` columns); `clients.jsonl`:
+one line per selected client per round (the per-client report); `rejections.jsonl`; TensorBoard
+event files under `tensorboard/` (scalars per round, update-norm histograms); `summary.json`.
+On resume, every file is cut back to the checkpoint's round, so the files of a resumed run equal
+those of an unbroken one.
+"""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from typing import Any
@@ -20,20 +29,98 @@ def to_builtin(value: Any) -> Any:
     return value
 
 
-class MetricsWriter:
-    """Appends one JSON object per line to `<workdir>/metrics.jsonl`."""
+def write_json(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(to_builtin(obj), f, indent=2)
 
-    def __init__(self, workdir: str):
-        os.makedirs(workdir, exist_ok=True)
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        open(self.path, "w").close()
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def flatten_scalars(record: dict, prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of a record as {'a/b': value}; lists and strings are left out."""
+    out: dict[str, float] = {}
+    for k, v in record.items():
+        if isinstance(v, dict):
+            out.update(flatten_scalars(v, f"{prefix}{k}/"))
+        elif isinstance(v, bool | int | float | np.number):
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
+class JsonlLog:
+    """Appends JSON lines; on resume keeps only the lines of rounds <= `keep_rounds`."""
+
+    def __init__(self, path: str, keep_rounds: int):
+        self.path = path
+        kept = [r for r in read_jsonl(path) if r.get("round", 0) <= keep_rounds]
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(to_builtin(record)) + "\n")
 
 
-def write_json(path: str, obj: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(to_builtin(obj), f, indent=2)
+def write_csv(rows: list[dict], path: str) -> None:
+    """Rows flattened to scalar columns (union of keys, in order of first appearance)."""
+    flat = [flatten_scalars(r) for r in rows]
+    columns = list(dict.fromkeys(k for r in flat for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(flat)
+
+
+class RunWriters:
+    """All per-round outputs of a run (see the module docstring)."""
+
+    def __init__(self, workdir: str, resume_round: int = 0, tensorboard: bool = True,
+                 client_report: bool = True):
+        os.makedirs(workdir, exist_ok=True)
+        self.workdir = workdir
+        self.metrics = JsonlLog(os.path.join(workdir, "metrics.jsonl"), resume_round)
+        self.rejections = JsonlLog(os.path.join(workdir, "rejections.jsonl"), resume_round)
+        self.clients = (JsonlLog(os.path.join(workdir, "clients.jsonl"), resume_round)
+                        if client_report else None)
+        self.csv_path = os.path.join(workdir, "metrics.csv")
+        self.tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # imported only when used
+            # purge_step: TensorBoard drops events of rounds after the checkpoint on resume.
+            self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                    purge_step=resume_round + 1 if resume_round else None)
+
+    def write_round(self, record: dict, client_rows: list[dict], rejections: list[dict]
+                    ) -> None:
+        self.metrics.write(record)
+        for r in rejections:
+            self.rejections.write({"round": record["round"], **r})
+        if self.clients is not None:
+            for row in client_rows:
+                self.clients.write({"round": record["round"], **row})
+        if self.tb is not None:
+            step = record["round"]
+            for k, v in flatten_scalars(record).items():
+                if k != "round" and np.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            norms = [c["update_norm"] for c in client_rows
+                     if c.get("update_norm") is not None and np.isfinite(c["update_norm"])]
+            if norms:
+                self.tb.add_histogram("update_norm", np.asarray(norms), step)
+
+    def flush(self) -> None:
+        """Rewrites metrics.csv from metrics.jsonl and flushes TensorBoard."""
+        write_csv(read_jsonl(self.metrics.path), self.csv_path)
+        if self.tb is not None:
+            self.tb.flush()
+
+    def close(self) -> None:
+        self.flush()
+        if self.tb is not None:
+            self.tb.close()

@@ -8,8 +8,8 @@ nothing compiles again after the first round.
 from __future__ import annotations
 
 import collections
-import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -21,7 +21,17 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from fedjax_pfedes import execution, local_training, plotting, sampling
+from fedjax_pfedes import (
+    asynchronous,
+    checkpointing,
+    execution,
+    local_training,
+    metrics_io,
+    plotting,
+    rounds,
+    sampling,
+    system,
+)
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg
 from fedjax_pfedes.algorithms.fedbn import fedbn
 from fedjax_pfedes.algorithms.fedgh import fedgh
@@ -47,9 +57,10 @@ from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.federated import FederatedData, partition_dataset
 from fedjax_pfedes.data.profile import DataProfile, profile_partition
 from fedjax_pfedes.data.sources import LoadOptions
-from fedjax_pfedes.metrics_io import MetricsWriter, write_json
-from fedjax_pfedes.upload import privacy
-from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline, pipeline_config
+from fedjax_pfedes.metrics_io import write_json
+from fedjax_pfedes.rounds import tree_size
+from fedjax_pfedes.upload import compression, privacy
+from fedjax_pfedes.upload.pipeline import UploadPipeline, pipeline_config
 
 # Model-heterogeneous baselines built from HeteroConfig.
 HETEROGENEOUS = {"lg_fedavg": lg_fedavg, "fedproto": fedproto, "fml": fml, "fedkd": fedkd,
@@ -93,8 +104,10 @@ def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
     """The configured algorithm (`config.algorithm`) for the dataset's shapes and statistics."""
     c, t, b = data.central, config.train, config.baseline
     name = config.algorithm
+    # Static local epochs: the most any client runs (fewer are masked by ClientArrays.step_limit).
+    epochs = int(client_epochs(config, np.array([len(i) for i in data.train_indices])).max())
     local = dict(num_classes=c.num_classes, input_spec=c.input_spec, lr_local=t.lr_local,
-                 local_momentum=t.local_momentum, local_epochs=t.local_epochs,
+                 local_momentum=t.local_momentum, local_epochs=epochs,
                  batch_size=t.batch_size, unroll_local_steps=config.execution.unroll_local_steps)
     dp_sgd = (local_training.DPSGDConfig(config.dp_sgd.clip_norm,
                                          config.dp_sgd.noise_multiplier)
@@ -169,13 +182,6 @@ def evaluate(algorithm, server_state, cohorts: list[Cohort], global_x, global_y
     }
 
 
-def tree_size(tree) -> tuple[int, int]:
-    """(number of parameters, bytes) of a pytree of arrays, dense."""
-    leaves = jax.tree.leaves(tree)
-    return (sum(int(np.prod(np.shape(x))) for x in leaves),
-            sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves))
-
-
 def build_pipeline(config: ml_collections.ConfigDict, algorithm, num_clients: int
                    ) -> UploadPipeline:
     """The upload pipeline from `config.upload`, `config.dp` and `config.secagg`."""
@@ -187,64 +193,6 @@ def build_pipeline(config: ml_collections.ConfigDict, algorithm, num_clients: in
                               num_clients, expected, m, t.rounds)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def run_round(algorithm, server_state, cohorts: list[Cohort], participants: np.ndarray,
-              round_key: jax.Array, server_step, pipeline: UploadPipeline, memories: dict,
-              round_index: int, upload_key: jax.Array) -> tuple[Any, dict[str, Any], dict]:
-    """One round: broadcast, local updates of every cohort's participants, the upload pipeline
-    (checks, compression, DP, secure aggregation, robust aggregation), the server step.
-
-    Returns (server state, round summary, error-feedback memories)."""
-    uploads, train_metrics, traffic, client_steps = {}, [], [], {}
-    for cohort in cohorts:
-        broadcast = algorithm.broadcast(server_state, cohort.arch)
-        template = algorithm.upload_template(server_state, cohort.arch)
-        slots = cohort.slots(participants)
-        valid = slots < len(cohort.client_ids)
-        ids = np.where(valid, cohort.client_ids[np.minimum(slots, len(cohort.client_ids) - 1)],
-                       -1)
-        keys = jax.vmap(lambda i: jax.random.fold_in(round_key, i))(jnp.asarray(ids))
-        stacked, cohort.states, metrics = cohort.runner.update(
-            broadcast, cohort.states, cohort.train, slots, keys)
-        sizes = jnp.take(cohort.train.sizes, jnp.asarray(slots), mode="clip")
-        uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, slots)
-        if valid.any():
-            client_metrics = {k: np.asarray(v)[valid] for k, v in metrics.items()}
-            train_metrics.append(client_metrics)
-            if "local_steps" in client_metrics:
-                client_steps.update(zip(ids[valid].tolist(),
-                                        client_metrics["local_steps"].tolist(), strict=True))
-            upload = tree_size(template)
-            if "upload_encoded_params" in client_metrics:  # compressed uploads (FedKD's SVD)
-                encoded = float(client_metrics["upload_encoded_params"].mean())
-                upload = (encoded, encoded * upload[1] / max(upload[0], 1))
-            traffic.append((int(valid.sum()), *upload, *tree_size(broadcast)))
-    members = {c.arch: len(c.client_ids) for c in cohorts}
-    groups, memories, report = pipeline.process(round_index, uploads, memories, members,
-                                                upload_key)
-    for r in report["rejections"]:
-        logging.warning("round %d: upload of client %d rejected: %s", round_index + 1,
-                        r["client"], r["reason"])
-    server_state = server_step(server_state, groups)
-    summary: dict[str, Any] = {}
-    if train_metrics:
-        summary = {f"{k}_mean": float(np.concatenate([m[k] for m in train_metrics]).mean())
-                   for k in train_metrics[0]}
-        counts = np.array(traffic, np.float64)
-        per_client = counts[:, 1:].T @ counts[:, 0] / counts[:, 0].sum()
-        summary.update(zip(("upload_params_per_client", "upload_bytes_per_client",
-                            "download_params_per_client", "download_bytes_per_client"),
-                           per_client.tolist(), strict=True))
-    if "upload_bytes_per_client" in report:  # counted from the encoded form
-        summary["upload_bytes_per_client"] = report["upload_bytes_per_client"]
-    summary["client_steps"] = client_steps
-    summary["uploads_rejected"] = report["rejected"]
-    summary["rejections"] = report["rejections"]
-    for k in ("secagg_senders", "secagg_dropped_after_upload", "secagg_failures"):
-        if k in report:
-            summary[k] = report[k]
-    return server_state, summary, memories
 
 
 def privacy_metrics(pipeline: UploadPipeline, rounds_done: int) -> dict[str, float]:
@@ -279,76 +227,210 @@ def dp_sgd_metrics(config: ml_collections.ConfigDict, steps_taken: dict[int, int
             "dp_sgd_delta": d.delta, "dp_sgd_noise_multiplier": d.noise_multiplier}
 
 
-def run_experiment(config: ml_collections.ConfigDict, workdir: str,
-                   show_progress: bool = True) -> dict[str, Any]:
-    """Runs a full experiment and writes metrics.jsonl and summary.json into `workdir`.
 
-    Returns:
-      The summary dict (final evaluation, best personalized accuracy, timings, config).
-    """
-    validate_config(config)
-    start = time.time()
-    data = build_federated_data(config)
-    write_data_profile(data, config.data.partition, workdir)
+def client_epochs(config: ml_collections.ConfigDict, sizes: np.ndarray) -> np.ndarray:
+    """[N] local epochs of every client (`config.train` adaptive epochs, minimum-samples rule)."""
+    t = config.train
+    return sampling.local_epochs_per_client(sizes, t.local_epochs, t.adaptive_epochs,
+                                            t.min_epochs, t.max_epochs, t.min_samples,
+                                            t.below_min)
+
+
+def uses_step_limits(config: ml_collections.ConfigDict) -> bool:
+    """Whether clients run different step counts than `train.local_epochs` passes."""
+    t, s = config.train, config.system
+    return bool(t.adaptive_epochs or (t.min_samples > 0 and t.below_min == "one_epoch")
+                or (s.deadline_s > 0 and s.deadline_policy == "partial"))
+
+
+def upload_bytes_per_arch(pipeline: UploadPipeline, algorithm, server_state, arch: str
+                          ) -> float:
+    """Bytes one client of `arch` sends per round as the simulated network sees it."""
+    template = algorithm.upload_template(server_state, arch)
+    if not jax.tree.leaves(template):
+        return 0.0
+    cfg = pipeline.cfg
+    if cfg.secagg:  # dense masked ring elements
+        return tree_size(template)[0] * cfg.encoding.ring_bits / 8
+    return compression.encoded_bytes(template, cfg.compression) + (4 if cfg.dp else 0)
+
+
+def build_context(config: ml_collections.ConfigDict, data: FederatedData
+                  ) -> tuple[rounds.RunContext, Any]:
+    """Everything static of a run, and the initial server state."""
     algorithm = build_algorithm(config, data)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
     strategy = execution.resolve_strategy(config.execution.strategy)
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
     runners = {a: execution.make_runner(p, strategy) for a, p in programs.items()}
-    m = sampling.participants_per_round(data.num_clients, config.train.client_fraction)
-    sample = sampling.SAMPLERS[config.train.sampling]
-    # Poisson sampling has no fixed round size: every member gets a slot.
-    slots_per_round = data.num_clients if config.train.sampling == "poisson" else m
+    t = config.train
+    n = data.num_clients
+    if config.asynchronous.enabled:
+        slots_per_round = config.asynchronous.concurrency
+    elif t.sampling == "poisson":  # no fixed round size: every member gets a slot
+        slots_per_round = n
+    else:
+        slots_per_round = sampling.participants_per_round(n, t.client_fraction)
     root = jax.random.key(config.seed)
     server_key, client_key, train_key = jax.random.split(root, 3)
     upload_key = jax.random.fold_in(root, 7)  # compression / DP noise / secure-agg stream
     cohorts = build_cohorts(data, archs, programs, runners, slots_per_round, client_key)
     server_state = algorithm.init_server(server_key, tuple(c.arch for c in cohorts))
-    server_step = jax.jit(algorithm.server_update)
-    pipeline = build_pipeline(config, algorithm, data.num_clients)
-    memories = {c.arch: (pipeline.init_memory(algorithm.upload_template(server_state, c.arch),
-                                              len(c.client_ids))
-                         if pipeline.cfg.compression.topk_fraction < 1
-                         else jnp.zeros((len(c.client_ids),), jnp.float32))
-                for c in cohorts}
-    global_x, global_y = _global_test(data, config)
-    writer = MetricsWriter(workdir)
-    rejections_log = open(os.path.join(workdir, "rejections.jsonl"), "w")
-    rejected_total = 0
-    steps_taken: dict[int, int] = {}  # local steps per client so far (DP-SGD accounting)
-    batch_rate = {int(cid): min(1.0, min(config.train.batch_size, c.train.y.shape[1]) / max(n, 1))
-                  for c in cohorts
-                  for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
+    pipeline = build_pipeline(config, algorithm, n)
+    try:
+        sys_cfg = system.system_config(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    profiles = system.client_profiles(sys_cfg, n, config.seed)
+    sizes = np.array([len(i) for i in data.train_indices], np.int64)
+    epochs = client_epochs(config, sizes)
+    capacity = np.zeros(n, np.int64)
+    for c in cohorts:
+        capacity[c.client_ids] = c.train.y.shape[1]
+    eligible = (sizes >= t.min_samples) if t.below_min == "skip" else np.ones(n, bool)
+    if not eligible.any():
+        raise ConfigError(f"config.train.min_samples={t.min_samples}: no client has that many "
+                          f"local samples (largest: {sizes.max()})")
+    ctx = rounds.RunContext(
+        config=config, algorithm=algorithm, cohorts=cohorts,
+        server_step=jax.jit(algorithm.server_update), pipeline=pipeline, system=sys_cfg,
+        profiles=profiles, client_arch=archs, sizes=sizes, epochs=epochs,
+        planned_steps=sampling.planned_steps(sizes, capacity, t.batch_size, epochs),
+        statically_eligible=eligible,
+        strata=sampling.size_strata(sizes, t.strata, profiles.availability_class),
+        upload_bytes={c.arch: upload_bytes_per_arch(pipeline, algorithm, server_state, c.arch)
+                      for c in cohorts},
+        download_bytes={c.arch: float(tree_size(algorithm.broadcast(server_state, c.arch))[1])
+                        for c in cohorts},
+        step_limits=uses_step_limits(config), train_key=train_key, upload_key=upload_key,
+        monitor_x=jnp.asarray(data.central.x_test[:1]),
+        monitor_y=jnp.asarray(data.central.y_test[:1]))
+    return ctx, server_state
 
-    history, last = [], {}
-    bar = tqdm(range(config.train.rounds), desc=f"{config.algorithm} [{strategy}]",
-               disable=not show_progress, unit="round")
+
+def initial_state(ctx: rounds.RunContext, server_state) -> dict[str, Any]:
+    """The checkpointed part of a run at round 0 (see `checkpointing`)."""
+    pipeline, algorithm = ctx.pipeline, ctx.algorithm
+    state = {
+        "server": server_state,
+        "clients": {c.arch: c.states for c in ctx.cohorts},
+        "memories": {c.arch: (pipeline.init_memory(algorithm.upload_template(server_state,
+                                                                             c.arch),
+                                                   len(c.client_ids))
+                              if pipeline.cfg.compression.topk_fraction < 1
+                              else jnp.zeros((len(c.client_ids),), jnp.float32))
+                     for c in ctx.cohorts},
+        "sampler": sampling.SamplerState.create(ctx.num_clients,
+                                                int(ctx.strata.max()) + 1).arrays(),
+        "dp_sgd_steps": np.zeros(ctx.num_clients, np.int64),
+        "clock_s": np.zeros((), np.float64),
+    }
+    if ctx.config.asynchronous.enabled:
+        state["in_flight"] = asynchronous.InFlight.create(
+            ctx.config.asynchronous.concurrency,
+            {c.arch: algorithm.upload_template(server_state, c.arch)
+             for c in ctx.cohorts}).arrays()
+    return state
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def run_experiment(config: ml_collections.ConfigDict, workdir: str,
+                   show_progress: bool = True) -> dict[str, Any]:
+    """Runs (or resumes) a full experiment; writes metrics.jsonl / .csv, clients.jsonl,
+    rejections.jsonl, TensorBoard events, checkpoints and summary.json into `workdir`.
+
+    Returns:
+      The summary dict (final evaluation, best personalized accuracy, timings, participation
+      counts, config).
+    """
+    validate_config(config)
+    start = time.time()
+    os.makedirs(workdir, exist_ok=True)
+    data = build_federated_data(config)
+    write_data_profile(data, config.data.partition, workdir)
+    ctx, server_state = build_context(config, data)
+    state = initial_state(ctx, server_state)
+    ck = config.checkpoint
+    checkpointer, first_round, history = None, 0, []
+    if ck.every > 0:
+        ckpt_dir = os.path.join(workdir, "checkpoints")
+        if not ck.resume and os.path.isdir(ckpt_dir):
+            shutil.rmtree(ckpt_dir)  # start this workdir over
+        checkpointer = checkpointing.Checkpointer(workdir, ck.every, ck.max_to_keep)
+        if checkpointer.latest_round() is not None:
+            first_round, state, meta = checkpointer.restore(state, config)
+            history = meta["history"]
+            logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
+    for c in ctx.cohorts:
+        c.states = state["clients"][c.arch]
+    server_state, memories = state["server"], state["memories"]
+    sampler = sampling.SamplerState(**{k: np.array(v) for k, v in state["sampler"].items()})
+    dp_sgd_steps = np.array(state["dp_sgd_steps"])
+    clock_s = float(state["clock_s"])
+    in_flight = (asynchronous.InFlight(**{k: (v if k == "deltas" else np.array(v))
+                                          for k, v in state["in_flight"].items()})
+                 if config.asynchronous.enabled else None)
+    writers = metrics_io.RunWriters(workdir, first_round, config.monitor.tensorboard,
+                                    config.monitor.client_report)
+    rejected_total = sum(1 for _ in metrics_io.read_jsonl(writers.rejections.path))
+    batch_rate = {int(cid): min(1.0, min(config.train.batch_size, c.train.y.shape[1]) / max(n, 1))
+                  for c in ctx.cohorts
+                  for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
+    strategy = ctx.cohorts[0].runner.strategy
+    last = history[-1] if history else {}
+    rounds_total = config.train.rounds
+    bar = tqdm(range(first_round, rounds_total), desc=f"{config.algorithm} [{strategy}]",
+               disable=not show_progress, unit="round", initial=first_round, total=rounds_total)
     for r in bar:
         t0 = time.time()
-        participants = sample(config.seed, r, data.num_clients, config.train.client_fraction)
-        server_state, train_summary, memories = run_round(
-            algorithm, server_state, cohorts, participants,
-            jax.random.fold_in(train_key, r), server_step, pipeline, memories, r,
-            jax.random.fold_in(upload_key, r))
+        if in_flight is not None:
+            server_state, memories, clock_s, record, rows, rejections = \
+                asynchronous.async_round(ctx, server_state, memories, in_flight, sampler, r,
+                                         clock_s)
+        else:
+            server_state, memories, record, rows, rejections = rounds.sync_round(
+                ctx, server_state, memories, sampler, r)
+            clock_s += record["simulated_round_s"]
         jax.block_until_ready(server_state)
-        for cid, steps in train_summary.pop("client_steps").items():
-            steps_taken[cid] = steps_taken.get(cid, 0) + int(steps)
-        for rejection in train_summary.pop("rejections"):
-            rejections_log.write(json.dumps({"round": r + 1, **rejection}) + "\n")
-        rejections_log.flush()
-        rejected_total += train_summary["uploads_rejected"]
-        if (r + 1) % config.eval.every == 0 or r + 1 == config.train.rounds:
-            last = {"round": r + 1, "participants": len(participants),
-                    **train_summary, "uploads_rejected_total": rejected_total,
-                    **privacy_metrics(pipeline, r + 1),
-                    **dp_sgd_metrics(config, steps_taken, batch_rate),
-                    **evaluate(algorithm, server_state, cohorts, global_x, global_y),
-                    "round_time_s": time.time() - t0, "elapsed_s": time.time() - start}
-            writer.write(last)
-            history.append(last)
+        for row in rows:
+            if row["status"] in (system.DELIVERED, system.PARTIAL):
+                dp_sgd_steps[row["client"]] += row["local_steps"]
+        rejected_total += record["uploads_rejected"]
+        record = {"round": r + 1, **record, "uploads_rejected_total": rejected_total,
+                  "simulated_clock_s": clock_s,
+                  "participation_min": int(sampler.selected.min()),
+                  "participation_max": int(sampler.selected.max()),
+                  **privacy_metrics(ctx.pipeline, r + 1)}
+        evaluated = (r + 1) % config.eval.every == 0 or r + 1 == rounds_total
+        if evaluated:
+            steps = {i: int(s) for i, s in enumerate(dp_sgd_steps) if s > 0}
+            record.update(dp_sgd_metrics(config, steps, batch_rate))
+            record.update(evaluate(ctx.algorithm, server_state, ctx.cohorts, *_global_test(
+                data, config)))
+        record.update(round_time_s=time.time() - t0, elapsed_s=time.time() - start)
+        writers.write_round(record, rows, rejections)
+        if evaluated:
+            history.append(record)
+            last = record
+            writers.flush()
             bar.set_postfix(pacc=f"{last['personalized_accuracy_mean']:.3f}",
                             gacc=f"{last['global_accuracy_mean']:.3f}")
-    rejections_log.close()
+        if checkpointer is not None and checkpointer.due(r + 1, rounds_total):
+            checkpointer.save(r + 1, {
+                "server": server_state, "clients": {c.arch: c.states for c in ctx.cohorts},
+                "memories": memories, "sampler": sampler.arrays(),
+                "dp_sgd_steps": dp_sgd_steps, "clock_s": np.asarray(clock_s, np.float64),
+                **({"in_flight": in_flight.arrays()} if in_flight is not None else {})},
+                {"history": history, "config": config.to_dict()})
+    writers.close()
+    if checkpointer is not None:
+        checkpointer.close()
+    if not history:
+        raise ConfigError(f"nothing to run: the checkpoint in {workdir} is at round "
+                          f"{first_round} and config.train.rounds is {rounds_total}")
     best = max(history, key=lambda h: h["personalized_accuracy_mean"])
     summary = {
         "final": last,
@@ -357,9 +439,12 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
         "best_round": best["round"],
         "execution_strategy": strategy,
         "platform": jax.default_backend(),
-        "clients_per_arch": {c.arch: len(c.client_ids) for c in cohorts},
+        "clients_per_arch": {c.arch: len(c.client_ids) for c in ctx.cohorts},
+        "participation": {"selected": sampler.selected, "completed": sampler.completed},
+        "simulated_time_s": clock_s,
+        "resumed_from_round": first_round,
         "wall_time_s": time.time() - start,
         "config": config.to_dict(),
     }
-    write_json(f"{workdir}/summary.json", summary)
+    metrics_io.write_json(f"{workdir}/summary.json", summary)
     return summary

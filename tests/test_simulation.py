@@ -8,14 +8,22 @@ import pytest
 from configs import quickstart
 from fedjax_pfedes.simulation import build_federated_data, run_experiment
 
-METRIC_KEYS = {
-    "round", "participants", "personalized_accuracy_mean", "personalized_accuracy_std",
-    "personalized_accuracy_min", "personalized_accuracy_max", "global_accuracy_mean",
-    "test_ce_loss_mean", "test_align_loss_mean", "personalized_accuracy_by_arch",
+# Written every round (README "Monitoring"), and the evaluation written at evaluated rounds.
+ROUND_KEYS = {
+    "round", "planned_participants", "online_clients", "selected", "participants",
+    "dropped_out", "past_deadline", "partial_work", "uploads_accepted", "upload_success_rate",
     "train_ce_loss_mean", "train_align_loss_mean", "train_proxy_align_loss_mean",
-    "local_steps_mean", "proxy_update_norm_mean", "round_time_s", "elapsed_s",
-    "upload_params_per_client", "upload_bytes_per_client", "download_params_per_client",
-    "download_bytes_per_client", "uploads_rejected", "uploads_rejected_total",
+    "local_steps_mean", "proxy_update_norm_mean", "client_loss_var", "update_norm_min",
+    "update_norm_median", "update_norm_max", "loss_before_aggregation",
+    "loss_after_aggregation", "upload_params_per_client", "upload_bytes_per_client",
+    "download_params_per_client", "download_bytes_per_client", "uploads_rejected",
+    "uploads_rejected_total", "simulated_round_s", "simulated_clock_s", "participation_min",
+    "participation_max", "round_time_s", "elapsed_s",
+}
+EVAL_KEYS = {
+    "personalized_accuracy_mean", "personalized_accuracy_std", "personalized_accuracy_min",
+    "personalized_accuracy_max", "global_accuracy_mean", "test_ce_loss_mean",
+    "test_align_loss_mean", "personalized_accuracy_by_arch",
 }
 
 
@@ -45,13 +53,16 @@ def loop_run(tmp_path_factory):
 def test_run_writes_metrics_and_summary(loop_run):
     workdir, summary = loop_run
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-    assert [r["round"] for r in rows] == [2, 4]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert set(r) == METRIC_KEYS
+        assert set(r) == ROUND_KEYS | (EVAL_KEYS if r["round"] % 2 == 0 else set())
+        assert r["planned_participants"] == r["selected"] == r["participants"] == 3
+        assert r["uploads_accepted"] == 3 and r["upload_success_rate"] == 1.0
+    rows = [r for r in rows if "personalized_accuracy_mean" in r]
+    for r in rows:
         assert 0.0 <= r["personalized_accuracy_min"] <= r["personalized_accuracy_mean"] \
             <= r["personalized_accuracy_max"] <= 1.0
         assert set(r["personalized_accuracy_by_arch"]) == {"mlp", "convnet3"}
-        assert r["participants"] == 3
     on_disk = json.load(open(workdir / "summary.json"))
     assert on_disk["final"] == rows[-1]
     assert on_disk["clients_per_arch"] == {"mlp": 3, "convnet3": 3}

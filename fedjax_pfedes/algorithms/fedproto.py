@@ -45,8 +45,15 @@ def class_prototypes(embeddings: jnp.ndarray, labels: jnp.ndarray, mask: jnp.nda
 def nearest_prototype(embeddings: jnp.ndarray, prototypes: jnp.ndarray, available: jnp.ndarray
                       ) -> jnp.ndarray:
     """Index of the closest available prototype (squared Euclidean distance) per sample."""
+    return jnp.argmax(prototype_logits(embeddings, prototypes, available), axis=-1)
+
+
+def prototype_logits(embeddings: jnp.ndarray, prototypes: jnp.ndarray, available: jnp.ndarray
+                     ) -> jnp.ndarray:
+    """Negative squared distances to the available prototypes (-inf-like for missing classes):
+    argmax is the nearest prototype, softmax gives the CE reported as test_ce_loss."""
     d2 = jnp.sum((embeddings[:, None, :] - prototypes[None]) ** 2, axis=-1)
-    return jnp.argmin(jnp.where(available[None], d2, jnp.inf), axis=-1)
+    return jnp.where(available[None], -d2, -1e9)
 
 
 def fedproto(cfg: HeteroConfig) -> Algorithm:
@@ -118,12 +125,14 @@ def fedproto(cfg: HeteroConfig) -> Algorithm:
             protos, available = global_protos["prototypes"], global_protos["available"]
             _, e = model.apply(state.params, test.x)
             mask = jnp.arange(test.y.shape[0]) < test.sizes
-            correct = (nearest_prototype(e, protos, available) == test.y).astype(jnp.float32)
+            logits = prototype_logits(e, protos, available)
+            correct = (jnp.argmax(logits, -1) == test.y).astype(jnp.float32)
             global_e = jax.lax.map(lambda xb: model.apply(state.params, xb[None])[1][0],
                                    global_x, batch_size=512)
             global_pred = nearest_prototype(global_e, protos, available)
             return {"personalized_accuracy": local_training.masked_mean(correct, mask),
-                    "global_accuracy": jnp.mean(global_pred == global_y)}
+                    "global_accuracy": jnp.mean(global_pred == global_y),
+                    "test_ce_loss": local_training.cross_entropy(logits, test.y, mask)}
 
         return CohortProgram(init_client, client_update, evaluate)
 

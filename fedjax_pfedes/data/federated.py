@@ -18,11 +18,17 @@ from fedjax_pfedes.data.sources import CentralDataset
 
 @struct.dataclass
 class ClientArrays:
-    """Samples of several clients: `x` [clients, max_samples, ...], `y` and `sizes` [clients]."""
+    """Samples of several clients: `x` [clients, max_samples, ...], `y` and `sizes` [clients].
+
+    `step_limit` [clients] (optional, training arrays only) caps the local steps a client takes
+    this round: adaptive local epochs, the minimum-samples rule and partial work before a round
+    deadline (`fedjax_pfedes.system`) set it; None = no cap beyond the configured epochs.
+    """
 
     x: np.ndarray
     y: np.ndarray
     sizes: np.ndarray
+    step_limit: np.ndarray | None = None
 
     @property
     def num_clients(self) -> int:

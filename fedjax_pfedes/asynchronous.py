@@ -1,0 +1,196 @@
+"""Buffered asynchronous aggregation (FedBuff; Nguyen et al., "Federated Learning with Buffered
+Asynchronous Aggregation", AISTATS 2022), driven by the simulated clock of `fedjax_pfedes.system`.
+
+`concurrency` clients train at any time, each from the server version current when it started.
+Their updates arrive after their simulated download + compute + upload time. The server waits for
+the next `buffer_size` (K) arrivals, then steps once (one "round" of the simulator) with
+
+    upload_i' = x_now + s(tau_i) * (y_i - x_start_i),     tau_i = version_now - version_start_i
+
+so the algorithm's weighted mean of the K rebased uploads moves x by sum_i w_i s(tau_i) Delta_i /
+sum_i w_i (FedBuff's buffered, staleness-weighted update; the algorithm's own server step, e.g.
+pFedES's momentum or FedAdam, is applied on top). The freed slots start new clients at once.
+Staleness functions s(tau) (Xie et al., "Asynchronous Federated Optimization", 2019):
+constant 1; polynomial (1 + tau)^-a (FedBuff uses a = 0.5); hinge 1 if tau <= b else
+1 / (a (tau - b) + 1).
+
+Clients that drop out never arrive and free their slot; the sampler weighs them down as in the
+synchronous mode. The in-flight updates are part of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pfedes import rounds, sampling, system
+from fedjax_pfedes.config_validation import STALENESS
+from fedjax_pfedes.upload.pipeline import CohortUploads
+
+
+def staleness_weight(tau: np.ndarray, kind: str, exponent: float = 0.5, hinge_a: float = 10.0,
+                     hinge_b: float = 4.0) -> np.ndarray:
+    """s(tau) for staleness tau >= 0 (server versions between a client's start and arrival)."""
+    tau = np.asarray(tau, np.float64)
+    if kind == "constant":
+        return np.ones_like(tau)
+    if kind == "polynomial":
+        return (1.0 + tau) ** -exponent
+    if kind == "hinge":
+        return np.where(tau <= hinge_b, 1.0, 1.0 / (hinge_a * (tau - hinge_b) + 1.0))
+    raise ValueError(f"config.asynchronous.staleness: unknown '{kind}'; known: {list(STALENESS)}")
+
+
+def rebase(deltas, template, factors: jax.Array):
+    """template + factor_i * delta_i per slot, in the template's dtypes."""
+    return jax.tree.map(
+        lambda d, t: (t.astype(jnp.float32)[None]
+                      + factors.reshape((-1,) + (1,) * t.ndim) * d).astype(t.dtype),
+        deltas, template)
+
+
+@dataclasses.dataclass
+class InFlight:
+    """Clients training now, one per slot (saved in checkpoints).
+
+    client [C] (-1 = free slot), start_version [C], arrival_s [C] (simulated time the update
+    reaches the server), and per architecture the stacked updates deltas[arch] [C, ...]
+    (y_i - x_start_i; rows of other architectures' clients are unused).
+    """
+
+    client: np.ndarray
+    start_version: np.ndarray
+    arrival_s: np.ndarray
+    timing: np.ndarray            # [C, 4] download, compute, upload, total seconds
+    steps: np.ndarray             # [C] local steps run
+    train_loss: np.ndarray        # [C] the client's mean local training CE
+    deltas: dict[str, Any]
+
+    @classmethod
+    def create(cls, concurrency: int, templates: dict[str, Any]) -> InFlight:
+        return cls(np.full(concurrency, -1, np.int64), np.zeros(concurrency, np.int64),
+                   np.zeros(concurrency, np.float64), np.zeros((concurrency, 4), np.float64),
+                   np.zeros(concurrency, np.int64), np.zeros(concurrency, np.float64),
+                   {a: jax.tree.map(lambda t: jnp.zeros((concurrency, *jnp.shape(t)),
+                                                        jnp.float32), tmpl)
+                    for a, tmpl in templates.items()})
+
+    def arrays(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def next_arrivals(in_flight: InFlight, buffer_size: int) -> np.ndarray:
+    """Slots of the (up to) K earliest arrivals, in arrival order (ties by slot)."""
+    busy = np.flatnonzero(in_flight.client >= 0)
+    order = busy[np.lexsort((busy, in_flight.arrival_s[busy]))]
+    return order[:buffer_size]
+
+
+def launch(ctx: rounds.RunContext, server_state, in_flight: InFlight,
+           sampler: sampling.SamplerState, round_index: int, clock_s: float
+           ) -> tuple[dict[str, Any], system.RoundTiming, rounds.Trained]:
+    """Fills the free slots: selects clients not in flight, trains them from the current server
+    state (their private states change now) and parks their updates until they arrive."""
+    free = np.flatnonzero(in_flight.client < 0)
+    busy = np.zeros(ctx.num_clients, bool)
+    busy[in_flight.client[in_flight.client >= 0]] = True
+    selected, counts = rounds.select_clients(ctx, sampler, round_index, excluded=busy,
+                                             count=len(free))
+    timing = rounds.simulate_selected(ctx, round_index, selected)
+    runs = timing.clients[timing.trains]
+    rounds.set_step_limits(ctx, dict(zip(runs.tolist(), timing.step_limit[timing.trains].tolist(),
+                                         strict=True)))
+    trained = rounds.train_participants(ctx, server_state, runs,
+                                        jax.random.fold_in(ctx.train_key, round_index))
+    sampler.record_selected(selected)  # drop-outs never deliver: their streak grows now
+    sampler.record_outcome(np.zeros(0, np.int64), np.setdiff1d(selected, runs))
+    position = {int(c): k for k, c in enumerate(timing.clients)}
+    for slot, cid in zip(free, runs.tolist(), strict=False):
+        k = position[cid]
+        arch = ctx.client_arch[cid]
+        c = trained.uploads[arch]
+        j = int(np.flatnonzero(c.client_ids == cid)[0])
+        row = jax.tree.map(lambda u, t, j=j: u[j].astype(jnp.float32) - t.astype(jnp.float32),
+                           c.uploads, c.template)
+        in_flight.deltas[arch] = jax.tree.map(lambda buf, r, slot=slot: buf.at[slot].set(r),
+                                              in_flight.deltas[arch], row)
+        in_flight.client[slot] = cid
+        in_flight.start_version[slot] = round_index
+        in_flight.arrival_s[slot] = clock_s + timing.total_s[k]
+        in_flight.timing[slot] = (timing.download_s[k], timing.compute_s[k], timing.upload_s[k],
+                                  timing.total_s[k])
+        in_flight.steps[slot] = trained.client_metrics[cid].get("local_steps",
+                                                                timing.step_limit[k])
+        in_flight.train_loss[slot] = trained.client_metrics[cid].get("train_ce_loss", np.nan)
+    return counts, timing, trained
+
+
+def async_round(ctx: rounds.RunContext, server_state, memories: dict, in_flight: InFlight,
+                sampler: sampling.SamplerState, round_index: int, clock_s: float
+                ) -> tuple[Any, dict, float, dict[str, Any], list[dict], list[dict]]:
+    """One server step of FedBuff. Returns (server state, memories, clock, record, client rows,
+    rejections); updates `in_flight` and `sampler`."""
+    a = ctx.config.asynchronous
+    counts, launch_timing, launched = launch(ctx, server_state, in_flight, sampler, round_index,
+                                             clock_s)
+    slots = next_arrivals(in_flight, a.buffer_size)
+    clients = in_flight.client[slots]
+    new_clock = float(max(clock_s, in_flight.arrival_s[slots].max())) if len(slots) else clock_s
+    tau = round_index - in_flight.start_version[slots]
+    factors = staleness_weight(tau, a.staleness, a.staleness_exponent, a.hinge_a, a.hinge_b)
+    uploads = {}
+    for cohort in ctx.cohorts:
+        template = ctx.algorithm.upload_template(server_state, cohort.arch)
+        mine = np.flatnonzero(np.isin(clients, cohort.client_ids))
+        bucket = min(len(cohort.client_ids), a.buffer_size)
+        rows = np.zeros(bucket, np.int64)
+        rows[: len(mine)] = slots[mine]
+        f = np.zeros(bucket, np.float32)
+        f[: len(mine)] = factors[mine]
+        valid = np.arange(bucket) < len(mine)
+        ids = np.where(valid, np.pad(clients[mine], (0, bucket - len(mine))), -1)
+        local = np.array([np.flatnonzero(cohort.client_ids == c)[0] if c >= 0
+                          else len(cohort.client_ids) for c in ids], np.int32)
+        take = jnp.asarray(rows)
+        deltas = jax.tree.map(lambda buf, take=take: buf[take], in_flight.deltas[cohort.arch])
+        stacked = rebase(deltas, template, jnp.asarray(f))
+        sizes = jnp.take(cohort.train.sizes, jnp.asarray(local), mode="clip")
+        uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, local)
+    arrived = rounds.Trained(uploads, {
+        int(c): {"train_ce_loss": float(in_flight.train_loss[s]),
+                 "local_steps": float(in_flight.steps[s]),
+                 "update_norm": float(factors[k]) * _norm(in_flight, ctx, s, int(c))}
+        for k, (s, c) in enumerate(zip(slots, clients, strict=True))}, launched.traffic)
+    server_state, memories, summary = rounds.aggregate(ctx, server_state, arrived, memories,
+                                                       round_index)
+    rejections = summary.pop("rejections")
+    rejected = {r["client"] for r in rejections}
+    sampler.record_outcome(clients, np.zeros(0, np.int64))
+    timing = system.RoundTiming(
+        clients, np.full(len(slots), system.DELIVERED), in_flight.steps[slots],
+        in_flight.timing[slots, 0], in_flight.timing[slots, 1], in_flight.timing[slots, 2],
+        in_flight.timing[slots, 3], new_clock - clock_s)
+    staleness = dict(zip(clients.tolist(), tau.tolist(), strict=True))
+    in_flight.client[slots] = -1
+    accepted = len(set(clients.tolist()) - rejected)
+    record = {**counts, "dropped_out": int((launch_timing.status == system.DROPPED_OUT).sum()),
+              "participants": len(slots), "uploads_accepted": accepted,
+              "upload_success_rate": accepted / len(slots) if len(slots) else None,
+              **rounds.client_means(arrived.client_metrics),
+              **summary, "simulated_round_s": new_clock - clock_s,
+              "staleness_mean": float(tau.mean()) if len(tau) else 0.0,
+              "staleness_max": int(tau.max()) if len(tau) else 0,
+              "in_flight": int((in_flight.client >= 0).sum())}
+    rows = rounds.client_report(ctx, timing, arrived, rejected, staleness) + [
+        row for row in rounds.client_report(ctx, launch_timing, rounds.Trained({}, {}, []), set())
+        if row["status"] == system.DROPPED_OUT]
+    return server_state, memories, new_clock, record, rows, rejections
+
+
+def _norm(in_flight: InFlight, ctx: rounds.RunContext, slot: int, cid: int) -> float:
+    row = jax.tree.map(lambda buf: buf[slot], in_flight.deltas[ctx.client_arch[cid]])
+    return float(jnp.sqrt(sum(jnp.sum(x ** 2) for x in jax.tree.leaves(row))))

@@ -1,0 +1,281 @@
+"""One synchronous round, in the pieces the synchronous and the buffered-asynchronous loops share.
+
+A round: the sampler picks clients among those online (`sampling`, `system`), the system model
+decides who drops out or misses the deadline and how many local steps each runs, the cohorts train
+their participants (`train_participants`), the upload pipeline checks and combines the uploads,
+the server steps (`aggregate`), and the monitoring record and the per-client report are built.
+Everything random is keyed by (seed, round), so resuming from a checkpoint repeats it exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from fedjax_pfedes import sampling, system
+from fedjax_pfedes.cohorts import Cohort
+from fedjax_pfedes.upload import validation
+from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
+
+
+def tree_size(tree) -> tuple[int, int]:
+    """(number of parameters, bytes) of a pytree of arrays, dense."""
+    leaves = jax.tree.leaves(tree)
+    return (sum(int(np.prod(np.shape(x))) for x in leaves),
+            sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves))
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What a run's rounds read but never change (built once by `simulation`)."""
+
+    config: ml_collections.ConfigDict
+    algorithm: Any
+    cohorts: list[Cohort]
+    server_step: Any
+    pipeline: UploadPipeline
+    system: system.SystemConfig
+    profiles: system.ClientProfiles
+    client_arch: list[str]       # [N] architecture of every client
+    sizes: np.ndarray            # [N] local train samples
+    epochs: np.ndarray           # [N] local epochs (adaptive / minimum-samples rule)
+    planned_steps: np.ndarray    # [N] local steps without a deadline
+    statically_eligible: np.ndarray  # [N] False below the minimum-samples threshold ('skip')
+    strata: np.ndarray           # [N] stratum of every client (stratified sampling)
+    upload_bytes: dict[str, float]    # per architecture, as sent (simulated upload time)
+    download_bytes: dict[str, float]  # per architecture
+    step_limits: bool            # whether local steps are capped per client (ClientArrays)
+    train_key: jax.Array
+    upload_key: jax.Array
+    monitor_x: jax.Array         # one global test sample: evaluate_slots needs a global set
+    monitor_y: jax.Array
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.sizes)
+
+    def arch_of(self, clients: np.ndarray) -> list[str]:
+        return [self.client_arch[int(c)] for c in clients]
+
+
+@dataclasses.dataclass
+class Trained:
+    """Local updates of a set of clients: per-cohort uploads plus per-client metrics."""
+
+    uploads: dict[str, CohortUploads]
+    client_metrics: dict[int, dict[str, float]]  # client id -> metric -> value
+    traffic: list[tuple]  # (clients, upload params, upload bytes, download params, bytes)
+
+
+def set_step_limits(ctx: RunContext, limits: dict[int, int]) -> None:
+    """Caps the local steps of the given clients this round (others: their planned steps)."""
+    if not ctx.step_limits:
+        return
+    for cohort in ctx.cohorts:
+        cap = ctx.planned_steps[cohort.client_ids].copy()
+        for j, cid in enumerate(cohort.client_ids):
+            if int(cid) in limits:
+                cap[j] = limits[int(cid)]
+        cohort.train = cohort.train.replace(step_limit=jnp.asarray(cap, jnp.int32))
+
+
+def train_participants(ctx: RunContext, server_state, participants: np.ndarray,
+                       round_key: jax.Array) -> Trained:
+    """Broadcast and local updates of every cohort's participants (private states change)."""
+    algorithm = ctx.algorithm
+    uploads, client_metrics, traffic = {}, {}, []
+    for cohort in ctx.cohorts:
+        broadcast = algorithm.broadcast(server_state, cohort.arch)
+        template = algorithm.upload_template(server_state, cohort.arch)
+        slots = cohort.slots(participants)
+        valid = slots < len(cohort.client_ids)
+        ids = np.where(valid, cohort.client_ids[np.minimum(slots, len(cohort.client_ids) - 1)],
+                       -1)
+        keys = jax.vmap(lambda i: jax.random.fold_in(round_key, i))(jnp.asarray(ids))
+        stacked, cohort.states, metrics = cohort.runner.update(
+            broadcast, cohort.states, cohort.train, slots, keys)
+        sizes = jnp.take(cohort.train.sizes, jnp.asarray(slots), mode="clip")
+        uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, slots)
+        if not valid.any():
+            continue
+        norms = (np.asarray(validation.update_norms(jax.tree.map(
+            lambda u, t: u.astype(jnp.float32) - t.astype(jnp.float32)[None], stacked,
+            template))) if jax.tree.leaves(template) else np.zeros(len(slots)))
+        host = {k: np.asarray(v) for k, v in metrics.items()}
+        for j in np.flatnonzero(valid):
+            client_metrics[int(ids[j])] = {**{k: float(v[j]) for k, v in host.items()},
+                                           "update_norm": float(norms[j])}
+        upload = tree_size(template)
+        if "upload_encoded_params" in host:  # compressed uploads (FedKD's SVD)
+            encoded = float(host["upload_encoded_params"][valid].mean())
+            upload = (encoded, encoded * upload[1] / max(upload[0], 1))
+        traffic.append((int(valid.sum()), *upload, *tree_size(broadcast)))
+    return Trained(uploads, client_metrics, traffic)
+
+
+def participants_loss(ctx: RunContext, server_state, clients: np.ndarray) -> float | None:
+    """Mean local-test CE of `clients` with `server_state`'s broadcast and their current private
+    states (the model each would predict with); None when nobody is given."""
+    losses = []
+    for cohort in ctx.cohorts:
+        slots = cohort.slots(clients)
+        valid = slots < len(cohort.client_ids)
+        if not valid.any():
+            continue
+        m = cohort.runner.evaluate_slots(ctx.algorithm.broadcast(server_state, cohort.arch),
+                                         cohort.states, cohort.test, slots, ctx.monitor_x,
+                                         ctx.monitor_y)
+        losses.append(np.asarray(m["test_ce_loss"])[valid])
+    return float(np.concatenate(losses).mean()) if losses else None
+
+
+def aggregate(ctx: RunContext, server_state, trained: Trained, memories: dict,
+              round_index: int) -> tuple[Any, dict, dict[str, Any]]:
+    """Upload pipeline + server step, with the monitoring losses before / after it.
+
+    Returns (server state, memories, summary: pipeline report, traffic, losses)."""
+    members = {c.arch: len(c.client_ids) for c in ctx.cohorts}
+    groups, memories, report = ctx.pipeline.process(
+        round_index, trained.uploads, memories, members,
+        jax.random.fold_in(ctx.upload_key, round_index))
+    for r in report["rejections"]:
+        logging.warning("round %d: upload of client %d rejected: %s", round_index + 1,
+                        r["client"], r["reason"])
+    trained_ids = np.array(sorted(trained.client_metrics), np.int64)
+    monitor = ctx.config.monitor.aggregation_loss and len(trained_ids) > 0
+    before = participants_loss(ctx, server_state, trained_ids) if monitor else None
+    server_state = ctx.server_step(server_state, groups)
+    after = participants_loss(ctx, server_state, trained_ids) if monitor else None
+    summary: dict[str, Any] = {"uploads_rejected": report["rejected"],
+                               "rejections": report["rejections"]}
+    if trained.traffic:
+        counts = np.array(trained.traffic, np.float64)
+        per_client = counts[:, 1:].T @ counts[:, 0] / counts[:, 0].sum()
+        summary.update(zip(("upload_params_per_client", "upload_bytes_per_client",
+                            "download_params_per_client", "download_bytes_per_client"),
+                           per_client.tolist(), strict=True))
+    if "upload_bytes_per_client" in report:  # counted from the encoded form
+        summary["upload_bytes_per_client"] = report["upload_bytes_per_client"]
+    for k in ("secagg_senders", "secagg_dropped_after_upload", "secagg_failures"):
+        if k in report:
+            summary[k] = report[k]
+    if monitor:
+        summary["loss_before_aggregation"] = before
+        summary["loss_after_aggregation"] = after
+    return server_state, memories, summary
+
+
+def client_means(client_metrics: dict[int, dict[str, float]]) -> dict[str, float]:
+    """`<metric>_mean` over clients, the local-loss variance and the update-norm distribution."""
+    if not client_metrics:
+        return {}
+    rows = list(client_metrics.values())
+    out = {f"{k}_mean": float(np.mean([r[k] for r in rows])) for k in rows[0]
+           if k != "update_norm"}
+    losses = np.array([r["train_ce_loss"] for r in rows if "train_ce_loss" in r])
+    if len(losses):
+        out["client_loss_var"] = float(losses.var())
+    norms = np.array([r["update_norm"] for r in rows])
+    out.update(update_norm_min=float(norms.min()), update_norm_median=float(np.median(norms)),
+               update_norm_max=float(norms.max()))
+    return out
+
+
+def client_report(ctx: RunContext, timing: system.RoundTiming, trained: Trained,
+                  rejected: set[int], staleness: dict[int, int] | None = None) -> list[dict]:
+    """One row per selected client: outcome, samples, steps, local loss, update norm, times."""
+    rows = []
+    for k, cid in enumerate(timing.clients.tolist()):
+        m = trained.client_metrics.get(cid, {})
+        row = {"client": cid, "arch": ctx.client_arch[cid], "status": str(timing.status[k]),
+               "accepted": cid in trained.client_metrics and cid not in rejected,
+               "samples": int(ctx.sizes[cid]), "epochs": int(ctx.epochs[cid]),
+               "local_steps": int(m.get("local_steps", timing.step_limit[k])),
+               "train_loss": m.get("train_ce_loss"), "update_norm": m.get("update_norm"),
+               "download_s": float(timing.download_s[k]), "compute_s": float(timing.compute_s[k]),
+               "upload_s": float(timing.upload_s[k]), "total_s": float(timing.total_s[k])}
+        if staleness is not None and cid in staleness:
+            row["staleness"] = staleness[cid]
+        rows.append(row)
+    return rows
+
+
+def select_clients(ctx: RunContext, sampler: sampling.SamplerState, round_index: int,
+                   excluded: np.ndarray | None = None, count: int | None = None
+                   ) -> tuple[np.ndarray, dict[str, Any]]:
+    """This round's selection and the counts behind it (online, eligible, planned)."""
+    cfg, n = ctx.config, ctx.num_clients
+    t = cfg.train
+    online = system.online_mask(ctx.system, ctx.profiles, cfg.seed, round_index)
+    eligible = online & ctx.statically_eligible
+    if excluded is not None:
+        eligible &= ~excluded
+    weights = (np.ones(n) if ctx.system.all_reliable
+               else sampling.reliability_weights(sampler, ctx.system.failure_decay))
+    m = sampling.participants_per_round(n, t.client_fraction) if count is None else count
+    if t.sampling == "poisson" and count is None:
+        planned: float = t.client_fraction * n
+        if eligible.all() and np.all(weights == 1):
+            selected = sampling.poisson_sample(cfg.seed, round_index, n, t.client_fraction)
+        else:
+            selected = sampling.weighted_poisson(cfg.seed, round_index, t.client_fraction,
+                                                 eligible, weights)
+    elif t.sampling == "stratified" and count is None:
+        planned = m
+        selected = sampling.stratified_sample(cfg.seed, round_index, m, eligible, weights,
+                                              ctx.strata, sampler)
+    else:
+        planned = m
+        selected = sampling.weighted_uniform(cfg.seed, round_index, m, eligible, weights)
+    return selected, {"planned_participants": planned, "online_clients": int(online.sum()),
+                      "selected": len(selected)}
+
+
+def simulate_selected(ctx: RunContext, round_index: int, selected: np.ndarray
+                      ) -> system.RoundTiming:
+    archs = ctx.arch_of(selected)
+    return system.simulate_round(
+        ctx.system, ctx.profiles, ctx.config.seed, round_index, selected,
+        ctx.planned_steps[selected], [ctx.upload_bytes[a] for a in archs],
+        [ctx.download_bytes[a] for a in archs])
+
+
+def outcome_counts(timing: system.RoundTiming, uploads_accepted: int) -> dict[str, Any]:
+    s = timing.status
+    selected = len(s)
+    return {"participants": int(timing.trains.sum()),
+            "dropped_out": int((s == system.DROPPED_OUT).sum()),
+            "past_deadline": int((s == system.PAST_DEADLINE).sum()),
+            "partial_work": int((s == system.PARTIAL).sum()),
+            "uploads_accepted": uploads_accepted,
+            "upload_success_rate": uploads_accepted / selected if selected else None}
+
+
+def sync_round(ctx: RunContext, server_state, memories: dict,
+               sampler: sampling.SamplerState, round_index: int
+               ) -> tuple[Any, dict, dict[str, Any], list[dict], list[dict]]:
+    """One synchronous round. Returns (server state, memories, record, client rows, rejections);
+    updates `sampler` (participation history)."""
+    selected, counts = select_clients(ctx, sampler, round_index)
+    timing = simulate_selected(ctx, round_index, selected)
+    runs = timing.clients[timing.trains]
+    set_step_limits(ctx, dict(zip(runs.tolist(), timing.step_limit[timing.trains].tolist(),
+                                  strict=True)))
+    trained = train_participants(ctx, server_state, runs,
+                                 jax.random.fold_in(ctx.train_key, round_index))
+    server_state, memories, summary = aggregate(ctx, server_state, trained, memories,
+                                                round_index)
+    rejections = summary.pop("rejections")
+    rejected = {r["client"] for r in rejections}
+    sampler.record(selected, runs)
+    accepted = len(set(trained.client_metrics) - rejected)
+    record = {**counts, **outcome_counts(timing, accepted), **client_means(trained.client_metrics),
+              **summary, "simulated_round_s": timing.round_s}
+    return (server_state, memories, record, client_report(ctx, timing, trained, rejected),
+            rejections)

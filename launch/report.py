@@ -1,0 +1,34 @@
+"""Plots and a Markdown summary of a run directory.
+
+  python -m launch.report runs/quickstart
+
+Writes <workdir>/report/{accuracy,losses,aggregation_loss,update_norms,participation,
+participants,privacy}.png (privacy only when DP is on) and <workdir>/report.md linking them.
+Works on finished, running and resumed runs (it reads metrics.jsonl, clients.jsonl, summary.json).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app
+
+from fedjax_pfedes.report import write_report
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        print("usage: python -m launch.report WORKDIR", file=sys.stderr)
+        sys.exit(2)
+    try:
+        plots = write_report(argv[1])
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for name, path in plots.items():
+        print(f"{name:18s} {path}")
+    print(f"summary            {argv[1].rstrip('/')}/report.md")
+
+
+if __name__ == "__main__":
+    app.run(main)
