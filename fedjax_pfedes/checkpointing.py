@@ -88,9 +88,8 @@ class Checkpointer:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(to_builtin(meta))))
         self.manager.wait_until_finished()  # a kill after this line loses nothing
 
-    def restore(self, target_state: Any, config: ml_collections.ConfigDict
-                ) -> tuple[int, Any, dict]:
-        """(rounds done, state, meta) of the latest checkpoint.
+    def check_config(self, config: ml_collections.ConfigDict) -> dict:
+        """The latest checkpoint's meta, after checking that `config` may resume it.
 
         Raises ConfigError when the checkpoint was written by a config that differs in a field
         that changes the run (client count, architectures, algorithm, data, seed, ...)."""
@@ -103,6 +102,13 @@ class Checkpointer:
                 f"cannot resume from {self.directory}/{step}: the config changed in ways that "
                 "would corrupt the run:\n  " + "\n  ".join(changes) + "\nUse another --workdir, "
                 "or --config.checkpoint.resume=False to start this workdir over.")
+        return meta
+
+    def restore(self, target_state: Any, config: ml_collections.ConfigDict
+                ) -> tuple[int, Any, dict]:
+        """(rounds done, state, meta) of the latest checkpoint (config checked first)."""
+        meta = self.check_config(config)
+        step = self.manager.latest_step()
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target_state)))["state"]

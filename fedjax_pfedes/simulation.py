@@ -349,10 +349,6 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     validate_config(config)
     start = time.time()
     os.makedirs(workdir, exist_ok=True)
-    data = build_federated_data(config)
-    write_data_profile(data, config.data.partition, workdir)
-    ctx, server_state = build_context(config, data)
-    state = initial_state(ctx, server_state)
     ck = config.checkpoint
     checkpointer, first_round, history = None, 0, []
     if ck.every > 0:
@@ -361,9 +357,15 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
             shutil.rmtree(ckpt_dir)  # start this workdir over
         checkpointer = checkpointing.Checkpointer(workdir, ck.every, ck.max_to_keep)
         if checkpointer.latest_round() is not None:
-            first_round, state, meta = checkpointer.restore(state, config)
-            history = meta["history"]
-            logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
+            checkpointer.check_config(config)  # before any data is loaded
+    data = build_federated_data(config)
+    write_data_profile(data, config.data.partition, workdir)
+    ctx, server_state = build_context(config, data)
+    state = initial_state(ctx, server_state)
+    if checkpointer is not None and checkpointer.latest_round() is not None:
+        first_round, state, meta = checkpointer.restore(state, config)
+        history = meta["history"]
+        logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
     for c in ctx.cohorts:
         c.states = state["clients"][c.arch]
     server_state, memories = state["server"], state["memories"]

@@ -4,7 +4,9 @@
   python -m launch.main --config=configs/quickstart.py --config.lam=1.0 --config.train.rounds=50
 
 Any config field can be overridden with --config.FIELD=VALUE. Writes <workdir>/metrics.jsonl
-(one JSON object per evaluated round) and <workdir>/summary.json.
+(one JSON object per round), metrics.csv, clients.jsonl (per-client report), TensorBoard events,
+checkpoints/ and summary.json. Run the same command again to resume a killed run from its latest
+checkpoint (--config.checkpoint.resume=False starts the workdir over).
 """
 
 from __future__ import annotations
@@ -40,8 +42,17 @@ def main(argv: list[str]) -> None:
           f"mean global accuracy {final['global_accuracy_mean']:.4f}; "
           f"by architecture {by_arch}; "
           f"wall time {summary['wall_time_s']:.0f} s; results in {_WORKDIR.value}")
-    uploads = (f"uploads: {final['upload_bytes_per_client']:,.0f} bytes per client per round "
-               f"(encoded), {final['uploads_rejected_total']} rejected")
+    if summary["resumed_from_round"]:
+        print(f"resumed from the checkpoint of round {summary['resumed_from_round']} in "
+              f"{_WORKDIR.value}/checkpoints")
+    selected = summary["participation"]["selected"]
+    print(f"simulated wall-clock {summary['simulated_time_s']:.1f} s; participation per client "
+          f"{min(selected)}-{max(selected)} rounds; report: python -m launch.report "
+          f"{_WORKDIR.value}")
+    uploads = f"uploads: {final['uploads_rejected_total']} rejected"
+    if "upload_bytes_per_client" in final:
+        uploads += (f", {final['upload_bytes_per_client']:,.0f} bytes per client per round "
+                    "(encoded)")
     if "dp_epsilon" in final:
         uploads += (f"; client-level DP: epsilon {final['dp_epsilon']:.2f} at delta "
                     f"{final['dp_delta']:g} (noise multiplier {final['dp_noise_multiplier']:.3f}, "
