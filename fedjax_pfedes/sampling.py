@@ -131,11 +131,12 @@ def stratified_sample(seed: int, round_index: int, m: int, eligible: np.ndarray,
                       ) -> np.ndarray:
     """Stratified sampling with quotas (seed 001, section 2.1).
 
-    Each stratum is owed m x (its share of clients) participants per round; the debt carries over,
-    so fractional quotas are met on average and a stratum with no reachable client this round is
+    Each stratum is owed m x (its share of clients) participants per round and the debt carries
+    over: the round's m seats go one at a time to the stratum owed most (ties at random), so
+    fractional quotas are met on average and a stratum with no reachable client this round is
     paid back later. Within a stratum the least-selected eligible clients go first (ties at
-    random), with failing clients counted as if selected 1 / weight times as often. Quota a
-    stratum cannot fill this round goes to the clients least selected overall. Updates
+    random), with failing clients counted as if selected 1 / weight times as often. Seats a
+    stratum cannot fill this round go to the clients least selected overall. Updates
     `state.stratum_debt`.
     """
     n = len(eligible)
@@ -143,19 +144,10 @@ def stratified_sample(seed: int, round_index: int, m: int, eligible: np.ndarray,
     num_strata = len(state.stratum_debt)
     members = np.bincount(strata, minlength=num_strata)
     debt = state.stratum_debt + m * members / n
-    quota = np.floor(debt).astype(np.int64)
-    spare = m - quota.sum()
-    if spare > 0:  # largest fractional debt first, ties at random
-        order = np.lexsort((rng.random(num_strata), -(debt - quota)))
-        quota[order[:spare]] += 1
-    elif spare < 0:
-        order = np.lexsort((rng.random(num_strata), debt - quota))
-        for s in order:
-            take = min(quota[s], -spare)
-            quota[s] -= take
-            spare += take
-            if spare == 0:
-                break
+    quota = np.zeros(num_strata, np.int64)
+    tie = rng.random(num_strata)
+    for _ in range(m):
+        quota[np.lexsort((tie, -(debt - quota)))[0]] += 1
     priority = (state.selected + 1) / weights  # lower first
     tie = rng.random(n)
     chosen: list[int] = []

@@ -24,6 +24,7 @@ OVERRIDES = [
     "--config.train.sampling=stratified", "--config.system.dropout=0.3",
     "--config.system.speed_classes=1,3", "--config.upload.topk_fraction=0.3",
     "--config.eval.every=5", "--config.checkpoint.every=2", "--config.monitor.tensorboard=false",
+    "--config.execution.unroll_local_steps=false",
 ]
 
 
