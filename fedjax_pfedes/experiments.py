@@ -32,7 +32,8 @@ def heterogeneous_architectures(num_clients: int, ratio: float, majority: str,
 
 
 def _record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -> dict:
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    every_round = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = [r for r in every_round if "personalized_accuracy_mean" in r]  # evaluated rounds
     return {
         "seed": config.seed, "final": summary["final"],
         "rounds": [r["round"] for r in rows],
@@ -41,9 +42,9 @@ def _record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -> d
         "upload_params_per_client": summary["final"]["upload_params_per_client"],
         "wall_time_s": summary["wall_time_s"],
         "majority_class_accuracy_mean": summary["majority_class_accuracy_mean"],
-        # Non-finite training losses at an evaluated round: the run diverged (its accuracy is
+        # Non-finite training losses in any round: the run diverged (its accuracy is
         # then that of NaN logits, not of a model).
-        "diverged": any(not np.isfinite(v) for r in rows for k, v in r.items()
+        "diverged": any(not np.isfinite(v) for r in every_round for k, v in r.items()
                         if k.startswith("train_") and k.endswith("_loss_mean")),
     }
 

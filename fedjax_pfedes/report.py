@@ -16,7 +16,7 @@ from collections import defaultdict
 import numpy as np
 
 from fedjax_pfedes.metrics_io import read_jsonl
-from fedjax_pfedes.plotting import _save, plt
+from fedjax_pfedes.plotting import MaxNLocator, _save, plt
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -25,14 +25,16 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def _line_plot(rows: list[dict], keys: dict[str, str], title: str, ylabel: str,
-               path: str) -> str | None:
+               path: str, dashed: tuple[str, ...] = ()) -> str | None:
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     drawn = 0
     for key, label in keys.items():
         x, y = _series(rows, key)
         if x:
-            ax.plot(x, y, marker="o" if len(x) < 30 else None, ms=3, label=label)
+            ax.plot(x, y, "--" if key in dashed else "-", marker="o" if len(x) < 30 else None,
+                    ms=3, label=label)
             drawn += 1
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if not drawn:
         plt.close(fig)
         return None
@@ -119,11 +121,12 @@ def write_report(workdir: str) -> dict[str, str]:
             "participants' local-test CE around aggregation", "CE", f"{out}/aggregation_loss.png"),
         "update_norms": update_norm_plot(rows, clients, f"{out}/update_norms.png"),
         "participation": participation_plot(summary, clients, f"{out}/participation.png"),
-        "participants": _line_plot(rows, {"planned_participants": "planned",
-                                          "selected": "selected (online)",
+        "participants": _line_plot(rows, {"online_clients": "online",
+                                          "planned_participants": "planned",
+                                          "selected": "selected",
                                           "uploads_accepted": "uploads accepted"},
                                    "participants per round", "clients",
-                                   f"{out}/participants.png"),
+                                   f"{out}/participants.png", dashed=("planned_participants",)),
         "privacy": _line_plot(rows, {"dp_epsilon": "client-level DP epsilon",
                                      "dp_sgd_epsilon_max": "DP-SGD epsilon (max client)"},
                               "privacy spent", "epsilon", f"{out}/privacy.png"),

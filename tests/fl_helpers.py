@@ -1,9 +1,10 @@
-"""Small federated fixtures shared by the baseline tests: a 5-feature tabular spec, FedAvg-family
-configs and one client's padded arrays."""
+"""Small federated fixtures shared by the tests: a 5-feature tabular spec, FedAvg-family configs,
+one client's padded arrays, and small end-to-end run configs."""
 
 import jax.numpy as jnp
 import numpy as np
 
+from configs import quickstart
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
@@ -25,3 +26,32 @@ def client_data(n=8, capacity=8, seed=0) -> ClientArrays:
     x[:n] = rng.normal(size=(n, 5))
     y[:n] = rng.integers(0, 3, n)
     return ClientArrays(jnp.asarray(x), jnp.asarray(y), jnp.int32(n))
+
+
+def small_config(strategy="loop"):
+    config = quickstart.get_config()
+    config.data.name = "digits"
+    config.data.num_clients = 6
+    config.data.min_samples_per_client = 30
+    config.data.dirichlet_alpha = 0.5
+    config.clients.architectures = "mlp,convnet3"
+    config.proxy_arch = "proxy_mlp"
+    config.proxy_dim = 16
+    config.train.rounds = 4
+    config.train.local_epochs = 2
+    config.train.lr_local = 0.1
+    config.eval.every = 2
+    config.execution.strategy = strategy
+    # A rolled scan compiles several times faster; these runs are dominated by compilation.
+    config.execution.unroll_local_steps = False
+    return config
+
+
+def tiny_config(rounds=4, num_clients=8):
+    """`small_config` with one MLP cohort, no checkpoints: runs are dominated by compilation."""
+    config = small_config()
+    config.clients.architectures = "mlp"
+    config.data.num_clients = num_clients
+    config.train.rounds = rounds
+    config.checkpoint.every = 0
+    return config

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import fl_helpers
 import pytest
 
 from fedjax_pfedes.checkpointing import config_changes
@@ -72,11 +73,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
 
 
 def _small(rounds=3):
-    from test_simulation import small_config
-
-    config = small_config()
-    config.clients.architectures = "mlp"
-    config.train.rounds = rounds
+    config = fl_helpers.tiny_config(rounds, num_clients=6)
     config.checkpoint.every = 1
     config.monitor.tensorboard = False
     return config

@@ -7,6 +7,7 @@ import os
 import re
 import struct
 
+import fl_helpers
 import numpy as np
 import pytest
 
@@ -35,23 +36,12 @@ def documented_keys() -> dict[str, str]:
     return keys
 
 
-def _tiny(rounds=4):
-    from test_simulation import small_config
-
-    config = small_config()
-    config.clients.architectures = "mlp"
-    config.data.num_clients = 8
-    config.train.rounds = rounds
-    config.checkpoint.every = 0
-    return config
-
-
 @pytest.fixture(scope="module")
 def private_run(tmp_path_factory):
     """Sync run with every optional metric on: client-level DP, DP-SGD, secure aggregation,
     drop-outs, a deadline with partial work, stratified sampling."""
     workdir = tmp_path_factory.mktemp("private")
-    config = _tiny()
+    config = fl_helpers.tiny_config()
     config.upload.weighting = "uniform"
     config.dp.enabled = True
     config.dp.clip_norm = 1.0
@@ -69,7 +59,7 @@ def private_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("async")
-    config = _tiny()
+    config = fl_helpers.tiny_config()
     config.asynchronous.enabled = True
     config.asynchronous.concurrency = 4
     config.asynchronous.buffer_size = 2
@@ -179,7 +169,7 @@ def test_report_writes_the_plots_and_a_markdown_summary(private_run, async_run):
 
 
 def test_budget_stages_match_a_hand_computation():
-    config = _tiny(rounds=6)
+    config = fl_helpers.tiny_config(rounds=6)
     config.system.speed_classes = "1,4"
     config.system.upload_mbps = "8,2"
     config.system.download_mbps = "16"

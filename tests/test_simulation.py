@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 import pytest
+from fl_helpers import small_config
 
-from configs import quickstart
 from fedjax_pfedes.simulation import build_federated_data, run_experiment
 
 # Written every round (README "Monitoring"), and the evaluation written at evaluated rounds.
@@ -25,25 +25,6 @@ EVAL_KEYS = {
     "personalized_accuracy_max", "global_accuracy_mean", "test_ce_loss_mean",
     "test_align_loss_mean", "personalized_accuracy_by_arch",
 }
-
-
-def small_config(strategy="loop"):
-    config = quickstart.get_config()
-    config.data.name = "digits"
-    config.data.num_clients = 6
-    config.data.min_samples_per_client = 30
-    config.data.dirichlet_alpha = 0.5
-    config.clients.architectures = "mlp,convnet3"
-    config.proxy_arch = "proxy_mlp"
-    config.proxy_dim = 16
-    config.train.rounds = 4
-    config.train.local_epochs = 2
-    config.train.lr_local = 0.1
-    config.eval.every = 2
-    config.execution.strategy = strategy
-    # A rolled scan compiles several times faster; these runs are dominated by compilation.
-    config.execution.unroll_local_steps = False
-    return config
 
 
 @pytest.fixture(scope="module")

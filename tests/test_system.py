@@ -170,21 +170,9 @@ def test_fedbuff_staleness_weights_and_rebase_by_hand():
     np.testing.assert_allclose(mean["w"], [2.0, 2.25])
 
 
-def _tiny(rounds=4):
-    from test_simulation import small_config
-
-    config = small_config()
-    config.clients.architectures = "mlp"
-    config.data.num_clients = 8
-    config.train.rounds = rounds
-    config.checkpoint.every = 0
-    config.monitor.tensorboard = False
-    return config
-
-
 @pytest.mark.parametrize("dropout", [0.3, 0.6])
 def test_dropouts_never_crash_and_are_counted(tmp_path, dropout):
-    config = _tiny(rounds=6)
+    config = fl_helpers.tiny_config(rounds=6)
     config.system.dropout = dropout
     config.system.deadline_s = 0.9
     config.system.speed_classes = "1,8"
@@ -211,7 +199,7 @@ def test_dropouts_never_crash_and_are_counted(tmp_path, dropout):
 
 def test_asynchronous_rounds_and_their_resume(tmp_path):
     def config(rounds):
-        c = _tiny(rounds)
+        c = fl_helpers.tiny_config(rounds)
         c.asynchronous.enabled = True
         c.asynchronous.concurrency = 5
         c.asynchronous.buffer_size = 2
