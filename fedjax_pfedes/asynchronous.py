@@ -80,7 +80,8 @@ class InFlight:
                     for a, tmpl in templates.items()})
 
     def arrays(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a dict (shallow: the device buffers are not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def next_arrivals(in_flight: InFlight, buffer_size: int) -> np.ndarray:
