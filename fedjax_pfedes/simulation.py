@@ -333,10 +333,6 @@ def initial_state(ctx: rounds.RunContext, server_state) -> dict[str, Any]:
     return state
 
 
-def _host(tree):
-    return jax.tree.map(np.asarray, tree)
-
-
 def run_experiment(config: ml_collections.ConfigDict, workdir: str,
                    show_progress: bool = True) -> dict[str, Any]:
     """Runs (or resumes) a full experiment; writes metrics.jsonl / .csv, clients.jsonl,
