@@ -10,12 +10,20 @@ Per client these are deterministic (no jitter); the round figures replay the con
 and system model (availability, drop-outs, deadline, jitter) for every round without training,
 so they are the simulated times a run of this config will report (`simulated_round_s`), except
 that adaptive effects of rejected uploads on sampling are not replayed.
+
+`measure_step_times` replaces the configured `system.step_time_s` by the time one local step of
+each architecture takes on this machine (compiled, best of a few runs), so the compute stage is a
+budget for the hardware at hand (x the speed-class multipliers).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes import rounds, sampling, system
@@ -68,3 +76,36 @@ def budget_table(ctx: rounds.RunContext) -> list[dict[str, Any]]:
                 **{f"{s}": float(np.median(v[idx])) for s, v in stages.items()},
                 "total_max_s": float(stages["total_s"][idx].max())})
     return rows
+
+
+def measure_step_times(ctx: rounds.RunContext, server_state, repeats: int = 3
+                       ) -> dict[str, float]:
+    """Seconds per local step of each architecture on this machine: one client's compiled local
+    update (the cohort's largest client), best of `repeats` timed runs after a compiling one.
+    Client states are copied first, so the context is left as it was."""
+    out = {}
+    for cohort in ctx.cohorts:
+        j = int(np.argmax(np.asarray(cohort.train.sizes)))
+        slots = np.full(cohort.bucket, len(cohort.client_ids), np.int32)
+        slots[0] = j
+        keys = jax.random.split(jax.random.key(0), cohort.bucket)
+        broadcast = ctx.algorithm.broadcast(server_state, cohort.arch)
+        best = np.inf
+        for k in range(repeats + 1):
+            states = jax.tree.map(jnp.copy, cohort.states)  # the update donates its input
+            t0 = time.perf_counter()
+            _, _, metrics = cohort.runner.update(broadcast, states, cohort.train, slots, keys)
+            steps = float(jax.block_until_ready(metrics["local_steps"])[0])
+            if k > 0:
+                best = min(best, time.perf_counter() - t0)
+        out[cohort.arch] = best / max(steps, 1.0)
+    return out
+
+
+def with_step_times(ctx: rounds.RunContext, seconds_per_step: dict[str, float]
+                    ) -> rounds.RunContext:
+    """`ctx` with every client's step time = its architecture's time x its speed multiplier."""
+    mult = np.asarray(ctx.system.speed_classes)[ctx.profiles.speed_class]
+    base = np.array([seconds_per_step[a] for a in ctx.client_arch])
+    profiles = dataclasses.replace(ctx.profiles, step_time_s=base * mult)
+    return dataclasses.replace(ctx, profiles=profiles)

@@ -3,28 +3,39 @@
   python -m launch.budget --config=configs/quickstart.py
   python -m launch.budget --config=configs/quickstart.py --config.system.speed_classes=1,2,8 \
       --config.system.upload_mbps=2 --config.upload.topk_fraction=0.1
+  python -m launch.budget --config=configs/quickstart.py --measure   # step time of this machine
 
 Prints, per architecture and device speed class, the stages of one client's round (download,
 local compute, upload after compression), then replays the run's sampling and system model
 (availability, drop-outs, deadline) over all rounds without training: round time, waiting for
-the slowest client, clients lost, and the simulated time of the whole run.
+the slowest client, clients lost, and the simulated time of the whole run. With --measure the
+compute stage uses the measured time of one local step of each architecture on this machine
+(compiled; x the speed-class multipliers) instead of config.system.step_time_s.
 """
 
 from __future__ import annotations
 
 import sys
 
+import jax
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from fedjax_pfedes.budget import budget_table, replay_rounds
+from fedjax_pfedes.budget import (
+    budget_table,
+    measure_step_times,
+    replay_rounds,
+    with_step_times,
+)
 from fedjax_pfedes.config_validation import ConfigError, validate_config
 from fedjax_pfedes.data.sources import DatasetUnavailableError
 from fedjax_pfedes.simulation import build_context, build_federated_data
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
+_MEASURE = flags.DEFINE_bool("measure", False, "Measure the local step time of every "
+                             "architecture on this machine instead of system.step_time_s.")
 
 
 def main(argv: list[str]) -> None:
@@ -32,14 +43,22 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     try:
         validate_config(config)
-        ctx, _ = build_context(config, build_federated_data(config))
+        ctx, server_state = build_context(config, build_federated_data(config))
     except (ConfigError, DatasetUnavailableError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     s, t = ctx.system, config.train
     print(f"Round-time budget: {config.algorithm} on {config.data.name}, {ctx.num_clients} "
           f"clients, client_fraction {t.client_fraction} ({t.sampling}), {t.rounds} rounds")
-    print(f"simulated step time {s.step_time_s:g} s x speed class; uplink "
+    if _MEASURE.value:
+        measured = measure_step_times(ctx, server_state)
+        ctx = with_step_times(ctx, measured)
+        step = ", ".join(f"{a} {v * 1e3:.1f} ms" for a, v in measured.items())
+        print(f"measured step time on this machine ({ctx.cohorts[0].runner.strategy} "
+              f"strategy, {jax.default_backend()}): {step}; x speed class")
+    else:
+        print(f"simulated step time {s.step_time_s:g} s x speed class")
+    print("uplink "
           f"{','.join(f'{v:g}' for v in s.upload_mbps)} Mbit/s, downlink "
           f"{','.join(f'{v:g}' for v in s.download_mbps)} Mbit/s\n")
     header = (f"{'architecture':14s}{'speed':>7s}{'clients':>8s}{'steps':>7s}"

@@ -196,4 +196,12 @@ def test_budget_stages_match_a_hand_computation():
     assert np.all(replay["round_s"] <= 2.5)
     rows = budget.budget_table(ctx)
     assert sum(r["clients"] for r in rows) == 8
+    # --measure: this machine's step time per architecture, x the speed multipliers.
+    measured = budget.measure_step_times(ctx, server_state, repeats=1)
+    assert set(measured) == {"mlp"} and 0 < measured["mlp"] < 1
+    timed = budget.with_step_times(ctx, {"mlp": 0.2})
+    np.testing.assert_allclose(budget.client_stages(timed)["compute_s"],
+                               ctx.planned_steps * np.where(slow, 0.8, 0.2))
+    np.testing.assert_allclose(budget.client_stages(ctx)["compute_s"],  # ctx left as it was
+                               ctx.planned_steps * np.where(slow, 0.4, 0.1))
     assert system.PAST_DEADLINE == "deadline"
