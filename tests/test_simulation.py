@@ -41,6 +41,8 @@ def test_run_writes_metrics_and_summary(loop_run):
         assert set(r) == ROUND_KEYS | (EVAL_KEYS if r["round"] % 2 == 0 else set())
         assert r["planned_participants"] == r["selected"] == r["participants"] == 3
         assert r["uploads_accepted"] == 3 and r["upload_success_rate"] == 1.0
+        # Reliable clients (0 % drop-out, no deadline): nobody is lost.
+        assert r["dropped_out"] == r["past_deadline"] == r["partial_work"] == 0
     rows = [r for r in rows if "personalized_accuracy_mean" in r]
     for r in rows:
         assert 0.0 <= r["personalized_accuracy_min"] <= r["personalized_accuracy_mean"] \
