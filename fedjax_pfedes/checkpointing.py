@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from fedjax_pfedes.config_validation import ConfigError
-from fedjax_pfedes.metrics_io import to_builtin
+from fedjax_pfedes.metrics_io import flatten, to_builtin
 
 # Fields that may differ between the checkpointed run and the resumed one: they change what is
 # logged or how it is computed, not the numbers (strategies agree up to float reassociation).
@@ -38,22 +38,12 @@ class _QuietOrbax(pylogging.Filter):
 logging.get_absl_logger().addFilter(_QuietOrbax())
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def config_changes(saved: dict, current: dict) -> list[str]:
     """'config.FIELD: saved -> current' for every field that differs and would corrupt a resume.
 
     train.rounds may grow (a run continued for longer) unless the run depends on the total:
     a DP noise multiplier calibrated to a target epsilon, or FedKD's energy schedule."""
-    a, b = _flatten(to_builtin(saved)), _flatten(to_builtin(current))
+    a, b = flatten(to_builtin(saved), "."), flatten(to_builtin(current), ".")
     depends_on_total = (a.get("dp.enabled") and a.get("dp.target_epsilon", 0) > 0) or (
         a.get("algorithm") == "fedkd")
     changes = []

@@ -42,15 +42,21 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def flatten_scalars(record: dict, prefix: str = "") -> dict[str, float]:
-    """Numeric leaves of a record as {'a/b': value}; lists and strings are left out."""
-    out: dict[str, float] = {}
+def flatten(record: dict, sep: str = "/", prefix: str = "") -> dict[str, Any]:
+    """Leaves of nested dicts as {'a<sep>b': value}."""
+    out: dict[str, Any] = {}
     for k, v in record.items():
         if isinstance(v, dict):
-            out.update(flatten_scalars(v, f"{prefix}{k}/"))
-        elif isinstance(v, bool | int | float | np.number):
-            out[f"{prefix}{k}"] = float(v)
+            out.update(flatten(v, sep, f"{prefix}{k}{sep}"))
+        else:
+            out[f"{prefix}{k}"] = v
     return out
+
+
+def flatten_scalars(record: dict) -> dict[str, float]:
+    """Numeric leaves of a record as {'a/b': value}; lists, strings and None are left out."""
+    return {k: float(v) for k, v in flatten(record).items()
+            if isinstance(v, bool | int | float | np.number)}
 
 
 class JsonlLog:

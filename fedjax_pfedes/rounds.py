@@ -221,11 +221,8 @@ def select_clients(ctx: RunContext, sampler: sampling.SamplerState, round_index:
     m = sampling.participants_per_round(n, t.client_fraction) if count is None else count
     if t.sampling == "poisson" and count is None:
         planned: float = t.client_fraction * n
-        if eligible.all() and np.all(weights == 1):
-            selected = sampling.poisson_sample(cfg.seed, round_index, n, t.client_fraction)
-        else:
-            selected = sampling.weighted_poisson(cfg.seed, round_index, t.client_fraction,
-                                                 eligible, weights)
+        selected = sampling.weighted_poisson(cfg.seed, round_index, t.client_fraction,
+                                             eligible, weights)
     elif t.sampling == "stratified" and count is None:
         planned = m
         selected = sampling.stratified_sample(cfg.seed, round_index, m, eligible, weights,

@@ -35,17 +35,6 @@ def uniform_sample(seed: int, round_index: int, num_clients: int, fraction: floa
     return np.sort(rng.choice(num_clients, size=m, replace=False))
 
 
-def poisson_sample(seed: int, round_index: int, num_clients: int, fraction: float
-                   ) -> np.ndarray:
-    """Sorted ids of the clients that take part, each independently with probability C
-    (Poisson sampling, as assumed by the DP accountant's PoissonSampledDpEvent; may be empty)."""
-    rng = np.random.default_rng([seed, round_index, 1])
-    return np.flatnonzero(rng.random(num_clients) < fraction)
-
-
-SAMPLERS = {"uniform": uniform_sample, "poisson": poisson_sample}
-
-
 @dataclasses.dataclass
 class SamplerState:
     """Participation history (saved in checkpoints).
@@ -120,8 +109,10 @@ def weighted_uniform(seed: int, round_index: int, m: int, eligible: np.ndarray,
 
 def weighted_poisson(seed: int, round_index: int, fraction: float, eligible: np.ndarray,
                      weights: np.ndarray) -> np.ndarray:
-    """Each eligible client independently with probability C x weight (the DP accountant's
-    rate C is then an upper bound, i.e. conservative)."""
+    """Sorted ids of the clients that take part, each eligible client independently with
+    probability C x weight (Poisson sampling, as the DP accountant's PoissonSampledDpEvent
+    assumes; may be empty). With every client eligible and weight 1 the rate is exactly C;
+    otherwise C is an upper bound, i.e. the accounting is conservative."""
     u = np.random.default_rng([seed, round_index, 1]).random(len(eligible))
     return np.flatnonzero(eligible & (u < fraction * weights))
 
