@@ -29,6 +29,7 @@ import numpy as np
 
 from fedjax_pfedes import rounds, sampling, system
 from fedjax_pfedes.config_validation import STALENESS
+from fedjax_pfedes.upload import validation
 from fedjax_pfedes.upload.pipeline import CohortUploads
 
 
@@ -161,10 +162,11 @@ def async_round(ctx: rounds.RunContext, server_state, memories: dict, in_flight:
         stacked = rebase(deltas, template, jnp.asarray(f))
         sizes = jnp.take(cohort.train.sizes, jnp.asarray(local), mode="clip")
         uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, local)
+    norms = _stored_norms(in_flight, ctx, slots, clients)
     arrived = rounds.Trained(uploads, {
         int(c): {"train_ce_loss": float(in_flight.train_loss[s]),
                  "local_steps": float(in_flight.steps[s]),
-                 "update_norm": float(factors[k]) * _norm(in_flight, ctx, s, int(c))}
+                 "update_norm": float(factors[k] * norms[k])}
         for k, (s, c) in enumerate(zip(slots, clients, strict=True))}, launched.traffic)
     server_state, memories, summary = rounds.aggregate(ctx, server_state, arrived, memories,
                                                        round_index)
@@ -192,6 +194,15 @@ def async_round(ctx: rounds.RunContext, server_state, memories: dict, in_flight:
     return server_state, memories, new_clock, record, rows, rejections
 
 
-def _norm(in_flight: InFlight, ctx: rounds.RunContext, slot: int, cid: int) -> float:
-    row = jax.tree.map(lambda buf: buf[slot], in_flight.deltas[ctx.client_arch[cid]])
-    return float(jnp.sqrt(sum(jnp.sum(x ** 2) for x in jax.tree.leaves(row))))
+
+def _stored_norms(in_flight: InFlight, ctx: rounds.RunContext, slots: np.ndarray,
+                  clients: np.ndarray) -> np.ndarray:
+    """L2 norm of each parked update (y_i - x_start_i) in `slots`."""
+    norms = np.zeros(len(slots))
+    for arch, deltas in in_flight.deltas.items():
+        mine = np.flatnonzero([ctx.client_arch[int(c)] == arch for c in clients])
+        if len(mine):
+            take = jnp.asarray(slots[mine])
+            norms[mine] = np.asarray(validation.update_norms(
+                jax.tree.map(lambda b, take=take: b[take], deltas)))
+    return norms

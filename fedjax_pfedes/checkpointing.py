@@ -94,10 +94,8 @@ class Checkpointer:
                 "or --config.checkpoint.resume=False to start this workdir over.")
         return meta
 
-    def restore(self, target_state: Any, config: ml_collections.ConfigDict
-                ) -> tuple[int, Any, dict]:
-        """(rounds done, state, meta) of the latest checkpoint (config checked first)."""
-        meta = self.check_config(config)
+    def restore(self, target_state: Any) -> tuple[int, Any]:
+        """(rounds done, state) of the latest checkpoint; call `check_config` first."""
         step = self.manager.latest_step()
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
@@ -105,7 +103,7 @@ class Checkpointer:
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"cannot resume from {self.directory}/{step}: the saved state "
                               f"does not match this run's state ({e})") from None
-        return step, restored, meta
+        return step, restored
 
     def close(self) -> None:
         self.manager.wait_until_finished()

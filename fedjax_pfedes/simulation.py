@@ -346,20 +346,20 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     start = time.time()
     os.makedirs(workdir, exist_ok=True)
     ck = config.checkpoint
-    checkpointer, first_round, history = None, 0, []
+    checkpointer, first_round, history, meta = None, 0, [], None
     if ck.every > 0:
         ckpt_dir = os.path.join(workdir, "checkpoints")
         if not ck.resume and os.path.isdir(ckpt_dir):
             shutil.rmtree(ckpt_dir)  # start this workdir over
         checkpointer = checkpointing.Checkpointer(workdir, ck.every, ck.max_to_keep)
         if checkpointer.latest_round() is not None:
-            checkpointer.check_config(config)  # before any data is loaded
+            meta = checkpointer.check_config(config)  # before any data is loaded
     data = build_federated_data(config)
     write_data_profile(data, config.data.partition, workdir)
     ctx, server_state = build_context(config, data)
     state = initial_state(ctx, server_state)
-    if checkpointer is not None and checkpointer.latest_round() is not None:
-        first_round, state, meta = checkpointer.restore(state, config)
+    if meta is not None:
+        first_round, state = checkpointer.restore(state)
         history = meta["history"]
         logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
     for c in ctx.cohorts:
