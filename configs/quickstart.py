@@ -183,5 +183,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.execution = ml_collections.ConfigDict()
     config.execution.strategy = "auto"   # 'auto' | 'vmap' | 'loop' (auto: loop on CPU)
-    config.execution.unroll_local_steps = True  # unroll local steps (fast conv grads, CPU)
+    # True: every client runs its cohort's padded schedule as one unrolled scan (the reference
+    # the default rolled loop, compiled once and running each client's own steps, is tested against)
+    config.execution.unroll_local_steps = False
     return config

@@ -1,8 +1,7 @@
 """Pieces of one client's local training that every algorithm shares.
 
-All functions act on ONE client's padded arrays and are safe under `jax.vmap`: the number of local
-steps is static (from the padded length), steps past a client's own data are masked out, and
-padded samples never enter a loss.
+All functions act on ONE client's padded arrays and are safe under `jax.vmap`: a client runs its
+own number of local steps in a rolled loop (compiled once), and padded samples never enter a loss.
 """
 
 from __future__ import annotations
@@ -143,21 +142,73 @@ def sgd(learning_rate: float, momentum: float) -> optax.GradientTransformation:
     return optax.sgd(learning_rate, momentum=momentum if momentum > 0 else None)
 
 
+def local_step_count(size: jnp.ndarray, capacity: int, batch_size: int, epochs: int,
+                     step_limit: jnp.ndarray | None = None) -> jnp.ndarray:
+    """The local steps a client with `size` real rows runs: epochs * ceil(size / B), capped at
+    `step_limit` when given (a traced int32 scalar)."""
+    batch = min(batch_size, capacity)
+    count = epochs * (-(-size // batch))
+    return count if step_limit is None else jnp.minimum(count, step_limit)
+
+
 def run_local_epochs(train_step, carry, data, rng: jax.Array, batch_size: int, epochs: int,
-                     unroll: bool, step_keys: bool = False):
+                     unroll: bool = False, step_keys: bool = False):
     """Runs `epochs` passes of `train_step` over one client's padded `data`.
 
+    The batches are those of `batch_schedule` (each epoch reshuffles the client's own rows).
+    By default the client runs exactly its own `local_step_count` steps: a rolled loop with a
+    dynamic trip count, so the step is compiled once whatever the schedule's length, and a client
+    with fewer rows than the cohort's largest computes fewer steps (under `jax.vmap` the loop runs
+    as long as the slowest client in the batch; the others' extra iterations change nothing).
+
     Args:
-      train_step: (carry, (x, y, sample_mask)) -> (carry, stats [num_stats]).
+      train_step: (carry, (x, y, sample_mask[, key])) -> (carry, stats [num_stats]).
       carry: the training state threaded through the steps.
-      data: one client's `ClientArrays` (x [capacity, ...], y [capacity], sizes scalar).
-      unroll: unroll the scan over steps (fast conv gradients on CPU; SPEC.md).
+      data: one client's `ClientArrays` (x [capacity, ...], y [capacity], sizes scalar, and an
+        optional step_limit scalar).
+      unroll: instead run the whole padded schedule (epochs * ceil(capacity / B) positions) as a
+        fully unrolled `lax.scan`, with the positions past the client's data masked out. Same
+        numbers; kept as the reference the rolled loop is tested and benchmarked against.
       step_keys: append a fresh PRNG key to every batch tuple (DP-SGD noise).
 
     Returns:
-      (final carry, per-stat sums over active steps, number of active steps). Steps past the
-      client's own data leave the carry untouched (`select`, see docs/architecture.md).
+      (final carry, per-stat sums over the steps run, number of steps run as float32).
     """
+    if unroll:
+        return _run_unrolled(train_step, carry, data, rng, batch_size, epochs, step_keys)
+    capacity = data.y.shape[0]
+    batch = min(batch_size, capacity)
+    per_epoch = steps_per_epoch(capacity, batch)
+    size = data.sizes
+    real_per_epoch = jnp.maximum(-(-size // batch), 1)
+    total = local_step_count(size, capacity, batch_size, epochs,
+                             getattr(data, "step_limit", None))
+    schedule = batch_schedule(rng, size, capacity, batch_size, epochs)
+    keys = (jax.random.split(jax.random.fold_in(rng, 1), epochs * per_epoch) if step_keys
+            else None)
+
+    def batch_of(t):
+        # Step t is batch (t mod k) of epoch (t div k), k = the client's own batches per epoch;
+        # its position in the padded schedule is epoch * per_epoch + batch.
+        position = (t // real_per_epoch) * per_epoch + t % real_per_epoch
+        rows = schedule.indices[position]
+        out = (data.x[rows], data.y[rows], schedule.sample_mask[position])
+        return out + (keys[position],) if step_keys else out
+
+    stats_shape = jax.eval_shape(lambda c: train_step(c, batch_of(jnp.int32(0)))[1], carry)
+    sums = jnp.zeros(stats_shape.shape, stats_shape.dtype)
+
+    def body(t, state):
+        carry, sums = state
+        carry, stats = train_step(carry, batch_of(t))
+        return carry, sums + stats
+
+    carry, sums = jax.lax.fori_loop(0, total, body, (carry, sums))
+    return carry, sums, total.astype(jnp.float32)
+
+
+def _run_unrolled(train_step, carry, data, rng, batch_size, epochs, step_keys):
+    """The padded static schedule as a fully unrolled scan (see `run_local_epochs`)."""
     capacity = data.y.shape[0]
     schedule = batch_schedule(rng, data.sizes, capacity, batch_size, epochs,
                               getattr(data, "step_limit", None))
@@ -172,7 +223,7 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, batch_size: int, e
     if step_keys:
         inputs += (jax.random.split(jax.random.fold_in(rng, 1), n),)
     inputs += (schedule.step_active,)
-    carry, per_step = jax.lax.scan(step, carry, inputs, unroll=n if unroll else 1)
+    carry, per_step = jax.lax.scan(step, carry, inputs, unroll=n)
     return carry, per_step.sum(axis=0), schedule.step_active.sum().astype(jnp.float32)
 
 

@@ -49,7 +49,7 @@ class FedAvgConfig:
     local_momentum: float = 0.0
     local_epochs: int = 1
     batch_size: int = 32
-    unroll_local_steps: bool = True
+    unroll_local_steps: bool = False
     prox_mu: float = 0.0
     server_optimizer: str = "none"
     server_lr: float = 1.0

@@ -51,7 +51,7 @@ class HeteroConfig:
     local_momentum: float = 0.0
     local_epochs: int = 1
     batch_size: int = 32
-    unroll_local_steps: bool = True
+    unroll_local_steps: bool = False
     proto_lambda: float = 1.0
     shared_arch: str = ""
     fml_alpha: float = 0.5

@@ -51,7 +51,7 @@ class PFedESConfig:
     batch_size: int = 32
     warmup_steps: int = 0
     server_momentum: float = 0.5
-    unroll_local_steps: bool = True
+    unroll_local_steps: bool = False
     dp_sgd: local_training.DPSGDConfig | None = None
 
 

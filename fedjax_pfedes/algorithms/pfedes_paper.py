@@ -42,7 +42,7 @@ class PFedESPaperConfig:
     local_momentum: float = 0.0
     local_epochs: int = 1
     batch_size: int = 64
-    unroll_local_steps: bool = True
+    unroll_local_steps: bool = False
 
 
 @struct.dataclass

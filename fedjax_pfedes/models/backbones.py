@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.models.layers import max_pool_2x2
+from fedjax_pfedes.models.layers import Conv, max_pool_2x2
 
 
 class PublishedCNN(nn.Module):
@@ -42,8 +42,8 @@ class PublishedCNN(nn.Module):
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        x = max_pool_2x2(nn.relu(nn.Conv(16, (5, 5), padding="VALID", name="conv1")(x)))
-        x = max_pool_2x2(nn.relu(nn.Conv(self.conv2_features, (5, 5), padding="VALID",
+        x = max_pool_2x2(nn.relu(Conv(16, (5, 5), padding="VALID", name="conv1")(x)))
+        x = max_pool_2x2(nn.relu(Conv(self.conv2_features, (5, 5), padding="VALID",
                                          name="conv2")(x)))
         x = x.reshape(x.shape[0], -1)
         x = nn.relu(nn.Dense(self.fc1_features, name="fc1")(x))
@@ -68,7 +68,7 @@ class ConvStack(nn.Module):
     def __call__(self, x: jnp.ndarray, train: bool = False,
                  mask: jnp.ndarray | None = None) -> jnp.ndarray:
         for i, f in enumerate(self.features):
-            x = nn.Conv(f, (3, 3), padding="SAME", name=f"conv{i + 1}")(x)
+            x = Conv(f, (3, 3), padding="SAME", name=f"conv{i + 1}")(x)
             if self.batch_norm:
                 bn_mask = None if mask is None else mask.reshape(-1, 1, 1, 1)
                 x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
@@ -121,7 +121,7 @@ class ViT(nn.Module):
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         h, w = x.shape[-3], x.shape[-2]
         patch = (max(h // self.grid, 1), max(w // self.grid, 1))
-        x = nn.Conv(self.dim, patch, strides=patch, padding="VALID", name="patch_embed")(x)
+        x = Conv(self.dim, patch, strides=patch, padding="VALID", name="patch_embed")(x)
         x = x.reshape(x.shape[0], -1, self.dim)
         pos = self.param("pos_embed", nn.initializers.normal(0.02), (1, x.shape[1], self.dim))
         x = x + pos
@@ -167,7 +167,7 @@ class TextCNN(nn.Module):
         e = nn.Embed(self.vocab_size, self.dim, name="embed")(ids) * mask
         pooled = []
         for w in self.widths:
-            c = nn.relu(nn.Conv(self.features, (w,), padding="SAME", name=f"conv{w}")(e))
+            c = nn.relu(Conv(self.features, (w,), padding="SAME", name=f"conv{w}")(e))
             pooled.append(jnp.max(jnp.where(mask > 0, c, 0.0), axis=1))
         return nn.relu(nn.Dense(self.out_features, name="fc")(jnp.concatenate(pooled, -1)))
 

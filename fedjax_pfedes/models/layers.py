@@ -1,11 +1,106 @@
-"""Layers shared by every model: fast max pooling and the input-normalization layer."""
+"""Layers shared by every model: a convolution whose gradient is fast on CPU, fast max pooling
+and the input-normalization layer."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from fedjax_pfedes.data.spec import InputSpec
+
+
+def _same_or_valid_pads(n: int, k: int, s: int, padding: str) -> tuple[int, int, int]:
+    """(output length, low pad, high pad) of one spatial axis, as `lax.padtype_to_pads`."""
+    if padding == "SAME":
+        out = -(-n // s)
+        total = max((out - 1) * s + k - n, 0)
+        return out, total // 2, total - total // 2
+    if padding == "VALID":
+        return (n - k) // s + 1, 0, 0
+    raise ValueError(f"padding must be 'SAME' or 'VALID', got '{padding}'")
+
+
+def _dimension_numbers(ndim: int) -> tuple[str, str, str]:
+    spatial = "DHW"[-(ndim - 2):]
+    return "N" + spatial + "C", spatial + "IO", "N" + spatial + "C"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def conv(x: jnp.ndarray, kernel: jnp.ndarray, strides: tuple[int, ...], padding: str
+         ) -> jnp.ndarray:
+    """Channels-last convolution: x [batch, *spatial, in], kernel [*window, in, out].
+
+    Values and gradients equal `lax.conv_general_dilated`'s. The backward pass is written as two
+    convolutions in the forward (channels-last, [*window, in, out]) layout with explicit
+    transposes. Autodiff's own backward convolutions carry transposed dimension labels, which
+    XLA:CPU has no library kernel for when they sit inside a rolled loop (`lax.scan` /
+    `lax.while_loop`): they fall back to a naive loop emitter, 5-10x slower
+    (docs/performance.md). Canonical convolutions keep the rolled local-training loop as fast as
+    an unrolled one, so the local step compiles once.
+    """
+    pads = [_same_or_valid_pads(x.shape[1 + d], kernel.shape[d], strides[d], padding)[1:]
+            for d in range(x.ndim - 2)]
+    return jax.lax.conv_general_dilated(x, kernel, strides, pads,
+                                        dimension_numbers=_dimension_numbers(x.ndim))
+
+
+def _conv_fwd(x, kernel, strides, padding):
+    return conv(x, kernel, strides, padding), (x, kernel)
+
+
+def _conv_bwd(strides, padding, residuals, dy):
+    x, kernel = residuals
+    nd = x.ndim - 2
+    dx_pads, dk_pads = [], []
+    for d in range(nd):
+        n, k, s = x.shape[1 + d], kernel.shape[d], strides[d]
+        out, lo, hi = _same_or_valid_pads(n, k, s, padding)
+        uncovered = n + lo + hi - ((out - 1) * s + k)  # trailing inputs no window reads
+        dx_pads.append((k - 1 - lo, k - 1 - hi + uncovered))
+        dk_pads.append((lo, hi - uncovered))
+    numbers = _dimension_numbers(x.ndim)
+    # dx: full correlation of the stride-dilated dy with the flipped kernel, in and out swapped.
+    flipped = jnp.swapaxes(kernel[(slice(None, None, -1),) * nd], -1, -2)
+    dx = jax.lax.conv_general_dilated(dy, flipped, (1,) * nd, dx_pads, lhs_dilation=strides,
+                                      dimension_numbers=numbers)
+    # dkernel: the input channels play the batch, the batch plays the input channels, and dy
+    # (dilated by the stride) is the window.
+    x_t = jnp.moveaxis(x, (0, -1), (-1, 0))                       # [in, *spatial, batch]
+    dy_t = jnp.moveaxis(dy, 0, -2)                                # [*out_spatial, batch, out]
+    dk = jax.lax.conv_general_dilated(x_t, dy_t, (1,) * nd, dk_pads, rhs_dilation=strides,
+                                      dimension_numbers=numbers)  # [in, *window, out]
+    return dx.astype(x.dtype), jnp.moveaxis(dk, 0, -2).astype(kernel.dtype)
+
+
+conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+class Conv(nn.Module):
+    """`flax.linen.Conv` (same parameter names, shapes and initializers, so the same init) on
+    `conv`, whose gradient stays fast inside rolled loops on CPU. Channels-last inputs,
+    'SAME' or 'VALID' padding, no feature groups or dilation."""
+
+    features: int
+    kernel_size: Sequence[int]
+    strides: Sequence[int] | None = None
+    padding: str = "SAME"
+    use_bias: bool = True
+    kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
+    bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        window = tuple(self.kernel_size)
+        strides = tuple(self.strides) if self.strides is not None else (1,) * len(window)
+        kernel = self.param("kernel", self.kernel_init, window + (x.shape[-1], self.features))
+        y = conv(x, kernel.astype(x.dtype), strides, self.padding)
+        if self.use_bias:
+            y = y + self.param("bias", self.bias_init, (self.features,)).astype(y.dtype)
+        return y
 
 
 def max_pool_2x2(x: jnp.ndarray) -> jnp.ndarray:

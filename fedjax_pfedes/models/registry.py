@@ -14,7 +14,7 @@ from flax import linen as nn
 
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models.backbones import BACKBONES, MLP, Backbone, ConvStack, EmbeddingBag
-from fedjax_pfedes.models.layers import InputNormalization
+from fedjax_pfedes.models.layers import Conv, InputNormalization
 
 
 class ProjectionHead(nn.Module):
@@ -176,8 +176,8 @@ class ImageProxyG(nn.Module):
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         x = InputNormalization(self.spec)(x)
-        x = nn.relu(nn.Conv(self.hidden, (3, 3), padding="SAME", name="conv1")(x))
-        return nn.relu(nn.Conv(self.spec.shape[-1], (3, 3), padding="SAME", name="conv2")(x))
+        x = nn.relu(Conv(self.hidden, (3, 3), padding="SAME", name="conv1")(x))
+        return nn.relu(Conv(self.spec.shape[-1], (3, 3), padding="SAME", name="conv2")(x))
 
 
 class ProjectedClassifier(nn.Module):

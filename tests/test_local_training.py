@@ -1,0 +1,144 @@
+"""The local-training loop and the convolution it relies on, against independent references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedjax_pfedes import local_training
+from fedjax_pfedes.data.federated import ClientArrays
+from fedjax_pfedes.models import layers
+
+
+@pytest.mark.parametrize("shape,window,strides,padding", [
+    ((2, 28, 28, 1), (3, 3), (1, 1), "SAME"),
+    ((2, 32, 32, 3), (5, 5), (1, 1), "VALID"),
+    ((2, 28, 28, 1), (7, 7), (7, 7), "VALID"),   # the ViT patch embedding
+    ((3, 9, 10, 4), (3, 3), (2, 2), "SAME"),
+    ((2, 11, 11, 3), (4, 4), (3, 3), "VALID"),
+    ((3, 16, 8), (5,), (1,), "SAME"),             # 1-D (TextCNN)
+])
+def test_conv_values_and_gradients_equal_lax(shape, window, strides, padding):
+    x = jax.random.normal(jax.random.key(0), shape)
+    k = jax.random.normal(jax.random.key(1), window + (shape[-1], 5))
+    numbers = ("NHWC", "HWIO", "NHWC") if len(shape) == 4 else ("NWC", "WIO", "NWC")
+
+    def reference(x, k):
+        return jnp.sum(jnp.sin(jax.lax.conv_general_dilated(x, k, strides, padding,
+                                                            dimension_numbers=numbers)))
+
+    def ours(x, k):
+        return jnp.sum(jnp.sin(layers.conv(x, k, strides, padding)))
+
+    np.testing.assert_allclose(ours(x, k), reference(x, k), rtol=1e-5)
+    for a, b in zip(jax.grad(ours, (0, 1))(x, k), jax.grad(reference, (0, 1))(x, k), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_module_has_flax_conv_parameters():
+    from flax import linen as nn
+    x = jnp.ones((1, 8, 8, 3))
+    ours = layers.Conv(4, (3, 3), name="c").init(jax.random.key(3), x)
+    flax = nn.Conv(4, (3, 3), name="c").init(jax.random.key(3), x)
+    jax.tree.map(np.testing.assert_array_equal, ours, flax)
+
+
+def test_local_step_count_by_hand():
+    count = local_training.local_step_count
+    assert int(count(jnp.int32(50), 64, 16, 3)) == 3 * 4          # ceil(50/16) = 4 per epoch
+    assert int(count(jnp.int32(64), 64, 16, 2)) == 8
+    assert int(count(jnp.int32(50), 64, 16, 3, jnp.int32(5))) == 5  # capped by a step limit
+    assert int(count(jnp.int32(0), 64, 16, 3)) == 0
+    assert int(count(jnp.int32(7), 8, 32, 2)) == 2                 # batch clipped to capacity
+
+
+def _linear_step(optimizer):
+    def logits(p, x):
+        return x @ p["w"] + p["b"]
+    return local_training.cross_entropy_step(logits, optimizer)
+
+
+def _clients(sizes, capacity=37, features=6, classes=3, step_limits=None):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(len(sizes), capacity, features)).astype(np.float32)
+    y = rng.integers(0, classes, size=(len(sizes), capacity)).astype(np.int32)
+    data = ClientArrays(jnp.asarray(x), jnp.asarray(y), jnp.asarray(sizes, jnp.int32))
+    if step_limits is not None:
+        data = data.replace(step_limit=jnp.asarray(step_limits, jnp.int32))
+    return data
+
+
+@pytest.mark.parametrize("step_limits", [None, [3, 100, 0, 7]])
+def test_rolled_loop_equals_padded_unrolled_schedule(step_limits):
+    """Each client runs only its own steps, with the same batches as the padded schedule."""
+    data = _clients([37, 12, 5, 30], step_limits=step_limits)
+    params = {"w": jnp.full((6, 3), 0.1), "b": jnp.zeros(3)}
+    opt = optax.sgd(0.1, momentum=0.9)
+    step = _linear_step(opt)
+
+    def run(unroll, client, key):
+        return local_training.run_local_epochs(step, (params, opt.init(params)), client, key,
+                                               batch_size=8, epochs=3, unroll=unroll)
+
+    keys = jax.random.split(jax.random.key(1), 4)
+    rolled = jax.jit(jax.vmap(lambda c, k: run(False, c, k)))(data, keys)
+    unrolled = jax.jit(jax.vmap(lambda c, k: run(True, c, k)))(data, keys)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 rolled, unrolled)
+    expected = [min(3 * -(-n // 8), lim) for n, lim in
+                zip([37, 12, 5, 30], step_limits or [10**6] * 4, strict=True)]
+    np.testing.assert_array_equal(rolled[2], expected)
+    # One client alone (the loop strategy) gives the same as inside the vmap.
+    one = jax.tree.map(lambda a: a[1], data)
+    alone = jax.jit(lambda c, k: run(False, c, k))(one, keys[1])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b[1], rtol=1e-5, atol=1e-6),
+                 alone, rolled)
+
+
+def test_rolled_loop_matches_a_numpy_sgd_loop():
+    """Hand-written SGD over the batches the schedule names: the loop runs these and no others."""
+    data = _clients([10], capacity=16)
+    client = jax.tree.map(lambda a: a[0], data)
+    params = {"w": jnp.zeros((6, 3)), "b": jnp.zeros(3)}
+    opt = optax.sgd(0.5)
+    key = jax.random.key(4)
+    (final, _), sums, steps = jax.jit(lambda c: local_training.run_local_epochs(
+        _linear_step(opt), (params, opt.init(params)), c, key, batch_size=4, epochs=2))(client)
+    schedule = local_training.batch_schedule(key, jnp.int32(10), 16, 4, 2)
+    x, y = np.asarray(client.x), np.asarray(client.y)
+    w, b = np.zeros((6, 3)), np.zeros(3)
+    losses = []
+    for rows, mask in zip(np.asarray(schedule.indices), np.asarray(schedule.sample_mask),
+                          strict=True):
+        if not mask.any():
+            continue
+        xb, yb = x[rows][mask], y[rows][mask]
+        z = xb @ w + b
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        losses.append(-np.mean(np.log(p[np.arange(len(yb)), yb])))
+        g = (p - np.eye(3)[yb]) / len(yb)
+        w, b = w - 0.5 * xb.T @ g, b - 0.5 * g.sum(0)
+    assert steps == len(losses) == 2 * 3
+    np.testing.assert_allclose(final["w"], w, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(final["b"], b, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(sums[0], sum(losses), rtol=1e-5)
+
+
+def test_step_keys_follow_the_schedule_positions():
+    """DP-SGD keys: the rolled loop hands step t the key of its padded-schedule position."""
+    data = _clients([9, 20], capacity=20)
+    seen = []
+
+    def step(carry, batch):
+        return carry + jax.random.uniform(batch[3]), jnp.zeros(1)
+
+    def run(unroll, c, k):
+        return local_training.run_local_epochs(step, jnp.float32(0), c, k, batch_size=4,
+                                               epochs=2, unroll=unroll, step_keys=True)[0]
+
+    keys = jax.random.split(jax.random.key(2), 2)
+    for unroll in (False, True):
+        seen.append(jax.jit(jax.vmap(lambda c, k, u=unroll: run(u, c, k)))(data, keys))
+    np.testing.assert_allclose(seen[0], seen[1], rtol=1e-6)
