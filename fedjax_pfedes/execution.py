@@ -116,70 +116,78 @@ def _vmap_runner(program: CohortProgram) -> CohortRunner:
 
 
 def _loop_runner(program: CohortProgram) -> CohortRunner:
-    @functools.partial(jax.jit, donate_argnums=1)
-    def one_client_update(broadcast, states, train, i, key):
-        upload, new_row, metrics = program.client_update(
-            broadcast, _row(states, i), _row(train, i), key)
-        return upload, jax.tree.map(lambda a, r: a.at[i].set(r), states, new_row), metrics
+    """One jitted call per participant. Each call also writes the client's upload and metrics
+    into row `j` of bucket-shaped output buffers (donated, updated in place), so a round runs
+    no eager per-leaf stacking and nothing compiles after the first call."""
 
-    @jax.jit
-    def one_client_evaluate(broadcast, states, test, i, global_x, global_y):
-        return program.evaluate(broadcast, _row(states, i), _row(test, i), global_x, global_y)
+    @functools.partial(jax.jit, donate_argnums=(1, 5, 6))
+    def one_client_update(broadcast, states, train, i, key, uploads, metrics, j):
+        upload, new_row, m = program.client_update(broadcast, _row(states, i), _row(train, i),
+                                                   key)
+        return (_set_row(uploads, j, upload), _set_row(states, i, new_row),
+                _set_row(metrics, j, m))
+
+    @functools.partial(jax.jit, donate_argnums=5)
+    def one_client_evaluate(broadcast, states, test, i, global_x, global_y, out, j):
+        return _set_row(out, j, program.evaluate(broadcast, _row(states, i), _row(test, i),
+                                                 global_x, global_y))
+
+    shapes: dict[str, PyTree] = {}  # output shapes, traced once (they never change)
+
+    def update_buffers(broadcast, states, train, keys, bucket):
+        if "update" not in shapes:
+            shapes["update"] = jax.eval_shape(
+                lambda b, s, t, k: program.client_update(b, _row(s, 0), _row(t, 0), k),
+                broadcast, states, train, keys[0])
+        uploads, _, metrics = shapes["update"]
+        return _zeros_in_slots((uploads, metrics), bucket)
+
+    def evaluate_buffer(broadcast, states, test, global_x, global_y, bucket):
+        key = f"evaluate{global_x.shape}"
+        if key not in shapes:
+            shapes[key] = jax.eval_shape(
+                lambda b, s, t, gx, gy: program.evaluate(b, _row(s, 0), _row(t, 0), gx, gy),
+                broadcast, states, test, global_x, global_y)
+        return _zeros_in_slots(shapes[key], bucket)
 
     def update(broadcast, states, train, slots, keys):
         slots = np.asarray(slots)
-        num_clients = train.sizes.shape[0]
-        outputs = []
-        for j in np.flatnonzero(slots < num_clients):
-            upload, states, metrics = one_client_update(broadcast, states, train,
-                                                        jnp.int32(slots[j]), keys[j])
-            outputs.append((int(j), upload, metrics))
-        if not outputs:
-            shapes = jax.eval_shape(one_client_update, broadcast, states, train, jnp.int32(0),
-                                    keys[0])
-            return (_zeros_in_slots(shapes[0], len(slots)), states,
-                    _zeros_in_slots(shapes[2], len(slots)))
-        uploads, metrics = _stack_into_slots(outputs, len(slots))
+        uploads, metrics = update_buffers(broadcast, states, train, keys, len(slots))
+        for j in np.flatnonzero(slots < train.sizes.shape[0]):
+            uploads, states, metrics = one_client_update(
+                broadcast, states, train, jnp.int32(slots[j]), keys[j], uploads, metrics,
+                jnp.int32(j))
         return uploads, states, metrics
-
-    def evaluate(broadcast, states, test, global_x, global_y):
-        rows = [one_client_evaluate(broadcast, states, test, jnp.int32(i), global_x, global_y)
-                for i in range(test.sizes.shape[0])]
-        return jax.tree.map(lambda *r: jnp.stack(r), *rows)
 
     def evaluate_slots(broadcast, states, test, slots, global_x, global_y):
         slots = np.asarray(slots)
-        outputs = [(int(j), None, one_client_evaluate(broadcast, states, test,
-                                                      jnp.int32(slots[j]), global_x, global_y))
-                   for j in np.flatnonzero(slots < test.sizes.shape[0])]
-        if not outputs:
-            shapes = jax.eval_shape(one_client_evaluate, broadcast, states, test, jnp.int32(0),
-                                    global_x, global_y)
-            return _zeros_in_slots(shapes, len(slots))
-        return _stack_into_slots(outputs, len(slots))[1]
+        out = evaluate_buffer(broadcast, states, test, global_x, global_y, len(slots))
+        for j in np.flatnonzero(slots < test.sizes.shape[0]):
+            out = one_client_evaluate(broadcast, states, test, jnp.int32(slots[j]), global_x,
+                                      global_y, out, jnp.int32(j))
+        return out
+
+    def evaluate(broadcast, states, test, global_x, global_y):
+        every = np.arange(test.sizes.shape[0], dtype=np.int32)
+        return evaluate_slots(broadcast, states, test, every, global_x, global_y)
 
     return CohortRunner("loop", update, evaluate, evaluate_slots)
+
+
+def _set_row(tree: PyTree, i: jax.Array, row: PyTree) -> PyTree:
+    return jax.tree.map(lambda a, r: a.at[i].set(r), tree, row)
 
 
 def _row(tree: PyTree, i: jax.Array) -> PyTree:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
-def _stack_into_slots(outputs: list[tuple[int, PyTree, Metrics]], bucket: int
-                      ) -> tuple[PyTree, Metrics]:
-    """Stacks per-participant outputs into `bucket` slots, zeros where no participant ran."""
-    positions = np.array([j for j, _, _ in outputs])
-
-    def place(*rows):
-        stacked = jnp.stack(rows)
-        full = jnp.zeros((bucket,) + stacked.shape[1:], stacked.dtype)
-        return full.at[positions].set(stacked)
-
-    uploads = (jax.tree.map(place, *[u for _, u, _ in outputs]) if outputs[0][1] is not None
-               else None)
-    metrics = jax.tree.map(place, *[m for _, _, m in outputs])
-    return uploads, metrics
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _zeros(shape: tuple[int, ...], dtype) -> jax.Array:
+    return jnp.zeros(shape, dtype)
 
 
 def _zeros_in_slots(shapes: PyTree, bucket: int) -> PyTree:
-    return jax.tree.map(lambda s: jnp.zeros((bucket,) + tuple(s.shape), s.dtype), shapes)
+    """Zeros [bucket, *shape] for every leaf of `shapes` (jitted per shape: compiled once)."""
+    return jax.tree.map(lambda s: _zeros((bucket,) + tuple(s.shape), jnp.dtype(s.dtype)),
+                        shapes)

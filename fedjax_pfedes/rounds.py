@@ -104,9 +104,8 @@ def train_participants(ctx: RunContext, server_state, participants: np.ndarray,
         uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, slots)
         if not valid.any():
             continue
-        norms = (np.asarray(validation.update_norms(jax.tree.map(
-            lambda u, t: u.astype(jnp.float32) - t.astype(jnp.float32)[None], stacked,
-            template))) if jax.tree.leaves(template) else np.zeros(len(slots)))
+        norms = (np.asarray(validation.upload_norms(stacked, template))
+                 if jax.tree.leaves(template) else np.zeros(len(slots)))
         host = {k: np.asarray(v) for k, v in metrics.items()}
         for j in np.flatnonzero(valid):
             client_metrics[int(ids[j])] = {**{k: float(v[j]) for k, v in host.items()},

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from fedjax_pfedes import (
     asynchronous,
     checkpointing,
+    compilation,
     execution,
     local_training,
     metrics_io,
@@ -275,7 +276,8 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData
     server_key, client_key, train_key = jax.random.split(root, 3)
     upload_key = jax.random.fold_in(root, 7)  # compression / DP noise / secure-agg stream
     cohorts = build_cohorts(data, archs, programs, runners, slots_per_round, client_key)
-    server_state = algorithm.init_server(server_key, tuple(c.arch for c in cohorts))
+    server_state = jax.jit(algorithm.init_server, static_argnums=1, compiler_options={
+        "xla_backend_optimization_level": 1})(server_key, tuple(c.arch for c in cohorts))
     pipeline = build_pipeline(config, algorithm, n)
     try:
         sys_cfg = system.system_config(config)
@@ -344,6 +346,10 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     """
     validate_config(config)
     start = time.time()
+    try:
+        compilation.configure_cache(config.execution.compilation_cache_dir)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     os.makedirs(workdir, exist_ok=True)
     ck = config.checkpoint
     checkpointer, first_round, history, meta = None, 0, [], None

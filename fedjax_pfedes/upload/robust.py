@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -18,6 +20,7 @@ WEIGHTINGS = ("samples", "sqrt_samples", "uniform")
 AGGREGATORS = ("mean", "median", "trimmed_mean")
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def smooth_weights(sample_counts: jax.Array, valid: jax.Array, weighting: str) -> jax.Array:
     """Aggregation weight per slot: counts, sqrt(counts) or 1; 0 for invalid slots."""
     if weighting == "samples":  # FedAvg's weights, written once in aggregation.py

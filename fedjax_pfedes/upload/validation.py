@@ -24,6 +24,7 @@ def fingerprint(tree, leading_axes: int = 0) -> str:
     return hashlib.sha256("\n".join(sorted(entries)).encode()).hexdigest()
 
 
+@jax.jit
 def finite_mask(stacked) -> jax.Array:
     """[slots] True where every value of the slot's upload is finite."""
     leaves = jax.tree.leaves(stacked)
@@ -39,6 +40,13 @@ def update_norms(deltas) -> jax.Array:
     sq = sum(jnp.sum(a.reshape(a.shape[0], -1).astype(jnp.float32) ** 2, axis=1)
              for a in leaves)
     return jnp.sqrt(sq)
+
+
+@jax.jit
+def upload_norms(stacked, template) -> jax.Array:
+    """[slots] L2 norm of each slot's upload minus `template` (one compiled call)."""
+    return update_norms(jax.tree.map(
+        lambda u, t: u.astype(jnp.float32) - t.astype(jnp.float32)[None], stacked, template))
 
 
 def norm_outliers(norms: jax.Array, valid: jax.Array, factor: float) -> jax.Array:
