@@ -184,6 +184,7 @@ def async_round(ctx: rounds.RunContext, server_state, memories: dict, in_flight:
               "participants": len(slots), "uploads_accepted": accepted,
               "upload_success_rate": accepted / len(slots) if len(slots) else None,
               **rounds.client_means(arrived.client_metrics),
+              **launched.padded_step_fraction(),  # of this step's launches
               **summary, "simulated_round_s": new_clock - clock_s,
               "staleness_mean": float(tau.mean()) if len(tau) else 0.0,
               "staleness_max": int(tau.max()) if len(tau) else 0,

@@ -67,12 +67,16 @@ class CohortRunner:
     evaluate_slots(broadcast, states, test, slots, global_x, global_y) -> metrics of the clients
       in `slots` only, stacked over the bucket (zeros in padded slots); the per-round monitoring
       (loss before / after aggregation) uses it.
+    computed_steps(steps, bucket) -> local steps the hardware executed for a round whose real
+      participants ran `steps` [participants] steps in `bucket` slots: their sum for 'loop'; for
+      'vmap' every slot iterates until the longest schedule ends, bucket * max(steps).
     """
 
     strategy: str
     update: Callable[..., tuple[PyTree, PyTree, Metrics]]
     evaluate: Callable[..., Metrics]
     evaluate_slots: Callable[..., Metrics]
+    computed_steps: Callable[[np.ndarray, int], float]
 
 
 def make_runner(program: CohortProgram, strategy: str) -> CohortRunner:
@@ -87,8 +91,11 @@ def _vmap_runner(program: CohortProgram) -> CohortRunner:
     @functools.partial(jax.jit, donate_argnums=1)
     def vmapped_update(broadcast, states, train, slots, keys):
         valid = slots < train.sizes.shape[0]
+        rows = _take(train, slots)
+        # Padded slots hold no samples, so they take no local steps (their results are dropped).
+        rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
         uploads, new_rows, metrics = jax.vmap(program.client_update, in_axes=(None, 0, 0, 0))(
-            broadcast, _take(states, slots), _take(train, slots), keys)
+            broadcast, _take(states, slots), rows, keys)
         zero_padded = lambda a: jnp.where(valid.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0)  # noqa: E731
         return (jax.tree.map(zero_padded, uploads), _put(states, slots, new_rows),
                 jax.tree.map(zero_padded, metrics))
@@ -112,7 +119,10 @@ def _vmap_runner(program: CohortProgram) -> CohortRunner:
         return vmapped_evaluate_slots(broadcast, states, test, jnp.asarray(slots), global_x,
                                       global_y)
 
-    return CohortRunner("vmap", update, vmapped_evaluate, evaluate_slots)
+    def computed_steps(steps: np.ndarray, bucket: int) -> float:
+        return float(bucket * np.max(steps)) if len(steps) else 0.0
+
+    return CohortRunner("vmap", update, vmapped_evaluate, evaluate_slots, computed_steps)
 
 
 def _loop_runner(program: CohortProgram) -> CohortRunner:
@@ -120,10 +130,12 @@ def _loop_runner(program: CohortProgram) -> CohortRunner:
     into row `j` of bucket-shaped output buffers (donated, updated in place), so a round runs
     no eager per-leaf stacking and nothing compiles after the first call."""
 
+    # Traced once: the output shapes below and the jitted call share this trace.
+    client_update = jax.jit(program.client_update)
+
     @functools.partial(jax.jit, donate_argnums=(1, 5, 6))
     def one_client_update(broadcast, states, train, i, key, uploads, metrics, j):
-        upload, new_row, m = program.client_update(broadcast, _row(states, i), _row(train, i),
-                                                   key)
+        upload, new_row, m = client_update(broadcast, _row(states, i), _row(train, i), key)
         return (_set_row(uploads, j, upload), _set_row(states, i, new_row),
                 _set_row(metrics, j, m))
 
@@ -136,9 +148,9 @@ def _loop_runner(program: CohortProgram) -> CohortRunner:
 
     def update_buffers(broadcast, states, train, keys, bucket):
         if "update" not in shapes:
-            shapes["update"] = jax.eval_shape(
-                lambda b, s, t, k: program.client_update(b, _row(s, 0), _row(t, 0), k),
-                broadcast, states, train, keys[0])
+            row = functools.partial(jax.eval_shape, lambda tree: _row(tree, 0))
+            shapes["update"] = client_update.eval_shape(broadcast, row(states), row(train),
+                                                        keys[0])
         uploads, _, metrics = shapes["update"]
         return _zeros_in_slots((uploads, metrics), bucket)
 
@@ -171,7 +183,11 @@ def _loop_runner(program: CohortProgram) -> CohortRunner:
         every = np.arange(test.sizes.shape[0], dtype=np.int32)
         return evaluate_slots(broadcast, states, test, every, global_x, global_y)
 
-    return CohortRunner("loop", update, evaluate, evaluate_slots)
+    def computed_steps(steps: np.ndarray, bucket: int) -> float:
+        del bucket  # padded slots are never called
+        return float(np.sum(steps))
+
+    return CohortRunner("loop", update, evaluate, evaluate_slots, computed_steps)
 
 
 def _set_row(tree: PyTree, i: jax.Array, row: PyTree) -> PyTree:

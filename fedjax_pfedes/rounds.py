@@ -71,6 +71,14 @@ class Trained:
     uploads: dict[str, CohortUploads]
     client_metrics: dict[int, dict[str, float]]  # client id -> metric -> value
     traffic: list[tuple]  # (clients, upload params, upload bytes, download params, bytes)
+    useful_steps: float = 0.0    # local steps of the participants' own schedules
+    computed_steps: float = 0.0  # local steps the execution strategy actually ran
+
+    def padded_step_fraction(self) -> dict[str, float]:
+        """{'padded_step_fraction': computed / useful local steps} (1.0 = no wasted steps)."""
+        if self.useful_steps <= 0:
+            return {}
+        return {"padded_step_fraction": self.computed_steps / self.useful_steps}
 
 
 def set_step_limits(ctx: RunContext, limits: dict[int, int]) -> None:
@@ -90,6 +98,7 @@ def train_participants(ctx: RunContext, server_state, participants: np.ndarray,
     """Broadcast and local updates of every cohort's participants (private states change)."""
     algorithm = ctx.algorithm
     uploads, client_metrics, traffic = {}, {}, []
+    useful = computed = 0.0
     for cohort in ctx.cohorts:
         broadcast = algorithm.broadcast(server_state, cohort.arch)
         template = algorithm.upload_template(server_state, cohort.arch)
@@ -107,6 +116,10 @@ def train_participants(ctx: RunContext, server_state, participants: np.ndarray,
         norms = (np.asarray(validation.upload_norms(stacked, template))
                  if jax.tree.leaves(template) else np.zeros(len(slots)))
         host = {k: np.asarray(v) for k, v in metrics.items()}
+        if "local_steps" in host:
+            steps = host["local_steps"][valid]
+            useful += float(steps.sum())
+            computed += cohort.runner.computed_steps(steps, len(slots))
         for j in np.flatnonzero(valid):
             client_metrics[int(ids[j])] = {**{k: float(v[j]) for k, v in host.items()},
                                            "update_norm": float(norms[j])}
@@ -115,7 +128,7 @@ def train_participants(ctx: RunContext, server_state, participants: np.ndarray,
             encoded = float(host["upload_encoded_params"][valid].mean())
             upload = (encoded, encoded * upload[1] / max(upload[0], 1))
         traffic.append((int(valid.sum()), *upload, *tree_size(broadcast)))
-    return Trained(uploads, client_metrics, traffic)
+    return Trained(uploads, client_metrics, traffic, useful, computed)
 
 
 def participants_loss(ctx: RunContext, server_state, clients: np.ndarray) -> float | None:
@@ -272,6 +285,7 @@ def sync_round(ctx: RunContext, server_state, memories: dict,
     sampler.record(selected, runs)
     accepted = len(set(trained.client_metrics) - rejected)
     record = {**counts, **outcome_counts(timing, accepted), **client_means(trained.client_metrics),
-              **summary, "simulated_round_s": timing.round_s}
+              **trained.padded_step_fraction(), **summary,
+              "simulated_round_s": timing.round_s}
     return (server_state, memories, record, client_report(ctx, timing, trained, rejected),
             rejections)
