@@ -11,9 +11,9 @@ give the same numbers (up to float reassociation):
 * 'loop': one jitted call per real participant, which reads and writes its row of the stacked
   state in place (the state buffer is donated). Padded slots cost nothing.
 
-On CPU the loop is faster for convolutional models (vmapped per-client kernels become grouped
-convolutions); on GPU/TPU batching clients is expected to win. `default_strategy` encodes the
-measurement in benchmarks/execution_strategies.py.
+Which one is faster depends on the models, the bucket and the backend (on CPU vmapped per-client
+convolutions become grouped convolutions); 'auto' measures both per cohort at start-up
+(`strategy_choice`), see benchmarks/execution_strategies.py for the side-by-side numbers.
 """
 
 from __future__ import annotations
@@ -31,19 +31,13 @@ from fedjax_pfedes.algorithms.base import CohortProgram, Metrics, PyTree
 STRATEGIES = ("vmap", "loop")
 
 
-def default_strategy(platform: str | None = None) -> str:
-    """'loop' on CPU, 'vmap' on accelerators (see benchmarks/execution_strategies.py)."""
-    platform = platform or jax.default_backend()
-    return "loop" if platform == "cpu" else "vmap"
-
-
 def resolve_strategy(name: str) -> str:
-    if name == "auto":
-        return default_strategy()
-    if name not in STRATEGIES:
-        raise ValueError(f"config.execution.strategy: unknown strategy '{name}'; "
-                         f"known: ['auto', 'loop', 'vmap']")
-    return name
+    """Checks `config.execution.strategy`: 'loop', 'vmap', or 'auto' (chosen per cohort by
+    timing both on the run's backend, see `strategy_choice`)."""
+    if name == "auto" or name in STRATEGIES:
+        return name
+    raise ValueError(f"config.execution.strategy: unknown strategy '{name}'; "
+                     f"known: ['auto', 'loop', 'vmap']")
 
 
 def _take(tree: PyTree, idx: jax.Array) -> PyTree:
@@ -81,10 +75,12 @@ class CohortRunner:
 
 def make_runner(program: CohortProgram, strategy: str) -> CohortRunner:
     """Builds the jitted update/evaluate functions of a cohort for `strategy` ('vmap'|'loop')."""
-    strategy = resolve_strategy(strategy)
     if strategy == "vmap":
         return _vmap_runner(program)
-    return _loop_runner(program)
+    if strategy == "loop":
+        return _loop_runner(program)
+    raise ValueError(f"make_runner: strategy must be 'loop' or 'vmap' ('auto' is resolved per "
+                     f"cohort by strategy_choice), got '{strategy}'")
 
 
 def _vmap_runner(program: CohortProgram) -> CohortRunner:

@@ -46,6 +46,7 @@ class RunContext:
     sizes: np.ndarray            # [N] local train samples
     epochs: np.ndarray           # [N] local epochs (adaptive / minimum-samples rule)
     planned_steps: np.ndarray    # [N] local steps without a deadline
+    strategy_choices: dict       # arch -> strategy_choice.Choice as a dict ('auto' only)
     statically_eligible: np.ndarray  # [N] False below the minimum-samples threshold ('skip')
     strata: np.ndarray           # [N] stratum of every client (stratified sampling)
     upload_bytes: dict[str, float]    # per architecture, as sent (simulated upload time)

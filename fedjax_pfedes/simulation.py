@@ -31,6 +31,7 @@ from fedjax_pfedes import (
     plotting,
     rounds,
     sampling,
+    strategy_choice,
     system,
 )
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg
@@ -256,14 +257,20 @@ def upload_bytes_per_arch(pipeline: UploadPipeline, algorithm, server_state, arc
     return compression.encoded_bytes(template, cfg.compression) + (4 if cfg.dp else 0)
 
 
-def build_context(config: ml_collections.ConfigDict, data: FederatedData
-                  ) -> tuple[rounds.RunContext, Any]:
-    """Everything static of a run, and the initial server state."""
+def build_context(config: ml_collections.ConfigDict, data: FederatedData,
+                  strategies: dict[str, str] | None = None) -> tuple[rounds.RunContext, Any]:
+    """Everything static of a run, and the initial server state.
+
+    `strategies` (arch -> 'loop' | 'vmap') fixes the cohorts' execution strategies under
+    `config.execution.strategy='auto'` (a resumed run keeps its original choice, so its numbers
+    continue bit for bit); otherwise 'auto' measures them (`strategy_choice`)."""
     algorithm = build_algorithm(config, data)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
-    strategy = execution.resolve_strategy(config.execution.strategy)
+    requested = execution.resolve_strategy(config.execution.strategy)
+    candidates = execution.STRATEGIES if requested == "auto" else (requested,)
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
-    runners = {a: execution.make_runner(p, strategy) for a, p in programs.items()}
+    runners = {a: {s: execution.make_runner(p, s) for s in candidates}
+               for a, p in programs.items()}
     t = config.train
     n = data.num_clients
     if config.asynchronous.enabled:
@@ -275,7 +282,9 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData
     root = jax.random.key(config.seed)
     server_key, client_key, train_key = jax.random.split(root, 3)
     upload_key = jax.random.fold_in(root, 7)  # compression / DP noise / secure-agg stream
-    cohorts = build_cohorts(data, archs, programs, runners, slots_per_round, client_key)
+    cohorts = build_cohorts(data, archs, programs,
+                            {a: r[candidates[0]] for a, r in runners.items()}, slots_per_round,
+                            client_key)
     server_state = jax.jit(algorithm.init_server, static_argnums=1, compiler_options={
         "xla_backend_optimization_level": 1})(server_key, tuple(c.arch for c in cohorts))
     pipeline = build_pipeline(config, algorithm, n)
@@ -289,6 +298,25 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData
     capacity = np.zeros(n, np.int64)
     for c in cohorts:
         capacity[c.client_ids] = c.train.y.shape[1]
+    planned = sampling.planned_steps(sizes, capacity, t.batch_size, epochs)
+    choices = {}
+    # Clients that train per round, on average (FedBuff: the buffer's worth of arrivals).
+    launches_per_round = (config.asynchronous.buffer_size if config.asynchronous.enabled
+                          else t.client_fraction * n)
+    if requested == "auto" and strategies and all(c.arch in strategies for c in cohorts):
+        for c in cohorts:
+            c.runner = runners[c.arch][strategies[c.arch]]
+            choices[c.arch] = {"strategy": strategies[c.arch], "from_checkpoint": True}
+    elif requested == "auto":
+        cache_dir = compilation.configure_cache(config.execution.compilation_cache_dir)
+        for c in cohorts:
+            choice = strategy_choice.choose(
+                f"{algorithm.name}/{c.arch}", runners[c.arch],
+                algorithm.broadcast(server_state, c.arch), c.states, c.train, c.bucket,
+                launches_per_round * len(c.client_ids) / n, planned[c.client_ids],
+                int(epochs.max()), cache_dir)
+            c.runner = runners[c.arch][choice.strategy]
+            choices[c.arch] = choice.as_dict()
     eligible = (sizes >= t.min_samples) if t.below_min == "skip" else np.ones(n, bool)
     if not eligible.any():
         raise ConfigError(f"config.train.min_samples={t.min_samples}: no client has that many "
@@ -297,7 +325,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData
         config=config, algorithm=algorithm, cohorts=cohorts,
         server_step=jax.jit(algorithm.server_update), pipeline=pipeline, system=sys_cfg,
         profiles=profiles, client_arch=archs, sizes=sizes, epochs=epochs,
-        planned_steps=sampling.planned_steps(sizes, capacity, t.batch_size, epochs),
+        planned_steps=planned, strategy_choices=choices,
         statically_eligible=eligible,
         strata=sampling.size_strata(sizes, t.strata, profiles.availability_class),
         upload_bytes={c.arch: upload_bytes_per_arch(pipeline, algorithm, server_state, c.arch)
@@ -362,7 +390,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
             meta = checkpointer.check_config(config)  # before any data is loaded
     data = build_federated_data(config)
     write_data_profile(data, config.data.partition, workdir)
-    ctx, server_state = build_context(config, data)
+    ctx, server_state = build_context(
+        config, data, (meta or {}).get("execution_strategy_by_arch"))
     state = initial_state(ctx, server_state)
     if meta is not None:
         first_round, state = checkpointer.restore(state)
@@ -383,7 +412,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     batch_rate = {int(cid): min(1.0, min(config.train.batch_size, c.train.y.shape[1]) / max(n, 1))
                   for c in ctx.cohorts
                   for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
-    strategy = ctx.cohorts[0].runner.strategy
+    chosen = sorted({c.runner.strategy for c in ctx.cohorts})
+    strategy = chosen[0] if len(chosen) == 1 else "+".join(chosen)
     last = history[-1] if history else {}
     rounds_total = config.train.rounds
     bar = tqdm(range(first_round, rounds_total), desc=f"{config.algorithm} [{strategy}]",
@@ -428,7 +458,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
                 "memories": memories, "sampler": sampler.arrays(),
                 "dp_sgd_steps": dp_sgd_steps, "clock_s": np.asarray(clock_s, np.float64),
                 **({"in_flight": in_flight.arrays()} if in_flight is not None else {})},
-                {"history": history, "config": config.to_dict()})
+                {"history": history, "config": config.to_dict(),
+                 "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts}})
     writers.close()
     if checkpointer is not None:
         checkpointer.close()
@@ -442,6 +473,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
         "best_personalized_accuracy": best["personalized_accuracy_mean"],
         "best_round": best["round"],
         "execution_strategy": strategy,
+        "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
+        **({"strategy_choice": ctx.strategy_choices} if ctx.strategy_choices else {}),
         "platform": jax.default_backend(),
         "clients_per_arch": {c.arch: len(c.client_ids) for c in ctx.cohorts},
         "participation": {"selected": sampler.selected.tolist(),

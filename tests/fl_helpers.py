@@ -42,8 +42,6 @@ def small_config(strategy="loop"):
     config.train.lr_local = 0.1
     config.eval.every = 2
     config.execution.strategy = strategy
-    # A rolled scan compiles several times faster; these runs are dominated by compilation.
-    config.execution.unroll_local_steps = False
     return config
 
 

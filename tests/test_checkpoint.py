@@ -25,7 +25,7 @@ OVERRIDES = [
     "--config.train.sampling=stratified", "--config.system.dropout=0.3",
     "--config.system.speed_classes=1,3", "--config.upload.topk_fraction=0.3",
     "--config.eval.every=5", "--config.checkpoint.every=2", "--config.monitor.tensorboard=false",
-    "--config.execution.unroll_local_steps=false",
+    "--config.execution.strategy=loop",
 ]
 
 
@@ -108,6 +108,26 @@ def test_resume_false_starts_the_workdir_over(checkpointed):
     assert summary["resumed_from_round"] == 0 and summary["final"]["round"] == 2
     rows = [json.loads(line) for line in open(checkpointed / "metrics.jsonl")]
     assert [r["round"] for r in rows] == [1, 2]
+
+
+def test_auto_strategy_is_measured_once_and_kept_on_resume(tmp_path):
+    config = _small(rounds=2)
+    config.execution.strategy = "auto"
+    config.execution.compilation_cache_dir = str(tmp_path / "cache")
+    first = run_experiment(config, str(tmp_path / "run"), show_progress=False)
+    choice = first["strategy_choice"]["mlp"]
+    assert set(choice["seconds_per_call"]) == {"loop", "vmap"} and not choice["cached"]
+    assert choice["strategy"] == min(choice["expected_round_s"], key=choice["expected_round_s"].get)
+    assert first["execution_strategy_by_arch"] == {"mlp": choice["strategy"]}
+    longer = _small(rounds=3)
+    longer.execution.strategy = "auto"
+    longer.execution.compilation_cache_dir = str(tmp_path / "cache")
+    resumed = run_experiment(longer, str(tmp_path / "run"), show_progress=False)
+    assert resumed["resumed_from_round"] == 2
+    assert resumed["strategy_choice"]["mlp"] == {"strategy": choice["strategy"],
+                                                 "from_checkpoint": True}
+    fresh = run_experiment(config, str(tmp_path / "fresh"), show_progress=False)
+    assert fresh["strategy_choice"]["mlp"]["cached"]  # the decision cache, not a new timing
 
 
 def test_which_config_changes_are_resumable():

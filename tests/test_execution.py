@@ -108,3 +108,46 @@ def test_no_recompilation_after_the_first_round(strategy):
 def test_unknown_strategy_names_the_field():
     with pytest.raises(ValueError, match="config.execution.strategy: unknown strategy 'pmap'"):
         execution.resolve_strategy("pmap")
+
+
+def _fake_runner(name, seconds_per_step):
+    """A runner whose update sleeps `seconds_per_step` per local step it would run."""
+    import time
+
+    def update(broadcast, states, train, slots, keys):
+        steps = np.asarray(train.sizes)[np.asarray(slots)].sum() if name == "loop" else \
+            np.asarray(train.sizes)[np.asarray(slots)].max()
+        time.sleep(seconds_per_step * float(steps))
+        return None, states, {}
+
+    return execution.CohortRunner(name, update, None, None, None)
+
+
+def test_auto_strategy_picks_the_cheaper_expected_round_and_caches_it(tmp_path):
+    from fedjax_pfedes import strategy_choice
+    from fedjax_pfedes.data.federated import ClientArrays
+    train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
+                         jnp.array([8, 8, 8, 8], jnp.int32))
+    states = {"w": jnp.zeros((4, 3))}
+    # One step per client: loop 4 x 10 ms per call, vmap 1 x 30 ms.
+    runners = {"loop": _fake_runner("loop", 0.01), "vmap": _fake_runner("vmap", 0.03)}
+    planned = np.array([2, 2, 2, 10])  # one long client: vmap pays its 10 steps every round
+    choice = strategy_choice.choose("alg/arch", runners, {}, states, train, bucket=4,
+                                    expected_participants=2.0, planned_steps=planned, epochs=1,
+                                    cache_dir=str(tmp_path), repeats=1)
+    loop_call, vmap_call = choice.seconds_per_call["loop"], choice.seconds_per_call["vmap"]
+    assert loop_call == pytest.approx(0.04, rel=0.5) and vmap_call == pytest.approx(0.03, rel=0.5)
+    # Expected round: loop = per-client step x mean steps x participants; vmap = x max steps.
+    assert choice.expected_round_s["loop"] == pytest.approx(loop_call / 4 * 4.0 * 2.0)
+    assert choice.expected_round_s["vmap"] == pytest.approx(vmap_call * 10.0)
+    assert choice.strategy == "loop" and not choice.cached
+    again = strategy_choice.choose("alg/arch", runners, {}, states, train, bucket=4,
+                                   expected_participants=2.0, planned_steps=planned, epochs=1,
+                                   cache_dir=str(tmp_path), repeats=1)
+    assert again.cached and again.strategy == "loop"
+    assert again.seconds_per_call == choice.seconds_per_call
+    # Equal step counts: vmap's single batched call wins.
+    even = strategy_choice.choose("alg/arch2", runners, {}, states, train, bucket=4,
+                                  expected_participants=4.0, planned_steps=np.full(4, 3),
+                                  epochs=1, cache_dir=None, repeats=1)
+    assert even.strategy == "vmap"

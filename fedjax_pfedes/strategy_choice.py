@@ -1,0 +1,141 @@
+"""`config.execution.strategy='auto'`: pick each cohort's execution strategy by timing it.
+
+For every cohort, both strategies ('loop' and 'vmap') run the cohort's local update on a full
+bucket of participants with every client cut to one sample (one local step per epoch), on the
+backend the run uses. The compiled programs are the run's own (sizes are data, not shapes), so the
+winner's compilation is reused by the rounds. From the per-call times the expected cost of a real
+round follows from the clients' planned step counts: the loop runs each participant's own steps,
+vmap iterates over the whole bucket until the longest schedule ends. The cheaper one wins; the
+timings and the choice go into summary.json.
+
+Decisions are cached in `strategy_choices.json` next to the compilation cache (keyed by backend,
+device kind, algorithm, architecture, shapes and bucket), so later runs on the same machine skip
+the measurement. No platform rule is built in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pfedes import execution
+from fedjax_pfedes.algorithms.base import PyTree
+
+CACHE_FILE = "strategy_choices.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The strategy picked for one cohort and the evidence.
+
+    Attributes:
+      strategy: 'loop' or 'vmap'.
+      seconds_per_call: measured seconds of one update call with one step per client per epoch.
+      expected_round_s: those scaled to the cohort's planned steps per round, per strategy.
+      cached: True when read from the decision cache instead of measured.
+    """
+
+    strategy: str
+    seconds_per_call: dict[str, float]
+    expected_round_s: dict[str, float]
+    cached: bool = False
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _signature(name: str, broadcast, states, train, bucket: int, epochs: int) -> str:
+    device = jax.devices()[0]
+    shapes = [(jax.tree_util.keystr(p), tuple(np.shape(x)), str(jnp.result_type(x)))
+              for tree in (broadcast, states, train)
+              for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    text = json.dumps([jax.__version__, device.platform, device.device_kind, len(jax.devices()),
+                       name, bucket, epochs, shapes])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _time_update(runner: execution.CohortRunner, broadcast, states, train, slots, keys,
+                 repeats: int) -> float:
+    copy = jax.tree.map(jnp.copy, states)  # update donates the states it is given
+    out = runner.update(broadcast, copy, train, slots, keys)  # compiles (the run reuses it)
+    jax.block_until_ready(out)
+    best = float("inf")
+    for _ in range(repeats):
+        copy = out[1]
+        t0 = time.perf_counter()
+        out = runner.update(broadcast, copy, train, slots, keys)
+        jax.block_until_ready(out)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose(name: str, runners: dict[str, execution.CohortRunner], broadcast, states: PyTree,
+           train, bucket: int, expected_participants: float, planned_steps: np.ndarray,
+           epochs: int, cache_dir: str | None, repeats: int = 2) -> Choice:
+    """Times `runners` (strategy -> runner) on one cohort and returns the cheaper strategy.
+
+    Args:
+      name: what the cohort runs (algorithm/architecture), part of the cache key.
+      states, train: the cohort's stacked private states and padded train arrays.
+      bucket: participant slots per round.
+      expected_participants: mean number of this cohort's members that train in a round.
+      planned_steps: [members] local steps of each member in a round.
+      epochs: the static number of local epochs (each measured client runs one step per epoch).
+      cache_dir: where the decision cache lives (None: no cache).
+    """
+    key = _signature(name, broadcast, states, train, bucket, epochs)
+    path = os.path.join(cache_dir, CACHE_FILE) if cache_dir else None
+    cache = _read(path)
+    if key in cache and cache[key].get("strategy") in runners:
+        return Choice(**{**cache[key], "cached": True})
+    members = train.sizes.shape[0]
+    slots = np.arange(bucket, dtype=np.int32) % max(members, 1)
+    keys = jax.random.split(jax.random.key(0), bucket)
+    one_step = train.replace(sizes=jnp.minimum(train.sizes, 1))
+    if getattr(one_step, "step_limit", None) is not None:
+        one_step = one_step.replace(step_limit=jnp.full_like(one_step.step_limit, epochs))
+    per_call = {s: _time_update(r, broadcast, states, one_step, slots, keys, repeats)
+                for s, r in runners.items()}
+    # A call ran `epochs` steps of every slot. The loop pays per participant and step; vmap
+    # pays per iteration of the whole bucket, until the longest schedule ends.
+    mean_steps, max_steps = float(np.mean(planned_steps)), float(np.max(planned_steps))
+    expected = {
+        "loop": per_call.get("loop", 0.0) / (epochs * bucket) * mean_steps
+        * expected_participants,
+        "vmap": per_call.get("vmap", 0.0) / epochs * max_steps,
+    }
+    expected = {s: expected[s] for s in per_call}
+    choice = Choice(min(expected, key=expected.get), per_call, expected)
+    if path:  # re-read: another run may have added its decisions meanwhile
+        cache = _read(path)
+        cache[key] = {k: v for k, v in choice.as_dict().items() if k != "cached"}
+        _write(path, cache)
+    return choice
+
+
+def _read(path: str | None) -> dict:
+    if not path or not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # a damaged cache is measured anew
+
+
+def _write(path: str, cache: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(cache, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the cache is an optimization; a read-only folder only costs a measurement
