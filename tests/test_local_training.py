@@ -142,3 +142,41 @@ def test_step_keys_follow_the_schedule_positions():
     for unroll in (False, True):
         seen.append(jax.jit(jax.vmap(lambda c, k, u=unroll: run(u, c, k)))(data, keys))
     np.testing.assert_allclose(seen[0], seen[1], rtol=1e-6)
+
+
+def _run(tmp_path, name, **execution):
+    import json
+
+    import fl_helpers
+
+    from fedjax_pfedes.simulation import run_experiment
+    config = fl_helpers.tiny_config(rounds=2)
+    for k, v in execution.items():
+        config.execution[k] = v
+    run_experiment(config, str(tmp_path / name), show_progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+    clients = [json.loads(line) for line in open(tmp_path / name / "clients.jsonl")]
+    return rows, clients, config
+
+
+def test_simulation_numbers_equal_the_padded_unrolled_schedule(tmp_path):
+    """The rolled per-client loop changes how the work is executed, not the work."""
+    rolled, _, _ = _run(tmp_path, "rolled")
+    unrolled, _, _ = _run(tmp_path, "unrolled", unroll_local_steps=True)
+    for a, b in zip(rolled, unrolled, strict=True):
+        for k, v in a.items():
+            if isinstance(v, float) and k not in ("round_time_s", "elapsed_s"):
+                assert v == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+def test_padded_step_fraction_counts_the_steps_each_strategy_runs(tmp_path, strategy):
+    rows, clients, config = _run(tmp_path, strategy, strategy=strategy)
+    by_round = {}
+    for c in clients:
+        by_round.setdefault(c["round"], []).append(c["local_steps"])
+    bucket = round(config.train.client_fraction * config.data.num_clients)  # one cohort
+    for r in rows:
+        steps = np.array(by_round[r["round"]], float)
+        expected = 1.0 if strategy == "loop" else bucket * steps.max() / steps.sum()
+        assert r["padded_step_fraction"] == pytest.approx(expected)
