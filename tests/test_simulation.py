@@ -18,7 +18,7 @@ ROUND_KEYS = {
     "loss_after_aggregation", "upload_params_per_client", "upload_bytes_per_client",
     "download_params_per_client", "download_bytes_per_client", "uploads_rejected",
     "uploads_rejected_total", "simulated_round_s", "simulated_clock_s", "participation_min",
-    "participation_max", "round_time_s", "elapsed_s",
+    "participation_max", "round_time_s", "elapsed_s", "padded_step_fraction",
 }
 EVAL_KEYS = {
     "personalized_accuracy_mean", "personalized_accuracy_std", "personalized_accuracy_min",
