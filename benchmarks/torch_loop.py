@@ -124,7 +124,8 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
                rounds: int, per_round: int, batch_size: int, epochs: int, lr: float,
                seed: int = 0) -> dict:
     """FedAvg with `convnet3` over `clients` ([(x, y)] local train arrays). Returns per-round
-    wall times and the client-steps run."""
+    wall times, the client-steps run and the set-up time before round 1."""
+    start = time.perf_counter()
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     data = [_to_tensors(x, y, mean, std) for x, y in clients]
@@ -139,6 +140,7 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
     opt = torch.optim.SGD(local_params, lr=lr)
     global_flat = _flat(global_model.parameters())
     times, steps = [], 0
+    setup_s = time.perf_counter() - start
     for _ in range(rounds):
         t0 = time.perf_counter()
         chosen = rng.choice(len(data), per_round, replace=False)
@@ -163,7 +165,7 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
         global_flat = total / weight
         float(loss_sum)  # one host sync per round, as a progress bar would
         times.append(time.perf_counter() - t0)
-    return {"round_s": times, "client_steps": steps}
+    return {"round_s": times, "client_steps": steps, "setup_s": setup_s}
 
 
 def run_pfedes(clients: list[tuple[np.ndarray, np.ndarray]], archs: list[str], mean, std,
@@ -171,6 +173,7 @@ def run_pfedes(clients: list[tuple[np.ndarray, np.ndarray]], archs: list[str], m
                lam: float = 0.5, dim: int = 128, proxy_lr_ratio: float = 0.1,
                server_momentum: float = 0.5, seed: int = 0) -> dict:
     """pFedES with every client each round: private CNN-k models, a shared `proxy_cnn`."""
+    start = time.perf_counter()
     torch.manual_seed(seed)
     data = [_to_tensors(x, y, mean, std) for x, y in clients]
     in_ch, spatial = data[0][0].shape[1], data[0][0].shape[2]
@@ -185,6 +188,7 @@ def run_pfedes(clients: list[tuple[np.ndarray, np.ndarray]], archs: list[str], m
     proxy_opt = torch.optim.SGD(proxy_params, lr=proxy_lr_ratio * lr)
     global_flat = _flat(proxy_params)
     times, steps = [], 0
+    setup_s = time.perf_counter() - start
     for _ in range(rounds):
         t0 = time.perf_counter()
         total = torch.zeros_like(global_flat)
@@ -216,4 +220,4 @@ def run_pfedes(clients: list[tuple[np.ndarray, np.ndarray]], archs: list[str], m
         global_flat = server_momentum * global_flat + (1 - server_momentum) * total / weight
         float(loss_sum)
         times.append(time.perf_counter() - t0)
-    return {"round_s": times, "client_steps": steps}
+    return {"round_s": times, "client_steps": steps, "setup_s": setup_s}

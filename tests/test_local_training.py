@@ -180,3 +180,25 @@ def test_padded_step_fraction_counts_the_steps_each_strategy_runs(tmp_path, stra
         steps = np.array(by_round[r["round"]], float)
         expected = 1.0 if strategy == "loop" else bucket * steps.max() / steps.sum()
         assert r["padded_step_fraction"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("modality,arch", [("image", "vit"), ("image", "convnet3"),
+                                           ("text", "text_transformer"), ("text", "proxy")])
+def test_jitted_initialization_equals_eager_initialization(modality, arch):
+    """Cohort states are initialized in one compiled call; the weights must be exactly those of
+    eager initialization (a fused scale changes the last bit, and a run's numbers with it)."""
+    from fedjax_pfedes import cohorts
+    from fedjax_pfedes.data.spec import InputSpec
+    from fedjax_pfedes.models import registry
+    spec = (InputSpec("image", (28, 28, 1), "float32", (0.1,), (0.3,)) if modality == "image"
+            else InputSpec("text", (16,), "int32", vocab_size=50))
+    model = (registry.proxy_model("proxy_text", 16, spec) if arch == "proxy"
+             else registry.client_model(arch, 10, 16, spec))
+    x = spec.dummy_batch()
+
+    def init(key, model=model, x=x):
+        return model.init(key, x)
+
+    rng, ids = jax.random.key(1), jnp.arange(4)
+    eager = jax.vmap(init)(jax.vmap(lambda k: jax.random.fold_in(rng, k))(ids))
+    jax.tree.map(np.testing.assert_array_equal, cohorts._init_states(init, rng, ids), eager)

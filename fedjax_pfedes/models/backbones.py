@@ -26,11 +26,32 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models.layers import Conv, max_pool_2x2
+
+
+def normal_init(stddev: float):
+    """`nn.initializers.normal(stddev)` whose values do not depend on how XLA fuses it.
+
+    Inside jit, XLA fuses the scaling into the normal sampler and rounds the product differently
+    (1 ulp) than the eager computation; the barrier keeps the two steps apart, so a jitted
+    initialization gives exactly the weights an eager one does."""
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.lax.optimization_barrier(jax.random.normal(key, shape, dtype)) * stddev
+
+    return init
+
+
+def embedding_init(key, shape, dtype=jnp.float32):
+    """`nn.Embed`'s default initializer (normal with variance 1 / features), made independent of
+    XLA fusion like `normal_init`."""
+    variance = jnp.array(1.0 / shape[-1], dtype)
+    return jax.lax.optimization_barrier(jax.random.normal(key, shape, dtype)) * jnp.sqrt(variance)
 
 
 class PublishedCNN(nn.Module):
@@ -123,7 +144,7 @@ class ViT(nn.Module):
         patch = (max(h // self.grid, 1), max(w // self.grid, 1))
         x = Conv(self.dim, patch, strides=patch, padding="VALID", name="patch_embed")(x)
         x = x.reshape(x.shape[0], -1, self.dim)
-        pos = self.param("pos_embed", nn.initializers.normal(0.02), (1, x.shape[1], self.dim))
+        pos = self.param("pos_embed", normal_init(0.02), (1, x.shape[1], self.dim))
         x = x + pos
         for i in range(self.depth):
             x = TransformerBlock(self.dim, self.heads, self.mlp_dim, name=f"block{i + 1}")(x)
@@ -148,7 +169,7 @@ class EmbeddingBag(nn.Module):
 
     @nn.compact
     def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
-        e = nn.Embed(self.vocab_size, self.dim, name="embed")(ids)
+        e = nn.Embed(self.vocab_size, self.dim, embedding_init=embedding_init, name="embed")(ids)
         return nn.relu(nn.Dense(self.out_features, name="fc")(_masked_mean(e, _token_mask(ids))))
 
 
@@ -164,7 +185,8 @@ class TextCNN(nn.Module):
     @nn.compact
     def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
         mask = _token_mask(ids)
-        e = nn.Embed(self.vocab_size, self.dim, name="embed")(ids) * mask
+        e = nn.Embed(self.vocab_size, self.dim, embedding_init=embedding_init,
+                     name="embed")(ids) * mask
         pooled = []
         for w in self.widths:
             c = nn.relu(Conv(self.features, (w,), padding="SAME", name=f"conv{w}")(e))
@@ -184,8 +206,8 @@ class TextTransformer(nn.Module):
     @nn.compact
     def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
         valid = ids != 0
-        x = nn.Embed(self.vocab_size, self.dim, name="embed")(ids)
-        x = x + self.param("pos_embed", nn.initializers.normal(0.02), (1, ids.shape[1], self.dim))
+        x = nn.Embed(self.vocab_size, self.dim, embedding_init=embedding_init, name="embed")(ids)
+        x = x + self.param("pos_embed", normal_init(0.02), (1, ids.shape[1], self.dim))
         attention_mask = nn.make_attention_mask(valid, valid)
         for i in range(self.depth):
             x = TransformerBlock(self.dim, self.heads, self.mlp_dim, name=f"block{i + 1}")(
