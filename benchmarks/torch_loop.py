@@ -108,6 +108,14 @@ def _to_tensors(x: np.ndarray, y: np.ndarray, mean, std) -> tuple[torch.Tensor, 
             torch.from_numpy(y.astype(np.int64)))
 
 
+def _batches(n: int, batch_size: int, epochs: int):
+    """Row indices of each local step: `epochs` reshuffled passes over n rows."""
+    for _ in range(epochs):
+        order = torch.randperm(n)
+        for s in range(0, n, batch_size):
+            yield order[s:s + batch_size]
+
+
 def _flat(params) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in params])
 
@@ -150,16 +158,13 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
             x, y = data[k]
             _load_flat(local_params, global_flat)
             loss_sum = torch.zeros(())
-            for _ in range(epochs):
-                order = torch.randperm(len(y))
-                for s in range(0, len(y), batch_size):
-                    idx = order[s:s + batch_size]
-                    opt.zero_grad(set_to_none=True)
-                    loss = F.cross_entropy(local(x[idx]), y[idx])
-                    loss.backward()
-                    opt.step()
-                    loss_sum += loss.detach()
-                    steps += 1
+            for idx in _batches(len(y), batch_size, epochs):
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(local(x[idx]), y[idx])
+                loss.backward()
+                opt.step()
+                loss_sum += loss.detach()
+                steps += 1
             total += len(y) * _flat(local_params)
             weight += len(y)
         global_flat = total / weight
@@ -197,24 +202,20 @@ def run_pfedes(clients: list[tuple[np.ndarray, np.ndarray]], archs: list[str], m
         for k, (x, y) in enumerate(data):
             model, opt = models[k], opts[k]
             _load_flat(proxy_params, global_flat)
-            for _ in range(epochs):
-                order = torch.randperm(len(y))
-                for s in range(0, len(y), batch_size):
-                    idx = order[s:s + batch_size]
-                    xb, yb = x[idx], y[idx]
-                    e_proxy = proxy(xb)  # one forward pass serves both steps
-                    logits, e_local = model(xb)
-                    loss = F.cross_entropy(logits, yb) + lam * F.mse_loss(e_local,
-                                                                          e_proxy.detach())
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                    proxy_loss = F.mse_loss(e_proxy, e_local.detach())
-                    proxy_opt.zero_grad(set_to_none=True)
-                    proxy_loss.backward()
-                    proxy_opt.step()
-                    loss_sum += loss.detach()
-                    steps += 1
+            for idx in _batches(len(y), batch_size, epochs):
+                xb, yb = x[idx], y[idx]
+                e_proxy = proxy(xb)  # one forward pass serves both steps
+                logits, e_local = model(xb)
+                loss = F.cross_entropy(logits, yb) + lam * F.mse_loss(e_local, e_proxy.detach())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                proxy_loss = F.mse_loss(e_proxy, e_local.detach())
+                proxy_opt.zero_grad(set_to_none=True)
+                proxy_loss.backward()
+                proxy_opt.step()
+                loss_sum += loss.detach()
+                steps += 1
             total += len(y) * _flat(proxy_params)
             weight += len(y)
         global_flat = server_momentum * global_flat + (1 - server_momentum) * total / weight

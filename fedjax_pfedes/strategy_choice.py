@@ -15,6 +15,7 @@ the measurement. No platform rule is built in.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -61,11 +62,55 @@ def _signature(name: str, broadcast, states, train, bucket: int, epochs: int) ->
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One cohort's measurement inputs (see `choose`)."""
+
+    name: str
+    runners: dict[str, execution.CohortRunner]
+    broadcast: PyTree
+    states: PyTree
+    train: PyTree
+    bucket: int
+    expected_participants: float
+    planned_steps: np.ndarray
+    epochs: int
+
+    def inputs(self):
+        """(one-step train arrays, slots, keys) of the measurement."""
+        members = self.train.sizes.shape[0]
+        slots = np.arange(self.bucket, dtype=np.int32) % max(members, 1)
+        keys = jax.random.split(jax.random.key(0), self.bucket)
+        one_step = self.train.replace(sizes=jnp.minimum(self.train.sizes, 1))
+        if getattr(one_step, "step_limit", None) is not None:
+            one_step = one_step.replace(step_limit=jnp.full_like(one_step.step_limit,
+                                                                 self.epochs))
+        return one_step, slots, keys
+
+
+def _run_once(runner: execution.CohortRunner, broadcast, states, train, slots, keys):
+    copy = jax.tree.map(jnp.copy, states)  # update donates the states it is given
+    out = runner.update(broadcast, copy, train, slots, keys)
+    jax.block_until_ready(out)
+    return out
+
+
+def compile_all(trials: list[Trial], threads: int | None = None) -> None:
+    """Compiles every (cohort, strategy) update of `trials` concurrently (XLA compiles outside
+    the GIL), so the timing in `choose` measures runs, not compilations, and the whole start-up
+    takes about the longest compilation per core instead of their sum."""
+    jobs = [(t, r) for t in trials for r in t.runners.values()]
+    threads = threads or max(1, min(len(jobs), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        futures = [pool.submit(_run_once, r, t.broadcast, t.states, *t.inputs())
+                   for t, r in jobs]
+        for f in futures:
+            f.result()
+
+
 def _time_update(runner: execution.CohortRunner, broadcast, states, train, slots, keys,
                  repeats: int) -> float:
-    copy = jax.tree.map(jnp.copy, states)  # update donates the states it is given
-    out = runner.update(broadcast, copy, train, slots, keys)  # compiles (the run reuses it)
-    jax.block_until_ready(out)
+    out = _run_once(runner, broadcast, states, train, slots, keys)  # compiled (or cached)
     best = float("inf")
     for _ in range(repeats):
         copy = out[1]
@@ -76,32 +121,36 @@ def _time_update(runner: execution.CohortRunner, broadcast, states, train, slots
     return best
 
 
-def choose(name: str, runners: dict[str, execution.CohortRunner], broadcast, states: PyTree,
-           train, bucket: int, expected_participants: float, planned_steps: np.ndarray,
-           epochs: int, cache_dir: str | None, repeats: int = 2) -> Choice:
-    """Times `runners` (strategy -> runner) on one cohort and returns the cheaper strategy.
+def cached_choice(trial: Trial, cache_dir: str | None) -> Choice | None:
+    """The cached decision for `trial`, if there is one."""
+    cache = _read(os.path.join(cache_dir, CACHE_FILE) if cache_dir else None)
+    entry = cache.get(_key(trial))
+    if entry and entry.get("strategy") in trial.runners:
+        return Choice(**{**entry, "cached": True})
+    return None
 
-    Args:
-      name: what the cohort runs (algorithm/architecture), part of the cache key.
-      states, train: the cohort's stacked private states and padded train arrays.
-      bucket: participant slots per round.
-      expected_participants: mean number of this cohort's members that train in a round.
-      planned_steps: [members] local steps of each member in a round.
-      epochs: the static number of local epochs (each measured client runs one step per epoch).
-      cache_dir: where the decision cache lives (None: no cache).
+
+def _key(t: Trial) -> str:
+    return _signature(t.name, t.broadcast, t.states, t.train, t.bucket, t.epochs)
+
+
+def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
+    """Times the trial's runners (strategy -> runner) on one cohort; returns the cheaper one.
+
+    `trial` fields: name (algorithm/architecture, part of the cache key); runners; broadcast;
+    states and train (the cohort's stacked private states and padded train arrays); bucket
+    (participant slots per round); expected_participants (mean number of the cohort's members
+    that train in a round); planned_steps ([members] local steps in a round); epochs (the static
+    number of local epochs: each measured client runs one step per epoch). `cache_dir`: where the
+    decision cache lives (None: no cache).
     """
-    key = _signature(name, broadcast, states, train, bucket, epochs)
-    path = os.path.join(cache_dir, CACHE_FILE) if cache_dir else None
-    cache = _read(path)
-    if key in cache and cache[key].get("strategy") in runners:
-        return Choice(**{**cache[key], "cached": True})
-    members = train.sizes.shape[0]
-    slots = np.arange(bucket, dtype=np.int32) % max(members, 1)
-    keys = jax.random.split(jax.random.key(0), bucket)
-    one_step = train.replace(sizes=jnp.minimum(train.sizes, 1))
-    if getattr(one_step, "step_limit", None) is not None:
-        one_step = one_step.replace(step_limit=jnp.full_like(one_step.step_limit, epochs))
-    per_call = {s: _time_update(r, broadcast, states, one_step, slots, keys, repeats)
+    cached = cached_choice(trial, cache_dir)
+    if cached is not None:
+        return cached
+    runners, bucket, epochs = trial.runners, trial.bucket, trial.epochs
+    planned_steps, expected_participants = trial.planned_steps, trial.expected_participants
+    one_step, slots, keys = trial.inputs()
+    per_call = {s: _time_update(r, trial.broadcast, trial.states, one_step, slots, keys, repeats)
                 for s, r in runners.items()}
     # A call ran `epochs` steps of every slot. The loop pays per participant and step; vmap
     # pays per iteration of the whole bucket, until the longest schedule ends.
@@ -113,9 +162,10 @@ def choose(name: str, runners: dict[str, execution.CohortRunner], broadcast, sta
     }
     expected = {s: expected[s] for s in per_call}
     choice = Choice(min(expected, key=expected.get), per_call, expected)
-    if path:  # re-read: another run may have added its decisions meanwhile
+    if cache_dir:  # re-read: another run may have added its decisions meanwhile
+        path = os.path.join(cache_dir, CACHE_FILE)
         cache = _read(path)
-        cache[key] = {k: v for k, v in choice.as_dict().items() if k != "cached"}
+        cache[_key(trial)] = {k: v for k, v in choice.as_dict().items() if k != "cached"}
         _write(path, cache)
     return choice
 

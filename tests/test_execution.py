@@ -132,22 +132,21 @@ def test_auto_strategy_picks_the_cheaper_expected_round_and_caches_it(tmp_path):
     # One step per client: loop 4 x 10 ms per call, vmap 1 x 30 ms.
     runners = {"loop": _fake_runner("loop", 0.01), "vmap": _fake_runner("vmap", 0.03)}
     planned = np.array([2, 2, 2, 10])  # one long client: vmap pays its 10 steps every round
-    choice = strategy_choice.choose("alg/arch", runners, {}, states, train, bucket=4,
-                                    expected_participants=2.0, planned_steps=planned, epochs=1,
-                                    cache_dir=str(tmp_path), repeats=1)
+    def trial(name, participants, steps):
+        return strategy_choice.Trial(name, runners, {}, states, train, bucket=4,
+                                     expected_participants=participants, planned_steps=steps,
+                                     epochs=1)
+
+    choice = strategy_choice.choose(trial("alg/arch", 2.0, planned), str(tmp_path), repeats=1)
     loop_call, vmap_call = choice.seconds_per_call["loop"], choice.seconds_per_call["vmap"]
     assert loop_call == pytest.approx(0.04, rel=0.5) and vmap_call == pytest.approx(0.03, rel=0.5)
     # Expected round: loop = per-client step x mean steps x participants; vmap = x max steps.
     assert choice.expected_round_s["loop"] == pytest.approx(loop_call / 4 * 4.0 * 2.0)
     assert choice.expected_round_s["vmap"] == pytest.approx(vmap_call * 10.0)
     assert choice.strategy == "loop" and not choice.cached
-    again = strategy_choice.choose("alg/arch", runners, {}, states, train, bucket=4,
-                                   expected_participants=2.0, planned_steps=planned, epochs=1,
-                                   cache_dir=str(tmp_path), repeats=1)
+    again = strategy_choice.choose(trial("alg/arch", 2.0, planned), str(tmp_path), repeats=1)
     assert again.cached and again.strategy == "loop"
     assert again.seconds_per_call == choice.seconds_per_call
     # Equal step counts: vmap's single batched call wins.
-    even = strategy_choice.choose("alg/arch2", runners, {}, states, train, bucket=4,
-                                  expected_participants=4.0, planned_steps=np.full(4, 3),
-                                  epochs=1, cache_dir=None, repeats=1)
+    even = strategy_choice.choose(trial("alg/arch2", 4.0, np.full(4, 3)), None, repeats=1)
     assert even.strategy == "vmap"
