@@ -314,8 +314,6 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
             algorithm.broadcast(server_state, c.arch), c.states, c.train, c.bucket,
             launches_per_round * len(c.client_ids) / n, planned[c.client_ids],
             int(epochs.max())) for c in cohorts}
-        strategy_choice.compile_all([t for t in trials.values()
-                                     if strategy_choice.cached_choice(t, cache_dir) is None])
         for c in cohorts:
             choice = strategy_choice.choose(trials[c.arch], cache_dir)
             c.runner = runners[c.arch][choice.strategy]

@@ -15,7 +15,6 @@ the measurement. No platform rule is built in.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -93,19 +92,6 @@ def _run_once(runner: execution.CohortRunner, broadcast, states, train, slots, k
     out = runner.update(broadcast, copy, train, slots, keys)
     jax.block_until_ready(out)
     return out
-
-
-def compile_all(trials: list[Trial], threads: int | None = None) -> None:
-    """Compiles every (cohort, strategy) update of `trials` concurrently (XLA compiles outside
-    the GIL), so the timing in `choose` measures runs, not compilations, and the whole start-up
-    takes about the longest compilation per core instead of their sum."""
-    jobs = [(t, r) for t in trials for r in t.runners.values()]
-    threads = threads or max(1, min(len(jobs), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        futures = [pool.submit(_run_once, r, t.broadcast, t.states, *t.inputs())
-                   for t, r in jobs]
-        for f in futures:
-            f.result()
 
 
 def _time_update(runner: execution.CohortRunner, broadcast, states, train, slots, keys,
