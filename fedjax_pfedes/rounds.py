@@ -175,7 +175,10 @@ def aggregate(ctx: RunContext, server_state, trained: Trained, memories: dict,
                            per_client.tolist(), strict=True))
     if "upload_bytes_per_client" in report:  # counted from the encoded form
         summary["upload_bytes_per_client"] = report["upload_bytes_per_client"]
-    for k in ("secagg_senders", "secagg_dropped_after_upload", "secagg_failures"):
+    for r in report.get("robust_aggregation_skipped", []):
+        logging.warning("round %d: no server update for %s", round_index + 1, r)
+    for k in ("secagg_senders", "secagg_dropped_after_upload", "secagg_failures",
+              "robust_aggregation_skipped"):
         if k in report:
             summary[k] = report[k]
     if monitor:

@@ -209,10 +209,15 @@ def privacy_metrics(pipeline: UploadPipeline, rounds_done: int) -> dict[str, flo
 
 
 def dp_sgd_metrics(config: ml_collections.ConfigDict, steps_taken: dict[int, int],
-                   batch_rate: dict[int, float]) -> dict[str, float]:
+                   batch_rate: dict[int, float], releases_per_step: int = 1
+                   ) -> dict[str, float]:
     """Per-client epsilon of sample-level DP-SGD so far (max and mean over clients that have
-    trained), RDP accounting. Each local step is accounted as a Poisson-sampled Gaussian with
-    q = B / n_k (the usual approximation for shuffled batches, as in Opacus / TF Privacy)."""
+    trained), RDP accounting. Each local step is accounted as a Poisson-sampled batch with
+    q = B / n_k (the usual approximation for shuffled batches, as in Opacus / TF Privacy) on which
+    `releases_per_step` Gaussian mechanisms act (pFedES releases the private model's and
+    E_proxy's noisy gradients of the same batch: composed inside the sampled event, which equals
+    one Gaussian of noise multiplier sigma / sqrt(2) and is larger than composing two
+    independently sampled steps)."""
     if not config.dp_sgd.enabled or not steps_taken:
         return {}
     d = config.dp_sgd
@@ -222,11 +227,14 @@ def dp_sgd_metrics(config: ml_collections.ConfigDict, steps_taken: dict[int, int
             eps.append(float("inf"))
             continue
         accountant = privacy.make_accountant("rdp", "poisson")
-        accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-            batch_rate[cid], dp_accounting.GaussianDpEvent(d.noise_multiplier)), steps))
+        release = dp_accounting.ComposedDpEvent(
+            [dp_accounting.GaussianDpEvent(d.noise_multiplier)] * releases_per_step)
+        accountant.compose(dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(batch_rate[cid], release), steps))
         eps.append(float(accountant.get_epsilon(d.delta)))
     return {"dp_sgd_epsilon_max": max(eps), "dp_sgd_epsilon_mean": float(np.mean(eps)),
-            "dp_sgd_delta": d.delta, "dp_sgd_noise_multiplier": d.noise_multiplier}
+            "dp_sgd_delta": d.delta, "dp_sgd_noise_multiplier": d.noise_multiplier,
+            "dp_sgd_releases_per_step": releases_per_step}
 
 
 
@@ -442,7 +450,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
         evaluated = (r + 1) % config.eval.every == 0 or r + 1 == rounds_total
         if evaluated:
             steps = {i: int(s) for i, s in enumerate(dp_sgd_steps) if s > 0}
-            record.update(dp_sgd_metrics(config, steps, batch_rate))
+            record.update(dp_sgd_metrics(config, steps, batch_rate,
+                                         ctx.algorithm.dp_sgd_releases_per_step))
             record.update(evaluate(ctx.algorithm, server_state, ctx.cohorts, *_global_test(
                 data, config)))
         record.update(round_time_s=time.time() - t0, elapsed_s=time.time() - start)
@@ -473,6 +482,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
         "majority_class_accuracy_mean": majority_class_accuracy(data),
         "best_personalized_accuracy": best["personalized_accuracy_mean"],
         "best_round": best["round"],
+        **({"dp_accounting_sampling": ctx.pipeline.cfg.dp.sampling}
+           if ctx.pipeline.cfg.dp is not None else {}),
         "execution_strategy": strategy,
         "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
         **({"strategy_choice": ctx.strategy_choices} if ctx.strategy_choices else {}),

@@ -388,3 +388,99 @@ def test_every_algorithm_declares_the_aggregation_the_config_checks_assume():
             continue
         config.algorithm = name
         assert build_algorithm(config, data).aggregation == aggregation_kind(name), name
+
+
+@pytest.mark.parametrize("algorithm,releases", [("fedavg", 1), ("pfedes", 2)])
+def test_dp_sgd_epsilon_equals_dp_accounting_for_the_releases_that_happened(
+        tmp_path, algorithm, releases):
+    """Every local step is one Poisson-sampled batch (q = B / n_k) on which the algorithm releases
+    `releases` noisy gradients (pFedES: private model and E_proxy): the reported epsilon must be
+    dp_accounting's for exactly those events, recomputed here from clients.jsonl."""
+    import json
+
+    import dp_accounting
+    config = tabular_hetero.get_config()
+    config.algorithm = algorithm
+    config.train.rounds = 2
+    config.eval.every = 2
+    config.clients.architectures = "mlp_small"
+    config.dp_sgd.enabled = True
+    config.dp_sgd.noise_multiplier = 1.0
+    final = run_experiment(config, str(tmp_path), show_progress=False)["final"]
+    steps, samples = {}, {}
+    for line in open(tmp_path / "clients.jsonl"):
+        row = json.loads(line)
+        if row["status"] in ("delivered", "partial"):
+            steps[row["client"]] = steps.get(row["client"], 0) + row["local_steps"]
+            samples[row["client"]] = row["samples"]
+
+    def epsilon(cid, per_step):
+        accountant = dp_accounting.rdp.RdpAccountant()
+        q = min(1.0, config.train.batch_size / samples[cid])
+        accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+            q, dp_accounting.ComposedDpEvent(
+                [dp_accounting.GaussianDpEvent(1.0)] * per_step)), steps[cid]))
+        return accountant.get_epsilon(config.dp_sgd.delta)
+
+    expected = max(epsilon(c, releases) for c in steps)
+    assert final["dp_sgd_releases_per_step"] == releases
+    assert final["dp_sgd_epsilon_max"] == pytest.approx(expected, rel=1e-6)
+    if releases > 1:  # counting one release per step would under-report
+        assert final["dp_sgd_epsilon_max"] > 1.2 * max(epsilon(c, 1) for c in steps)
+
+
+def test_trimmed_mean_trims_at_least_one_per_side_below_ten_uploads():
+    """floor(0.1 * 9) = 0 made the default trimmed mean a plain mean with 9 uploads."""
+    x = np.arange(9, dtype=np.float32)[:, None] ** 3  # one large outlier at the top
+    valid = np.ones(9, bool)
+    got = robust.trimmed_mean({"w": jnp.asarray(x)}, jnp.asarray(valid), 0.1)["w"]
+    np.testing.assert_allclose(got, np.sort(x, axis=0)[1:-1].mean(axis=0), rtol=1e-6)
+    assert int(robust.trim_count(jnp.int32(9), 0.1)) == 1
+    assert int(robust.trim_count(jnp.int32(25), 0.1)) == 2
+    assert int(robust.trim_count(jnp.int32(3), 0.4)) == 1
+    assert int(robust.trim_count(jnp.int32(9), 0.0)) == 0  # 0 = no trimming, a plain mean
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed_mean"])
+def test_robust_aggregation_of_fewer_than_three_uploads_is_skipped_and_reported(aggregator):
+    template = {"w": jnp.array([1.0, 1.0])}
+    ups = {"w": jnp.array([[2.0, 1.0], [100.0, 5.0], [0.0, 0.0]])}
+    pipe = _pipeline(aggregator=aggregator)
+    groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1], [1, 1, 0])},
+                                     {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
+    np.testing.assert_array_equal(groups["a"][1], [0, 0, 0])  # nobody counts: state kept
+    assert report["robust_aggregation_skipped"] == [
+        f"a: 2 valid upload(s), config.upload.aggregator='{aggregator}' needs >= 3"]
+    groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1])},
+                                     {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
+    assert "robust_aggregation_skipped" not in report and float(groups["a"][1].sum()) > 0
+
+
+@pytest.mark.parametrize("change", [{"train.sampling": "stratified"},
+                                    {"system.availability": "0.9,0.5"},
+                                    {"system.dropout": 0.2},
+                                    {"train.min_samples": 40}])
+def test_client_dp_claims_no_amplification_when_selection_is_not_uniform(tmp_path, change):
+    """Stratified quotas, availability < 1, failure-decayed weights and skipped clients are not
+    a uniformly random draw: epsilon is the plain Gaussian mechanism composed per round."""
+    config = tabular_hetero.get_config()
+    config.train.rounds = 3
+    config.eval.every = 3
+    config.upload.weighting = "uniform"
+    config.dp.enabled = True
+    config.dp.noise_multiplier = 1.1
+    (field, value), = change.items()
+    section, name = field.split(".")
+    config[section][name] = value
+    summary = run_experiment(config, str(tmp_path), show_progress=False)
+    accountant = rdp.RdpAccountant()
+    accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.1), 3))
+    assert summary["dp_accounting_sampling"] == "none"
+    assert summary["final"]["dp_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5),
+                                                           rel=1e-9)
+    amplified = rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    amplified.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(10, 5, dp_accounting.GaussianDpEvent(1.1)),
+        3))
+    assert summary["final"]["dp_epsilon"] > amplified.get_epsilon(1e-5)

@@ -56,6 +56,9 @@ class Algorithm:
         all participants; 'per_cohort' — a weighted mean within each cohort; 'custom' — other
         server math (prototypes, header training): robust aggregators, DP and secure
         aggregation are refused; 'none' — nothing is uploaded.
+      dp_sgd_releases_per_step: with sample-level DP-SGD, how many noisy gradients of the same
+        batch a local step releases (pFedES: the private model's and E_proxy's, 2); the
+        accountant composes them inside each sampled step.
     """
 
     name: str
@@ -65,3 +68,4 @@ class Algorithm:
     server_update: Callable[[PyTree, dict[str, tuple[PyTree, jax.Array]]], PyTree]
     cohort_program: Callable[[str], CohortProgram]
     aggregation: str = "shared"
+    dp_sgd_releases_per_step: int = 1

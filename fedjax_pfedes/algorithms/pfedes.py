@@ -192,4 +192,7 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
 
         return CohortProgram(init_client, client_update, evaluate)
 
-    return Algorithm("pfedes", init_server, broadcast, broadcast, server_update, cohort_program)
+    # With DP-SGD each local step releases two noisy gradients of its batch (private model and
+    # E_proxy), both accounted.
+    return Algorithm("pfedes", init_server, broadcast, broadcast, server_update, cohort_program,
+                     dp_sgd_releases_per_step=2)

@@ -51,16 +51,32 @@ class PipelineConfig:
     encoding: sa_protocol.RingEncoding = sa_protocol.RingEncoding()
 
 
+def uniformly_random_selection(config) -> bool:
+    """Whether every round's participants are a uniformly random draw from all clients (what
+    privacy amplification by subsampling assumes): 'uniform' / 'poisson' sampling, every client
+    always online, no drop-outs or deadlines (which decay failing clients' sampling weights), and
+    nobody skipped below a minimum size."""
+    t, s = config.train, config.system
+    availability = [float(a) for a in str(s.availability).split(",") if a.strip()]
+    reliable = (min(availability, default=1.0) >= 1.0 and s.availability_period == 0
+                and s.dropout == 0 and s.deadline_s == 0)
+    skips = t.min_samples > 0 and t.below_min == "skip"
+    return t.sampling in ("uniform", "poisson") and reliable and not skips
+
+
 def pipeline_config(config) -> PipelineConfig:
-    """`PipelineConfig` from an experiment config's `upload`, `dp`, `secagg` and
-    `train.sampling` fields (ValueError naming the field for a bad value)."""
+    """`PipelineConfig` from an experiment config's `upload`, `dp`, `secagg`, `train` and
+    `system` fields (ValueError naming the field for a bad value)."""
     u, d, s = config.upload, config.dp, config.secagg
     dp = None
     if d.enabled:
+        sampling = "poisson" if config.train.sampling == "poisson" else "fixed"
+        if not uniformly_random_selection(config):
+            sampling = "none"  # no amplification by subsampling is claimed
         dp = privacy.ClientDPConfig(
             clip_norm=d.clip_norm, noise_multiplier=d.noise_multiplier,
             target_epsilon=d.target_epsilon, delta=d.delta, accountant=d.accountant,
-            sampling="poisson" if config.train.sampling == "poisson" else "fixed")
+            sampling=sampling)
     return PipelineConfig(
         reject_nonfinite=u.reject_nonfinite, norm_outlier_factor=u.norm_outlier_factor,
         weighting=u.weighting, aggregator=u.aggregator, trim_fraction=u.trim_fraction,
@@ -343,6 +359,14 @@ class UploadPipeline:
             elif cfg.dp is not None:
                 agg = self._noisy_mean(stacked, jnp.asarray(ok), scope_key,
                                        jnp.float32(denominator))
+            elif ok.sum() < robust.MIN_ROBUST_UPLOADS:
+                # A median / trimmed mean of 1-2 uploads is their mean: no protection. Skip.
+                report.setdefault("robust_aggregation_skipped", []).append(
+                    f"{'+'.join(scope)}: {int(ok.sum())} valid upload(s), config.upload."
+                    f"aggregator='{cfg.aggregator}' needs >= {robust.MIN_ROBUST_UPLOADS}")
+                for a in scope:
+                    weights[a] = jnp.zeros_like(weights[a])
+                agg = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], jnp.float32), stacked)
             else:
                 agg = self._robust(stacked, jnp.asarray(ok))
             for a in scope:

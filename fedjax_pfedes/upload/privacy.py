@@ -12,6 +12,10 @@ sensitivity C; the accountant composes the rounds with `dp_accounting` (Google's
 - sampling 'fixed': exactly m of N clients, uniformly without replacement
   (SampledWithoutReplacementDpEvent; replace-one neighbours); RDP accounting only
   (dp_accounting's PLD accountant does not support it).
+- sampling 'none': selection is not uniformly random (stratified quotas, availability < 1,
+  drop-outs or deadlines with failure-decayed weights, clients skipped below a minimum size), so
+  no amplification by subsampling is claimed: every round is accounted as the plain Gaussian
+  mechanism (add-or-remove-one neighbours), an upper bound whatever the sampler did.
 
 The guarantee is per client (user-level): a client's whole dataset may change. Architecture
 cohorts are disjoint, so per-cohort aggregation gives every client the same guarantee.
@@ -28,7 +32,7 @@ import jax.numpy as jnp
 from dp_accounting import pld, rdp
 
 ACCOUNTANTS = ("rdp", "pld")
-SAMPLINGS = ("fixed", "poisson")
+SAMPLINGS = ("fixed", "poisson", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,8 @@ def round_event(num_clients: int, clients_per_round: int, noise_multiplier: floa
                 sampling: str) -> dp_accounting.DpEvent:
     """The DP event of one round."""
     gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
+    if sampling == "none":
+        return gaussian
     if sampling == "poisson":
         return dp_accounting.PoissonSampledDpEvent(clients_per_round / num_clients, gaussian)
     return dp_accounting.SampledWithoutReplacementDpEvent(num_clients, clients_per_round,

@@ -41,13 +41,28 @@ def coordinate_median(stacked, valid: jax.Array):
     return jax.tree.map(lambda a: masked_median(a, valid), stacked)
 
 
+# Robust aggregators need this many valid uploads to differ from a mean of what arrived; with
+# fewer, the pipeline skips the scope's update for the round and says so.
+MIN_ROBUST_UPLOADS = 3
+
+
+def trim_count(n: jax.Array, trim_fraction: float) -> jax.Array:
+    """Values cut at each end among n: floor(trim_fraction * n), but at least 1 whenever
+    trim_fraction > 0 (floor(0.1 * 9) = 0 would silently be a plain mean), and never so many
+    that nothing is left."""
+    k = jnp.floor(trim_fraction * n).astype(jnp.int32)
+    if trim_fraction > 0:
+        k = jnp.maximum(k, 1)
+    return jnp.clip(k, 0, jnp.maximum((n - 1) // 2, 0))
+
+
 def trimmed_mean(stacked, valid: jax.Array, trim_fraction: float):
-    """Per coordinate: drop the floor(trim_fraction * n) largest and smallest of the n valid
-    values, average the rest."""
+    """Per coordinate: drop the `trim_count(n, trim_fraction)` largest and smallest of the n
+    valid values, average the rest."""
     if not 0 <= trim_fraction < 0.5:
         raise ValueError(f"config.upload.trim_fraction must be in [0, 0.5), got {trim_fraction}")
     n = jnp.sum(valid)
-    k = jnp.floor(trim_fraction * n).astype(jnp.int32)
+    k = trim_count(n, trim_fraction)
     big = jnp.finfo(jnp.float32).max
 
     def one(a):
