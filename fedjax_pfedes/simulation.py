@@ -321,7 +321,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
             f"{algorithm.name}/{c.arch}", runners[c.arch],
             algorithm.broadcast(server_state, c.arch), c.states, c.train, c.bucket,
             launches_per_round * len(c.client_ids) / n, planned[c.client_ids],
-            int(epochs.max())) for c in cohorts}
+            int(epochs.max()), t.batch_size) for c in cohorts}
         for c in cohorts:
             choice = strategy_choice.choose(trials[c.arch], cache_dir)
             c.runner = runners[c.arch][choice.strategy]

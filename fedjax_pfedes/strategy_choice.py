@@ -1,7 +1,7 @@
 """`config.execution.strategy='auto'`: pick each cohort's execution strategy by timing it.
 
 For every cohort, both strategies ('loop' and 'vmap') run the cohort's local update on a full
-bucket of participants with every client cut to one sample (one local step per epoch), on the
+bucket of participants with every client cut to one batch of rows (one local step per epoch), on the
 backend the run uses. The compiled programs are the run's own (sizes are data, not shapes), so the
 winner's compilation is reused by the rounds. From the per-call times the expected cost of a real
 round follows from the clients' planned step counts: the loop runs each participant's own steps,
@@ -74,13 +74,15 @@ class Trial:
     expected_participants: float
     planned_steps: np.ndarray
     epochs: int
+    batch_size: int
 
     def inputs(self):
-        """(one-step train arrays, slots, keys) of the measurement."""
+        """(one-step train arrays, slots, keys) of the measurement: every client keeps one full
+        batch of its rows (a real step's work), so it runs one step per epoch."""
         members = self.train.sizes.shape[0]
         slots = np.arange(self.bucket, dtype=np.int32) % max(members, 1)
         keys = jax.random.split(jax.random.key(0), self.bucket)
-        one_step = self.train.replace(sizes=jnp.minimum(self.train.sizes, 1))
+        one_step = self.train.replace(sizes=jnp.minimum(self.train.sizes, self.batch_size))
         if getattr(one_step, "step_limit", None) is not None:
             one_step = one_step.replace(step_limit=jnp.full_like(one_step.step_limit,
                                                                  self.epochs))
@@ -127,7 +129,8 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
     states and train (the cohort's stacked private states and padded train arrays); bucket
     (participant slots per round); expected_participants (mean number of the cohort's members
     that train in a round); planned_steps ([members] local steps in a round); epochs (the static
-    number of local epochs: each measured client runs one step per epoch). `cache_dir`: where the
+    number of local epochs: each measured client runs one step per epoch); batch_size (the local
+    batch size: each measured client keeps that many rows). `cache_dir`: where the
     decision cache lives (None: no cache).
     """
     cached = cached_choice(trial, cache_dir)

@@ -135,7 +135,7 @@ def test_auto_strategy_picks_the_cheaper_expected_round_and_caches_it(tmp_path):
     def trial(name, participants, steps):
         return strategy_choice.Trial(name, runners, {}, states, train, bucket=4,
                                      expected_participants=participants, planned_steps=steps,
-                                     epochs=1)
+                                     epochs=1, batch_size=1)
 
     choice = strategy_choice.choose(trial("alg/arch", 2.0, planned), str(tmp_path), repeats=1)
     loop_call, vmap_call = choice.seconds_per_call["loop"], choice.seconds_per_call["vmap"]
