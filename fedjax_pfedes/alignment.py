@@ -1,8 +1,9 @@
 """Feature-alignment losses between a client's projected features and the proxy's features.
 
-pFedES seed document, section 3.2: mean-squared error or negative cosine similarity; section 5
-adds a contrastive (InfoNCE; van den Oord et al., 2018) variant. Each returns the masked mean over
-the batch, `align(a, b, mask)`; which side carries a stop-gradient is the caller's choice.
+pFedES as implemented here (`algorithms/pfedes.py`) aligns with mean-squared error or negative
+cosine similarity; a contrastive (InfoNCE; van den Oord et al., 2018) variant is added. Each
+returns the masked mean over the batch, `align(a, b, mask)`; which side carries a stop-gradient
+is the caller's choice.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """pFedES: proxy feature extractor sharing for model-heterogeneous personalized FL.
 
 Yi et al., "pFedES: Generalized Proxy Feature Extractor Sharing for Model Heterogeneous
-Personalized Federated Learning", AAAI 2025; this module follows the variant of the pFedES seed
-document (shared/seeds/000_*.txt, sections 2-3):
+Personalized Federated Learning", AAAI 2025. This module implements the feature-alignment variant
+described below (the authors' published schedule is `pfedes_paper.py`):
 
 * Each client k keeps a private backbone F_k, classifier H_k and projection head P_k to a common
   space of dimension d. The server keeps a small proxy feature extractor E_proxy (input
@@ -34,7 +34,7 @@ from fedjax_pfedes.models import registry
 
 @dataclasses.dataclass(frozen=True)
 class PFedESConfig:
-    """Hyper-parameters of pFedES (defaults from the seed document's ranges)."""
+    """Hyper-parameters of pFedES (defaults inside the ranges of the README's Configs table)."""
 
     num_classes: int
     input_spec: InputSpec

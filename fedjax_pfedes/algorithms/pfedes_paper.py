@@ -1,9 +1,9 @@
 """The published pFedES: a shared image-to-image proxy G in front of each client's own model.
 
 Yi et al., "pFedES: Generalized Proxy Feature Extractor Sharing for Model Heterogeneous
-Personalized Federated Learning", AAAI 2025 (public code LipingYi/pFedES); SPEC.md "The published
-pFedES". The shared G is conv3x3 C->8, ReLU, conv3x3 8->C, ReLU (443 parameters for RGB). Each
-client k keeps its classifier F_k (e.g. CNN-1..CNN-5). On every local batch (x, y), alternating:
+Personalized Federated Learning", AAAI 2025 (public code LipingYi/pFedES). The shared G is
+conv3x3 C->8, ReLU, conv3x3 8->C, ReLU (443 parameters for RGB). Each client k keeps its
+classifier F_k (e.g. CNN-1..CNN-5). On every local batch (x, y), alternating:
 
 1. G frozen: F_k takes one SGD step on (1 - mu) * CE(F_k(x), y) + mu * CE(F_k(G(x)), y).
 2. F_k frozen (its new parameters): G takes one SGD step on CE(F_k(G(x)), y).
