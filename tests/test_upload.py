@@ -350,15 +350,20 @@ def test_private_gradient_clips_each_example_and_divides_by_the_batch_size():
         [2.0 * 0.5 / 6] * 3, rel=0.05)
 
 
-def test_dp_sgd_runs_for_fedavg_and_reports_per_client_epsilon(tmp_path):
+def _dp_sgd_run(tmp_path, algorithm: str, noise_multiplier: float):
+    """Two rounds of `algorithm` with DP-SGD on the tabular config; returns (config, final)."""
     config = tabular_hetero.get_config()
-    config.algorithm = "fedavg"
+    config.algorithm = algorithm
     config.train.rounds = 2
     config.eval.every = 2
     config.clients.architectures = "mlp_small"
     config.dp_sgd.enabled = True
-    config.dp_sgd.noise_multiplier = 1.3
-    final = run_experiment(config, str(tmp_path), show_progress=False)["final"]
+    config.dp_sgd.noise_multiplier = noise_multiplier
+    return config, run_experiment(config, str(tmp_path), show_progress=False)["final"]
+
+
+def test_dp_sgd_runs_for_fedavg_and_reports_per_client_epsilon(tmp_path):
+    _, final = _dp_sgd_run(tmp_path, "fedavg", 1.3)
     assert np.isfinite(final["dp_sgd_epsilon_max"])
     assert final["dp_sgd_epsilon_max"] >= final["dp_sgd_epsilon_mean"] > 0
 
@@ -399,14 +404,7 @@ def test_dp_sgd_epsilon_equals_dp_accounting_for_the_releases_that_happened(
     import json
 
     import dp_accounting
-    config = tabular_hetero.get_config()
-    config.algorithm = algorithm
-    config.train.rounds = 2
-    config.eval.every = 2
-    config.clients.architectures = "mlp_small"
-    config.dp_sgd.enabled = True
-    config.dp_sgd.noise_multiplier = 1.0
-    final = run_experiment(config, str(tmp_path), show_progress=False)["final"]
+    config, final = _dp_sgd_run(tmp_path, algorithm, 1.0)
     steps, samples = {}, {}
     for line in open(tmp_path / "clients.jsonl"):
         row = json.loads(line)
