@@ -317,13 +317,12 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
             choices[c.arch] = {"strategy": strategies[c.arch], "from_checkpoint": True}
     elif requested == "auto":
         cache_dir = compilation.configure_cache(config.execution.compilation_cache_dir)
-        trials = {c.arch: strategy_choice.Trial(
-            f"{algorithm.name}/{c.arch}", runners[c.arch],
-            algorithm.broadcast(server_state, c.arch), c.states, c.train, c.bucket,
-            launches_per_round * len(c.client_ids) / n, planned[c.client_ids],
-            int(epochs.max()), t.batch_size) for c in cohorts}
         for c in cohorts:
-            choice = strategy_choice.choose(trials[c.arch], cache_dir)
+            choice = strategy_choice.choose(strategy_choice.Trial(
+                f"{algorithm.name}/{c.arch}", runners[c.arch],
+                algorithm.broadcast(server_state, c.arch), c.states, c.train, c.bucket,
+                launches_per_round * len(c.client_ids) / n, planned[c.client_ids],
+                int(epochs.max()), t.batch_size), cache_dir)
             c.runner = runners[c.arch][choice.strategy]
             choices[c.arch] = choice.as_dict()
     eligible = (sizes >= t.min_samples) if t.below_min == "skip" else np.ones(n, bool)
