@@ -106,7 +106,9 @@ def get_config() -> ml_collections.ConfigDict:
     # The upload pipeline (README "Uploads: validation, compression, privacy").
     config.upload = ml_collections.ConfigDict()
     config.upload.reject_nonfinite = True  # NaN/Inf uploads are rejected, the round goes on
-    config.upload.norm_outlier_factor = 0.0  # reject update norms > factor x median (0 = off)
+    # Reject an update whose norm is > factor x the round's median (0 = off; not applied
+    # under DP, where clipping bounds every update, nor under secure aggregation).
+    config.upload.norm_outlier_factor = 10.0
     config.upload.weighting = "samples"  # 'samples' | 'sqrt_samples' | 'uniform'
     config.upload.aggregator = "mean"    # 'mean' | 'median' | 'trimmed_mean' (per coordinate)
     config.upload.trim_fraction = 0.1    # trimmed mean: share cut at each end
@@ -131,6 +133,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.dp_sgd.noise_multiplier = 1.0
     config.dp_sgd.delta = 1e-5
 
+    # Simulated malicious clients (docs/threat_model.md): they send this instead of their update.
+    config.attack = ml_collections.ConfigDict()
+    config.attack.clients = ""           # comma-separated client ids, e.g. "0,3"
+    config.attack.kind = "none"  # 'none' | 'constant' | 'scale' | 'sign_flip' | 'gaussian' | 'nan'
+    config.attack.value = 1e4            # the constant, the scale factor or the noise std
+
     # Secure aggregation (Bonawitz et al. 2017): the server sees only masked vectors.
     config.secagg = ml_collections.ConfigDict()
     config.secagg.enabled = False
@@ -138,6 +146,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.secagg.ring_bits = 64         # fixed-point ring Z_(2^bits): 32 | 64
     config.secagg.fraction_bits = 24     # fixed-point fractional bits
     config.secagg.dropout_after_upload = 0.0  # simulated share of senders lost before unmasking
+    config.secagg.min_senders = 3         # fewer senders in a round: no update, no release
 
     # Unreliable clients (README "Unreliable clients"); the defaults model none.
     config.system = ml_collections.ConfigDict()

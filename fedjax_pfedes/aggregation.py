@@ -69,7 +69,8 @@ def weighted_mean(groups: Sequence[tuple[PyTree, jnp.ndarray]]) -> tuple[PyTree,
         length as its weights. Trees of all groups share one structure.
 
     Returns:
-      (mean tree in float32, total weight). With total weight 0 the mean is all zeros.
+      (mean tree in float32, total weight). With total weight 0 the mean is all zeros. Finite
+      uploads give a finite mean (no float32 overflow in the weighted sum).
     """
     total = sum(jnp.sum(w.astype(jnp.float32)) for _, w in groups)
     safe_total = jnp.where(total > 0, total, 1.0)
@@ -78,8 +79,16 @@ def weighted_mean(groups: Sequence[tuple[PyTree, jnp.ndarray]]) -> tuple[PyTree,
         w = w.astype(jnp.float32)
         return jax.tree.map(lambda u: jnp.tensordot(w, u.astype(jnp.float32), axes=1), uploads)
 
+    def normalized_sum(uploads, w):  # convex weights: |mean| <= max |upload|, never overflows
+        w = w.astype(jnp.float32) / safe_total
+        return jax.tree.map(lambda u: jnp.tensordot(w, u.astype(jnp.float32), axes=1), uploads)
+
     sums = [weighted_sum(u, w) for u, w in groups]
     mean = jax.tree.map(lambda *xs: sum(xs) / safe_total, *sums)
+    # sum(w x) / W overflows float32 for finite uploads near 3.4e38 (or weights x values beyond
+    # it); sum((w / W) x) cannot. The first form stays where finite, so results do not move.
+    fallback = [normalized_sum(u, w) for u, w in groups]
+    mean = jax.tree.map(lambda m, *xs: jnp.where(jnp.isfinite(m), m, sum(xs)), mean, *fallback)
     return mean, total
 
 

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fedjax_pfedes import sampling, system
+from fedjax_pfedes import attacks, sampling, system
 from fedjax_pfedes.cohorts import Cohort
 from fedjax_pfedes.upload import validation
 from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
@@ -29,6 +29,9 @@ def tree_size(tree) -> tuple[int, int]:
     leaves = jax.tree.leaves(tree)
     return (sum(int(np.prod(np.shape(x))) for x in leaves),
             sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves))
+
+
+ATTACK_STREAM = 0x5EED_A77  # folded into the round key for the attackers' randomness
 
 
 @dataclasses.dataclass
@@ -56,6 +59,7 @@ class RunContext:
     upload_key: jax.Array
     monitor_x: jax.Array         # one global test sample: evaluate_slots needs a global set
     monitor_y: jax.Array
+    attack: attacks.AttackConfig = attacks.AttackConfig()  # simulated malicious clients
 
     @property
     def num_clients(self) -> int:
@@ -110,6 +114,8 @@ def train_participants(ctx: RunContext, server_state, participants: np.ndarray,
         keys = jax.vmap(lambda i: jax.random.fold_in(round_key, i))(jnp.asarray(ids))
         stacked, cohort.states, metrics = cohort.runner.update(
             broadcast, cohort.states, cohort.train, slots, keys)
+        stacked = attacks.apply(stacked, template, ids,
+                                jax.random.fold_in(round_key, ATTACK_STREAM), ctx.attack)
         sizes = jnp.take(cohort.train.sizes, jnp.asarray(slots), mode="clip")
         uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, slots)
         if not valid.any():
@@ -175,10 +181,16 @@ def aggregate(ctx: RunContext, server_state, trained: Trained, memories: dict,
                            per_client.tolist(), strict=True))
     if "upload_bytes_per_client" in report:  # counted from the encoded form
         summary["upload_bytes_per_client"] = report["upload_bytes_per_client"]
-    for r in report.get("robust_aggregation_skipped", []):
+    for r in report.get("robust_aggregation_skipped", []) + report.get("secagg_skipped", []):
         logging.warning("round %d: no server update for %s", round_index + 1, r)
+    realized = report.get("dp_realized_noise_multiplier")
+    if realized is not None and realized < ctx.pipeline.noise_multiplier:
+        logging.warning("round %d: the secure sum carries noise multiplier %.3f, below the "
+                        "configured %.3f (fewer senders than expected); accounted as it is",
+                        round_index + 1, realized, ctx.pipeline.noise_multiplier)
     for k in ("secagg_senders", "secagg_dropped_after_upload", "secagg_failures",
-              "robust_aggregation_skipped"):
+              "secagg_skipped", "secagg_quantization_error_bound",
+              "dp_realized_noise_multiplier", "robust_aggregation_skipped"):
         if k in report:
             summary[k] = report[k]
     if monitor:

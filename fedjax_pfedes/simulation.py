@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from fedjax_pfedes import (
     asynchronous,
+    attacks,
     checkpointing,
     compilation,
     execution,
@@ -198,12 +199,14 @@ def build_pipeline(config: ml_collections.ConfigDict, algorithm, num_clients: in
 
 
 def privacy_metrics(pipeline: UploadPipeline, rounds_done: int) -> dict[str, float]:
-    """dp_epsilon (at dp_delta) spent after `rounds_done` rounds, from dp_accounting."""
+    """dp_epsilon (at dp_delta) spent after `rounds_done` rounds, from dp_accounting composed
+    over the noise each round really released."""
     dp = pipeline.cfg.dp
     if dp is None:
         return {}
-    eps = privacy.epsilon(dp, pipeline.noise_multiplier, pipeline.num_clients,
-                          pipeline.clients_per_round, rounds_done)
+    realized = pipeline.round_noise_multipliers[:rounds_done]
+    eps = privacy.epsilon_of_rounds(dp, realized, pipeline.num_clients,
+                                    pipeline.clients_per_round)
     return {"dp_epsilon": eps, "dp_delta": dp.delta,
             "dp_noise_multiplier": pipeline.noise_multiplier, "dp_clip_norm": dp.clip_norm}
 
@@ -329,6 +332,10 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     if not eligible.any():
         raise ConfigError(f"config.train.min_samples={t.min_samples}: no client has that many "
                           f"local samples (largest: {sizes.max()})")
+    try:
+        attack = attacks.attack_config(config, n)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     ctx = rounds.RunContext(
         config=config, algorithm=algorithm, cohorts=cohorts,
         server_step=jax.jit(algorithm.server_update), pipeline=pipeline, system=sys_cfg,
@@ -342,7 +349,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
                         for c in cohorts},
         step_limits=uses_step_limits(config), train_key=train_key, upload_key=upload_key,
         monitor_x=jnp.asarray(data.central.x_test[:1]),
-        monitor_y=jnp.asarray(data.central.y_test[:1]))
+        monitor_y=jnp.asarray(data.central.y_test[:1]), attack=attack)
     return ctx, server_state
 
 
@@ -404,6 +411,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     if meta is not None:
         first_round, state = checkpointer.restore(state)
         history = meta["history"]
+        ctx.pipeline.round_noise_multipliers = list(meta.get("dp_round_noise_multipliers",
+                                                             []))[:first_round]
         logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
     for c in ctx.cohorts:
         c.states = state["clients"][c.arch]
@@ -468,6 +477,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
                 "dp_sgd_steps": dp_sgd_steps, "clock_s": np.asarray(clock_s, np.float64),
                 **({"in_flight": in_flight.arrays()} if in_flight is not None else {})},
                 {"history": history, "config": config.to_dict(),
+                 "dp_round_noise_multipliers": ctx.pipeline.round_noise_multipliers[:r + 1],
                  "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts}})
     writers.close()
     if checkpointer is not None:
@@ -483,6 +493,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
         "best_round": best["round"],
         **({"dp_accounting_sampling": ctx.pipeline.cfg.dp.sampling}
            if ctx.pipeline.cfg.dp is not None else {}),
+        "norm_outlier_rejection": ctx.pipeline.outlier_note,
         "execution_strategy": strategy,
         "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
         **({"strategy_choice": ctx.strategy_choices} if ctx.strategy_choices else {}),

@@ -129,7 +129,7 @@ def test_weight_smoothing():
 def test_pipeline_median_hands_the_algorithm_the_median_in_every_slot():
     template = {"w": jnp.array([1.0, 1.0])}
     ups = {"w": jnp.array([[2.0, 1.0], [1.0, 5.0], [100.0, 1.5]])}
-    pipe = _pipeline(aggregator="median")
+    pipe = _pipeline(aggregator="median", norm_outlier_factor=0.0)  # the median alone
     groups, _, _ = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1])},
                                 {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
     np.testing.assert_allclose(groups["a"][0]["w"], [[2.0, 1.5]] * 3, rtol=1e-6)
@@ -294,10 +294,144 @@ def test_shamir_reconstructs_from_any_t_shares_only():
         sa.shamir_reconstruct(shares[:2], 3)
 
 
-def test_fixed_point_range_is_checked_per_client():
+def test_secure_sum_still_checks_the_fixed_point_range_per_client():
     enc = sa.RingEncoding(32, 24)
     with pytest.raises(ValueError, match="client 1 has .* beyond the fixed-point range"):
         sa.secure_sum({0: np.zeros(3), 1: np.array([0.0, 500.0, 0.0])}, 1, enc, seed=0)
+
+
+def _secagg_pipeline(num_clients=10, expected=4, **kw):
+    return UploadPipeline(PipelineConfig(secagg=True, **kw), "shared", "test",
+                          num_clients=num_clients, expected_participants=expected,
+                          clients_per_round=expected, rounds=5)
+
+
+def test_secure_aggregation_rejects_an_out_of_range_client_and_sums_the_rest():
+    enc = sa.RingEncoding(32, 16)  # |value| < 2^15 / senders
+    pipe = _secagg_pipeline(encoding=enc)
+    template = {"w": jnp.zeros(3)}
+    ups = {"w": jnp.array([[1.0, 2.0, 3.0], [0.5, 0.5, 0.5], [9e3, 0.0, 0.0], [1.0, 0.0, 1.0]])}
+    groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1, 1])},
+                                     {"a": jnp.zeros(4)}, {"a": 4}, jax.random.key(0))
+    assert [r["client"] for r in report["rejections"]] == [2]
+    assert "fixed-point range" in report["rejections"][0]["reason"]
+    np.testing.assert_allclose(groups["a"][0]["w"][0], [2.5 / 3, 2.5 / 3, 4.5 / 3], atol=1e-4)
+    assert report["secagg_senders"] == 3
+
+
+def test_secure_aggregation_refuses_fewer_than_min_senders():
+    pipe = _secagg_pipeline()  # min_senders = 3 by default
+    template = {"w": jnp.zeros(2)}
+    ups = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]])}
+    groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1], [1, 1, 0])},
+                                     {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
+    np.testing.assert_array_equal(groups["a"][1], [0, 0, 0])  # no update from a pair
+    assert report["secagg_skipped"] == ["a: 2 sender(s), config.secagg.min_senders=3"]
+    assert "secagg_senders" not in report
+    with pytest.raises(ValueError, match="config.secagg.min_senders must be >= 2"):
+        _secagg_pipeline(secagg_min_senders=1)
+
+
+def test_secure_aggregation_reports_a_quantization_bound_that_holds():
+    enc = sa.RingEncoding(64, 8)  # coarse: resolution 2^-8
+    pipe = _secagg_pipeline(encoding=enc)
+    rng = np.random.default_rng(0)
+    x = rng.normal(scale=0.01, size=(5, 200)).astype(np.float32)  # mostly below resolution
+    sizes = np.array([3.0, 1.0, 2.0, 5.0, 4.0])
+    groups, _, report = pipe.process(0, {"a": _cohort({"w": jnp.asarray(x)}, {"w": jnp.zeros(200)},
+                                                      sizes)},
+                                     {"a": jnp.zeros(5)}, {"a": 5}, jax.random.key(0))
+    exact = sizes @ x.astype(np.float64) / sizes.sum()
+    error = np.abs(np.asarray(groups["a"][0]["w"][0], np.float64) - exact).max()
+    bound = report["secagg_quantization_error_bound"]
+    assert bound == pytest.approx(5 * 2.0 ** -9 / sizes.sum())
+    assert 0 < error <= bound * (1 + 1e-6)
+
+
+def test_secure_aggregation_with_dp_accounts_the_noise_the_senders_really_added():
+    dp = privacy.ClientDPConfig(clip_norm=1.0, noise_multiplier=1.2)
+    pipe = _secagg_pipeline(num_clients=20, expected=4, dp=dp, weighting="uniform")
+    template = {"w": jnp.zeros(3)}
+    ups = {"w": jnp.ones((4, 3)) * 0.1}
+    for r, valid in enumerate([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]):
+        _, _, report = pipe.process(r, {"a": _cohort(ups, template, [1] * 4, valid)},
+                                    {"a": jnp.zeros(4)}, {"a": 20}, jax.random.key(r))
+    # expected 4 per round of 20; senders 4, 3, then 2 (< min_senders: nothing released)
+    assert pipe.round_noise_multipliers == [pytest.approx(1.2),
+                                            pytest.approx(1.2 * math.sqrt(3 / 4)), None]
+    accountant = rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    for sigma in (1.2, 1.2 * math.sqrt(3 / 4)):
+        accountant.compose(dp_accounting.SampledWithoutReplacementDpEvent(
+            20, 4, dp_accounting.GaussianDpEvent(sigma)))
+    got = privacy.epsilon_of_rounds(dp, pipe.round_noise_multipliers, 20, 4)
+    assert got == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+    assert got > privacy.epsilon(dp, 1.2, 20, 4, 2)  # nominal accounting under-reports
+
+
+# --- a wild client under default settings -------------------------------------------------------
+
+def test_finite_uploads_give_a_finite_weighted_mean():
+    from fedjax_pfedes.aggregation import weighted_mean
+    ups = {"w": jnp.array([[3e38, -1.0], [3e38, 1.0]], jnp.float32)}
+    mean, _ = weighted_mean([(ups, jnp.array([2.0, 1.0]))])
+    np.testing.assert_allclose(mean["w"], [3e38, -1.0 / 3], rtol=1e-6)
+    small = {"w": jnp.array([[1.0, 2.0], [3.0, 5.0]])}  # the ordinary path is unchanged
+    mean, _ = weighted_mean([(small, jnp.array([1.0, 3.0]))])
+    np.testing.assert_array_equal(mean["w"], (1.0 * small["w"][0] + 3.0 * small["w"][1]) / 4.0)
+
+
+@pytest.mark.parametrize("wild", [1e4, 3e38])
+def test_default_settings_reject_a_wild_client_and_name_it(wild):
+    template = {"w": jnp.zeros(4)}
+    rng = np.random.default_rng(0)
+    honest = rng.normal(scale=0.1, size=(6, 4)).astype(np.float32)
+    ups = {"w": jnp.asarray(honest).at[4].set(wild)}
+    pipe = _pipeline()  # PipelineConfig() defaults: norm_outlier_factor = 10
+    assert pipe.cfg.norm_outlier_factor == 10.0 and not pipe.active
+    groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [5] * 6, ids=range(10, 16))},
+                                     {"a": jnp.zeros(6)}, {"a": 6}, jax.random.key(0))
+    assert [r["client"] for r in report["rejections"]] == [14]
+    assert "beyond 10 x the round's median" in report["rejections"][0]["reason"]
+    from fedjax_pfedes.aggregation import weighted_mean
+    mean, _ = weighted_mean([groups["a"]])
+    np.testing.assert_allclose(mean["w"], np.delete(honest, 4, 0).mean(0), rtol=1e-5)
+
+
+def test_outliers_are_judged_across_the_cohorts_of_one_shared_tree():
+    # pFedES-style shared aggregation: one participant per cohort, the wild one alone in its own
+    template = {"w": jnp.zeros(2)}
+    cohorts = {f"arch{k}": _cohort({"w": jnp.array([[0.1 * (k + 1), 0.0]])}, template, [1],
+                                   ids=[k]) for k in range(4)}
+    cohorts["arch3"] = _cohort({"w": jnp.array([[50.0, 0.0]])}, template, [1], ids=[3])
+    _, _, report = _pipeline("shared").process(
+        0, cohorts, {a: jnp.zeros(1) for a in cohorts}, {a: 1 for a in cohorts},
+        jax.random.key(0))
+    assert [r["client"] for r in report["rejections"]] == [3]
+    _, _, report = _pipeline("per_cohort").process(  # alone in a cohort: no median to judge by
+        0, cohorts, {a: jnp.zeros(1) for a in cohorts}, {a: 1 for a in cohorts},
+        jax.random.key(0))
+    assert report["rejections"] == []
+
+
+def test_when_most_uploads_are_non_finite_the_broadcast_is_blamed():
+    template = {"w": jnp.zeros(2)}
+    ups = {"w": jnp.array([[jnp.nan, 0.0], [jnp.inf, 1.0], [0.2, 0.1]])}
+    _, _, report = _pipeline().process(0, {"a": _cohort(ups, template, [1, 1, 1])},
+                                       {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
+    assert [r["client"] for r in report["rejections"]] == [0, 1]
+    assert "2 of 3 uploads this round: a poisoned or diverged broadcast" in \
+        report["rejections"][0]["reason"]
+
+
+def test_the_median_norm_rule_is_off_where_it_would_break_dp_or_secure_aggregation():
+    from fedjax_pfedes.upload.pipeline import outlier_rule
+    dp = privacy.ClientDPConfig(clip_norm=1.0)
+    assert outlier_rule(PipelineConfig())[0] == 10.0
+    factor, why = outlier_rule(PipelineConfig(dp=dp, weighting="uniform"))
+    assert factor == 0.0 and "clip_norm" in why
+    factor, why = outlier_rule(PipelineConfig(secagg=True))
+    assert factor == 0.0 and "range-checked before masking" in why
 
 
 # --- everything together ------------------------------------------------------------------------
@@ -443,7 +577,7 @@ def test_trimmed_mean_trims_at_least_one_per_side_below_ten_uploads():
 def test_robust_aggregation_of_fewer_than_three_uploads_is_skipped_and_reported(aggregator):
     template = {"w": jnp.array([1.0, 1.0])}
     ups = {"w": jnp.array([[2.0, 1.0], [100.0, 5.0], [0.0, 0.0]])}
-    pipe = _pipeline(aggregator=aggregator)
+    pipe = _pipeline(aggregator=aggregator, norm_outlier_factor=0.0)
     groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1], [1, 1, 0])},
                                      {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
     np.testing.assert_array_equal(groups["a"][1], [0, 0, 0])  # nobody counts: state kept

@@ -33,13 +33,19 @@ from fedjax_pfedes import aggregation
 from fedjax_pfedes.upload import compression, privacy, robust, validation
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 
+# Default of config.upload.norm_outlier_factor: an update whose L2 norm exceeds 10x the median of
+# the round's valid updates is rejected. Honest updates of one round differ in norm by a few x
+# (sample counts, local epochs); a scaled or boosted poisoning update (Bhagoji et al., "Analyzing
+# Federated Learning through an Adversarial Lens", ICML 2019) is orders of magnitude larger.
+NORM_OUTLIER_FACTOR = 10.0
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """Everything `config.upload`, `config.dp` and `config.secagg` set."""
 
     reject_nonfinite: bool = True
-    norm_outlier_factor: float = 0.0  # 0 = off
+    norm_outlier_factor: float = NORM_OUTLIER_FACTOR  # 0 = off
     weighting: str = "samples"
     aggregator: str = "mean"
     trim_fraction: float = 0.1
@@ -48,6 +54,7 @@ class PipelineConfig:
     secagg: bool = False
     secagg_threshold_fraction: float = 0.6
     secagg_dropout_after_upload: float = 0.0
+    secagg_min_senders: int = 3
     encoding: sa_protocol.RingEncoding = sa_protocol.RingEncoding()
 
 
@@ -83,7 +90,7 @@ def pipeline_config(config) -> PipelineConfig:
         compression=compression.CompressionConfig(u.topk_fraction, u.value_encoding,
                                                   u.qsgd_levels),
         dp=dp, secagg=s.enabled, secagg_threshold_fraction=s.threshold_fraction,
-        secagg_dropout_after_upload=s.dropout_after_upload,
+        secagg_dropout_after_upload=s.dropout_after_upload, secagg_min_senders=s.min_senders,
         encoding=sa_protocol.RingEncoding(s.ring_bits, s.fraction_bits))
 
 
@@ -104,10 +111,12 @@ def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> N
     if cfg.weighting not in robust.WEIGHTINGS:
         raise ValueError(f"config.upload.weighting must be one of {robust.WEIGHTINGS}, got "
                          f"'{cfg.weighting}'")
-    if cfg.secagg and (cfg.aggregator != "mean" or cfg.norm_outlier_factor > 0):
+    if cfg.secagg and cfg.aggregator != "mean":
         raise ValueError("config.secagg.enabled: the server sees only the sum, so "
-                         "config.upload.aggregator must be 'mean' and "
-                         "config.upload.norm_outlier_factor 0")
+                         "config.upload.aggregator must be 'mean'")
+    if cfg.secagg and cfg.secagg_min_senders < 2:
+        raise ValueError("config.secagg.min_senders must be >= 2 (with one sender the 'secure "
+                         f"sum' is that client's update), got {cfg.secagg_min_senders}")
     if cfg.dp is not None and cfg.aggregator != "mean":
         raise ValueError("config.dp.enabled: DP-FedAvg's noisy sum needs "
                          "config.upload.aggregator='mean'")
@@ -176,7 +185,8 @@ def _sub(a, b):
 
 
 class UploadPipeline:
-    """Runs the stages for every round; holds the jitted pieces and the noise multiplier."""
+    """Runs the stages for every round; holds the jitted pieces, the noise multiplier and the
+    noise each round really released (`round_noise_multipliers`, for the accountant)."""
 
     def __init__(self, cfg: PipelineConfig, aggregation: str, algorithm: str, num_clients: int,
                  expected_participants: float, clients_per_round: int, rounds: int):
@@ -190,16 +200,23 @@ class UploadPipeline:
         if cfg.dp is not None:
             self.noise_multiplier = privacy.resolve_noise_multiplier(
                 cfg.dp, num_clients, clients_per_round, rounds)
+        self.outlier_factor, self.outlier_note = outlier_rule(cfg)
         self._client_side = jax.jit(jax.vmap(self._one_client))
         self._robust = jax.jit(self._robust_aggregate)
         self._noisy_mean = jax.jit(self._dp_mean)
         self.rejections: list[tuple[int, int, str]] = []
+        # Per round: the smallest noise multiplier any released aggregate carried (None: nothing
+        # was released). Under secure aggregation the clients add the noise, so fewer senders
+        # than expected release less of it; the accountant composes what really happened.
+        self.round_noise_multipliers: list[float | None] = []
 
     @property
     def active(self) -> bool:
+        """Whether accepted uploads are transformed (otherwise they reach the algorithm as they
+        are, and only validation runs)."""
         c = self.cfg
         return (c.compression.active or c.dp is not None or c.secagg or c.aggregator != "mean"
-                or c.norm_outlier_factor > 0 or c.weighting != "samples")
+                or c.weighting != "samples")
 
     # --- client side (one client, vmapped) ----------------------------------------------------
     def _one_client(self, delta, memory, key):
@@ -238,13 +255,16 @@ class UploadPipeline:
         """Returns ({arch: (uploads, weights)} for the server step, new memories, report)."""
         cfg = self.cfg
         report: dict[str, Any] = {"rejected": 0, "rejections": []}
+        del self.round_noise_multipliers[round_index:]  # a resumed round is recounted
+        self.round_noise_multipliers.extend([None] * (round_index + 1
+                                                      - len(self.round_noise_multipliers)))
         if self.aggregation == "none":  # nothing is uploaded (Standalone)
             return ({a: (c.uploads, jnp.zeros(len(c.valid), jnp.float32))
                      for a, c in cohorts.items()}, memories, report)
         if not self.active:
             return self._validate_only(round_index, cohorts, report), memories, report
-        sent, valid, weights, new_memories = {}, {}, {}, dict(memories)
-        upload_bytes = []
+        sent, valid, norms, finite, weights, new_memories = {}, {}, {}, {}, {}, dict(memories)
+        new_rows = {}
         for k, (arch, c) in enumerate(cohorts.items()):
             ok = np.asarray(c.valid).copy()
             if validation.fingerprint(c.uploads, leading_axes=1) != validation.fingerprint(
@@ -255,29 +275,28 @@ class UploadPipeline:
             else:
                 uploads = c.uploads
             deltas = _sub(uploads, jax.tree.map(lambda t: t[None], c.template))
-            rows = jnp.asarray(c.slots)
-            memory_rows = _take_rows(memories[arch], rows)
+            memory_rows = _take_rows(memories[arch], jnp.asarray(c.slots))
             keys = jax.random.split(jax.random.fold_in(key, k), len(ok))
-            s, new_rows, norms, finite = self._client_side(deltas, memory_rows, keys)
-            finite = np.asarray(finite)
-            if cfg.reject_nonfinite:
-                bad = ok & ~finite
-                self._reject(round_index, c.client_ids[bad],
-                             "non-finite values (client-side check)" if cfg.secagg
-                             else "non-finite values", report)
-                ok &= finite
-            if cfg.norm_outlier_factor > 0:
-                outlier = np.asarray(validation.norm_outliers(norms, jnp.asarray(ok),
-                                                              cfg.norm_outlier_factor))
-                self._reject(round_index, c.client_ids[outlier],
-                             f"update norm beyond {cfg.norm_outlier_factor} x median", report)
-                ok &= ~outlier
+            sent[arch], new_rows[arch], norms[arch], f = self._client_side(deltas, memory_rows,
+                                                                           keys)
+            finite[arch] = np.asarray(f)
+            valid[arch] = ok
+        if cfg.reject_nonfinite:
+            self._reject_nonfinite(round_index, cohorts, valid, finite, report,
+                                   "non-finite values (client-side check)" if cfg.secagg
+                                   else "non-finite values")
+        self._reject_outliers(round_index, cohorts, valid, norms, report)
+        upload_bytes = []
+        for arch, c in cohorts.items():
+            ok = valid[arch]
             # Error feedback: only real participants with finite updates write their rows.
-            write = jnp.where(jnp.asarray(np.asarray(c.valid) & finite), rows, members[arch])
-            new_memories[arch] = _put_rows(memories[arch], write, new_rows)
+            rows = jnp.asarray(c.slots)
+            write = jnp.where(jnp.asarray(np.asarray(c.valid) & finite[arch]), rows,
+                              members[arch])
+            new_memories[arch] = _put_rows(memories[arch], write, new_rows[arch])
             # Rejected slots send nothing: their values leave every sum (NaN x 0 is NaN).
-            s = _where_rows(jnp.asarray(ok), s, jax.tree.map(jnp.zeros_like, s))
-            sent[arch], valid[arch] = s, ok
+            sent[arch] = _where_rows(jnp.asarray(ok), sent[arch],
+                                     jax.tree.map(jnp.zeros_like, sent[arch]))
             weights[arch] = robust.smooth_weights(c.sizes, jnp.asarray(ok), cfg.weighting)
             if ok.any():
                 upload_bytes.append((int(ok.sum()), compression.encoded_bytes(
@@ -300,32 +319,84 @@ class UploadPipeline:
             counts = np.array(upload_bytes, np.float64)
             report["upload_bytes_per_client"] = float(counts[:, 1] @ counts[:, 0]
                                                       / counts[:, 0].sum())
+        if cfg.dp is not None:
+            # The server adds sigma C itself; under secure aggregation the senders did.
+            realized = (report.get("dp_realized_noise_multiplier") if cfg.secagg
+                        else self.noise_multiplier)
+            self.round_noise_multipliers[round_index] = realized
+            if realized is not None:
+                report["dp_realized_noise_multiplier"] = realized
         return groups, new_memories, report
 
     def _validate_only(self, round_index: int, cohorts: dict[str, CohortUploads],
                        report: dict) -> dict[str, tuple[Any, jax.Array]]:
-        """Default settings: fingerprint and finiteness checks on the uploads as they are (no
-        arithmetic on accepted uploads, so results equal a run without the pipeline)."""
-        groups = {}
+        """Default settings: fingerprint, finiteness and norm-outlier checks on the uploads as
+        they are (no arithmetic on accepted uploads, so results equal a run without the
+        pipeline)."""
+        uploads, valid, finite, norms = {}, {}, {}, {}
         for arch, c in cohorts.items():
             ok = np.asarray(c.valid).copy()
-            uploads = c.uploads
-            if validation.fingerprint(uploads, leading_axes=1) != validation.fingerprint(
+            uploads[arch] = c.uploads
+            if validation.fingerprint(c.uploads, leading_axes=1) != validation.fingerprint(
                     c.template):
                 self._reject(round_index, c.client_ids[ok], _mismatch(c), report)
                 ok[:] = False
-                uploads = _replicate(c.template, len(ok))
-            elif self.cfg.reject_nonfinite:
-                finite = np.asarray(validation.finite_mask(uploads))
-                self._reject(round_index, c.client_ids[ok & ~finite], "non-finite values",
-                             report)
-                if (ok & ~finite).any():  # a NaN times weight 0 is still NaN: drop the values
-                    uploads = _where_rows(jnp.asarray(finite), uploads,
-                                          _replicate(c.template, len(ok)))
-                ok &= finite
-            groups[arch] = (uploads, robust.smooth_weights(c.sizes, jnp.asarray(ok),
-                                                           self.cfg.weighting))
+                uploads[arch] = _replicate(c.template, len(ok))
+            finite[arch] = np.asarray(validation.finite_mask(uploads[arch]))
+            if self.outlier_factor > 0:
+                norms[arch] = validation.upload_norms(uploads[arch], c.template)
+            valid[arch] = ok
+        if self.cfg.reject_nonfinite:
+            self._reject_nonfinite(round_index, cohorts, valid, finite, report,
+                                   "non-finite values")
+        self._reject_outliers(round_index, cohorts, valid, norms, report)
+        groups = {}
+        for arch, c in cohorts.items():
+            ok = valid[arch]
+            if (np.asarray(c.valid) & ~ok).any():  # NaN x weight 0 is still NaN: drop values
+                uploads[arch] = _where_rows(jnp.asarray(ok), uploads[arch],
+                                            _replicate(c.template, len(ok)))
+            groups[arch] = (uploads[arch], robust.smooth_weights(c.sizes, jnp.asarray(ok),
+                                                                 self.cfg.weighting))
         return groups
+
+    def _reject_nonfinite(self, round_index: int, cohorts: dict[str, CohortUploads],
+                          valid: dict, finite: dict, report: dict, reason: str) -> None:
+        """Rejects valid slots with NaN/Inf values. When at least half of the round's uploads
+        are non-finite, the reason says that the broadcast they trained from is the likelier
+        culprit (a poisoned or diverged server model makes honest clients fail together)."""
+        bad = {a: valid[a] & ~finite[a] for a in cohorts}
+        n_bad = sum(int(b.sum()) for b in bad.values())
+        n_all = sum(int(v.sum()) for v in valid.values())
+        if n_bad >= 2 and 2 * n_bad >= n_all:
+            reason += (f" ({n_bad} of {n_all} uploads this round: a poisoned or diverged "
+                       "broadcast model is the likelier cause than these clients)")
+        for arch, c in cohorts.items():
+            self._reject(round_index, c.client_ids[bad[arch]], reason, report)
+            valid[arch] &= ~bad[arch]
+
+    def _reject_outliers(self, round_index: int, cohorts: dict[str, CohortUploads],
+                         valid: dict, norms: dict, report: dict) -> None:
+        """Rejects valid slots whose update norm exceeds `outlier_factor` x the median norm of
+        the valid updates aggregated together (per cohort or over all cohorts)."""
+        if self.outlier_factor <= 0:
+            return
+        for scope in self._scopes(cohorts):
+            ok = np.concatenate([valid[a] for a in scope])
+            scope_norms = jnp.concatenate([jnp.asarray(norms[a], jnp.float32) for a in scope])
+            outlier = np.asarray(validation.norm_outliers(scope_norms, jnp.asarray(ok),
+                                                          self.outlier_factor))
+            start = 0
+            for a in scope:
+                n = len(valid[a])
+                mine = outlier[start:start + n]
+                start += n
+                for j in np.flatnonzero(mine):
+                    self._reject(round_index, cohorts[a].client_ids[j:j + 1],
+                                 f"update norm {float(norms[a][j]):.3g} beyond "
+                                 f"{self.outlier_factor:g} x the round's median "
+                                 f"(config.upload.norm_outlier_factor)", report)
+                valid[a] &= ~mine
 
     def _reject(self, round_index: int, ids: np.ndarray, reason: str, report: dict) -> None:
         for cid in np.asarray(ids).tolist():
@@ -352,7 +423,7 @@ class UploadPipeline:
             if cfg.secagg:
                 agg = self._secure_mean(round_index, scope, cohorts, stacked, ok, w, scope_key,
                                         denominator, report)
-                if agg is None:  # protocol failed: nobody in this scope counts this round
+                if agg is None:  # protocol failed or skipped: nobody in this scope counts
                     for a in scope:
                         weights[a] = jnp.zeros_like(weights[a])
                     agg = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], jnp.float32), stacked)
@@ -381,29 +452,53 @@ class UploadPipeline:
                        for a in jax.tree.leaves(stacked)]
         flat = np.concatenate(flat_leaves, axis=1)
         w = np.asarray(w, np.float64)
+        if ok.sum() < cfg.secagg_min_senders:
+            # Too few senders: the "secure" sum would reveal (nearly) one client's update.
+            report.setdefault("secagg_skipped", []).append(
+                f"{'+'.join(scope)}: {int(ok.sum())} sender(s), config.secagg.min_senders="
+                f"{cfg.secagg_min_senders}")
+            return None
         noise_std = 0.0
         if cfg.dp is not None:  # distributed noise: each client adds its share of the variance
             noise_std = self.noise_multiplier * cfg.dp.clip_norm / math.sqrt(
                 max(denominator, 1.0))
         rng = np.random.default_rng([int(jax.random.randint(key, (), 0, 2 ** 31 - 1)),
                                      round_index])
+        bound = cfg.encoding.max_abs(int(ok.sum()))
         vectors = {}
         for j in np.flatnonzero(ok):
             x = flat[j] * (1.0 if cfg.dp is not None else w[j])
             if noise_std > 0:
                 x = x + rng.normal(0.0, noise_std, x.shape)
-            vectors[int(ids[j])] = np.append(x, w[j])
-        zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), stacked)
-        if not vectors:
+            x = np.append(x, w[j])
+            worst = float(np.max(np.abs(x)))
+            if worst > bound:  # range check on the client, before masking
+                self._reject(round_index, ids[j:j + 1],
+                             f"|value| {worst:.3g} beyond the secure-aggregation fixed-point "
+                             f"range {bound:.3g} (checked before masking; config.secagg."
+                             "ring_bits / fraction_bits)", report)
+                continue
+            vectors[int(ids[j])] = x
+        if len(vectors) < cfg.secagg_min_senders:
+            report.setdefault("secagg_skipped", []).append(
+                f"{'+'.join(scope)}: {len(vectors)} sender(s) within range, "
+                f"config.secagg.min_senders={cfg.secagg_min_senders}")
             return None
         drop = frozenset(u for u in vectors if rng.random() < cfg.secagg_dropout_after_upload)
-        threshold = max(1, math.ceil(cfg.secagg_threshold_fraction * len(vectors)))
+        threshold = max(2, math.ceil(cfg.secagg_threshold_fraction * len(vectors)))
         senders = len(vectors)  # clients that drop after uploading have sent their vector
         report.setdefault("secagg_bytes", []).append((senders, sa_protocol.bytes_per_sender(
             next(iter(vectors.values())).shape[0], senders, cfg.encoding)))
+        if cfg.dp is not None:
+            # Every sender's noise is in the sum (also of those lost before unmasking): total
+            # variance senders x std^2 = (sigma C)^2 x senders / expected.
+            realized = self.noise_multiplier * math.sqrt(senders / max(denominator, 1.0))
+            report["dp_realized_noise_multiplier"] = min(
+                report.get("dp_realized_noise_multiplier", math.inf), realized)
         try:
             result = sa_protocol.secure_sum(vectors, threshold, cfg.encoding,
-                                       int(rng.integers(0, 2 ** 62)), drop_after_upload=drop)
+                                            int(rng.integers(0, 2 ** 62)),
+                                            drop_after_upload=drop)
         except sa_protocol.SecureAggregationError as e:
             report.setdefault("secagg_failures", []).append(str(e))
             self._reject(round_index, np.array(sorted(vectors)), "secure aggregation failed",
@@ -413,7 +508,14 @@ class UploadPipeline:
         report["secagg_dropped_after_upload"] = (report.get("secagg_dropped_after_upload", 0)
                                                  + len(drop))
         total, weight = result.total[:-1], result.total[-1]
-        mean = total / (denominator if cfg.dp is not None else max(weight, 1e-12))
+        divisor = denominator if cfg.dp is not None else max(weight, 1e-12)
+        # Each sender's values are rounded to the nearest multiple of 2^-fraction_bits: the
+        # decoded mean is off by at most senders x 2^-(fraction_bits + 1) / divisor per value.
+        error = len(result.senders) * 2.0 ** -(cfg.encoding.fraction_bits + 1) / divisor
+        report["secagg_quantization_error_bound"] = max(
+            report.get("secagg_quantization_error_bound", 0.0), error)
+        mean = total / divisor
+        zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), stacked)
         leaves, treedef = jax.tree.flatten(zero)
         out, start = [], 0
         for leaf in leaves:
@@ -421,3 +523,21 @@ class UploadPipeline:
                                    jnp.float32))
             start += leaf.size
         return jax.tree.unflatten(treedef, out)
+
+
+def outlier_rule(cfg: PipelineConfig) -> tuple[float, str]:
+    """(the norm-outlier factor in force, why) — the median rule is off where it cannot hold:
+    under client-level DP (whether one client is counted would depend on the others' data, which
+    voids the sensitivity bound; clipping to C bounds every client instead) and under secure
+    aggregation (the server never sees an individual norm; a range check before masking applies
+    instead)."""
+    if cfg.norm_outlier_factor <= 0:
+        return 0.0, "off (config.upload.norm_outlier_factor=0)"
+    if cfg.dp is not None:
+        return 0.0, ("off under config.dp.enabled: clipping to config.dp.clip_norm bounds every "
+                     "update instead")
+    if cfg.secagg:
+        return 0.0, ("off under config.secagg.enabled: the server sees no individual norm; "
+                     "values are range-checked before masking instead")
+    return cfg.norm_outlier_factor, (f"updates with norm > {cfg.norm_outlier_factor:g} x the "
+                                     "round's median are rejected")

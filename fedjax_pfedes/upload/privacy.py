@@ -23,6 +23,7 @@ cohorts are disjoint, so per-cohort aggregation gives every client the same guar
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -115,6 +116,24 @@ def epsilon(cfg: ClientDPConfig, noise_multiplier: float, num_clients: int,
     accountant = make_accountant(cfg.accountant, cfg.sampling)
     accountant.compose(dp_accounting.SelfComposedDpEvent(
         round_event(num_clients, clients_per_round, noise_multiplier, cfg.sampling), rounds))
+    return float(accountant.get_epsilon(cfg.delta))
+
+
+def epsilon_of_rounds(cfg: ClientDPConfig, noise_multipliers, num_clients: int,
+                      clients_per_round: int) -> float:
+    """epsilon at cfg.delta after rounds that released aggregates with the given noise
+    multipliers (one per round; None = the round released nothing). Rounds are composed as
+    they happened: a secure-aggregation round with fewer senders than expected carries less
+    noise than configured and costs more."""
+    released = collections.Counter(s for s in noise_multipliers if s is not None)
+    if not released:
+        return 0.0
+    if min(released) == 0:
+        return math.inf
+    accountant = make_accountant(cfg.accountant, cfg.sampling)
+    for sigma, count in sorted(released.items()):
+        accountant.compose(dp_accounting.SelfComposedDpEvent(
+            round_event(num_clients, clients_per_round, sigma, cfg.sampling), count))
     return float(accountant.get_epsilon(cfg.delta))
 
 
