@@ -102,6 +102,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.batch_size = 32
     config.train.lr_local = 0.05         # local SGD learning rate
     config.train.local_momentum = 0.9    # local SGD momentum (0 = plain SGD); never aggregated
+    # A loss that goes NaN/Inf stops the run with diverged: true in summary.json and exit
+    # status 3; True keeps exit status 0 (e.g. inside a sweep that expects some to diverge).
+    config.train.allow_divergence = False
 
     # The upload pipeline (README "Uploads: validation, compression, privacy").
     config.upload = ml_collections.ConfigDict()

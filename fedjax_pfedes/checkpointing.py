@@ -12,8 +12,11 @@ Layout: `<workdir>/checkpoints/<round>/{state,meta}` (orbax `CheckpointManager`,
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging as pylogging
 import os
+import shutil
 from typing import Any
 
 import ml_collections
@@ -58,14 +61,22 @@ def config_changes(saved: dict, current: dict) -> list[str]:
 
 
 class Checkpointer:
-    """Saves / restores `(state pytree, meta dict)` every `every` rounds under `<workdir>`."""
+    """Saves / restores `(state pytree, meta dict)` every `every` rounds under `<workdir>`.
+
+    Every save also writes an integrity record (size and SHA-256 of each file of the step) to
+    `<workdir>/checkpoint_integrity/<round>.json`. On resume a step whose files do not match
+    its record (a kill during a copy, a truncated or edited file) is reported as corrupt, moved
+    to `<workdir>/corrupt_checkpoints/` and the previous intact step is used instead."""
 
     def __init__(self, workdir: str, every: int, max_to_keep: int):
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.workdir = os.path.abspath(workdir)
+        self.directory = os.path.join(self.workdir, "checkpoints")
+        self.integrity_dir = os.path.join(self.workdir, "checkpoint_integrity")
         self.every = every
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
                                                                  create=True))
+        self.step: int | None = None  # the step `check_config` selected
 
     def latest_round(self) -> int | None:
         return self.manager.latest_step()
@@ -77,26 +88,82 @@ class Checkpointer:
         self.manager.save(rounds_done, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(to_builtin(meta))))
         self.manager.wait_until_finished()  # a kill after this line loses nothing
+        os.makedirs(self.integrity_dir, exist_ok=True)
+        record = os.path.join(self.integrity_dir, f"{rounds_done}.json")
+        with open(record + ".tmp", "w") as f:
+            json.dump(_digest(self._step_dir(rounds_done)), f)
+        os.replace(record + ".tmp", record)
+        kept = {str(s) for s in self.manager.all_steps()}
+        for name in os.listdir(self.integrity_dir):  # records of steps orbax has pruned
+            if name.endswith(".json") and name[:-5] not in kept:
+                os.remove(os.path.join(self.integrity_dir, name))
 
-    def check_config(self, config: ml_collections.ConfigDict) -> dict:
-        """The latest checkpoint's meta, after checking that `config` may resume it.
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def corruption(self, step: int) -> str | None:
+        """What is wrong with the files of `step` (None: they match the integrity record)."""
+        record = os.path.join(self.integrity_dir, f"{step}.json")
+        if not os.path.exists(record):
+            return "no integrity record (the save did not finish)"
+        try:
+            with open(record) as f:
+                expected = json.load(f)
+        except (OSError, ValueError) as e:
+            return f"unreadable integrity record ({e})"
+        found = _digest(self._step_dir(step))
+        for name, (size, digest) in sorted(expected.items()):
+            if name not in found:
+                return f"file {name} is missing"
+            if found[name][0] != size:
+                return f"file {name} has {found[name][0]} bytes, {size} were saved (truncated?)"
+            if found[name][1] != digest:
+                return f"file {name} differs from what was saved"
+        return None
+
+    def _set_aside(self, step: int, problem: str) -> None:
+        aside = os.path.join(self.workdir, "corrupt_checkpoints", str(step))
+        logging.warning("checkpoint of round %d in %s is corrupt: %s; moved to %s, resuming from "
+                        "the previous intact checkpoint", step, self.directory, problem, aside)
+        os.makedirs(os.path.dirname(aside), exist_ok=True)
+        shutil.rmtree(aside, ignore_errors=True)
+        shutil.move(self._step_dir(step), aside)
+        record = os.path.join(self.integrity_dir, f"{step}.json")
+        if os.path.exists(record):
+            os.remove(record)
+        self.manager.reload()
+
+    def check_config(self, config: ml_collections.ConfigDict) -> dict | None:
+        """The meta of the latest intact checkpoint (None: none is left), after checking that
+        `config` may resume it. Corrupt steps are set aside with a warning naming the round.
 
         Raises ConfigError when the checkpoint was written by a config that differs in a field
         that changes the run (client count, architectures, algorithm, data, seed, ...)."""
-        step = self.manager.latest_step()
-        meta = self.manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"]
-        changes = config_changes(meta["config"], config.to_dict())
-        if changes:
-            raise ConfigError(
-                f"cannot resume from {self.directory}/{step}: the config changed in ways that "
-                "would corrupt the run:\n  " + "\n  ".join(changes) + "\nUse another --workdir, "
-                "or --config.checkpoint.resume=False to start this workdir over.")
-        return meta
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            problem = self.corruption(step)
+            meta = None
+            if problem is None:
+                try:
+                    meta = self.manager.restore(step, args=ocp.args.Composite(
+                        meta=ocp.args.JsonRestore()))["meta"]
+                except Exception as e:  # noqa: BLE001 - any unreadable meta is corruption
+                    problem = f"meta unreadable ({type(e).__name__}: {e})"
+            if problem is not None:
+                self._set_aside(step, problem)
+                continue
+            changes = config_changes(meta["config"], config.to_dict())
+            if changes:
+                raise ConfigError(
+                    f"cannot resume from {self.directory}/{step}: the config changed in ways "
+                    "that would corrupt the run:\n  " + "\n  ".join(changes) + "\nUse another "
+                    "--workdir, or --config.checkpoint.resume=False to start this workdir over.")
+            self.step = step
+            return meta
+        return None
 
     def restore(self, target_state: Any) -> tuple[int, Any]:
-        """(rounds done, state) of the latest checkpoint; call `check_config` first."""
-        step = self.manager.latest_step()
+        """(rounds done, state) of the step `check_config` selected."""
+        step = self.step
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target_state)))["state"]
@@ -108,3 +175,17 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _digest(directory: str) -> dict[str, tuple[int, str]]:
+    """{relative path: (size, SHA-256)} of every file under `directory`."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    h.update(block)
+            out[os.path.relpath(path, directory)] = (os.path.getsize(path), h.hexdigest())
+    return out

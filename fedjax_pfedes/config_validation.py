@@ -5,9 +5,11 @@ Every error names the offending field, e.g. `config.lam must be >= 0, got -1.0`.
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
-from fedjax_pfedes import alignment, execution
+from fedjax_pfedes import alignment, attacks, execution
 from fedjax_pfedes.cohorts import assign_architectures
 from fedjax_pfedes.data.catalog import LOADERS
 from fedjax_pfedes.data.federated import PARTITIONS
@@ -58,8 +60,20 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _non_finite_fields(config: ml_collections.ConfigDict, prefix: str = "config") -> list[str]:
+    out = []
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            out += _non_finite_fields(value, f"{prefix}.{key}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            out.append(f"{prefix}.{key} must be finite, got {value}")
+    return out
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first invalid field."""
+    bad = _non_finite_fields(config)
+    _require(not bad, bad[0] if bad else "")
     _require(config.algorithm in ALGORITHMS,
              f"config.algorithm: unknown algorithm '{config.algorithm}'; known: {list(ALGORITHMS)}")
     _require(config.lam >= 0, f"config.lam must be >= 0, got {config.lam}")
@@ -77,6 +91,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         check_proxy(config.proxy_arch)
         execution.resolve_strategy(config.execution.strategy)
         archs = assign_architectures(config.clients.architectures, config.data.num_clients)
+        attacks.attack_config(config, config.data.num_clients)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if config.dp_sgd.enabled:

@@ -8,8 +8,11 @@ nothing compiles again after the first round.
 from __future__ import annotations
 
 import collections
+import hashlib
+import math
 import os
 import shutil
+import socket
 import time
 from typing import Any
 
@@ -378,22 +381,133 @@ def initial_state(ctx: rounds.RunContext, server_state) -> dict[str, Any]:
     return state
 
 
+class DivergedError(RuntimeError):
+    """Training went non-finite (and `config.train.allow_divergence` is False); the summary with
+    `diverged: true` has been written."""
+
+
+class RunLockedError(RuntimeError):
+    """Another live process is writing the same workdir."""
+
+
+class WorkdirLock:
+    """`<workdir>/.lock` holding the writer's host and pid, created atomically. A lock left by a
+    process that no longer runs on this host is taken over with a warning."""
+
+    def __init__(self, workdir: str):
+        self.path = os.path.join(workdir, ".lock")
+        self.held = False
+
+    def acquire(self) -> None:
+        me = f"{socket.gethostname()} {os.getpid()}"
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and self._alive(*holder):
+                    raise RunLockedError(
+                        f"workdir {os.path.dirname(self.path)} is in use by pid {holder[1]} on "
+                        f"{holder[0]} ({self.path}); wait for it, or use another --workdir"
+                        ) from None
+                logging.warning("taking over the stale lock %s (%s)", self.path,
+                                f"pid {holder[1]} on {holder[0]} has ended" if holder
+                                else "unreadable")
+                os.remove(self.path)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            self.held = True
+            return
+        raise RunLockedError(f"cannot take the lock {self.path}")
+
+    def _holder(self) -> tuple[str, int] | None:
+        try:
+            host, pid = open(self.path).read().split()
+            return host, int(pid)
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _alive(host: str, pid: int) -> bool:
+        if host != socket.gethostname():
+            return True  # cannot tell: assume another machine's run is alive
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def release(self) -> None:
+        if self.held and os.path.exists(self.path):
+            os.remove(self.path)
+        self.held = False
+
+
+def data_fingerprint(data: FederatedData) -> str:
+    """SHA-256 over the dataset's arrays and every client's train/test indices: resuming with
+    other data contents (a regenerated .npz, another download) is refused even when the config
+    is unchanged."""
+    h = hashlib.sha256()
+    c = data.central
+    for a in (c.x_train, c.y_train, c.x_test, c.y_test, *data.train_indices,
+              *data.test_indices):
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def non_finite_metrics(record: dict[str, Any]) -> list[str]:
+    """Names of the round's loss metrics that are NaN or infinite (training diverged)."""
+    return sorted(k for k, v in record.items()
+                  if "loss" in k and isinstance(v, float) and not math.isfinite(v))
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def run_experiment(config: ml_collections.ConfigDict, workdir: str,
                    show_progress: bool = True) -> dict[str, Any]:
+    """Runs (or resumes) a full experiment; see `_run`. Holds `<workdir>/.lock` meanwhile, so
+    two runs never write the same workdir."""
+    validate_config(config)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir={workdir} is a file, not a directory")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--workdir={workdir} cannot be created ({e.strerror})") from None
+    lock = WorkdirLock(workdir)
+    lock.acquire()
+    try:
+        return _run(config, workdir, show_progress)
+    finally:
+        lock.release()
+
+
+def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
+         ) -> dict[str, Any]:
     """Runs (or resumes) a full experiment; writes metrics.jsonl / .csv, clients.jsonl,
     rejections.jsonl, TensorBoard events, checkpoints and summary.json into `workdir`.
 
     Returns:
       The summary dict (final evaluation, best personalized accuracy, timings, participation
       counts, config).
+
+    Raises:
+      DivergedError: a loss went non-finite and `config.train.allow_divergence` is False
+        (training stops at that round; summary.json says `diverged: true`).
     """
-    validate_config(config)
     start = time.time()
     try:
         compilation.configure_cache(config.execution.compilation_cache_dir)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    os.makedirs(workdir, exist_ok=True)
     ck = config.checkpoint
     checkpointer, first_round, history, meta = None, 0, [], None
     if ck.every > 0:
@@ -401,9 +515,20 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
         if not ck.resume and os.path.isdir(ckpt_dir):
             shutil.rmtree(ckpt_dir)  # start this workdir over
         checkpointer = checkpointing.Checkpointer(workdir, ck.every, ck.max_to_keep)
-        if checkpointer.latest_round() is not None:
-            meta = checkpointer.check_config(config)  # before any data is loaded
+        meta = checkpointer.check_config(config)  # before any data is loaded
+        if meta is not None and checkpointer.step > config.train.rounds:
+            raise ConfigError(
+                f"config.train.rounds={config.train.rounds} is below the round of the "
+                f"checkpoint in {checkpointer.directory} ({checkpointer.step}); raise it, or "
+                "start over with --config.checkpoint.resume=False")
     data = build_federated_data(config)
+    fingerprint = data_fingerprint(data)
+    if meta is not None and meta.get("data_fingerprint", fingerprint) != fingerprint:
+        raise ConfigError(
+            f"cannot resume from {checkpointer.directory}/{checkpointer.step}: the data "
+            f"contents changed since it was written (fingerprint {meta['data_fingerprint'][:12]}"
+            f" then, {fingerprint[:12]} now) although the config did not; use another "
+            "--workdir, or --config.checkpoint.resume=False to start over")
     write_data_profile(data, config.data.partition, workdir)
     ctx, server_state = build_context(
         config, data, (meta or {}).get("execution_strategy_by_arch"))
@@ -433,6 +558,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     strategy = chosen[0] if len(chosen) == 1 else "+".join(chosen)
     last = history[-1] if history else {}
     rounds_total = config.train.rounds
+    diverged = None
     bar = tqdm(range(first_round, rounds_total), desc=f"{config.algorithm} [{strategy}]",
                disable=not show_progress, unit="round", initial=first_round, total=rounds_total)
     for r in bar:
@@ -462,6 +588,21 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
                                          ctx.algorithm.dp_sgd_releases_per_step))
             record.update(evaluate(ctx.algorithm, server_state, ctx.cohorts, *_global_test(
                 data, config)))
+        bad = non_finite_metrics(record)
+        if bad and not evaluated:  # the round that diverged is always evaluated
+            evaluated = True
+            steps = {i: int(s) for i, s in enumerate(dp_sgd_steps) if s > 0}
+            record.update(dp_sgd_metrics(config, steps, batch_rate,
+                                         ctx.algorithm.dp_sgd_releases_per_step))
+            record.update(evaluate(ctx.algorithm, server_state, ctx.cohorts, *_global_test(
+                data, config)))
+            bad = non_finite_metrics(record)
+        if bad:
+            record["diverged"] = True
+            diverged = {"round": r + 1, "metrics": bad}
+            logging.warning("round %d: training diverged (%s non-finite); stopping. Lower the "
+                            "learning rate or lambda; config.train.allow_divergence=True "
+                            "keeps the exit status 0", r + 1, _some(bad))
         record.update(round_time_s=time.time() - t0, elapsed_s=time.time() - start)
         writers.write_round(record, rows, rejections)
         if evaluated:
@@ -478,16 +619,24 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
                 **({"in_flight": in_flight.arrays()} if in_flight is not None else {})},
                 {"history": history, "config": config.to_dict(),
                  "dp_round_noise_multipliers": ctx.pipeline.round_noise_multipliers[:r + 1],
-                 "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts}})
+                 "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
+                 "data_fingerprint": fingerprint})
+        if diverged is not None:
+            break
+    bar.close()
     writers.close()
     if checkpointer is not None:
         checkpointer.close()
     if not history:
         raise ConfigError(f"nothing to run: the checkpoint in {workdir} is at round "
                           f"{first_round} and config.train.rounds is {rounds_total}")
-    best = max(history, key=lambda h: h["personalized_accuracy_mean"])
+    finite = [h for h in history if not h.get("diverged")] or history
+    best = max(finite, key=lambda h: h["personalized_accuracy_mean"])
     summary = {
         "final": last,
+        "diverged": diverged is not None,
+        **({"diverged_at": diverged} if diverged is not None else {}),
+        "data_fingerprint": fingerprint,
         "majority_class_accuracy_mean": majority_class_accuracy(data),
         "best_personalized_accuracy": best["personalized_accuracy_mean"],
         "best_round": best["round"],
@@ -507,4 +656,9 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
         "config": config.to_dict(),
     }
     metrics_io.write_json(f"{workdir}/summary.json", summary)
+    if diverged is not None and not config.train.allow_divergence:
+        raise DivergedError(
+            f"training diverged in round {diverged['round']} ({_some(diverged['metrics'])} "
+            f"non-finite); summary in {workdir}/summary.json. Lower the learning rate or lambda, "
+            "or set --config.train.allow_divergence=True to accept it")
     return summary

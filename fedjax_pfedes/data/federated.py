@@ -104,4 +104,11 @@ def partition_dataset(central: CentralDataset, num_clients: int, partition: str,
     if empty:
         raise ValueError(f"clients {empty[:10]} received no training samples; lower "
                          "config.data.num_clients or raise config.data.min_samples_per_client")
+    no_test = [k for k, idx in enumerate(test) if len(idx) == 0]
+    if no_test:
+        raise ValueError(
+            f"clients {no_test[:10]} have no local test sample (e.g. client {no_test[0]}: "
+            f"{len(train[no_test[0]])} train samples, no class with 2 or more), so their "
+            "personalized accuracy is undefined; raise config.data.min_samples_per_client or "
+            "lower config.data.num_clients")
     return FederatedData(central, train, test)

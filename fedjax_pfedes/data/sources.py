@@ -22,6 +22,37 @@ class DatasetUnavailableError(RuntimeError):
     """Raised when a dataset cannot be read on this machine (e.g. not prepared, no network)."""
 
 
+class DataError(ValueError):
+    """A dataset that cannot be trained on honestly; the message names the file or dataset, the
+    array and the first offending index."""
+
+
+def integer_labels(y: np.ndarray, where: str, array: str) -> np.ndarray:
+    """`y` as int64 labels, refusing what a cast would silently change: a label array that is
+    not a vector (one-hot labels), non-finite or fractional float labels."""
+    y = np.asarray(y)
+    if y.ndim != 1:
+        hint = " (one-hot labels? store their argmax)" if y.ndim == 2 else ""
+        raise DataError(f"{where}: {array} must be a vector of integer labels, got shape "
+                        f"{y.shape}{hint}")
+    if y.dtype == bool or not (np.issubdtype(y.dtype, np.integer)
+                               or np.issubdtype(y.dtype, np.floating)):
+        raise DataError(f"{where}: {array} must hold integer labels, got dtype {y.dtype}")
+    if np.issubdtype(y.dtype, np.floating):
+        bad = np.flatnonzero(~np.isfinite(y) | (y != np.round(y)))
+        if len(bad):
+            raise DataError(f"{where}: {array}[{bad[0]}] = {float(y[bad[0]]):g} is not an "
+                            f"integer label ({len(bad)} such values)")
+    return y.astype(np.int64)
+
+
+def _first_nonfinite_row(x: np.ndarray) -> int | None:
+    if not np.issubdtype(x.dtype, np.floating) or x.size == 0:
+        return None
+    bad = np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))
+    return int(bad[0]) if len(bad) else None
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadOptions:
     """How to load a dataset (the `config.data` fields that loaders read).
@@ -90,25 +121,45 @@ class CentralDataset:
 def make_dataset(name: str, modality: str, x_train: np.ndarray, y_train: np.ndarray,
                  x_test: np.ndarray, y_test: np.ndarray, num_classes: int,
                  options: LoadOptions | None = None, vocab_size: int = 0,
-                 groups_train: np.ndarray | None = None) -> CentralDataset:
-    """Checks the arrays, subsamples the pool if asked and computes the input statistics."""
+                 groups_train: np.ndarray | None = None, source: str = "") -> CentralDataset:
+    """Checks the arrays, subsamples the pool if asked and computes the input statistics.
+
+    Raises `DataError` (naming `source`, e.g. the file, or the dataset, the array and the first
+    offending index) for: x/y length or shape mismatches, labels that are not integer vectors
+    in [0, num_classes), fewer than 2 classes in the training pool, non-finite inputs, text
+    tokens outside the vocabulary.
+    """
     options = options or LoadOptions()
+    where = source or f"dataset '{name}'"
     if modality not in MODALITIES:
-        raise ValueError(f"dataset '{name}': modality must be one of {MODALITIES}, got "
-                         f"'{modality}'")
+        raise DataError(f"{where}: modality must be one of {MODALITIES}, got '{modality}'")
+    if num_classes < 2:
+        raise DataError(f"{where}: num_classes must be >= 2, got {num_classes}")
+    labels = {}
     for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+        y = labels[split] = integer_labels(y, where, f"y_{split}")
+        if np.ndim(x) < 2:
+            raise DataError(f"{where}: x_{split} must hold one example per row, got shape "
+                            f"{np.shape(x)}")
         if len(x) != len(y):
-            raise ValueError(f"dataset '{name}': x_{split} has {len(x)} rows but y_{split} "
-                             f"has {len(y)}")
-        if y.ndim != 1 or (len(y) and (y.min() < 0 or y.max() >= num_classes)):
-            raise ValueError(f"dataset '{name}': y_{split} must be a vector of labels in "
-                             f"[0, {num_classes})")
+            raise DataError(f"{where}: x_{split} has {len(x)} rows but y_{split} has {len(y)}")
+        outside = np.flatnonzero((y < 0) | (y >= num_classes))
+        if len(outside):
+            raise DataError(f"{where}: y_{split}[{outside[0]}] = {y[outside[0]]} is outside "
+                            f"[0, {num_classes}) ({len(outside)} such labels)")
+        row = _first_nonfinite_row(np.asarray(x))
+        if row is not None:
+            raise DataError(f"{where}: x_{split}[{row}] holds a non-finite value (NaN or Inf)")
+    y_train, y_test = labels["train"], labels["test"]
+    if len(np.unique(y_train)) < 2:
+        raise DataError(f"{where}: y_train holds {len(np.unique(y_train))} distinct class(es); "
+                        "classification needs at least 2 (every accuracy would be 1.0)")
     if x_train.shape[1:] != x_test.shape[1:]:
-        raise ValueError(f"dataset '{name}': x_train examples have shape {x_train.shape[1:]} "
-                         f"but x_test examples {x_test.shape[1:]}")
+        raise DataError(f"{where}: x_train examples have shape {x_train.shape[1:]} but x_test "
+                        f"examples {x_test.shape[1:]}")
     if groups_train is not None and len(groups_train) != len(y_train):
-        raise ValueError(f"dataset '{name}': groups_train has {len(groups_train)} entries for "
-                         f"{len(y_train)} training samples")
+        raise DataError(f"{where}: groups_train has {len(groups_train)} entries for "
+                        f"{len(y_train)} training samples")
     if 0 < options.max_train_samples < len(y_train):
         keep = np.sort(np.random.default_rng(options.seed).permutation(len(y_train))
                        [: options.max_train_samples])
@@ -123,8 +174,8 @@ def make_dataset(name: str, modality: str, x_train: np.ndarray, y_train: np.ndar
         for split, x in (("x_train", x_train), ("x_test", x_test)):
             if not np.issubdtype(x.dtype, np.integer) or (x.size and (
                     x.min() < 0 or x.max() >= vocab_size)):
-                raise ValueError(f"dataset '{name}': text {split} must hold integer token ids "
-                                 f"in [0, vocab_size={vocab_size})")
+                raise DataError(f"{where}: text {split} must hold integer token ids in "
+                                f"[0, vocab_size={vocab_size})")
         x_train, x_test = x_train.astype(np.int32), x_test.astype(np.int32)
     if modality == "tabular":
         x_train, x_test = x_train.astype(np.float32), x_test.astype(np.float32)
@@ -206,25 +257,67 @@ def load_npz(options: LoadOptions) -> CentralDataset:
                                       "empty; pass --config.data.path=/path/to/data.npz")
     if not os.path.exists(path):
         raise DatasetUnavailableError(f"config.data.path='{path}' does not exist")
-    with np.load(path, allow_pickle=False) as f:
-        arrays = {k: f[k] for k in f.files}
+    where = f"config.data.path='{path}'"
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line error
+        raise DataError(f"{where} is not a readable .npz file ({type(e).__name__}: {e})"
+                        ) from None
+    if not isinstance(arrays, dict):
+        raise DataError(f"{where} holds one array, not an .npz archive of named arrays")
     missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]
     if missing:
-        raise ValueError(f"config.data.path='{path}' lacks the arrays {missing}; it has "
-                         f"{sorted(arrays)}")
+        raise DataError(f"{where} lacks the arrays {missing}; it has {sorted(arrays)}")
     x_train, x_test = arrays["x_train"], arrays["x_test"]
     default_modality = "image" if x_train.ndim in (3, 4) else "tabular"
     modality = str(arrays["modality"]) if "modality" in arrays else default_modality
     if modality == "image" and x_train.ndim == 3:
         x_train, x_test = x_train[..., None], x_test[..., None]
-    y_train = arrays["y_train"].astype(np.int64)
-    y_test = arrays["y_test"].astype(np.int64)
-    num_classes = int(arrays["num_classes"]) if "num_classes" in arrays else int(
-        max(y_train.max(), y_test.max()) + 1)
+    y_train = integer_labels(arrays["y_train"], where, "y_train")
+    y_test = integer_labels(arrays["y_test"], where, "y_test")
+    if "num_classes" in arrays:  # stated: classes without samples are allowed
+        num_classes = int(arrays["num_classes"])
+    else:
+        num_classes = _inferred_classes(y_train, y_test, where)
     vocab_size = 0
     if modality == "text":
         vocab_size = int(arrays["vocab_size"]) if "vocab_size" in arrays else int(
             max(x_train.max(), x_test.max()) + 1)
     name = os.path.splitext(os.path.basename(path))[0]
     return make_dataset(name, modality, x_train, y_train, x_test, y_test, num_classes, options,
-                        vocab_size, arrays.get("groups_train"))
+                        vocab_size, arrays.get("groups_train"), source=where)
+
+
+def _inferred_classes(y_train: np.ndarray, y_test: np.ndarray, where: str) -> int:
+    """Largest label + 1, refusing labels that leave classes empty (one stray label 57 in a
+    10-class set would silently make a 58-class model)."""
+    if not len(y_train):
+        raise DataError(f"{where}: y_train is empty")
+    both = np.concatenate([y_train, y_test])
+    if both.min() < 0:
+        i = int(np.flatnonzero(y_train < 0)[0]) if (y_train < 0).any() else None
+        at = f"y_train[{i}]" if i is not None else f"y_test[{int(np.argmin(y_test))}]"
+        raise DataError(f"{where}: {at} = {both.min()} is a negative label")
+    k = int(both.max()) + 1
+    empty = np.flatnonzero(np.bincount(both, minlength=k) == 0)
+    if len(empty):
+        top = int(both.max())
+        at = (f"y_train[{int(np.flatnonzero(y_train == top)[0])}]" if (y_train == top).any()
+              else f"y_test[{int(np.flatnonzero(y_test == top)[0])}]")
+        raise DataError(f"{where}: labels leave classes {_ranges(empty)} empty (largest label "
+                        f"{top} at {at}); use labels 0..K-1, or store `num_classes` in the "
+                        "file to keep empty classes")
+    return k
+
+
+def _ranges(values: np.ndarray) -> str:
+    """[3, 4, 5, 9] -> '3-5, 9'."""
+    out, start = [], None
+    for i, v in enumerate(values.tolist()):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(f"{start}" if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out)
