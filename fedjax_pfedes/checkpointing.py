@@ -77,6 +77,7 @@ class Checkpointer:
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
                                                                  create=True))
         self.step: int | None = None  # the step `check_config` selected
+        self.verified = False  # whether that step had an integrity record
 
     def latest_round(self) -> int | None:
         return self.manager.latest_step()
@@ -105,7 +106,7 @@ class Checkpointer:
         """What is wrong with the files of `step` (None: they match the integrity record)."""
         record = os.path.join(self.integrity_dir, f"{step}.json")
         if not os.path.exists(record):
-            return "no integrity record (the save did not finish)"
+            return None  # killed between orbax's atomic commit and the record: unverified
         try:
             with open(record) as f:
                 expected = json.load(f)
@@ -158,6 +159,7 @@ class Checkpointer:
                     "that would corrupt the run:\n  " + "\n  ".join(changes) + "\nUse another "
                     "--workdir, or --config.checkpoint.resume=False to start this workdir over.")
             self.step = step
+            self.verified = os.path.exists(os.path.join(self.integrity_dir, f"{step}.json"))
             return meta
         return None
 
@@ -170,6 +172,12 @@ class Checkpointer:
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"cannot resume from {self.directory}/{step}: the saved state "
                               f"does not match this run's state ({e})") from None
+        except Exception as e:  # noqa: BLE001 - unreadable files: corruption, said as such
+            raise ConfigError(
+                f"cannot resume from {self.directory}/{step}: its files cannot be read "
+                f"({'corrupt' if self.verified else 'no integrity record; corrupt?'}: "
+                f"{type(e).__name__}: {e}); --config.checkpoint.resume=False starts over"
+                ) from None
         return step, restored
 
     def close(self) -> None:

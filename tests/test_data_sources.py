@@ -92,9 +92,9 @@ def test_npz_source_tabular_and_text_and_errors(tmp_path):
     with pytest.raises(DatasetUnavailableError, match=r"config\.data\.path"):
         load_dataset("npz", LoadOptions(path=str(tmp_path / "missing.npz")))
     mislabeled = tmp_path / "mislabeled.npz"
-    np.savez(mislabeled, x_train=x, y_train=np.arange(10) % 2, x_test=x[:2], y_test=[0, 1],
-             num_classes=1)
-    with pytest.raises(ValueError, match=r"y_train must be a vector of labels in \[0, 1\)"):
+    np.savez(mislabeled, x_train=x, y_train=np.arange(10) % 3, x_test=x[:2], y_test=[0, 1],
+             num_classes=2)
+    with pytest.raises(ValueError, match=r"y_train\[2\] = 2 is outside \[0, 2\)"):
         load_dataset("npz", LoadOptions(path=str(mislabeled)))
 
 

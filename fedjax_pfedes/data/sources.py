@@ -300,6 +300,9 @@ def _inferred_classes(y_train: np.ndarray, y_test: np.ndarray, where: str) -> in
         at = f"y_train[{i}]" if i is not None else f"y_test[{int(np.argmin(y_test))}]"
         raise DataError(f"{where}: {at} = {both.min()} is a negative label")
     k = int(both.max()) + 1
+    if k < 2:
+        raise DataError(f"{where}: every label is 0; classification needs at least 2 classes "
+                        "(every accuracy would be 1.0)")
     empty = np.flatnonzero(np.bincount(both, minlength=k) == 0)
     if len(empty):
         top = int(both.max())
