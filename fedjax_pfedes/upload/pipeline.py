@@ -8,8 +8,11 @@ the updates are measured from), the sample counts and which slots are real. The 
 2. forms each client's update u_i = upload_i - template and, on the client side (vmapped),
    compresses it (top-k with error feedback kept per client, then bf16 or QSGD values) and, with
    DP, clips it to L2 <= C;
-3. without secure aggregation, rejects non-finite updates and norm outliers (logged with the
-   client id and reason; the weights of the rest are used as they are, i.e. renormalized);
+3. rejects non-finite updates and norm outliers (> `norm_outlier_factor` x the median norm of
+   the uploads aggregated together; see `outlier_rule` for where it is off), logged with the
+   client id and reason; the weights of the rest are used as they are, i.e. renormalized; under
+   secure aggregation the checks run on the client, and values beyond the fixed-point range are
+   rejected before masking;
 4. aggregates: either leaves the (decoded) uploads to the algorithm's own weighted mean, or
    computes the aggregate itself — coordinate-wise median / trimmed mean, the DP-FedAvg noisy
    fixed-denominator mean, or the secure-aggregation sum — and hands every real slot
