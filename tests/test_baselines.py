@@ -303,9 +303,17 @@ def test_lg_fedavg_shares_only_the_head():
 def test_heterogeneous_and_drift_methods_run_through_the_simulator(algorithm, tmp_path):
     config = tabular_hetero.get_config()
     config.algorithm = algorithm
-    config.train.rounds = 2
-    config.eval.every = 1
+    config.train.rounds = 10
+    config.eval.every = 5
     summary = run_experiment(config, str(tmp_path), show_progress=False)
     assert set(summary["final"]["personalized_accuracy_by_arch"]) == {"mlp", "mlp_small",
                                                                         "mlp_deep"}
-    assert 0.0 <= summary["final"]["personalized_accuracy_mean"] <= 1.0
+    accuracy = summary["final"]["personalized_accuracy_mean"]
+    majority = summary["majority_class_accuracy_mean"]  # 0.78 here
+    if algorithm == "fedproto":
+        # FedProto predicts by the nearest GLOBAL prototype (as the paper evaluates); with
+        # three architectures' embeddings tied only through the prototype loss it measured
+        # 0.70-0.73 after 10-20 rounds, below the majority label: a finding, not asserted away.
+        assert 0.5 <= accuracy <= 1.0
+    else:  # measured 0.94-0.96 after 10 rounds
+        assert accuracy > majority + 0.05

@@ -178,3 +178,85 @@ def test_contrastive_alignment_runs_and_is_masked():
     up_t, _, _ = program.client_update(server.proxy_params, client, tight, jax.random.key(1))
     up_p, _, _ = program.client_update(server.proxy_params, client, padded, jax.random.key(1))
     chex.assert_trees_all_close(up_t, up_p, rtol=1e-5, atol=1e-6)
+
+
+def _reference_steps(cfg, model, proxy, params, trace, proxy_params, steps_done, x, y, count):
+    """`count` pFedES local steps by hand on the full batch (x, y): the local model takes
+    heavy-ball SGD (t = g + m t; p -= lr t) on CE + lam * MSE to E_proxy's output held constant,
+    with the backbone's gradient zeroed while fewer than `warmup_steps` steps have been taken in
+    the client's life; E_proxy takes plain SGD at proxy_lr_ratio * lr on MSE to the local
+    embedding held constant. Both read the parameters from before the step."""
+    for _ in range(count):
+        target = proxy.apply(proxy_params, x)
+        _, embedding = model.apply(params, x)
+
+        def local(p, target=target):
+            logits, e = model.apply(p, x)
+            ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+            return ce + cfg.lam * jnp.mean(jnp.mean((e - target) ** 2, -1))
+
+        def proxy_loss(q, embedding=embedding):
+            return jnp.mean(jnp.mean((proxy.apply(q, x) - embedding) ** 2, -1))
+
+        g = jax.grad(local)(params)
+        if steps_done < cfg.warmup_steps:
+            g = {"params": {**g["params"], "backbone": jax.tree.map(
+                jnp.zeros_like, g["params"]["backbone"])}}
+        trace = jax.tree.map(lambda t, gi: gi + cfg.local_momentum * t, trace, g)
+        params = jax.tree.map(lambda p, t: p - cfg.lr_local * t, params, trace)
+        proxy_grad = jax.grad(proxy_loss)(proxy_params)
+        proxy_params = jax.tree.map(lambda q, gq: q - cfg.proxy_lr_ratio * cfg.lr_local * gq,
+                                    proxy_params, proxy_grad)
+        steps_done += 1
+    return params, trace, proxy_params, steps_done
+
+
+def test_three_steps_and_a_second_round_match_a_hand_reference_with_warmup():
+    """Momentum, the E_proxy learning rate, both stop-gradients and warm-up W=1 over 3 local
+    steps and across two rounds: breaking any of them moves the result off the reference."""
+    cfg = _cfg(align="mse", local_epochs=3, local_momentum=0.5, warmup_steps=1,
+               proxy_lr_ratio=0.3)
+    _, program, server, client = _setup(cfg)
+    data = _client_data(n=8, capacity=8)  # batch 8: each step sees all 8 rows (any order)
+    model = registry.client_model("mlp", 4, 6, SPEC)
+    proxy = registry.proxy_model("proxy_mlp", 6, SPEC)
+    x, y = jnp.asarray(data.x), jnp.asarray(data.y)
+    params, trace = client.params, jax.tree.map(jnp.zeros_like, client.params)
+    proxy_params, steps = server.proxy_params, 0
+    state = client
+    for round_key in (2, 3):  # the uploaded E_proxy is the next round's broadcast
+        upload, state, metrics = program.client_update(proxy_params, state, data,
+                                                       jax.random.key(round_key))
+        params, trace, proxy_params, steps = _reference_steps(
+            cfg, model, proxy, params, trace, proxy_params, steps, x, y, 3)
+        chex.assert_trees_all_close(state.params, params, rtol=2e-4, atol=2e-6)
+        chex.assert_trees_all_close(upload, proxy_params, rtol=2e-4, atol=2e-6)
+        assert int(state.steps) == steps and float(metrics["local_steps"]) == 3.0
+        proxy_params = upload
+    # The warm-up froze the backbone for exactly one step of the client's life.
+    frozen_once, _, _, _ = _reference_steps(cfg, model, proxy, client.params, jax.tree.map(
+        jnp.zeros_like, client.params), server.proxy_params, 0, x, y, 1)
+    chex.assert_trees_all_equal(frozen_once["params"]["backbone"],
+                                client.params["params"]["backbone"])
+
+
+@pytest.mark.parametrize("temperature", [0.1, 0.5])
+def test_infonce_equals_a_numpy_formula_over_the_real_rows(temperature):
+    """InfoNCE (Oord et al., 2018): -mean_i log( exp(cos(a_i, b_i)/T) / sum_j exp(cos(a_i, b_j)/T) )
+    over the real rows i, j only; padded rows neither count nor act as negatives."""
+    from fedjax_pfedes import alignment
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(6, 5)), rng.normal(size=(6, 5))
+    mask = np.array([1, 1, 0, 1, 1, 0], bool)
+    an = a / np.linalg.norm(a, axis=1, keepdims=True)
+    bn = b / np.linalg.norm(b, axis=1, keepdims=True)
+    real = np.flatnonzero(mask)
+    sim = an[real] @ bn[real].T / temperature
+    want = -np.mean(np.diag(sim) - np.log(np.exp(sim).sum(axis=1)))
+    loss = alignment.get_alignment("contrastive", temperature)
+    got = loss(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), jnp.asarray(mask))
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+    cos = alignment.get_alignment("cosine")(jnp.asarray(a, jnp.float32),
+                                            jnp.asarray(b, jnp.float32), jnp.asarray(mask))
+    np.testing.assert_allclose(float(cos), np.mean(1 - np.sum(an * bn, 1)[real]), rtol=1e-5)

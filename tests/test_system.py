@@ -248,3 +248,29 @@ def test_bad_runtime_fields_are_refused_with_the_field_named():
     config.algorithm = "scaffold"
     with pytest.raises(ConfigError, match="config.asynchronous.enabled"):
         validate_config(config)
+
+
+def test_poisson_sampling_runs_and_its_pld_epsilon_equals_dp_accounting(tmp_path):
+    """Poisson sampling: each client joins each round independently with probability q, so the
+    round size varies; client-level DP is accounted as a Poisson-sampled Gaussian with PLD."""
+    import dp_accounting
+    from dp_accounting import pld
+
+    config = fl_helpers.tiny_config(rounds=6, num_clients=8)
+    config.train.sampling = "poisson"
+    config.train.client_fraction = 0.5
+    config.upload.weighting = "uniform"
+    config.dp.enabled = True
+    config.dp.accountant = "pld"
+    config.dp.noise_multiplier = 1.3
+    config.eval.every = 6
+    summary = run_experiment(config, str(tmp_path), show_progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    sizes = [r["selected"] for r in rows]
+    assert len(set(sizes)) > 1 and all(0 <= s <= 8 for s in sizes), sizes
+    assert summary["dp_accounting_sampling"] == "poisson"
+    accountant = pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        0.5, dp_accounting.GaussianDpEvent(1.3)), 6))
+    assert summary["final"]["dp_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5),
+                                                           rel=1e-9)
