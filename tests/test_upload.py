@@ -456,6 +456,36 @@ def test_pfedes_with_topk_dp_and_secure_aggregation_runs_end_to_end(tmp_path):
     assert final["upload_bytes_per_client"] == 8097 * 8 + 32 + 2 * 66 * 4
 
 
+def test_secure_aggregation_dp_epsilon_composes_the_realized_noise_of_every_round(tmp_path):
+    """Poisson sampling + secure aggregation + DP: the senders of a round vary, so does the noise
+    their shares add up to; the reported epsilon is dp_accounting's composition of exactly the
+    per-round noise multipliers written to metrics.jsonl."""
+    import json
+
+    config = tabular_hetero.get_config()
+    config.train.rounds = 4
+    config.eval.every = 4
+    config.train.sampling = "poisson"
+    config.train.client_fraction = 0.5
+    config.upload.weighting = "uniform"
+    config.dp.enabled = True
+    config.dp.noise_multiplier = 1.1
+    config.secagg.enabled = True
+    final = run_experiment(config, str(tmp_path), show_progress=False)["final"]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    realized = [r.get("dp_realized_noise_multiplier") for r in rows]
+    for r, sigma in zip(rows, realized, strict=True):
+        if sigma is not None:  # sigma * sqrt(senders / expected 5)
+            assert sigma == pytest.approx(1.1 * math.sqrt(r["secagg_senders"] / 5), rel=1e-9)
+    assert len({s for s in realized if s is not None}) > 1, realized  # the point of the test
+    accountant = rdp.RdpAccountant()
+    for sigma in realized:
+        if sigma is not None:
+            accountant.compose(dp_accounting.PoissonSampledDpEvent(
+                0.5, dp_accounting.GaussianDpEvent(sigma)))
+    assert final["dp_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+
+
 # --- sample-level DP-SGD --------------------------------------------------------------------------
 
 def test_private_gradient_clips_each_example_and_divides_by_the_batch_size():
