@@ -1,4 +1,4 @@
-"""The quick start under real-world client behaviour (seed 001, sections 2.1, 4.2, 4.3).
+"""The quick start under real-world client behaviour (README "Unreliable clients").
 
   python -m launch.budget --config=configs/unreliable_quickstart.py
   python -m launch.main --config=configs/unreliable_quickstart.py --workdir=runs/unreliable

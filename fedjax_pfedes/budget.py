@@ -1,4 +1,4 @@
-"""Round-time budget (seed 001, section 4.3): per-stage time of a round before anyone trains.
+"""Round-time budget : per-stage time of a round before anyone trains.
 
     download      = broadcast bytes / downlink bandwidth
     local compute = local steps (epochs x ceil(n / B)) x simulated step time of the speed class

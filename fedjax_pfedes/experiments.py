@@ -1,8 +1,9 @@
 """Running several experiments under identical data and sampling seeds, and tabulating them.
 
-`launch.compare` (methods side by side) and `launch.sweep_heterogeneity` (the seed's findings F1/F2)
-are thin wrappers around `run_grid`. Every run is a fresh `simulation.run_experiment` in the same
-process: algorithms are rebuilt from the config each time, so no state carries over.
+`launch.compare` (methods side by side) and `launch.sweep_heterogeneity` (findings F1/F2 of
+docs/design.md) are thin wrappers around `run_grid`. Every run is a fresh
+`simulation.run_experiment` in the same process: algorithms are rebuilt from the config each time,
+so no state carries over.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from fedjax_pfedes.simulation import run_experiment
 def heterogeneous_architectures(num_clients: int, ratio: float, majority: str,
                                 others: Sequence[str]) -> str:
     """A `config.clients.architectures` string where round(ratio * N) clients differ from the
-    majority architecture (the seed's heterogeneity ratio), spread over `others` in turn."""
+    majority architecture (the heterogeneity ratio of docs/design.md), spread over `others` in
+    turn."""
     if not 0 <= ratio <= 1:
         raise ValueError(f"heterogeneity ratio must be in [0, 1], got {ratio}")
     minority = int(round(ratio * num_clients))

@@ -1,10 +1,10 @@
 """A run's report: PNG plots of what happened, and a Markdown summary that links them.
 
 Reads only the files a run writes (`metrics.jsonl`, `clients.jsonl`, `summary.json`), so it works
-on a finished run, a run in progress, or one resumed from a checkpoint. Seed 001, section 6.3:
-accuracy, losses, the loss before / after aggregation, update norms per client as a time series
-(a client whose norm keeps climbing has bad data or a bad learning rate), participation, and the
-privacy budget when DP is on.
+on a finished run, a run in progress, or one resumed from a checkpoint. What a federated run needs
+watching: accuracy, losses, the loss before / after aggregation, update norms per client as a time
+series (a client whose norm keeps climbing has bad data or a bad learning rate), participation,
+and the privacy budget when DP is on.
 """
 
 from __future__ import annotations

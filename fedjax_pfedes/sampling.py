@@ -1,10 +1,10 @@
 """Which clients take part in a round, and how many local epochs each runs.
 
-Seed 001, section 2.1: uniform sampling starves long-tail clients once there are many of them; the
-engineering answer is stratified sampling with quotas — buckets by sample count, participation
+Uniform sampling starves long-tail clients once there are many of them; the engineering answer is
+stratified sampling with quotas — buckets by sample count, participation
 history and availability, a share of every round for each bucket — plus a minimum-samples rule
-(skip tiny clients or give them fewer epochs) and local epochs adapted to client size. Section
-4.2: clients that keep failing are sampled less.
+(skip tiny clients or give them fewer epochs) and local epochs adapted to client size. Clients
+that keep failing are sampled less.
 
 Every draw depends only on (seed, round) and the `SamplerState` (participation history), which the
 checkpoint saves, so a resumed run selects the same clients as an unbroken one.
@@ -120,7 +120,7 @@ def weighted_poisson(seed: int, round_index: int, fraction: float, eligible: np.
 def stratified_sample(seed: int, round_index: int, m: int, eligible: np.ndarray,
                       weights: np.ndarray, strata: np.ndarray, state: SamplerState
                       ) -> np.ndarray:
-    """Stratified sampling with quotas (seed 001, section 2.1).
+    """Stratified sampling with quotas.
 
     Each stratum is owed m x (its share of clients) participants per round and the debt carries
     over: the round's m seats go one at a time to the stratum owed most (ties at random), so
@@ -163,7 +163,7 @@ def local_epochs_per_client(sizes: np.ndarray, epochs: int, adaptive: bool, min_
     """Local epochs of every client.
 
     adaptive: E_i = clip(round(E * sqrt(median(n) / n_i)), min_epochs, max_epochs) — clients
-    with more data run fewer epochs, small ones more but not without bound (seed 001, 2.2).
+    with more data run fewer epochs, small ones more but not without bound.
     Below `min_samples` with below_min='one_epoch' a client runs one epoch ('skip' is applied by
     the sampler: such clients are never eligible).
     """

@@ -1,6 +1,7 @@
 """System heterogeneity: who is online, who drops out, and how long each client takes.
 
-Real federations lose clients every round (seed 001, section 4.2): devices go offline, drop out
+Real federations lose clients every round (Bonawitz et al., "Towards Federated Learning at Scale:
+System Design", MLSys 2019): devices go offline, drop out
 after being selected, or are too slow for the round's deadline. This module simulates that on the
 host, deterministically from (seed, round), so a resumed run sees the same events:
 

@@ -1,4 +1,4 @@
-"""Round-time budget of a config, before training (seed 001, section 4.3).
+"""Round-time budget of a config, before training .
 
   python -m launch.budget --config=configs/quickstart.py
   python -m launch.budget --config=configs/quickstart.py --config.system.speed_classes=1,2,8 \

@@ -1,4 +1,4 @@
-"""Profiles a config's partition before anyone trains on it (seed 001, section 3.1).
+"""Profiles a config's partition before anyone trains on it .
 
   python -m launch.profile_data --config=configs/quickstart.py --workdir=runs/profile_quickstart
   python -m launch.profile_data --config=configs/quickstart.py --config.data.dirichlet_alpha=0.05

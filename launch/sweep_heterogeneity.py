@@ -1,5 +1,5 @@
-"""The seed's findings F1/F2 as an experiment: pFedES vs FedAvg (run per cohort) vs Standalone as
-the share of clients whose architecture differs from the majority grows.
+"""Findings F1/F2 of docs/design.md as an experiment: pFedES vs FedAvg (run per cohort) vs
+Standalone as the share of clients whose architecture differs from the majority grows.
 
   python -m launch.sweep_heterogeneity --config=configs/quickstart.py \
       --ratios=0,0.2,0.4,0.6,0.8 --algorithms=pfedes,fedavg,standalone --seeds=1 \

@@ -46,6 +46,7 @@ def test_fedavg_local_update_is_sgd_on_the_clients_data():
     assert float(metrics["local_steps"]) == 1.0
 
 
+@pytest.mark.slow  # ~4 s; FedProx by hand stays fast
 def test_fedprox_with_mu_zero_equals_fedavg_and_mu_pulls_toward_the_global_model():
     data = _data(n=16, capacity=16)
     cfg = dict(batch_size=4, local_epochs=2)

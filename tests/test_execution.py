@@ -35,6 +35,7 @@ def _copy(tree):
     return jax.tree.map(jnp.array, tree)
 
 
+@pytest.mark.slow  # compiles both strategies: ~25 s
 @pytest.mark.parametrize("arch", ["mlp", "convnet3"])
 def test_vmap_and_loop_give_the_same_round(arch):
     _, program, data, states, server = _setup(arch)
@@ -61,6 +62,7 @@ def test_vmap_and_loop_give_the_same_round(arch):
     chex.assert_trees_all_close(ev_v, ev_l, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # ~6 s of compilation
 def test_a_participant_gets_the_same_result_alone_or_in_a_padded_bucket():
     _, program, data, states, server = _setup("mlp")
     key = jax.random.key(3)

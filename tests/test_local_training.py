@@ -69,6 +69,7 @@ def _clients(sizes, capacity=37, features=6, classes=3, step_limits=None):
     return data
 
 
+@pytest.mark.slow  # ~9 s of compilation
 @pytest.mark.parametrize("step_limits", [None, [3, 100, 0, 7]])
 def test_rolled_loop_equals_padded_unrolled_schedule(step_limits):
     """Each client runs only its own steps, with the same batches as the padded schedule."""
@@ -182,8 +183,10 @@ def test_padded_step_fraction_counts_the_steps_each_strategy_runs(tmp_path, stra
         assert r["padded_step_fraction"] == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("modality,arch", [("image", "vit"), ("image", "convnet3"),
-                                           ("text", "text_transformer"), ("text", "proxy")])
+@pytest.mark.parametrize("modality,arch", [
+    pytest.param("image", "vit", marks=pytest.mark.slow),  # ~9 s of compilation
+    ("image", "convnet3"), pytest.param("text", "text_transformer", marks=pytest.mark.slow),
+    ("text", "proxy")])
 def test_jitted_initialization_equals_eager_initialization(modality, arch):
     """Cohort states are initialized in one compiled call; the weights must be exactly those of
     eager initialization (a fused scale changes the last bit, and a run's numbers with it)."""

@@ -93,6 +93,7 @@ def test_text_models_ignore_padding_tokens():
                                    rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # ~4 s
 def test_text_transformer_output_does_not_depend_on_tokens_behind_padding_mask():
     model = registry.client_model("text_transformer", 3, 8, TEXT)
     a = jnp.asarray([[5, 9, 17, 0, 0, 0]], jnp.int32)

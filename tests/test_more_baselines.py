@@ -165,6 +165,7 @@ def test_batch_norm_statistics_ignore_padded_rows():
     np.testing.assert_allclose(out_pad[:3], out_real, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # ~7 s
 def test_fedbn_never_uploads_or_averages_batch_norm_leaves():
     from fedjax_pfedes.algorithms.fedbn import fedbn
 

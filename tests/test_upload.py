@@ -219,6 +219,7 @@ def test_epsilon_in_the_metrics_equals_dp_accounting_for_the_same_events(tmp_pat
                                                            rel=1e-9)
 
 
+@pytest.mark.slow  # PLD calibration: ~20 s
 def test_noise_calibrated_from_a_target_epsilon_spends_it():
     cfg = privacy.ClientDPConfig(clip_norm=1.0, target_epsilon=5.0, delta=1e-5,
                                  accountant="pld", sampling="poisson")

@@ -9,8 +9,8 @@
   2021. The server treats old - average as a pseudo-gradient for an optax optimizer (SGD with
   momentum, or Adam).
 
-Models of different architectures cannot be averaged, so in a heterogeneous population each
-cohort is its own federation ("FedAvg per cohort", the baseline of the seed's finding F2): the
+Models of different architectures cannot be averaged, so in a heterogeneous population each cohort
+is its own federation ("FedAvg per cohort", the baseline of finding F2 in docs/design.md): the
 server keeps one global model per cohort. A client's personalized accuracy is its cohort's global
 model on its local test split. The local optimizer state is fresh every round and never uploaded.
 """

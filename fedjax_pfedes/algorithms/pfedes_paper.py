@@ -9,7 +9,7 @@ classifier F_k (e.g. CNN-1..CNN-5). On every local batch (x, y), alternating:
 2. F_k frozen (its new parameters): G takes one SGD step on CE(F_k(G(x)), y).
 
 Only G is uploaded; the server takes the plain sample-weighted average (no momentum). Inference
-uses F_k(x) alone. Image data only. Unlike the seed-document variant (`pfedes.py`), there is no
+uses F_k(x) alone. Image data only. Unlike the feature-alignment variant (`pfedes.py`), there is no
 projection head and no feature alignment: G is trained through each client's own classifier.
 """
 

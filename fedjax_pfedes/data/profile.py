@@ -1,4 +1,4 @@
-"""The label-distribution profile of a partition (seed 001, section 3.1): what a split looks like
+"""The label-distribution profile of a partition : what a split looks like
 before anyone trains on it.
 
 Per client: local train and test sizes, the label histogram, the KL divergence of its label

@@ -1,7 +1,7 @@
 """What a model needs to know about its inputs: modality, shape, dtype and normalization stats.
 
 One `InputSpec` is derived from the training pool of a dataset and handed to every client model
-and to E_proxy, so all of them normalize inputs identically (pFedES seed document, section 3.1).
+and to E_proxy, so all of them normalize inputs identically (docs/design.md).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Images [batch, H, W, C]:
 - `cnn1` .. `cnn5`: the model zoo of the published pFedES (Yi et al., AAAI 2025; public code
   LipingYi/pFedES): conv5x5 C->16, pool, conv5x5 16->32 (CNN-2: 16), pool, fc1, fc2 (500). The
   classifier fc3 is the client's head H_k.
-- `convnet3`, `convnet5`, `vit`: the three architecture groups of the pFedES seed document (3-layer
-  CNN, a 5-layer CNN and a light Vision Transformer; Dosovitskiy et al., ICLR 2021).
+- `convnet3`, `convnet5`, `vit`: the three architecture groups of docs/design.md (a 3-layer CNN,
+  a 5-layer CNN and a light Vision Transformer; Dosovitskiy et al., ICLR 2021).
 - `convnet3_bn`: `convnet3` with BatchNorm after every conv (for FedBN; other methods refuse it).
 - `cnn_small`: a 2-conv CNN (8, 16 channels, 64 features), the default shared small model of FML,
   FedKD and FedMRL on images.

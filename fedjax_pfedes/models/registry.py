@@ -1,10 +1,9 @@
 """Maps config names to client models and proxy feature extractors.
 
 Every client model is input normalization + backbone F_k + projection head P_k + classifier H_k
-(pFedES seed document, section 2.2); its parameters are the subtrees 'backbone', 'projection',
-'classifier'. E_proxy is the same input normalization + a small modality-specific body (section
-2.1: "behind a suitable input-normalization layer, images, text and tabular features all enter
-the same alignment").
+(docs/design.md); its parameters are the subtrees 'backbone', 'projection', 'classifier'.
+E_proxy is the same input normalization + a small modality-specific body: behind one
+input-normalization layer, images, text and tabular features all enter the same alignment.
 """
 
 from __future__ import annotations

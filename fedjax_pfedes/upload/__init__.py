@@ -1,7 +1,7 @@
 """The server side of an upload, as a chain of small pure transforms over stacked client updates.
 
 Like `optax.chain`, each stage is a separate function, configured from `config.upload` and tested
-alone (seed document 001, sections 1.1, 4.1 and 5): validation (`validation`), compression
+alone: validation (`validation`), compression
 (`compression`), client-level differential privacy (`privacy`), secure aggregation
 (`secure_aggregation`) and robust aggregation (`robust`); `pipeline` runs them in order.
 """

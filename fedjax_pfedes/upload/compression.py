@@ -1,4 +1,5 @@
-"""Upload compression and the size of what is actually sent (seed document 001, section 4.1).
+"""Upload compression and the size of what is actually sent (Konecny et al., "Federated Learning:
+Strategies for Improving Communication Efficiency", 2016).
 
 Every function acts on ONE client's update (a pytree) and is safe under `jax.vmap`.
 

@@ -1,7 +1,7 @@
 """Secure aggregation: the server learns the sum of the clients' vectors and nothing else.
 
 Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving Machine Learning", CCS
-2017 (seed document 001, section 5.3), simulated faithfully in one process:
+2017, simulated faithfully in one process:
 
 1. Advertise keys: each client draws an X25519 key pair (RFC 7748, from the `cryptography`
    package) and a 32-byte self-mask seed b_u; the public keys go to every participant.

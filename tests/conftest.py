@@ -1,0 +1,52 @@
+"""Test tiers: end-to-end tests are marked `slow` automatically.
+
+A test is `slow` when it, a fixture it uses, or a helper of its module that either calls (two
+levels deep) runs whole experiments or processes: `run_experiment`, `run_grid`, `subprocess`, or
+the notebook. `python -m pytest tests -m "not slow"` is the fast tier (unit tests of every module
+against independent references); `python -m pytest tests` runs everything (CI).
+"""
+
+import inspect
+import re
+
+import pytest
+
+SLOW_CALLS = ("run_experiment(", "run_grid(", "subprocess.", "NotebookClient(")
+
+
+def _source(func) -> str:
+    try:
+        return inspect.getsource(func)
+    except (OSError, TypeError):
+        return ""
+
+
+def _calls_slow(source: str, module, depth: int = 2) -> bool:
+    if any(call in source for call in SLOW_CALLS):
+        return True
+    if depth == 0 or module is None:
+        return False
+    for name in set(re.findall(r"\b([A-Za-z_]\w*)\(", source)):
+        helper = getattr(module, name, None)
+        if inspect.isfunction(helper) and helper.__module__ == module.__name__:
+            if _calls_slow(_source(helper), module, depth - 1):
+                return True
+    return False
+
+
+def _is_slow(item: pytest.Item) -> bool:
+    module = getattr(item, "module", None)
+    funcs = [getattr(item, "function", None)]
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        funcs += [d.func for d in defs]
+    return any(_calls_slow(_source(f), module) for f in funcs if f is not None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: end-to-end runs (excluded by -m 'not slow')")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
