@@ -13,8 +13,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0                      # seeds data split, model init, sampling and batches
-    # pfedes | pfedes_paper | standalone | fedavg | fedprox | fedavgm | fedadam | scaffold |
-    # fednova | fedbn | lg_fedavg | fedproto | fml | fedkd | fedgh | fedmrl (README "Methods")
+    # Any registered method: `python -m launch.methods` lists them (README "Methods").
     config.algorithm = "pfedes"
 
     # pFedES (README "Configs" gives the usual ranges).
@@ -31,6 +30,10 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Other methods. The FedAvg family (fedavg, fedprox, fedavgm, fedadam, scaffold, fednova,
     # fedbn) runs per architecture cohort. Local training uses config.train.
+    # FedDistill (algorithms/feddistill.py): weight of the per-class logit distillation.
+    config.feddistill = ml_collections.ConfigDict()
+    config.feddistill.lam = 1.0
+
     config.baseline = ml_collections.ConfigDict()
     config.baseline.prox_mu = 0.01       # FedProx: mu/2 * ||w - w_global||^2
     config.baseline.server_lr = 1.0      # SCAFFOLD / FedNova: global step size (1 = average)

@@ -10,6 +10,7 @@ import math
 import ml_collections
 
 from fedjax_pfedes import alignment, attacks, execution
+from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.cohorts import assign_architectures
 from fedjax_pfedes.data.catalog import LOADERS
 from fedjax_pfedes.data.federated import PARTITIONS
@@ -25,30 +26,12 @@ from fedjax_pfedes.sampling import METHODS as SAMPLING_METHODS
 from fedjax_pfedes.system import system_config
 from fedjax_pfedes.upload.pipeline import check_compatible, pipeline_config
 
-# Buffered asynchronous aggregation (fedjax_pfedes.asynchronous; kept here to avoid an import
-# cycle): methods whose upload is a model measured from the broadcast.
-ASYNC_ALGORITHMS = ("pfedes", "pfedes_paper", "fedavg", "fedprox", "fedavgm", "fedadam", "fedbn",
-                    "lg_fedavg", "fml", "fedmrl")
 STALENESS = ("constant", "polynomial", "hinge")
-
-FEDAVG_FAMILY = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",
-                 "fedadam": "adam"}  # algorithm -> server optimizer
-# Methods run per architecture cohort with one global model each (FedAvg family).
-PER_COHORT = (*FEDAVG_FAMILY, "scaffold", "fednova", "fedbn")
-DP_SGD_ALGORITHMS = ("pfedes", *FEDAVG_FAMILY)
-ALGORITHMS = ("pfedes", "pfedes_paper", "standalone", *PER_COHORT, "lg_fedavg", "fedproto",
-              "fml", "fedkd", "fedgh", "fedmrl")
 
 
 def aggregation_kind(algorithm: str) -> str:
     """`Algorithm.aggregation` of a method, known before it is built (for config checks)."""
-    if algorithm in PER_COHORT:
-        return "per_cohort"
-    if algorithm in ("fedproto", "fedgh"):
-        return "custom"
-    if algorithm == "standalone":
-        return "none"
-    return "shared"
+    return algorithm_registry.get(algorithm).aggregation
 
 
 class ConfigError(ValueError):
@@ -74,8 +57,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first invalid field."""
     bad = _non_finite_fields(config)
     _require(not bad, bad[0] if bad else "")
-    _require(config.algorithm in ALGORITHMS,
-             f"config.algorithm: unknown algorithm '{config.algorithm}'; known: {list(ALGORITHMS)}")
+    try:
+        entry = algorithm_registry.get(config.algorithm)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _require(config.lam >= 0, f"config.lam must be >= 0, got {config.lam}")
     _require(config.proxy_dim > 0, f"config.proxy_dim must be > 0, got {config.proxy_dim}")
     _require(config.proxy_lr_ratio > 0,
@@ -92,11 +77,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         execution.resolve_strategy(config.execution.strategy)
         archs = assign_architectures(config.clients.architectures, config.data.num_clients)
         attacks.attack_config(config, config.data.num_clients)
+        if entry.check is not None:
+            entry.check(config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if config.dp_sgd.enabled:
-        _require(config.algorithm in DP_SGD_ALGORITHMS, "config.dp_sgd.enabled: DP-SGD is built "
-                 f"into {list(DP_SGD_ALGORITHMS)}, not '{config.algorithm}'")
+        with_dp_sgd = [n for n, e in algorithm_registry.entries().items() if e.dp_sgd]
+        _require(entry.dp_sgd, "config.dp_sgd.enabled: DP-SGD is built into "
+                 f"{with_dp_sgd}, not '{config.algorithm}'")
         _require(config.algorithm != "pfedes" or config.align != "contrastive",
                  "config.dp_sgd.enabled needs a per-example alignment loss: config.align "
                  "'mse' or 'cosine' (InfoNCE couples the examples of a batch)")
@@ -112,9 +100,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     with_bn = sorted({a for a in archs if uses_batch_norm(a)})
-    _require(not with_bn or config.algorithm == "fedbn",
+    with_bn_support = [n for n, e in algorithm_registry.entries().items() if e.batch_norm]
+    _require(not with_bn or entry.batch_norm,
              f"config.clients.architectures: {with_bn} have BatchNorm layers, which only "
-             f"config.algorithm='fedbn' handles (running statistics); got '{config.algorithm}'")
+             f"{with_bn_support} handle (running statistics); got '{config.algorithm}'")
 
     data = config.data
     _require(data.name in LOADERS,
@@ -198,9 +187,10 @@ def _validate_runtime(config: ml_collections.ConfigDict) -> None:
     a = config.asynchronous
     if not a.enabled:
         return
-    _require(config.algorithm in ASYNC_ALGORITHMS, "config.asynchronous.enabled: buffered "
+    asynchronous = [n for n, e in algorithm_registry.entries().items() if e.asynchronous]
+    _require(config.algorithm in asynchronous, "config.asynchronous.enabled: buffered "
              f"asynchronous aggregation rebases model updates onto a newer server model, which "
-             f"{list(ASYNC_ALGORITHMS)} upload; not '{config.algorithm}'")
+             f"{asynchronous} upload; not '{config.algorithm}'")
     _require(a.buffer_size >= 1, f"config.asynchronous.buffer_size must be >= 1, got "
              f"{a.buffer_size}")
     _require(a.buffer_size <= a.concurrency <= config.data.num_clients,

@@ -30,7 +30,6 @@ from fedjax_pfedes import (
     checkpointing,
     compilation,
     execution,
-    local_training,
     metrics_io,
     plotting,
     rounds,
@@ -38,27 +37,9 @@ from fedjax_pfedes import (
     strategy_choice,
     system,
 )
-from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg
-from fedjax_pfedes.algorithms.fedbn import fedbn
-from fedjax_pfedes.algorithms.fedgh import fedgh
-from fedjax_pfedes.algorithms.fedkd import fedkd
-from fedjax_pfedes.algorithms.fedmrl import fedmrl
-from fedjax_pfedes.algorithms.fednova import fednova
-from fedjax_pfedes.algorithms.fedproto import fedproto
-from fedjax_pfedes.algorithms.fml import fml
-from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, lg_fedavg
-from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
-from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
-from fedjax_pfedes.algorithms.scaffold import scaffold
-from fedjax_pfedes.algorithms.standalone import standalone
+from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.cohorts import Cohort, assign_architectures, build_cohorts
-from fedjax_pfedes.config_validation import (
-    FEDAVG_FAMILY,
-    PER_COHORT,
-    ConfigError,
-    check_against_data,
-    validate_config,
-)
+from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.federated import FederatedData, partition_dataset
 from fedjax_pfedes.data.profile import DataProfile, profile_partition
@@ -67,10 +48,6 @@ from fedjax_pfedes.metrics_io import write_json
 from fedjax_pfedes.rounds import tree_size
 from fedjax_pfedes.upload import compression, privacy
 from fedjax_pfedes.upload.pipeline import UploadPipeline, pipeline_config
-
-# Model-heterogeneous baselines built from HeteroConfig.
-HETEROGENEOUS = {"lg_fedavg": lg_fedavg, "fedproto": fedproto, "fml": fml, "fedkd": fedkd,
-                 "fedgh": fedgh, "fedmrl": fedmrl}
 
 
 def load_options(config: ml_collections.ConfigDict) -> LoadOptions:
@@ -107,46 +84,14 @@ def write_data_profile(data: FederatedData, partition: str, workdir: str) -> Dat
 
 
 def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
-    """The configured algorithm (`config.algorithm`) for the dataset's shapes and statistics."""
-    c, t, b = data.central, config.train, config.baseline
-    name = config.algorithm
+    """The configured algorithm (`config.algorithm`, from the algorithm registry) for the
+    dataset's shapes and statistics."""
+    c = data.central
     # Static local epochs: the most any client runs (fewer are masked by ClientArrays.step_limit).
     epochs = int(client_epochs(config, np.array([len(i) for i in data.train_indices])).max())
-    local = dict(num_classes=c.num_classes, input_spec=c.input_spec, lr_local=t.lr_local,
-                 local_momentum=t.local_momentum, local_epochs=epochs,
-                 batch_size=t.batch_size, unroll_local_steps=config.execution.unroll_local_steps)
-    dp_sgd = (local_training.DPSGDConfig(config.dp_sgd.clip_norm,
-                                         config.dp_sgd.noise_multiplier)
-              if config.dp_sgd.enabled else None)
-    if name in PER_COHORT or name == "standalone":
-        fedavg_config = FedAvgConfig(
-            **local, prox_mu=b.prox_mu if name == "fedprox" else 0.0,
-            server_optimizer=FEDAVG_FAMILY.get(name, "none"),
-            server_lr={"fedavgm": b.fedavgm_lr, "fedadam": b.fedadam_lr}.get(name, b.server_lr),
-            server_momentum=b.server_momentum, adam_b1=b.adam_b1, adam_b2=b.adam_b2,
-            adam_eps=b.adam_eps, name=name, dp_sgd=dp_sgd)
-        if name == "scaffold":
-            archs = assign_architectures(config.clients.architectures, data.num_clients)
-            return scaffold(fedavg_config, collections.Counter(archs))
-        per_cohort = {"standalone": standalone, "fednova": fednova, "fedbn": fedbn}
-        return per_cohort.get(name, fedavg)(fedavg_config)
-    if name in HETEROGENEOUS:
-        hetero_config = HeteroConfig(
-            **local, dim=config.proxy_dim, proto_lambda=b.proto_lambda,
-            shared_arch=b.shared_arch, fml_alpha=b.fml_alpha, fml_beta=b.fml_beta,
-            kd_energy_start=b.kd_energy_start, kd_energy_end=b.kd_energy_end, rounds=t.rounds,
-            gh_server_lr=b.gh_server_lr, gh_server_epochs=b.gh_server_epochs,
-            mrl_sub_dim=b.mrl_sub_dim)
-        return HETEROGENEOUS[name](hetero_config)
-    if name == "pfedes_paper":
-        return pfedes_paper(PFedESPaperConfig(**local, mu=b.paper_mu,
-                                              g_lr_ratio=b.paper_g_lr_ratio))
-    return pfedes(PFedESConfig(
-        **local, lam=config.lam, align=config.align,
-        contrastive_temperature=config.contrastive_temperature, proxy_dim=config.proxy_dim,
-        proxy_arch=config.proxy_arch, proxy_lr_ratio=config.proxy_lr_ratio,
-        projection_layernorm=config.projection_layernorm, warmup_steps=config.warmup_steps,
-        server_momentum=config.server_momentum, dp_sgd=dp_sgd))
+    archs = assign_architectures(config.clients.architectures, data.num_clients)
+    return algorithm_registry.build(config, c.num_classes, c.input_spec, epochs,
+                                    collections.Counter(archs))
 
 
 def _global_test(data: FederatedData, config: ml_collections.ConfigDict):

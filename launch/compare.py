@@ -18,19 +18,15 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from fedjax_pfedes import experiments
-from fedjax_pfedes.config_validation import (
-    ALGORITHMS,
-    ConfigError,
-    check_against_data,
-    validate_config,
-)
+from fedjax_pfedes.algorithms import registry as algorithm_registry
+from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.sources import DatasetUnavailableError
 from fedjax_pfedes.simulation import load_options
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _ALGORITHMS = flags.DEFINE_list("algorithms", ["pfedes", "standalone", "fedavg"],
-                                f"Methods to compare, from {list(ALGORITHMS)}.")
+                                "Methods to compare (config.algorithm names).")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per method (config.seed, config.seed+1, ...).")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare", "Where runs and the table go.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
@@ -42,9 +38,10 @@ def main(argv: list[str]) -> None:
     del argv
     config = _CONFIG.value
     try:
-        unknown = [a for a in _ALGORITHMS.value if a not in ALGORITHMS]
+        known = algorithm_registry.names()
+        unknown = [a for a in _ALGORITHMS.value if a not in known]
         if unknown:
-            raise ConfigError(f"--algorithms: unknown {unknown}; known: {list(ALGORITHMS)}")
+            raise ConfigError(f"--algorithms: unknown {unknown}; known: {list(known)}")
         if _SEEDS.value < 1:
             raise ConfigError(f"--seeds must be >= 1, got {_SEEDS.value}")
         central = load_dataset(config.data.name, load_options(config))

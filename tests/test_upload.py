@@ -3,6 +3,7 @@
 import math
 
 import dp_accounting
+import fl_helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -547,17 +548,21 @@ def test_dp_sgd_is_refused_where_it_is_not_built_in():
         validate_config(config)
 
 
-def test_every_algorithm_declares_the_aggregation_the_config_checks_assume():
-    from fedjax_pfedes.config_validation import ALGORITHMS, aggregation_kind
+def test_every_registered_algorithm_builds_with_the_aggregation_it_declares():
+    from fedjax_pfedes.algorithms import registry
+    from fedjax_pfedes.config_validation import aggregation_kind
     from fedjax_pfedes.simulation import build_algorithm, build_federated_data
 
-    config = tabular_hetero.get_config()
-    data = build_federated_data(config)
-    for name in ALGORITHMS:
-        if name == "pfedes_paper":  # images only
-            continue
+    tabular = tabular_hetero.get_config()
+    images = fl_helpers.small_config()
+    data = {"tabular": build_federated_data(tabular), "images": build_federated_data(images)}
+    assert len(registry.names()) >= 16
+    for name, entry in registry.entries().items():
+        config, kind = (images, "images") if name == "pfedes_paper" else (tabular, "tabular")
         config.algorithm = name
-        assert build_algorithm(config, data).aggregation == aggregation_kind(name), name
+        algorithm = build_algorithm(config, data[kind])
+        assert algorithm.name == name
+        assert algorithm.aggregation == entry.aggregation == aggregation_kind(name), name
 
 
 @pytest.mark.parametrize("algorithm,releases", [("fedavg", 1), ("pfedes", 2)])

@@ -27,6 +27,7 @@ from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
@@ -196,3 +197,30 @@ def evaluate_classifier(logits_fn, params, test, global_x, global_y) -> dict[str
         "global_accuracy": jnp.mean(jnp.argmax(global_logits, -1) == global_y),
         "test_ce_loss": local_training.cross_entropy(logits, test.y, mask),
     }
+
+# Server optimizer of each FedAvg-family name.
+SERVER_OPTIMIZERS = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",
+                     "fedadam": "adam"}
+
+
+def fedavg_config(inputs: BuildInputs, name: str) -> FedAvgConfig:
+    """`FedAvgConfig` of a per-cohort method from `config.train` and `config.baseline`."""
+    b = inputs.config.baseline
+    return FedAvgConfig(
+        **inputs.local_training(), prox_mu=b.prox_mu if name == "fedprox" else 0.0,
+        server_optimizer=SERVER_OPTIMIZERS.get(name, "none"),
+        server_lr={"fedavgm": b.fedavgm_lr, "fedadam": b.fedadam_lr}.get(name, b.server_lr),
+        server_momentum=b.server_momentum, adam_b1=b.adam_b1, adam_b2=b.adam_b2,
+        adam_eps=b.adam_eps, name=name, dp_sgd=inputs.dp_sgd())
+
+
+_PAPERS = {
+    "fedavg": "FedAvg (McMahan et al., AISTATS 2017), one global model per cohort",
+    "fedprox": "FedProx (Li et al., MLSys 2020): FedAvg + proximal term",
+    "fedavgm": "FedAvgM (Hsu et al., 2019): server momentum",
+    "fedadam": "FedAdam (Reddi et al., ICLR 2021): server Adam",
+}
+for _name in SERVER_OPTIMIZERS:
+    register(AlgorithmEntry(
+        _name, lambda inputs, name=_name: fedavg(fedavg_config(inputs, name)),
+        aggregation="per_cohort", asynchronous=True, dp_sgd=True, summary=_PAPERS[_name]))

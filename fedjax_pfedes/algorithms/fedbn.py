@@ -24,7 +24,8 @@ from flax import struct, traverse_util
 
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, evaluate_classifier
+from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, evaluate_classifier, fedavg_config
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
 
@@ -155,3 +156,8 @@ def fedbn(cfg: FedAvgConfig) -> Algorithm:
 
     return Algorithm("fedbn", init_server, broadcast, broadcast, server_update, cohort_program,
                      aggregation="per_cohort")
+
+register(AlgorithmEntry(
+    "fedbn", lambda inputs: fedbn(fedavg_config(inputs, "fedbn")), aggregation="per_cohort",
+    asynchronous=True, batch_norm=True,
+    summary="FedBN (Li et al., ICLR 2021): BatchNorm kept local, per cohort"))

@@ -24,7 +24,8 @@ from flax import struct
 from fedjax_pfedes import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedproto import class_prototypes
-from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, global_head_program
+from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, global_head_program, hetero_config
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
 
@@ -101,3 +102,7 @@ def fedgh(cfg: HeteroConfig) -> Algorithm:
 
     return Algorithm("fedgh", init_server, broadcast, upload_template, server_update,
                      cohort_program, aggregation="custom")
+
+register(AlgorithmEntry(
+    "fedgh", lambda inputs: fedgh(hetero_config(inputs)), aggregation="custom",
+    summary="FedGH (Yi et al., ACM MM 2023): a global header trained on prototypes"))

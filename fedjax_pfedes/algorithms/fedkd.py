@@ -33,7 +33,8 @@ from flax import struct
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
-from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig
+from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, hetero_config
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
 
@@ -170,3 +171,7 @@ def fedkd(cfg: HeteroConfig) -> Algorithm:
 
     return Algorithm("fedkd", init_server, broadcast, upload_template, server_update,
                      cohort_program)
+
+register(AlgorithmEntry(
+    "fedkd", lambda inputs: fedkd(hetero_config(inputs)),
+    summary="FedKD (Wu et al., Nature Communications 2022): distilled mentee, SVD uploads"))

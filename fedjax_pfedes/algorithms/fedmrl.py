@@ -27,7 +27,8 @@ from flax import struct
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
-from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig
+from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, hetero_config
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 from fedjax_pfedes.models.backbones import BACKBONES
@@ -148,3 +149,7 @@ def fedmrl(cfg: HeteroConfig) -> Algorithm:
         return CohortProgram(init_client, client_update, evaluate)
 
     return Algorithm("fedmrl", init_server, broadcast, broadcast, server_update, cohort_program)
+
+register(AlgorithmEntry(
+    "fedmrl", lambda inputs: fedmrl(hetero_config(inputs)), asynchronous=True,
+    summary="FedMRL (Yi et al., NeurIPS 2024): nested representation learning"))

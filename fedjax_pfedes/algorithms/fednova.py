@@ -27,8 +27,10 @@ from fedjax_pfedes.algorithms.fedavg import (
     FedAvgConfig,
     cohort_models,
     evaluate_classifier,
+    fedavg_config,
     init_cohort_models,
 )
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 
 
 @struct.dataclass
@@ -112,3 +114,7 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
 
     return Algorithm("fednova", init_server, broadcast, upload_template, server_update,
                      cohort_program, aggregation="per_cohort")
+
+register(AlgorithmEntry(
+    "fednova", lambda inputs: fednova(fedavg_config(inputs, "fednova")), aggregation="per_cohort",
+    summary="FedNova (Wang et al., NeurIPS 2020): normalized averaging, per cohort"))

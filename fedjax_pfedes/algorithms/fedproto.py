@@ -22,7 +22,8 @@ from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig
+from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, hetero_config
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
 
@@ -138,3 +139,7 @@ def fedproto(cfg: HeteroConfig) -> Algorithm:
 
     return Algorithm("fedproto", init_server, broadcast, upload_template, server_update,
                      cohort_program, aggregation="custom")
+
+register(AlgorithmEntry(
+    "fedproto", lambda inputs: fedproto(hetero_config(inputs)), aggregation="custom",
+    summary="FedProto (Tan et al., AAAI 2022): class prototypes instead of parameters"))

@@ -25,7 +25,8 @@ from flax import struct
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
-from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig
+from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, hetero_config
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
 
@@ -114,3 +115,7 @@ def fml(cfg: HeteroConfig) -> Algorithm:
         return CohortProgram(init_client, client_update, evaluate)
 
     return Algorithm("fml", init_server, broadcast, broadcast, server_update, cohort_program)
+
+register(AlgorithmEntry(
+    "fml", lambda inputs: fml(hetero_config(inputs)), asynchronous=True,
+    summary="FML (Shen et al., 2020): mutual learning with a shared meme model"))

@@ -21,6 +21,7 @@ from flax import struct
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
@@ -144,3 +145,18 @@ def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
 
     return Algorithm("lg_fedavg", init_server, broadcast, broadcast, server_update,
                      cohort_program)
+
+def hetero_config(inputs: BuildInputs) -> HeteroConfig:
+    """`HeteroConfig` of the model-heterogeneous baselines from `config.baseline`."""
+    c, b = inputs.config, inputs.config.baseline
+    return HeteroConfig(
+        **inputs.local_training(), dim=c.proxy_dim, proto_lambda=b.proto_lambda,
+        shared_arch=b.shared_arch, fml_alpha=b.fml_alpha, fml_beta=b.fml_beta,
+        kd_energy_start=b.kd_energy_start, kd_energy_end=b.kd_energy_end, rounds=c.train.rounds,
+        gh_server_lr=b.gh_server_lr, gh_server_epochs=b.gh_server_epochs,
+        mrl_sub_dim=b.mrl_sub_dim)
+
+
+register(AlgorithmEntry(
+    "lg_fedavg", lambda inputs: lg_fedavg(hetero_config(inputs)), asynchronous=True,
+    summary="LG-FedAvg (Liang et al., 2020): local representations, one global head"))

@@ -28,6 +28,7 @@ from flax import struct
 
 from fedjax_pfedes import aggregation, alignment, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
@@ -196,3 +197,17 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
     # E_proxy), both accounted.
     return Algorithm("pfedes", init_server, broadcast, broadcast, server_update, cohort_program,
                      dp_sgd_releases_per_step=2)
+
+def _build(inputs: BuildInputs) -> Algorithm:
+    c = inputs.config
+    return pfedes(PFedESConfig(
+        **inputs.local_training(), lam=c.lam, align=c.align,
+        contrastive_temperature=c.contrastive_temperature, proxy_dim=c.proxy_dim,
+        proxy_arch=c.proxy_arch, proxy_lr_ratio=c.proxy_lr_ratio,
+        projection_layernorm=c.projection_layernorm, warmup_steps=c.warmup_steps,
+        server_momentum=c.server_momentum, dp_sgd=inputs.dp_sgd()))
+
+
+register(AlgorithmEntry(
+    "pfedes", _build, asynchronous=True, dp_sgd=True,
+    summary="pFedES, feature alignment to a shared proxy extractor (docs/design.md)"))

@@ -26,6 +26,7 @@ from flax import struct
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
@@ -130,3 +131,13 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
 
     return Algorithm("pfedes_paper", init_server, broadcast, broadcast, server_update,
                      cohort_program)
+
+def _build(inputs: BuildInputs) -> Algorithm:
+    b = inputs.config.baseline
+    return pfedes_paper(PFedESPaperConfig(**inputs.local_training(), mu=b.paper_mu,
+                                          g_lr_ratio=b.paper_g_lr_ratio))
+
+
+register(AlgorithmEntry(
+    "pfedes_paper", _build, asynchronous=True,
+    summary="published pFedES (Yi et al., AAAI 2025): a shared image-to-image proxy G"))

@@ -33,9 +33,11 @@ from fedjax_pfedes.algorithms.fedavg import (
     FedAvgConfig,
     cohort_models,
     evaluate_classifier,
+    fedavg_config,
     init_cohort_models,
 )
 from fedjax_pfedes.algorithms.fednova import local_solver_norm
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 
 
 @struct.dataclass
@@ -145,3 +147,9 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
 
     return Algorithm("scaffold", init_server, broadcast, upload_template, server_update,
                      cohort_program, aggregation="per_cohort")
+
+register(AlgorithmEntry(
+    "scaffold", lambda inputs: scaffold(fedavg_config(inputs, "scaffold"),
+                                        inputs.clients_per_arch),
+    aggregation="per_cohort",
+    summary="SCAFFOLD (Karimireddy et al., ICML 2020): control variates, per cohort"))

@@ -15,7 +15,8 @@ from flax import struct
 
 from fedjax_pfedes import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, evaluate_classifier
+from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, evaluate_classifier, fedavg_config
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
 
@@ -73,3 +74,7 @@ def standalone(cfg: FedAvgConfig) -> Algorithm:
 
     return Algorithm("standalone", init_server, nothing, nothing, server_update, cohort_program,
                      aggregation="none")
+
+register(AlgorithmEntry(
+    "standalone", lambda inputs: standalone(fedavg_config(inputs, "standalone")),
+    aggregation="none", summary="Standalone: every client trains alone"))

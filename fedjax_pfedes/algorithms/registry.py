@@ -1,0 +1,148 @@
+"""The algorithm registry: every federated method declares itself here, once, in its own module.
+
+An entry says what the rest of the simulator needs to know before and after building the method:
+its config name, how the server combines uploads (`aggregation`, which tells the upload pipeline
+what it may do), its capabilities (buffered asynchronous rounds, sample-level DP-SGD, BatchNorm
+backbones) and `build`, which turns the experiment config plus the dataset's facts into an
+`Algorithm`. `simulation` and `config_validation` read only this registry; there are no name
+tables elsewhere. Adding a method = one module under `fedjax_pfedes/algorithms/` that calls
+`register(...)` at import, its config fields, a test and a row in the README's methods table.
+
+Every module of this package is imported by `entries()` (pkgutil discovery), so a new module
+needs no import list to be edited.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Callable
+
+import ml_collections
+
+from fedjax_pfedes import local_training
+from fedjax_pfedes.algorithms.base import Algorithm
+from fedjax_pfedes.data.spec import InputSpec
+
+AGGREGATIONS = ("shared", "per_cohort", "custom", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildInputs:
+    """What `build` gets: the experiment config and the facts of the partitioned dataset.
+
+    Attributes:
+      config: the experiment config (`configs/quickstart.py` documents every field).
+      num_classes: labels of the dataset.
+      input_spec: modality, shape and normalization statistics of the inputs.
+      local_epochs: the most local epochs any client runs (fewer are masked per client).
+      clients_per_arch: how many clients use each architecture.
+    """
+
+    config: ml_collections.ConfigDict
+    num_classes: int
+    input_spec: InputSpec
+    local_epochs: int
+    clients_per_arch: collections.Counter
+
+    def local_training(self) -> dict:
+        """The local-training settings every method's config dataclass takes."""
+        t = self.config.train
+        return dict(num_classes=self.num_classes, input_spec=self.input_spec,
+                    lr_local=t.lr_local, local_momentum=t.local_momentum,
+                    local_epochs=self.local_epochs, batch_size=t.batch_size,
+                    unroll_local_steps=self.config.execution.unroll_local_steps)
+
+    def dp_sgd(self) -> local_training.DPSGDConfig | None:
+        """Sample-level DP-SGD settings (`config.dp_sgd`), or None when it is off."""
+        d = self.config.dp_sgd
+        return local_training.DPSGDConfig(d.clip_norm, d.noise_multiplier) if d.enabled else None
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmEntry:
+    """One registered method.
+
+    Attributes:
+      name: `config.algorithm`.
+      build: BuildInputs -> Algorithm.
+      aggregation: 'shared' (one tree for every cohort, weighted mean over all participants),
+        'per_cohort' (one model per architecture cohort), 'custom' (other server math:
+        prototypes, header training; robust aggregation, DP and secure aggregation are refused)
+        or 'none' (nothing is uploaded). Must equal the built `Algorithm.aggregation`.
+      asynchronous: runs under buffered asynchronous aggregation (FedBuff): its upload is a
+        model measured from the broadcast, so a stale update can be re-based.
+      dp_sgd: has sample-level DP-SGD built into its local step.
+      batch_norm: accepts backbones with BatchNorm layers (running statistics kept local).
+      check: config -> None, raising ValueError naming the field, for the method's own config
+        section (run by `config_validation` before anything is built).
+      summary: one line for listings, with the paper.
+    """
+
+    name: str
+    build: Callable[[BuildInputs], Algorithm]
+    aggregation: str = "shared"
+    asynchronous: bool = False
+    dp_sgd: bool = False
+    batch_norm: bool = False
+    check: Callable[[ml_collections.ConfigDict], None] | None = None
+    summary: str = ""
+
+    def __post_init__(self):
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"algorithm '{self.name}': aggregation must be one of "
+                             f"{AGGREGATIONS}, got '{self.aggregation}'")
+
+
+_ENTRIES: dict[str, AlgorithmEntry] = {}
+_DISCOVERED = False
+
+
+def register(entry: AlgorithmEntry) -> AlgorithmEntry:
+    """Adds `entry` (called at import by the method's module); a name may be taken once."""
+    if entry.name in _ENTRIES and _ENTRIES[entry.name] != entry:
+        raise ValueError(f"algorithm '{entry.name}' is registered twice")
+    _ENTRIES[entry.name] = entry
+    return entry
+
+
+def _discover() -> None:
+    package = importlib.import_module("fedjax_pfedes.algorithms")
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"fedjax_pfedes.algorithms.{module.name}")
+
+
+def entries() -> dict[str, AlgorithmEntry]:
+    """Every registered method by name (imports every module of the package once)."""
+    global _DISCOVERED
+    if not _DISCOVERED:
+        _discover()
+        _DISCOVERED = True
+    return dict(_ENTRIES)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(entries())
+
+
+def get(name: str) -> AlgorithmEntry:
+    """The entry of `config.algorithm` (ValueError naming the field and the known names)."""
+    known = entries()
+    if name not in known:
+        raise ValueError(f"config.algorithm: unknown algorithm '{name}'; known: {list(known)}")
+    return known[name]
+
+
+def build(config: ml_collections.ConfigDict, num_classes: int, input_spec: InputSpec,
+          local_epochs: int, clients_per_arch: collections.Counter) -> Algorithm:
+    """The configured method, built; checks it declares the aggregation its entry promised."""
+    entry = get(config.algorithm)
+    algorithm = entry.build(BuildInputs(config, num_classes, input_spec, local_epochs,
+                                        clients_per_arch))
+    if algorithm.aggregation != entry.aggregation or algorithm.name != entry.name:
+        raise AssertionError(f"algorithm '{entry.name}' built as '{algorithm.name}' with "
+                             f"aggregation '{algorithm.aggregation}', registered with "
+                             f"'{entry.aggregation}'")
+    return algorithm
