@@ -28,39 +28,46 @@ def get_config() -> ml_collections.ConfigDict:
     config.warmup_steps = 0              # first W local steps of a client: backbone frozen
     config.server_momentum = 0.5         # beta: new = beta * old + (1 - beta) * average
 
-    # Other methods. The FedAvg family (fedavg, fedprox, fedavgm, fedadam, scaffold, fednova,
-    # fedbn) runs per architecture cohort. Local training uses config.train.
-    # FedDistill (algorithms/feddistill.py): weight of the per-class logit distillation.
-    config.feddistill = ml_collections.ConfigDict()
-    config.feddistill.lam = 1.0
-
-    config.baseline = ml_collections.ConfigDict()
-    config.baseline.prox_mu = 0.01       # FedProx: mu/2 * ||w - w_global||^2
-    config.baseline.server_lr = 1.0      # SCAFFOLD / FedNova: global step size (1 = average)
+    # Other methods: one section per method (`python -m launch.methods` lists them). The FedAvg
+    # family (fedavg, fedprox, fedavgm, fedadam, scaffold, fednova, fedbn) runs per architecture
+    # cohort. Local training of every method uses config.train.
+    config.fedprox = ml_collections.ConfigDict()
+    config.fedprox.mu = 0.01             # mu/2 * ||w - w_global||^2
     # FedAvgM / FedAdam server learning rates. With lr 1.0 both diverged on the quick start
     # (docs/baselines.md): 0.1 with momentum 0.9 is a steady-state step of 1.
-    config.baseline.fedavgm_lr = 0.1
-    config.baseline.fedadam_lr = 0.01    # Reddi et al. 2021 tune it in [1e-3, 1]
-    config.baseline.server_momentum = 0.9  # FedAvgM: server heavy-ball momentum
-    config.baseline.adam_b1 = 0.9        # FedAdam (Reddi et al. 2021)
-    config.baseline.adam_b2 = 0.99
-    config.baseline.adam_eps = 1e-3
-    # The published pFedES (config.algorithm = 'pfedes_paper', Yi et al. AAAI 2025): loss
-    # (1 - mu) CE(F(x)) + mu CE(F(G(x))); G's SGD learning rate = ratio * lr_local.
-    config.baseline.paper_mu = 0.5
-    config.baseline.paper_g_lr_ratio = 1.0
-    # LG-FedAvg and FedProto use config.proxy_dim as the common feature dimension d.
-    config.baseline.proto_lambda = 1.0   # FedProto: weight of mean_d (e - global prototype[y])^2
-    # FML, FedKD and FedMRL share one small model ('' = per modality: image 'cnn_small',
-    # tabular 'mlp_small', text 'embedbag').
-    config.baseline.shared_arch = ""
-    config.baseline.fml_alpha = 0.5      # FML: CE weight of the private model (rest: KL to meme)
-    config.baseline.fml_beta = 0.5       # FML: CE weight of the shared meme model
-    config.baseline.kd_energy_start = 0.95  # FedKD: SVD energy kept in uploads, first round ..
-    config.baseline.kd_energy_end = 0.98    # .. raised linearly to this at the last round
-    config.baseline.gh_server_lr = 0.05  # FedGH: server SGD on uploaded prototypes
-    config.baseline.gh_server_epochs = 1
-    config.baseline.mrl_sub_dim = 0      # FedMRL: nested dim read by the shared header (0 = d/2)
+    config.fedavgm = ml_collections.ConfigDict()
+    config.fedavgm.server_lr = 0.1
+    config.fedavgm.server_momentum = 0.9  # server heavy-ball momentum
+    config.fedadam = ml_collections.ConfigDict()
+    config.fedadam.server_lr = 0.01      # Reddi et al. 2021 tune it in [1e-3, 1]
+    config.fedadam.b1 = 0.9
+    config.fedadam.b2 = 0.99
+    config.fedadam.eps = 1e-3
+    config.scaffold = ml_collections.ConfigDict()
+    config.scaffold.server_lr = 1.0      # global step size (1 = average)
+    config.fednova = ml_collections.ConfigDict()
+    config.fednova.server_lr = 1.0       # global step size (1 = average)
+    # The published pFedES (Yi et al. AAAI 2025): loss (1 - mu) CE(F(x)) + mu CE(F(G(x)));
+    # G's SGD learning rate = g_lr_ratio * lr_local.
+    config.pfedes_paper = ml_collections.ConfigDict()
+    config.pfedes_paper.mu = 0.5
+    config.pfedes_paper.g_lr_ratio = 1.0
+    # LG-FedAvg, FedProto, FedGH, FedKD and FedMRL use config.proxy_dim as the common dimension d.
+    config.fedproto = ml_collections.ConfigDict()
+    config.fedproto.lam = 1.0            # weight of mean_d (e - global prototype[y])^2
+    config.feddistill = ml_collections.ConfigDict()
+    config.feddistill.lam = 1.0          # weight of the per-class logit distillation
+    config.fml = ml_collections.ConfigDict()
+    config.fml.alpha = 0.5               # CE weight of the private model (rest: KL to the meme)
+    config.fml.beta = 0.5                # CE weight of the shared meme model
+    config.fedkd = ml_collections.ConfigDict()
+    config.fedkd.energy_start = 0.95     # SVD energy kept in uploads, first round ..
+    config.fedkd.energy_end = 0.98       # .. raised linearly to this at the last round
+    config.fedgh = ml_collections.ConfigDict()
+    config.fedgh.server_lr = 0.05        # server SGD on the uploaded prototypes
+    config.fedgh.server_epochs = 1
+    config.fedmrl = ml_collections.ConfigDict()
+    config.fedmrl.sub_dim = 0            # nested dim read by the shared header (0 = d/2)
 
     config.data = ml_collections.ConfigDict()
     # Datasets (README "Datasets"): offline 'mnist5k' | 'digits' | 'breast_cancer' | 'wine' |
@@ -87,6 +94,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.clients = ml_collections.ConfigDict()
     # 'a,b,c' cycles over clients; 'a:8,b:6,c:6' assigns blocks of these sizes.
     config.clients.architectures = "convnet3,convnet5,vit"
+    # The small model every client shares in FML, FedKD and FedMRL ('' = per modality: image
+    # 'cnn_small', tabular 'mlp_small', text 'embedbag').
+    config.clients.shared_arch = ""
 
     config.train = ml_collections.ConfigDict()
     config.train.rounds = 20

@@ -151,27 +151,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              f"config.train.local_momentum must be in [0, 1), got {train.local_momentum}")
     _require(config.eval.every >= 1, f"config.eval.every must be >= 1, got {config.eval.every}")
     _validate_runtime(config)
-    b = config.baseline
-    _require(0 <= b.paper_mu <= 1, f"config.baseline.paper_mu must be in [0, 1], got {b.paper_mu}")
-    _require(b.paper_g_lr_ratio > 0,
-             f"config.baseline.paper_g_lr_ratio must be > 0, got {b.paper_g_lr_ratio}")
-    _require(b.proto_lambda >= 0,
-             f"config.baseline.proto_lambda must be >= 0, got {b.proto_lambda}")
-    _require(b.prox_mu >= 0, f"config.baseline.prox_mu must be >= 0, got {b.prox_mu}")
-    for name in ("server_lr", "fedavgm_lr", "fedadam_lr"):
-        _require(b[name] > 0, f"config.baseline.{name} must be > 0, got {b[name]}")
-    _require(0 <= b.server_momentum < 1,
-             f"config.baseline.server_momentum must be in [0, 1), got {b.server_momentum}")
-    for name in ("fml_alpha", "fml_beta"):
-        _require(0 <= b[name] <= 1, f"config.baseline.{name} must be in [0, 1], got {b[name]}")
-    for name in ("kd_energy_start", "kd_energy_end"):
-        _require(0 < b[name] <= 1, f"config.baseline.{name} must be in (0, 1], got {b[name]}")
-    _require(b.gh_server_lr > 0, f"config.baseline.gh_server_lr must be > 0, got "
-             f"{b.gh_server_lr}")
-    _require(b.gh_server_epochs >= 1, f"config.baseline.gh_server_epochs must be >= 1, got "
-             f"{b.gh_server_epochs}")
-    _require(0 <= b.mrl_sub_dim <= config.proxy_dim, "config.baseline.mrl_sub_dim must be in "
-             f"[0, config.proxy_dim={config.proxy_dim}] (0 = half), got {b.mrl_sub_dim}")
 
 
 def _validate_runtime(config: ml_collections.ConfigDict) -> None:
@@ -233,6 +212,6 @@ def check_against_data(config: ml_collections.ConfigDict, central: CentralDatase
             check_architecture(arch, modality=central.modality)
         check_proxy(config.proxy_arch, modality=central.modality)
         if config.algorithm in ("fml", "fedkd", "fedmrl"):
-            shared_arch(config.baseline.shared_arch, central.input_spec)
+            shared_arch(config.clients.shared_arch, central.input_spec)
     except ValueError as e:
         raise ConfigError(f"{e} (config.data.name='{config.data.name}')") from None

@@ -31,6 +31,7 @@ from fedjax_pfedes.budget import (
 from fedjax_pfedes.config_validation import ConfigError, validate_config
 from fedjax_pfedes.data.sources import DatasetUnavailableError
 from fedjax_pfedes.simulation import build_context, build_federated_data
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -88,4 +89,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config"])
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

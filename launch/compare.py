@@ -23,6 +23,7 @@ from fedjax_pfedes.config_validation import ConfigError, check_against_data, val
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.sources import DatasetUnavailableError
 from fedjax_pfedes.simulation import load_options
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _ALGORITHMS = flags.DEFINE_list("algorithms", ["pfedes", "standalone", "fedavg"],
@@ -82,4 +83,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config"])
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

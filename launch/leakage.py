@@ -26,6 +26,7 @@ from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.sources import DatasetUnavailableError
 from fedjax_pfedes.models import registry
 from fedjax_pfedes.simulation import load_options
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (its data).")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/leakage", "Where the table and figure go.")
@@ -137,4 +138,4 @@ def _figure(originals, recon, labels_text, path):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config"])
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

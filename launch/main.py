@@ -11,9 +11,7 @@ checkpoint (--config.checkpoint.resume=False starts the workdir over).
 
 from __future__ import annotations
 
-import os
 import sys
-from typing import NoReturn
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -21,6 +19,8 @@ from ml_collections import config_flags
 from fedjax_pfedes.config_validation import ConfigError
 from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
 from fedjax_pfedes.simulation import DivergedError, RunLockedError, run_experiment
+from launch import cli
+from launch.cli import fail, loaded_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -28,59 +28,10 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/latest", "Where metrics and the 
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 
-def fail(message: str) -> NoReturn:
-    """One line on stderr, exit status 2 (bad input, not a crash)."""
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
-    sys.exit(2)
-
-
-def config_file_problem(path: str) -> str:
-    """Why the config file at `path` cannot be loaded, in one line."""
-    if not path:
-        return "--config is required, e.g. --config=configs/quickstart.py"
-    if not os.path.isfile(path):
-        return f"--config={path}: no such file"
-    try:
-        compile(open(path, encoding="utf-8").read(), path, "exec")
-    except SyntaxError as e:
-        return f"--config={path}: syntax error on line {e.lineno}: {e.msg}"
-    except (OSError, UnicodeDecodeError) as e:
-        return f"--config={path}: cannot be read ({e})"
-    return f"--config={path}: cannot be loaded (does it define get_config()?)"
-
-
-def _flag_value(argv: list[str], name: str) -> str:
-    for i, a in enumerate(argv):
-        if a.startswith(f"--{name}="):
-            return a.split("=", 1)[1]
-        if a == f"--{name}" and i + 1 < len(argv):
-            return argv[i + 1]
-    return ""
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing, with every user error as one line and exit status 2: an unknown or
-    misspelled config key, a value of the wrong type, a missing or broken config file."""
-    try:
-        return flags.FLAGS(argv)
-    except KeyError as e:  # ml_collections: unknown key, with its "Did you mean" hint
-        fail(f"unknown config field: {e.args[0] if e.args else e}")
-    except flags.Error as e:
-        fail(str(e))
-    except Exception as e:  # noqa: BLE001 - the config file's own code raised: report, no trace
-        fail(f"{config_file_problem(_flag_value(argv, 'config'))} ({type(e).__name__}: {e})")
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}: flags are --name=value")
-    try:
-        config = _CONFIG.value
-        if config is None:
-            fail(config_file_problem(""))
-        config.to_dict()  # config_flags defers a load error to the first access
-    except Exception:  # noqa: BLE001 - whatever the file raised, one line names it
-        fail(config_file_problem(_flag_value(sys.argv, "config")))
+    config = loaded_config(_CONFIG)
     try:
         summary = run_experiment(config, _WORKDIR.value, show_progress=_PROGRESS.value)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError) as e:
@@ -119,4 +70,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=cli.parse_flags)

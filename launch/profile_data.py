@@ -19,6 +19,7 @@ from ml_collections import config_flags
 from fedjax_pfedes.config_validation import ConfigError, validate_config
 from fedjax_pfedes.data.sources import DatasetUnavailableError
 from fedjax_pfedes.simulation import build_federated_data, write_data_profile
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -41,4 +42,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config"])
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -24,6 +24,7 @@ from ml_collections import config_flags
 from fedjax_pfedes import experiments
 from fedjax_pfedes.config_validation import ConfigError, validate_config
 from fedjax_pfedes.data.sources import DatasetUnavailableError
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _RATIOS = flags.DEFINE_list("ratios", ["0", "0.2", "0.4", "0.6", "0.8"],
@@ -82,4 +83,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config"])
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

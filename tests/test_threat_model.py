@@ -78,6 +78,12 @@ CONFIG_CASES = {
     "C27": ({"upload.weighting": "by_norm"}, r"config.upload.weighting must be one of"),
     "C28": ({"dp.enabled": True, "upload.weighting": "uniform", "dp.clip_norm": 0.0},
             r"config.dp.clip_norm must be > 0"),
+    "C29": ({"algorithm": "fml", "fml.alpha": 2.0}, r"config.fml.alpha must be in \[0, 1\]"),
+    "C30": ({"algorithm": "fedprox", "fedprox.mu": -0.1}, r"config.fedprox.mu must be >= 0"),
+    "C31": ({"algorithm": "fedkd", "fedkd.energy_start": 0.0},
+            r"config.fedkd.energy_start must be in \(0, 1\]"),
+    "C32": ({"algorithm": "pfedes_paper", "pfedes_paper.mu": 1.5},
+            r"config.pfedes_paper.mu must be in \[0, 1\]"),
 }
 
 
@@ -114,6 +120,8 @@ CLI_CASES = {
              "--config.data.path={nan_npz}"], r"x_train\[3\] holds a non-finite value"),
     "L08": (["--config=configs/quickstart.py", "--config.lam=inf"],
             r"config.lam must be finite, got inf"),
+    "L09": (["--config=configs/quickstart.py", "--config.baseline.fml_alpha=0.3"],
+            r"--config.baseline.fml_alpha is now --config.fml.alpha"),
 }
 
 

@@ -199,19 +199,40 @@ def evaluate_classifier(logits_fn, params, test, global_x, global_y) -> dict[str
     }
 
 # Server optimizer of each FedAvg-family name.
-SERVER_OPTIMIZERS = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",
+SERVER_OPTIMIZER_OF = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",
                      "fedadam": "adam"}
 
 
 def fedavg_config(inputs: BuildInputs, name: str) -> FedAvgConfig:
-    """`FedAvgConfig` of a per-cohort method from `config.train` and `config.baseline`."""
-    b = inputs.config.baseline
-    return FedAvgConfig(
-        **inputs.local_training(), prox_mu=b.prox_mu if name == "fedprox" else 0.0,
-        server_optimizer=SERVER_OPTIMIZERS.get(name, "none"),
-        server_lr={"fedavgm": b.fedavgm_lr, "fedadam": b.fedadam_lr}.get(name, b.server_lr),
-        server_momentum=b.server_momentum, adam_b1=b.adam_b1, adam_b2=b.adam_b2,
-        adam_eps=b.adam_eps, name=name, dp_sgd=inputs.dp_sgd())
+    """`FedAvgConfig` of a per-cohort method from `config.train` and the method's section
+    (`config.fedprox`, `config.fedavgm`, `config.fedadam`, `config.scaffold`, `config.fednova`)."""
+    c = inputs.config
+    kw = {}
+    if name == "fedprox":
+        kw = dict(prox_mu=c.fedprox.mu)
+    elif name == "fedavgm":
+        kw = dict(server_lr=c.fedavgm.server_lr, server_momentum=c.fedavgm.server_momentum)
+    elif name == "fedadam":
+        kw = dict(server_lr=c.fedadam.server_lr, adam_b1=c.fedadam.b1, adam_b2=c.fedadam.b2,
+                  adam_eps=c.fedadam.eps)
+    elif name in ("scaffold", "fednova"):
+        kw = dict(server_lr=c[name].server_lr)
+    return FedAvgConfig(**inputs.local_training(),
+                        server_optimizer=SERVER_OPTIMIZER_OF.get(name, "none"), name=name,
+                        dp_sgd=inputs.dp_sgd(), **kw)
+
+
+def check_section(config, name: str) -> None:
+    """Range checks of a FedAvg-family method's config section (ValueError naming the field)."""
+    section = config[name] if name in config else {}
+    for key, value in section.items():
+        field = f"config.{name}.{key}"
+        if key in ("server_lr", "eps") and not value > 0:
+            raise ValueError(f"{field} must be > 0, got {value}")
+        if key in ("mu",) and not value >= 0:
+            raise ValueError(f"{field} must be >= 0, got {value}")
+        if key in ("server_momentum", "b1", "b2") and not 0 <= value < 1:
+            raise ValueError(f"{field} must be in [0, 1), got {value}")
 
 
 _PAPERS = {
@@ -220,7 +241,8 @@ _PAPERS = {
     "fedavgm": "FedAvgM (Hsu et al., 2019): server momentum",
     "fedadam": "FedAdam (Reddi et al., ICLR 2021): server Adam",
 }
-for _name in SERVER_OPTIMIZERS:
+for _name in SERVER_OPTIMIZER_OF:
     register(AlgorithmEntry(
         _name, lambda inputs, name=_name: fedavg(fedavg_config(inputs, name)),
-        aggregation="per_cohort", asynchronous=True, dp_sgd=True, summary=_PAPERS[_name]))
+        aggregation="per_cohort", asynchronous=True, dp_sgd=True,
+        check=lambda config, name=_name: check_section(config, name), summary=_PAPERS[_name]))

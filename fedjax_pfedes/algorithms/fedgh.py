@@ -24,7 +24,12 @@ from flax import struct
 from fedjax_pfedes import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedproto import class_prototypes
-from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, global_head_program, hetero_config
+from fedjax_pfedes.algorithms.lg_fedavg import (
+    HeteroConfig,
+    check_range,
+    global_head_program,
+    hetero_config,
+)
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
@@ -105,4 +110,7 @@ def fedgh(cfg: HeteroConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fedgh", lambda inputs: fedgh(hetero_config(inputs)), aggregation="custom",
+    check=lambda c: (check_range(c.fedgh.server_lr, 0, None, "config.fedgh.server_lr",
+                                 low_open=True),
+                     check_range(c.fedgh.server_epochs, 1, None, "config.fedgh.server_epochs")),
     summary="FedGH (Yi et al., ACM MM 2023): a global header trained on prototypes"))

@@ -33,7 +33,7 @@ from flax import struct
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
-from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, hetero_config
+from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
@@ -174,4 +174,6 @@ def fedkd(cfg: HeteroConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fedkd", lambda inputs: fedkd(hetero_config(inputs)),
+    check=lambda c: [check_range(c.fedkd[k], 0, 1, f"config.fedkd.{k}", low_open=True)
+                     for k in ("energy_start", "energy_end")],
     summary="FedKD (Wu et al., Nature Communications 2022): distilled mentee, SVD uploads"))

@@ -27,7 +27,7 @@ from flax import struct
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
-from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, hetero_config
+from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
@@ -81,7 +81,7 @@ def fedmrl(cfg: HeteroConfig) -> Algorithm:
     """Builds FedMRL for heterogeneous cohorts."""
     sub_dim = cfg.mrl_sub_dim or cfg.dim // 2
     if not 0 < sub_dim <= cfg.dim:
-        raise ValueError(f"config.baseline.mrl_sub_dim must be in [0, config.proxy_dim="
+        raise ValueError(f"config.fedmrl.sub_dim must be in [0, config.proxy_dim="
                          f"{cfg.dim}] (0 = half of it), got {cfg.mrl_sub_dim}")
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
@@ -152,4 +152,7 @@ def fedmrl(cfg: HeteroConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fedmrl", lambda inputs: fedmrl(hetero_config(inputs)), asynchronous=True,
+    check=lambda c: check_range(c.fedmrl.sub_dim, 0, c.proxy_dim,
+                                f"config.fedmrl.sub_dim (0 = half of config.proxy_dim="
+                                f"{c.proxy_dim})"),
     summary="FedMRL (Yi et al., NeurIPS 2024): nested representation learning"))

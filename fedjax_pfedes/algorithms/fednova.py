@@ -25,6 +25,7 @@ from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedavg import (
     ClientState,
     FedAvgConfig,
+    check_section,
     cohort_models,
     evaluate_classifier,
     fedavg_config,
@@ -117,4 +118,5 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fednova", lambda inputs: fednova(fedavg_config(inputs, "fednova")), aggregation="per_cohort",
+    check=lambda config: check_section(config, "fednova"),
     summary="FedNova (Wang et al., NeurIPS 2020): normalized averaging, per cohort"))

@@ -22,7 +22,7 @@ from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, hetero_config
+from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
@@ -142,4 +142,5 @@ def fedproto(cfg: HeteroConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fedproto", lambda inputs: fedproto(hetero_config(inputs)), aggregation="custom",
+    check=lambda c: check_range(c.fedproto.lam, 0, None, "config.fedproto.lam"),
     summary="FedProto (Tan et al., AAAI 2022): class prototypes instead of parameters"))

@@ -25,7 +25,7 @@ from flax import struct
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
-from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, hetero_config
+from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
@@ -118,4 +118,5 @@ def fml(cfg: HeteroConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fml", lambda inputs: fml(hetero_config(inputs)), asynchronous=True,
+    check=lambda c: [check_range(c.fml[k], 0, 1, f"config.fml.{k}") for k in ("alpha", "beta")],
     summary="FML (Shen et al., 2020): mutual learning with a shared meme model"))

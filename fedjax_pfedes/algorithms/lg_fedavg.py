@@ -147,14 +147,27 @@ def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
                      cohort_program)
 
 def hetero_config(inputs: BuildInputs) -> HeteroConfig:
-    """`HeteroConfig` of the model-heterogeneous baselines from `config.baseline`."""
-    c, b = inputs.config, inputs.config.baseline
+    """`HeteroConfig` of the model-heterogeneous baselines from their config sections
+    (`config.fedproto`, `config.fml`, `config.fedkd`, `config.fedgh`, `config.fedmrl`) and
+    `config.clients.shared_arch`."""
+    c = inputs.config
     return HeteroConfig(
-        **inputs.local_training(), dim=c.proxy_dim, proto_lambda=b.proto_lambda,
-        shared_arch=b.shared_arch, fml_alpha=b.fml_alpha, fml_beta=b.fml_beta,
-        kd_energy_start=b.kd_energy_start, kd_energy_end=b.kd_energy_end, rounds=c.train.rounds,
-        gh_server_lr=b.gh_server_lr, gh_server_epochs=b.gh_server_epochs,
-        mrl_sub_dim=b.mrl_sub_dim)
+        **inputs.local_training(), dim=c.proxy_dim, proto_lambda=c.fedproto.lam,
+        shared_arch=c.clients.shared_arch, fml_alpha=c.fml.alpha, fml_beta=c.fml.beta,
+        kd_energy_start=c.fedkd.energy_start, kd_energy_end=c.fedkd.energy_end,
+        rounds=c.train.rounds, gh_server_lr=c.fedgh.server_lr,
+        gh_server_epochs=c.fedgh.server_epochs, mrl_sub_dim=c.fedmrl.sub_dim)
+
+
+def check_range(value, low, high, field: str, low_open: bool = False,
+                high_open: bool = False) -> None:
+    """ValueError naming `field` unless low <(=) value <(=) high (None = unbounded)."""
+    ok = ((low is None or (value > low if low_open else value >= low))
+          and (high is None or (value < high if high_open else value <= high)))
+    if not ok:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        raise ValueError(f"{field} must be in {lo}{low}, {high}{hi}, got {value}")
 
 
 register(AlgorithmEntry(

@@ -133,11 +133,18 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
                      cohort_program)
 
 def _build(inputs: BuildInputs) -> Algorithm:
-    b = inputs.config.baseline
-    return pfedes_paper(PFedESPaperConfig(**inputs.local_training(), mu=b.paper_mu,
-                                          g_lr_ratio=b.paper_g_lr_ratio))
+    return pfedes_paper(PFedESPaperConfig(**inputs.local_training(),
+                                          **inputs.config.pfedes_paper.to_dict()))
+
+
+def _check(config) -> None:
+    section = config.pfedes_paper
+    if not 0 <= section.mu <= 1:
+        raise ValueError(f"config.pfedes_paper.mu must be in [0, 1], got {section.mu}")
+    if not section.g_lr_ratio > 0:
+        raise ValueError(f"config.pfedes_paper.g_lr_ratio must be > 0, got {section.g_lr_ratio}")
 
 
 register(AlgorithmEntry(
-    "pfedes_paper", _build, asynchronous=True,
+    "pfedes_paper", _build, asynchronous=True, check=_check,
     summary="published pFedES (Yi et al., AAAI 2025): a shared image-to-image proxy G"))

@@ -31,6 +31,7 @@ from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedavg import (
     FedAvgConfig,
+    check_section,
     cohort_models,
     evaluate_classifier,
     fedavg_config,
@@ -151,5 +152,5 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
 register(AlgorithmEntry(
     "scaffold", lambda inputs: scaffold(fedavg_config(inputs, "scaffold"),
                                         inputs.clients_per_arch),
-    aggregation="per_cohort",
+    aggregation="per_cohort", check=lambda config: check_section(config, "scaffold"),
     summary="SCAFFOLD (Karimireddy et al., ICML 2020): control variates, per cohort"))

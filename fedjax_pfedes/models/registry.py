@@ -90,7 +90,7 @@ def check_architecture(name: str, field: str = "config.clients.architectures",
 DEFAULT_SHARED_ARCH = {"image": "cnn_small", "tabular": "mlp_small", "text": "embedbag"}
 
 
-def shared_arch(name: str, spec: InputSpec, field: str = "config.baseline.shared_arch") -> str:
+def shared_arch(name: str, spec: InputSpec, field: str = "config.clients.shared_arch") -> str:
     """`name`, or the modality's default small model when `name` is ''; checked."""
     name = name or DEFAULT_SHARED_ARCH[spec.modality]
     check_architecture(name, field, spec.modality)

@@ -1,0 +1,105 @@
+"""Command-line plumbing shared by the `launch` programs: every user error is one line on stderr
+and exit status 2 — an unknown, misspelled or renamed config field, a value of the wrong type, a
+missing or broken config file — never a traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+from absl import flags
+
+# Fields that moved when the one `config.baseline` section was split per method.
+RENAMED_FIELDS = {
+    "baseline.prox_mu": "fedprox.mu",
+    "baseline.server_lr": "scaffold.server_lr / config.fednova.server_lr",
+    "baseline.fedavgm_lr": "fedavgm.server_lr",
+    "baseline.server_momentum": "fedavgm.server_momentum",
+    "baseline.fedadam_lr": "fedadam.server_lr",
+    "baseline.adam_b1": "fedadam.b1",
+    "baseline.adam_b2": "fedadam.b2",
+    "baseline.adam_eps": "fedadam.eps",
+    "baseline.paper_mu": "pfedes_paper.mu",
+    "baseline.paper_g_lr_ratio": "pfedes_paper.g_lr_ratio",
+    "baseline.proto_lambda": "fedproto.lam",
+    "baseline.shared_arch": "clients.shared_arch",
+    "baseline.fml_alpha": "fml.alpha",
+    "baseline.fml_beta": "fml.beta",
+    "baseline.kd_energy_start": "fedkd.energy_start",
+    "baseline.kd_energy_end": "fedkd.energy_end",
+    "baseline.gh_server_lr": "fedgh.server_lr",
+    "baseline.gh_server_epochs": "fedgh.server_epochs",
+    "baseline.mrl_sub_dim": "fedmrl.sub_dim",
+}
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr, exit status 2 (bad input, not a crash)."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    sys.exit(2)
+
+
+def config_file_problem(path: str) -> str:
+    """Why the config file at `path` cannot be loaded, in one line."""
+    if not path:
+        return "--config is required, e.g. --config=configs/quickstart.py"
+    if not os.path.isfile(path):
+        return f"--config={path}: no such file"
+    try:
+        compile(open(path, encoding="utf-8").read(), path, "exec")
+    except SyntaxError as e:
+        return f"--config={path}: syntax error on line {e.lineno}: {e.msg}"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"--config={path}: cannot be read ({e})"
+    return f"--config={path}: cannot be loaded (does it define get_config()?)"
+
+
+def _flag_value(argv: list[str], name: str) -> str:
+    for i, a in enumerate(argv):
+        if a.startswith(f"--{name}="):
+            return a.split("=", 1)[1]
+        if a == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return ""
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing, with every user error as one line and exit status 2: an unknown or
+    misspelled config key, a value of the wrong type, a missing or broken config file."""
+    moved = renamed_field(argv)
+    if moved:
+        fail(moved)
+    try:
+        return flags.FLAGS(argv)
+    except KeyError as e:  # ml_collections: unknown key, with its "Did you mean" hint
+        fail(f"unknown config field: {e.args[0] if e.args else e}")
+    except flags.Error as e:
+        fail(str(e))
+    except Exception as e:  # noqa: BLE001 - the config file's own code raised: report, no trace
+        fail(f"{config_file_problem(_flag_value(argv, 'config'))} ({type(e).__name__}: {e})")
+
+
+def renamed_field(argv: list[str]) -> str | None:
+    """The first `--config.<old name>` of `argv`, as an error naming the new field."""
+    for a in argv:
+        if a.startswith("--config."):
+            key = a[len("--config."):].split("=", 1)[0]
+            if key in RENAMED_FIELDS:
+                return f"--config.{key} is now --config.{RENAMED_FIELDS[key]}"
+            if key.startswith("baseline."):
+                return (f"--config.{key}: config.baseline was split into one section per "
+                        "method (config.fedprox, config.fml, ...; configs/quickstart.py)")
+    return None
+
+
+def loaded_config(config_flag):
+    """The config of a `DEFINE_config_file` flag, or one line and exit 2 if it cannot load."""
+    try:
+        config = config_flag.value
+        if config is None:
+            fail(config_file_problem(""))
+        config.to_dict()  # config_flags defers a load error to the first access
+    except Exception:  # noqa: BLE001 - whatever the file raised, one line names it
+        fail(config_file_problem(_flag_value(sys.argv, "config")))
+    return config
