@@ -29,6 +29,7 @@ import numpy as np
 
 from fedjax_pfedes import rounds, sampling, system
 from fedjax_pfedes.config_validation import STALENESS
+from fedjax_pfedes.sim_state import SimState
 from fedjax_pfedes.upload import validation
 from fedjax_pfedes.upload.pipeline import CohortUploads
 
@@ -92,11 +93,12 @@ def next_arrivals(in_flight: InFlight, buffer_size: int) -> np.ndarray:
     return order[:buffer_size]
 
 
-def launch(ctx: rounds.RunContext, server_state, in_flight: InFlight,
+def launch(ctx: rounds.RunContext, server_state, clients: dict[str, Any], in_flight: InFlight,
            sampler: sampling.SamplerState, round_index: int, clock_s: float
-           ) -> tuple[dict[str, Any], system.RoundTiming, rounds.Trained]:
+           ) -> tuple[dict[str, Any], system.RoundTiming, rounds.Trained, dict[str, Any]]:
     """Fills the free slots: selects clients not in flight, trains them from the current server
-    state (their private states change now) and parks their updates until they arrive."""
+    state (their private states change now: the new `clients` is returned) and parks their
+    updates in `in_flight` until they arrive."""
     free = np.flatnonzero(in_flight.client < 0)
     busy = np.zeros(ctx.num_clients, bool)
     busy[in_flight.client[in_flight.client >= 0]] = True
@@ -104,10 +106,10 @@ def launch(ctx: rounds.RunContext, server_state, in_flight: InFlight,
                                              count=len(free))
     timing = rounds.simulate_selected(ctx, round_index, selected)
     runs = timing.clients[timing.trains]
-    rounds.set_step_limits(ctx, dict(zip(runs.tolist(), timing.step_limit[timing.trains].tolist(),
-                                         strict=True)))
-    trained = rounds.train_participants(ctx, server_state, runs,
-                                        jax.random.fold_in(ctx.train_key, round_index))
+    limits = dict(zip(runs.tolist(), timing.step_limit[timing.trains].tolist(), strict=True))
+    trained, clients = rounds.train_participants(ctx, server_state, clients, runs,
+                                                 jax.random.fold_in(ctx.train_key, round_index),
+                                                 limits)
     sampler.record_selected(selected)  # drop-outs never deliver: their streak grows now
     sampler.record_outcome(np.zeros(0, np.int64), np.setdiff1d(selected, runs))
     position = {int(c): k for k, c in enumerate(timing.clients)}
@@ -128,33 +130,35 @@ def launch(ctx: rounds.RunContext, server_state, in_flight: InFlight,
         in_flight.steps[slot] = trained.client_metrics[cid].get("local_steps",
                                                                 timing.step_limit[k])
         in_flight.train_loss[slot] = trained.client_metrics[cid].get("train_ce_loss", np.nan)
-    return counts, timing, trained
+    return counts, timing, trained, clients
 
 
-def async_round(ctx: rounds.RunContext, server_state, memories: dict, in_flight: InFlight,
-                sampler: sampling.SamplerState, round_index: int, clock_s: float
-                ) -> tuple[Any, dict, float, dict[str, Any], list[dict], list[dict]]:
-    """One server step of FedBuff. Returns (server state, memories, clock, record, client rows,
-    rejections); updates `in_flight` and `sampler`."""
+def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
+                ) -> tuple[SimState, dict[str, Any], list[dict], list[dict]]:
+    """One server step of FedBuff: (new state, record, client rows, rejections). `state` itself
+    is not changed (its device buffers may be donated: use the returned state)."""
     a = ctx.config.asynchronous
-    counts, launch_timing, launched = launch(ctx, server_state, in_flight, sampler, round_index,
-                                             clock_s)
+    state = state.with_host_copies()
+    server_state, memories, in_flight = state.server, state.memories, state.in_flight
+    sampler, clock_s = state.sampler, state.clock_s
+    counts, launch_timing, launched, clients = launch(ctx, server_state, state.clients, in_flight,
+                                                      sampler, round_index, clock_s)
     slots = next_arrivals(in_flight, a.buffer_size)
-    clients = in_flight.client[slots]
+    arrivals = in_flight.client[slots]
     new_clock = float(max(clock_s, in_flight.arrival_s[slots].max())) if len(slots) else clock_s
     tau = round_index - in_flight.start_version[slots]
     factors = staleness_weight(tau, a.staleness, a.staleness_exponent, a.hinge_a, a.hinge_b)
     uploads = {}
     for cohort in ctx.cohorts:
         template = ctx.algorithm.upload_template(server_state, cohort.arch)
-        mine = np.flatnonzero(np.isin(clients, cohort.client_ids))
+        mine = np.flatnonzero(np.isin(arrivals, cohort.client_ids))
         bucket = min(len(cohort.client_ids), a.buffer_size)
         rows = np.zeros(bucket, np.int64)
         rows[: len(mine)] = slots[mine]
         f = np.zeros(bucket, np.float32)
         f[: len(mine)] = factors[mine]
         valid = np.arange(bucket) < len(mine)
-        ids = np.where(valid, np.pad(clients[mine], (0, bucket - len(mine))), -1)
+        ids = np.where(valid, np.pad(arrivals[mine], (0, bucket - len(mine))), -1)
         local = np.array([np.flatnonzero(cohort.client_ids == c)[0] if c >= 0
                           else len(cohort.client_ids) for c in ids], np.int32)
         take = jnp.asarray(rows)
@@ -162,24 +166,24 @@ def async_round(ctx: rounds.RunContext, server_state, memories: dict, in_flight:
         stacked = rebase(deltas, template, jnp.asarray(f))
         sizes = jnp.take(cohort.train.sizes, jnp.asarray(local), mode="clip")
         uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, local)
-    norms = _stored_norms(in_flight, ctx, slots, clients)
+    norms = _stored_norms(in_flight, ctx, slots, arrivals)
     arrived = rounds.Trained(uploads, {
         int(c): {"train_ce_loss": float(in_flight.train_loss[s]),
                  "local_steps": float(in_flight.steps[s]),
                  "update_norm": float(factors[k] * norms[k])}
-        for k, (s, c) in enumerate(zip(slots, clients, strict=True))}, launched.traffic)
-    server_state, memories, summary = rounds.aggregate(ctx, server_state, arrived, memories,
-                                                       round_index)
+        for k, (s, c) in enumerate(zip(slots, arrivals, strict=True))}, launched.traffic)
+    server_state, memories, summary = rounds.aggregate(ctx, server_state, clients, arrived,
+                                                       memories, round_index)
     rejections = summary.pop("rejections")
     rejected = {r["client"] for r in rejections}
-    sampler.record_outcome(clients, np.zeros(0, np.int64))
+    sampler.record_outcome(arrivals, np.zeros(0, np.int64))
     timing = system.RoundTiming(
-        clients, np.full(len(slots), system.DELIVERED), in_flight.steps[slots],
+        arrivals, np.full(len(slots), system.DELIVERED), in_flight.steps[slots],
         in_flight.timing[slots, 0], in_flight.timing[slots, 1], in_flight.timing[slots, 2],
         in_flight.timing[slots, 3], new_clock - clock_s)
-    staleness = dict(zip(clients.tolist(), tau.tolist(), strict=True))
+    staleness = dict(zip(arrivals.tolist(), tau.tolist(), strict=True))
     in_flight.client[slots] = -1
-    accepted = len(set(clients.tolist()) - rejected)
+    accepted = len(set(arrivals.tolist()) - rejected)
     record = {**counts, "dropped_out": int((launch_timing.status == system.DROPPED_OUT).sum()),
               "participants": len(slots), "uploads_accepted": accepted,
               "upload_success_rate": accepted / len(slots) if len(slots) else None,
@@ -192,8 +196,10 @@ def async_round(ctx: rounds.RunContext, server_state, memories: dict, in_flight:
     rows = rounds.client_report(ctx, timing, arrived, rejected, staleness) + [
         row for row in rounds.client_report(ctx, launch_timing, rounds.Trained({}, {}, []), set())
         if row["status"] == system.DROPPED_OUT]
-    return server_state, memories, new_clock, record, rows, rejections
-
+    state = state.replace(server=server_state, clients=clients, memories=memories,
+                          dp_sgd_steps=rounds.count_dp_sgd_steps(state.dp_sgd_steps, rows),
+                          clock_s=new_clock)
+    return state, record, rows, rejections
 
 
 def _stored_norms(in_flight: InFlight, ctx: rounds.RunContext, slots: np.ndarray,

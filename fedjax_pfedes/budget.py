@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes import rounds, sampling, system
+from fedjax_pfedes.sim_state import SimState
 
 
 def client_stages(ctx: rounds.RunContext) -> dict[str, np.ndarray]:
@@ -78,7 +79,7 @@ def budget_table(ctx: rounds.RunContext) -> list[dict[str, Any]]:
     return rows
 
 
-def measure_step_times(ctx: rounds.RunContext, server_state, repeats: int = 3
+def measure_step_times(ctx: rounds.RunContext, state: SimState, repeats: int = 3
                        ) -> dict[str, float]:
     """Seconds per local step of each architecture on this machine: one client's compiled local
     update (the cohort's largest client), best of `repeats` timed runs after a compiling one.
@@ -89,10 +90,10 @@ def measure_step_times(ctx: rounds.RunContext, server_state, repeats: int = 3
         slots = np.full(cohort.bucket, len(cohort.client_ids), np.int32)
         slots[0] = j
         keys = jax.random.split(jax.random.key(0), cohort.bucket)
-        broadcast = ctx.algorithm.broadcast(server_state, cohort.arch)
+        broadcast = ctx.algorithm.broadcast(state.server, cohort.arch)
         best = np.inf
         for k in range(repeats + 1):
-            states = jax.tree.map(jnp.copy, cohort.states)  # the update donates its input
+            states = jax.tree.map(jnp.copy, state.clients[cohort.arch])  # the update donates it
             t0 = time.perf_counter()
             _, _, metrics = cohort.runner.update(broadcast, states, cohort.train, slots, keys)
             steps = float(jax.block_until_ready(metrics["local_steps"])[0])

@@ -50,7 +50,6 @@ class Cohort:
       arch: architecture name.
       client_ids: global ids of the members, ascending; member j is row j of every stacked array.
       train, test: padded local train / test arrays (on device).
-      states: stacked private client states (on device).
       program, runner: what the members run and how.
       bucket: fixed number of participant slots per round (no re-compilation).
     """
@@ -59,7 +58,6 @@ class Cohort:
     client_ids: np.ndarray
     train: ClientArrays
     test: ClientArrays
-    states: PyTree
     program: CohortProgram
     runner: CohortRunner
     bucket: int
@@ -84,17 +82,18 @@ def _init_states(init_client, rng: jax.Array, ids: jax.Array) -> PyTree:
 
 def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, CohortProgram],
                   runners: dict[str, CohortRunner], participants_per_round: int,
-                  rng: jax.Array) -> list[Cohort]:
-    """Groups clients by architecture (in order of first appearance) and initializes states."""
-    cohorts = []
+                  rng: jax.Array) -> tuple[list[Cohort], dict[str, PyTree]]:
+    """Groups clients by architecture (in order of first appearance); returns the cohorts and
+    their initial private states (architecture -> states stacked over the members)."""
+    cohorts, states_of = [], {}
     for arch in dict.fromkeys(archs):
         ids = np.array([k for k, a in enumerate(archs) if a == arch])
         # One compiled call per cohort (eager initialization compiles every op separately).
-        states = _init_states(programs[arch].init_client, rng, jnp.asarray(ids))
+        states_of[arch] = _init_states(programs[arch].init_client, rng, jnp.asarray(ids))
         cohorts.append(Cohort(
             arch=arch, client_ids=ids,
             train=jax.device_put(data.client_arrays(ids, "train")),
             test=jax.device_put(data.client_arrays(ids, "test")),
-            states=states, program=programs[arch], runner=runners[arch],
+            program=programs[arch], runner=runners[arch],
             bucket=min(len(ids), participants_per_round)))
-    return cohorts
+    return cohorts, states_of

@@ -20,6 +20,7 @@ from absl import logging
 
 from fedjax_pfedes import attacks, sampling, system
 from fedjax_pfedes.cohorts import Cohort
+from fedjax_pfedes.sim_state import SimState
 from fedjax_pfedes.upload import validation
 from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
 
@@ -86,22 +87,26 @@ class Trained:
         return {"padded_step_fraction": self.computed_steps / self.useful_steps}
 
 
-def set_step_limits(ctx: RunContext, limits: dict[int, int]) -> None:
-    """Caps the local steps of the given clients this round (others: their planned steps)."""
+def train_arrays(ctx: RunContext, cohort: Cohort, step_limits: dict[int, int]):
+    """The cohort's train arrays with this round's local-step caps: `step_limits` for the given
+    clients (deadline partial work), their planned steps for the others."""
     if not ctx.step_limits:
-        return
-    for cohort in ctx.cohorts:
-        cap = ctx.planned_steps[cohort.client_ids].copy()
-        for j, cid in enumerate(cohort.client_ids):
-            if int(cid) in limits:
-                cap[j] = limits[int(cid)]
-        cohort.train = cohort.train.replace(step_limit=jnp.asarray(cap, jnp.int32))
+        return cohort.train
+    cap = ctx.planned_steps[cohort.client_ids].copy()
+    for j, cid in enumerate(cohort.client_ids):
+        if int(cid) in step_limits:
+            cap[j] = step_limits[int(cid)]
+    return cohort.train.replace(step_limit=jnp.asarray(cap, jnp.int32))
 
 
-def train_participants(ctx: RunContext, server_state, participants: np.ndarray,
-                       round_key: jax.Array) -> Trained:
-    """Broadcast and local updates of every cohort's participants (private states change)."""
+def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
+                       participants: np.ndarray, round_key: jax.Array,
+                       step_limits: dict[int, int]) -> tuple[Trained, dict[str, Any]]:
+    """Broadcast and local updates of every cohort's participants, each capped at its step
+    limit (`train_arrays`). Returns their uploads and metrics, and the cohorts' new private
+    states (`clients` is donated: do not reuse it)."""
     algorithm = ctx.algorithm
+    clients = dict(clients)
     uploads, client_metrics, traffic = {}, {}, []
     useful = computed = 0.0
     for cohort in ctx.cohorts:
@@ -112,8 +117,8 @@ def train_participants(ctx: RunContext, server_state, participants: np.ndarray,
         ids = np.where(valid, cohort.client_ids[np.minimum(slots, len(cohort.client_ids) - 1)],
                        -1)
         keys = jax.vmap(lambda i: jax.random.fold_in(round_key, i))(jnp.asarray(ids))
-        stacked, cohort.states, metrics = cohort.runner.update(
-            broadcast, cohort.states, cohort.train, slots, keys)
+        stacked, clients[cohort.arch], metrics = cohort.runner.update(
+            broadcast, clients[cohort.arch], train_arrays(ctx, cohort, step_limits), slots, keys)
         stacked = attacks.apply(stacked, template, ids,
                                 jax.random.fold_in(round_key, ATTACK_STREAM), ctx.attack)
         sizes = jnp.take(cohort.train.sizes, jnp.asarray(slots), mode="clip")
@@ -135,27 +140,29 @@ def train_participants(ctx: RunContext, server_state, participants: np.ndarray,
             encoded = float(host["upload_encoded_params"][valid].mean())
             upload = (encoded, encoded * upload[1] / max(upload[0], 1))
         traffic.append((int(valid.sum()), *upload, *tree_size(broadcast)))
-    return Trained(uploads, client_metrics, traffic, useful, computed)
+    return Trained(uploads, client_metrics, traffic, useful, computed), clients
 
 
-def participants_loss(ctx: RunContext, server_state, clients: np.ndarray) -> float | None:
-    """Mean local-test CE of `clients` with `server_state`'s broadcast and their current private
-    states (the model each would predict with); None when nobody is given."""
+def participants_loss(ctx: RunContext, server_state, clients: dict[str, Any],
+                      ids: np.ndarray) -> float | None:
+    """Mean local-test CE of the clients `ids` with `server_state`'s broadcast and their private
+    states in `clients` (the model each would predict with); None when nobody is given."""
     losses = []
     for cohort in ctx.cohorts:
-        slots = cohort.slots(clients)
+        slots = cohort.slots(ids)
         valid = slots < len(cohort.client_ids)
         if not valid.any():
             continue
         m = cohort.runner.evaluate_slots(ctx.algorithm.broadcast(server_state, cohort.arch),
-                                         cohort.states, cohort.test, slots, ctx.monitor_x,
+                                         clients[cohort.arch], cohort.test, slots,
+                                         ctx.monitor_x,
                                          ctx.monitor_y)
         losses.append(np.asarray(m["test_ce_loss"])[valid])
     return float(np.concatenate(losses).mean()) if losses else None
 
 
-def aggregate(ctx: RunContext, server_state, trained: Trained, memories: dict,
-              round_index: int) -> tuple[Any, dict, dict[str, Any]]:
+def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: Trained,
+              memories: dict, round_index: int) -> tuple[Any, dict, dict[str, Any]]:
     """Upload pipeline + server step, with the monitoring losses before / after it.
 
     Returns (server state, memories, summary: pipeline report, traffic, losses)."""
@@ -168,9 +175,9 @@ def aggregate(ctx: RunContext, server_state, trained: Trained, memories: dict,
                         r["client"], r["reason"])
     trained_ids = np.array(sorted(trained.client_metrics), np.int64)
     monitor = ctx.config.monitor.aggregation_loss and len(trained_ids) > 0
-    before = participants_loss(ctx, server_state, trained_ids) if monitor else None
+    before = participants_loss(ctx, server_state, clients, trained_ids) if monitor else None
     server_state = ctx.server_step(server_state, groups)
-    after = participants_loss(ctx, server_state, trained_ids) if monitor else None
+    after = participants_loss(ctx, server_state, clients, trained_ids) if monitor else None
     summary: dict[str, Any] = {"uploads_rejected": report["rejected"],
                                "rejections": report["rejections"]}
     if trained.traffic:
@@ -282,20 +289,30 @@ def outcome_counts(timing: system.RoundTiming, uploads_accepted: int) -> dict[st
             "upload_success_rate": uploads_accepted / selected if selected else None}
 
 
-def sync_round(ctx: RunContext, server_state, memories: dict,
-               sampler: sampling.SamplerState, round_index: int
-               ) -> tuple[Any, dict, dict[str, Any], list[dict], list[dict]]:
-    """One synchronous round. Returns (server state, memories, record, client rows, rejections);
-    updates `sampler` (participation history)."""
+def count_dp_sgd_steps(steps: np.ndarray, rows: list[dict]) -> np.ndarray:
+    """`steps` plus the local steps of the clients whose training counted this round (delivered
+    or partial work: their noisy gradients were computed)."""
+    steps = np.array(steps)
+    for row in rows:
+        if row["status"] in (system.DELIVERED, system.PARTIAL):
+            steps[row["client"]] += row["local_steps"]
+    return steps
+
+
+def sync_round(ctx: RunContext, state: SimState, round_index: int
+               ) -> tuple[SimState, dict[str, Any], list[dict], list[dict]]:
+    """One synchronous round: (new state, record, client rows, rejections). `state` itself is
+    not changed (its device buffers may be donated: use the returned state)."""
+    state = state.with_host_copies()
+    sampler = state.sampler
     selected, counts = select_clients(ctx, sampler, round_index)
     timing = simulate_selected(ctx, round_index, selected)
     runs = timing.clients[timing.trains]
-    set_step_limits(ctx, dict(zip(runs.tolist(), timing.step_limit[timing.trains].tolist(),
-                                  strict=True)))
-    trained = train_participants(ctx, server_state, runs,
-                                 jax.random.fold_in(ctx.train_key, round_index))
-    server_state, memories, summary = aggregate(ctx, server_state, trained, memories,
-                                                round_index)
+    limits = dict(zip(runs.tolist(), timing.step_limit[timing.trains].tolist(), strict=True))
+    trained, clients = train_participants(ctx, state.server, state.clients, runs,
+                                          jax.random.fold_in(ctx.train_key, round_index), limits)
+    server_state, memories, summary = aggregate(ctx, state.server, clients, trained,
+                                                state.memories, round_index)
     rejections = summary.pop("rejections")
     rejected = {r["client"] for r in rejections}
     sampler.record(selected, runs)
@@ -303,5 +320,8 @@ def sync_round(ctx: RunContext, server_state, memories: dict,
     record = {**counts, **outcome_counts(timing, accepted), **client_means(trained.client_metrics),
               **trained.padded_step_fraction(), **summary,
               "simulated_round_s": timing.round_s}
-    return (server_state, memories, record, client_report(ctx, timing, trained, rejected),
-            rejections)
+    rows = client_report(ctx, timing, trained, rejected)
+    state = state.replace(server=server_state, clients=clients, memories=memories,
+                          dp_sgd_steps=count_dp_sgd_steps(state.dp_sgd_steps, rows),
+                          clock_s=state.clock_s + timing.round_s)
+    return state, record, rows, rejections

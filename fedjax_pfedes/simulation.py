@@ -46,6 +46,7 @@ from fedjax_pfedes.data.profile import DataProfile, profile_partition
 from fedjax_pfedes.data.sources import LoadOptions
 from fedjax_pfedes.metrics_io import write_json
 from fedjax_pfedes.rounds import tree_size
+from fedjax_pfedes.sim_state import SimState
 from fedjax_pfedes.upload import compression, privacy
 from fedjax_pfedes.upload.pipeline import UploadPipeline, pipeline_config
 
@@ -110,14 +111,15 @@ def majority_class_accuracy(data: FederatedData) -> float:
     return float(np.mean(scores))
 
 
-def evaluate(algorithm, server_state, cohorts: list[Cohort], global_x, global_y
-             ) -> dict[str, Any]:
-    """Every client's model on its own local test split and on the global test set."""
+def evaluate(algorithm, server_state, cohorts: list[Cohort], clients: dict[str, Any], global_x,
+             global_y) -> dict[str, Any]:
+    """Every client's model (private states `clients`) on its own local test split and on the
+    global test set."""
     per_client: dict[str, list[np.ndarray]] = {}
     per_cohort = {}
     for cohort in cohorts:
         broadcast = algorithm.broadcast(server_state, cohort.arch)
-        m = jax.device_get(cohort.runner.evaluate(broadcast, cohort.states, cohort.test,
+        m = jax.device_get(cohort.runner.evaluate(broadcast, clients[cohort.arch], cohort.test,
                                                   global_x, global_y))
         for k, v in m.items():
             per_client.setdefault(k, []).append(np.asarray(v))
@@ -217,8 +219,9 @@ def upload_bytes_per_arch(pipeline: UploadPipeline, algorithm, server_state, arc
 
 
 def build_context(config: ml_collections.ConfigDict, data: FederatedData,
-                  strategies: dict[str, str] | None = None) -> tuple[rounds.RunContext, Any]:
-    """Everything static of a run, and the initial server state.
+                  strategies: dict[str, str] | None = None
+                  ) -> tuple[rounds.RunContext, SimState]:
+    """Everything static of a run, and the run's state at round 0.
 
     `strategies` (arch -> 'loop' | 'vmap') fixes the cohorts' execution strategies under
     `config.execution.strategy='auto'` (a resumed run keeps its original choice, so its numbers
@@ -241,7 +244,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     root = jax.random.key(config.seed)
     server_key, client_key, train_key = jax.random.split(root, 3)
     upload_key = jax.random.fold_in(root, 7)  # compression / DP noise / secure-agg stream
-    cohorts = build_cohorts(data, archs, programs,
+    cohorts, client_states = build_cohorts(data, archs, programs,
                             {a: r[candidates[0]] for a, r in runners.items()}, slots_per_round,
                             client_key)
     server_state = jax.jit(algorithm.init_server, static_argnums=1, compiler_options={
@@ -271,7 +274,8 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         for c in cohorts:
             choice = strategy_choice.choose(strategy_choice.Trial(
                 f"{algorithm.name}/{c.arch}", runners[c.arch],
-                algorithm.broadcast(server_state, c.arch), c.states, c.train, c.bucket,
+                algorithm.broadcast(server_state, c.arch), client_states[c.arch], c.train,
+                c.bucket,
                 launches_per_round * len(c.client_ids) / n, planned[c.client_ids],
                 int(epochs.max()), t.batch_size), cache_dir)
             c.runner = runners[c.arch][choice.strategy]
@@ -298,32 +302,27 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         step_limits=uses_step_limits(config), train_key=train_key, upload_key=upload_key,
         monitor_x=jnp.asarray(data.central.x_test[:1]),
         monitor_y=jnp.asarray(data.central.y_test[:1]), attack=attack)
-    return ctx, server_state
+    return ctx, initial_state(ctx, server_state, client_states)
 
 
-def initial_state(ctx: rounds.RunContext, server_state) -> dict[str, Any]:
-    """The checkpointed part of a run at round 0 (see `checkpointing`)."""
+def initial_state(ctx: rounds.RunContext, server_state, clients: dict[str, Any]) -> SimState:
+    """The run's state at round 0 (what a checkpoint holds, see `checkpointing`)."""
     pipeline, algorithm = ctx.pipeline, ctx.algorithm
-    state = {
-        "server": server_state,
-        "clients": {c.arch: c.states for c in ctx.cohorts},
-        "memories": {c.arch: (pipeline.init_memory(algorithm.upload_template(server_state,
-                                                                             c.arch),
-                                                   len(c.client_ids))
-                              if pipeline.cfg.compression.topk_fraction < 1
-                              else jnp.zeros((len(c.client_ids),), jnp.float32))
-                     for c in ctx.cohorts},
-        "sampler": sampling.SamplerState.create(ctx.num_clients,
-                                                int(ctx.strata.max()) + 1).arrays(),
-        "dp_sgd_steps": np.zeros(ctx.num_clients, np.int64),
-        "clock_s": np.zeros((), np.float64),
-    }
+    memories = {c.arch: (pipeline.init_memory(algorithm.upload_template(server_state, c.arch),
+                                              len(c.client_ids))
+                         if pipeline.cfg.compression.topk_fraction < 1
+                         else jnp.zeros((len(c.client_ids),), jnp.float32))
+                for c in ctx.cohorts}
+    in_flight = None
     if ctx.config.asynchronous.enabled:
-        state["in_flight"] = asynchronous.InFlight.create(
+        in_flight = asynchronous.InFlight.create(
             ctx.config.asynchronous.concurrency,
-            {c.arch: algorithm.upload_template(server_state, c.arch)
-             for c in ctx.cohorts}).arrays()
-    return state
+            {c.arch: algorithm.upload_template(server_state, c.arch) for c in ctx.cohorts})
+    return SimState(server=server_state, clients=clients, memories=memories,
+                    sampler=sampling.SamplerState.create(ctx.num_clients,
+                                                         int(ctx.strata.max()) + 1),
+                    dp_sgd_steps=np.zeros(ctx.num_clients, np.int64), clock_s=0.0,
+                    in_flight=in_flight)
 
 
 class DivergedError(RuntimeError):
@@ -475,24 +474,14 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
             f" then, {fingerprint[:12]} now) although the config did not; use another "
             "--workdir, or --config.checkpoint.resume=False to start over")
     write_data_profile(data, config.data.partition, workdir)
-    ctx, server_state = build_context(
-        config, data, (meta or {}).get("execution_strategy_by_arch"))
-    state = initial_state(ctx, server_state)
+    ctx, state = build_context(config, data, (meta or {}).get("execution_strategy_by_arch"))
     if meta is not None:
-        first_round, state = checkpointer.restore(state)
+        first_round, restored = checkpointer.restore(state.to_checkpoint())
+        state = state.from_checkpoint(restored)
         history = meta["history"]
         ctx.pipeline.round_noise_multipliers = list(meta.get("dp_round_noise_multipliers",
                                                              []))[:first_round]
         logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
-    for c in ctx.cohorts:
-        c.states = state["clients"][c.arch]
-    server_state, memories = state["server"], state["memories"]
-    sampler = sampling.SamplerState(**{k: np.array(v) for k, v in state["sampler"].items()})
-    dp_sgd_steps = np.array(state["dp_sgd_steps"])
-    clock_s = float(state["clock_s"])
-    in_flight = (asynchronous.InFlight(**{k: (v if k == "deltas" else np.array(v))
-                                          for k, v in state["in_flight"].items()})
-                 if config.asynchronous.enabled else None)
     writers = metrics_io.RunWriters(workdir, first_round, config.monitor.tensorboard,
                                     config.monitor.client_report)
     rejected_total = sum(1 for _ in metrics_io.read_jsonl(writers.rejections.path))
@@ -508,39 +497,30 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
                disable=not show_progress, unit="round", initial=first_round, total=rounds_total)
     for r in bar:
         t0 = time.time()
-        if in_flight is not None:
-            server_state, memories, clock_s, record, rows, rejections = \
-                asynchronous.async_round(ctx, server_state, memories, in_flight, sampler, r,
-                                         clock_s)
-        else:
-            server_state, memories, record, rows, rejections = rounds.sync_round(
-                ctx, server_state, memories, sampler, r)
-            clock_s += record["simulated_round_s"]
-        jax.block_until_ready(server_state)
-        for row in rows:
-            if row["status"] in (system.DELIVERED, system.PARTIAL):
-                dp_sgd_steps[row["client"]] += row["local_steps"]
+        round_fn = asynchronous.async_round if config.asynchronous.enabled else rounds.sync_round
+        state, record, rows, rejections = round_fn(ctx, state, r)
+        jax.block_until_ready(state.server)
         rejected_total += record["uploads_rejected"]
         record = {"round": r + 1, **record, "uploads_rejected_total": rejected_total,
-                  "simulated_clock_s": clock_s,
-                  "participation_min": int(sampler.selected.min()),
-                  "participation_max": int(sampler.selected.max()),
+                  "simulated_clock_s": state.clock_s,
+                  "participation_min": int(state.sampler.selected.min()),
+                  "participation_max": int(state.sampler.selected.max()),
                   **privacy_metrics(ctx.pipeline, r + 1)}
         evaluated = (r + 1) % config.eval.every == 0 or r + 1 == rounds_total
         if evaluated:
-            steps = {i: int(s) for i, s in enumerate(dp_sgd_steps) if s > 0}
+            steps = {i: int(s) for i, s in enumerate(state.dp_sgd_steps) if s > 0}
             record.update(dp_sgd_metrics(config, steps, batch_rate,
                                          ctx.algorithm.dp_sgd_releases_per_step))
-            record.update(evaluate(ctx.algorithm, server_state, ctx.cohorts, *_global_test(
-                data, config)))
+            record.update(evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients,
+                                   *_global_test(data, config)))
         bad = non_finite_metrics(record)
         if bad and not evaluated:  # the round that diverged is always evaluated
             evaluated = True
-            steps = {i: int(s) for i, s in enumerate(dp_sgd_steps) if s > 0}
+            steps = {i: int(s) for i, s in enumerate(state.dp_sgd_steps) if s > 0}
             record.update(dp_sgd_metrics(config, steps, batch_rate,
                                          ctx.algorithm.dp_sgd_releases_per_step))
-            record.update(evaluate(ctx.algorithm, server_state, ctx.cohorts, *_global_test(
-                data, config)))
+            record.update(evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients,
+                                   *_global_test(data, config)))
             bad = non_finite_metrics(record)
         if bad:
             record["diverged"] = True
@@ -557,15 +537,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
             bar.set_postfix(pacc=f"{last['personalized_accuracy_mean']:.3f}",
                             gacc=f"{last['global_accuracy_mean']:.3f}")
         if checkpointer is not None and checkpointer.due(r + 1, rounds_total):
-            checkpointer.save(r + 1, {
-                "server": server_state, "clients": {c.arch: c.states for c in ctx.cohorts},
-                "memories": memories, "sampler": sampler.arrays(),
-                "dp_sgd_steps": dp_sgd_steps, "clock_s": np.asarray(clock_s, np.float64),
-                **({"in_flight": in_flight.arrays()} if in_flight is not None else {})},
-                {"history": history, "config": config.to_dict(),
-                 "dp_round_noise_multipliers": ctx.pipeline.round_noise_multipliers[:r + 1],
-                 "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
-                 "data_fingerprint": fingerprint})
+            checkpointer.save(r + 1, state.to_checkpoint(), {
+                "history": history, "config": config.to_dict(),
+                "dp_round_noise_multipliers": ctx.pipeline.round_noise_multipliers[:r + 1],
+                "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
+                "data_fingerprint": fingerprint})
         if diverged is not None:
             break
     bar.close()
@@ -593,9 +569,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
         **({"strategy_choice": ctx.strategy_choices} if ctx.strategy_choices else {}),
         "platform": jax.default_backend(),
         "clients_per_arch": {c.arch: len(c.client_ids) for c in ctx.cohorts},
-        "participation": {"selected": sampler.selected.tolist(),
-                          "completed": sampler.completed.tolist()},
-        "simulated_time_s": clock_s,
+        "participation": {"selected": state.sampler.selected.tolist(),
+                          "completed": state.sampler.completed.tolist()},
+        "simulated_time_s": state.clock_s,
         "resumed_from_round": first_round,
         "wall_time_s": time.time() - start,
         "config": config.to_dict(),

@@ -44,7 +44,7 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     try:
         validate_config(config)
-        ctx, server_state = build_context(config, build_federated_data(config))
+        ctx, state = build_context(config, build_federated_data(config))
     except (ConfigError, DatasetUnavailableError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
     print(f"Round-time budget: {config.algorithm} on {config.data.name}, {ctx.num_clients} "
           f"clients, client_fraction {t.client_fraction} ({t.sampling}), {t.rounds} rounds")
     if _MEASURE.value:
-        measured = measure_step_times(ctx, server_state)
+        measured = measure_step_times(ctx, state)
         ctx = with_step_times(ctx, measured)
         step = ", ".join(f"{a} {v * 1e3:.1f} ms" for a, v in measured.items())
         print(f"measured step time on this machine ({ctx.cohorts[0].runner.strategy} "

@@ -176,13 +176,13 @@ def test_budget_stages_match_a_hand_computation():
     config.system.step_time_s = 0.1
     config.system.deadline_s = 2.5
     config.upload.topk_fraction = 0.25
-    ctx, server_state = build_context(config, build_federated_data(config))
+    ctx, state = build_context(config, build_federated_data(config))
     stages = budget.client_stages(ctx)
     upload = ctx.upload_bytes["mlp"]
     # top-k 25 %: (int32 index, float32 value) per kept coordinate of E_proxy.
     from fedjax_pfedes.rounds import tree_size
 
-    params = tree_size(ctx.algorithm.upload_template(server_state, "mlp"))[0]
+    params = tree_size(ctx.algorithm.upload_template(state.server, "mlp"))[0]
     assert upload == pytest.approx(8 * int(np.ceil(0.25 * params)), rel=0.01)
     slow = ctx.profiles.speed_class == 1
     np.testing.assert_allclose(stages["upload_s"],
@@ -197,7 +197,7 @@ def test_budget_stages_match_a_hand_computation():
     rows = budget.budget_table(ctx)
     assert sum(r["clients"] for r in rows) == 8
     # --measure: this machine's step time per architecture, x the speed multipliers.
-    measured = budget.measure_step_times(ctx, server_state, repeats=1)
+    measured = budget.measure_step_times(ctx, state, repeats=1)
     assert set(measured) == {"mlp"} and 0 < measured["mlp"] < 1
     timed = budget.with_step_times(ctx, {"mlp": 0.2})
     np.testing.assert_allclose(budget.client_stages(timed)["compute_s"],

@@ -91,15 +91,16 @@ def test_per_client_accuracy_recomputed_from_the_saved_client_states(loop_run):
 
     from fedjax_pfedes import checkpointing
     from fedjax_pfedes.models import registry
-    from fedjax_pfedes.simulation import build_context, initial_state
+    from fedjax_pfedes.simulation import build_context
 
     workdir, summary = loop_run
     config = small_config("loop")
     data = build_federated_data(config)
-    ctx, server_state = build_context(config, data)
+    ctx, state = build_context(config, data)
     checkpointer = checkpointing.Checkpointer(str(workdir), 1, 2)
     assert checkpointer.check_config(config) is not None
-    rounds_done, state = checkpointer.restore(initial_state(ctx, server_state))
+    rounds_done, restored = checkpointer.restore(state.to_checkpoint())
+    state = state.from_checkpoint(restored)
     checkpointer.close()
     assert rounds_done == summary["final"]["round"]
     c = data.central
@@ -107,7 +108,7 @@ def test_per_client_accuracy_recomputed_from_the_saved_client_states(loop_run):
     for cohort in ctx.cohorts:
         model = registry.client_model(cohort.arch, c.num_classes, config.proxy_dim,
                                       c.input_spec)
-        states = state["clients"][cohort.arch]
+        states = state.clients[cohort.arch]
         scores = []
         for j, cid in enumerate(cohort.client_ids):
             params = jax.tree.map(lambda a, j=j: a[j], states.params)
