@@ -23,10 +23,10 @@ from absl import app, flags
 from configs import quickstart
 from fedjax_pfedes import execution
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
+from fedjax_pfedes.builders import build_algorithm, build_federated_data
 from fedjax_pfedes.cohorts import assign_architectures
 from fedjax_pfedes.data.federated import stack_clients
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.simulation import build_algorithm, build_federated_data
 
 _WORKLOAD = flags.DEFINE_list("workload", ["quickstart", "cifar"], "Workloads to time.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Steady-state repetitions per measurement.")

@@ -28,9 +28,9 @@ from fedjax_pfedes.budget import (
     replay_rounds,
     with_step_times,
 )
+from fedjax_pfedes.builders import build_context, build_federated_data
 from fedjax_pfedes.config_validation import ConfigError, validate_config
 from fedjax_pfedes.data.sources import DatasetUnavailableError
-from fedjax_pfedes.simulation import build_context, build_federated_data
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",

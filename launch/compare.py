@@ -19,10 +19,10 @@ from ml_collections import config_flags
 
 from fedjax_pfedes import experiments
 from fedjax_pfedes.algorithms import registry as algorithm_registry
+from fedjax_pfedes.builders import load_options
 from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.sources import DatasetUnavailableError
-from fedjax_pfedes.simulation import load_options
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")

@@ -22,10 +22,10 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from fedjax_pfedes import leakage
+from fedjax_pfedes.builders import load_options
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.sources import DatasetUnavailableError
 from fedjax_pfedes.models import registry
-from fedjax_pfedes.simulation import load_options
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (its data).")

@@ -18,7 +18,8 @@ from ml_collections import config_flags
 
 from fedjax_pfedes.config_validation import ConfigError
 from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
-from fedjax_pfedes.simulation import DivergedError, RunLockedError, run_experiment
+from fedjax_pfedes.simulation import DivergedError, run_experiment
+from fedjax_pfedes.workdir import RunLockedError
 from launch import cli
 from launch.cli import fail, loaded_config
 

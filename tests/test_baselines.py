@@ -11,7 +11,8 @@ from fedjax_pfedes.algorithms.fedavg import fedavg
 from fedjax_pfedes.algorithms.standalone import standalone
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.simulation import run_experiment, tree_size
+from fedjax_pfedes.rounds import tree_size
+from fedjax_pfedes.simulation import run_experiment
 
 SPEC = fl_helpers.SPEC
 

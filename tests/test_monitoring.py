@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from fedjax_pfedes import budget, system
+from fedjax_pfedes.builders import build_context, build_federated_data
 from fedjax_pfedes.report import write_report
-from fedjax_pfedes.simulation import build_context, build_federated_data, run_experiment
+from fedjax_pfedes.simulation import run_experiment
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 

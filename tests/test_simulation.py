@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from fl_helpers import small_config
 
-from fedjax_pfedes.simulation import build_federated_data, run_experiment
+from fedjax_pfedes.builders import build_federated_data
+from fedjax_pfedes.simulation import run_experiment
 
 # Written every round (README "Monitoring"), and the evaluation written at evaluated rounds.
 ROUND_KEYS = {
@@ -90,8 +91,8 @@ def test_per_client_accuracy_recomputed_from_the_saved_client_states(loop_run):
     import jax
 
     from fedjax_pfedes import checkpointing
+    from fedjax_pfedes.builders import build_context
     from fedjax_pfedes.models import registry
-    from fedjax_pfedes.simulation import build_context
 
     workdir, summary = loop_run
     config = small_config("loop")

@@ -31,9 +31,10 @@ from fedjax_pfedes.data.sources import (
     load_npz,
     make_dataset,
 )
-from fedjax_pfedes.simulation import DivergedError, RunLockedError, run_experiment
+from fedjax_pfedes.simulation import DivergedError, run_experiment
 from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload.pipeline import CohortUploads, PipelineConfig, UploadPipeline
+from fedjax_pfedes.workdir import RunLockedError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "threat_model.md")

@@ -550,8 +550,8 @@ def test_dp_sgd_is_refused_where_it_is_not_built_in():
 
 def test_every_registered_algorithm_builds_with_the_aggregation_it_declares():
     from fedjax_pfedes.algorithms import registry
+    from fedjax_pfedes.builders import build_algorithm, build_federated_data
     from fedjax_pfedes.config_validation import aggregation_kind
-    from fedjax_pfedes.simulation import build_algorithm, build_federated_data
 
     tabular = tabular_hetero.get_config()
     images = fl_helpers.small_config()

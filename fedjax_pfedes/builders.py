@@ -1,0 +1,232 @@
+"""Builders: everything static of a run, made once from the config before round 1.
+
+The dataset and its partition, the algorithm (from the registry), the cohorts and their
+execution strategies, the upload pipeline, the system profiles, and the run's `SimState` at
+round 0 (`build_context`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fedjax_pfedes import (
+    asynchronous,
+    attacks,
+    compilation,
+    execution,
+    plotting,
+    rounds,
+    sampling,
+    strategy_choice,
+    system,
+)
+from fedjax_pfedes.algorithms import registry as algorithm_registry
+from fedjax_pfedes.cohorts import assign_architectures, build_cohorts
+from fedjax_pfedes.config_validation import ConfigError, check_against_data
+from fedjax_pfedes.data.catalog import load_dataset
+from fedjax_pfedes.data.federated import FederatedData, partition_dataset
+from fedjax_pfedes.data.profile import DataProfile, profile_partition
+from fedjax_pfedes.data.sources import LoadOptions
+from fedjax_pfedes.metrics_io import write_json
+from fedjax_pfedes.rounds import tree_size
+from fedjax_pfedes.sim_state import SimState
+from fedjax_pfedes.upload import compression
+from fedjax_pfedes.upload.pipeline import UploadPipeline, pipeline_config
+
+
+def load_options(config: ml_collections.ConfigDict) -> LoadOptions:
+    """The `config.data` fields that loaders read."""
+    d = config.data
+    return LoadOptions(seed=config.seed, global_test_fraction=d.global_test_fraction,
+                       data_dir=d.data_dir, path=d.path, max_train_samples=d.max_train_samples,
+                       text_max_length=d.text_max_length, text_vocab_size=d.text_vocab_size)
+
+
+def build_federated_data(config: ml_collections.ConfigDict) -> FederatedData:
+    """Loads the configured dataset and partitions it over clients."""
+    d = config.data
+    central = load_dataset(d.name, load_options(config))
+    check_against_data(config, central)
+    try:
+        return partition_dataset(
+            central, d.num_clients, d.partition, config.seed,
+            local_test_fraction=d.local_test_fraction, dirichlet_alpha=d.dirichlet_alpha,
+            min_samples_per_client=d.min_samples_per_client,
+            classes_per_client=d.classes_per_client, class_share_low=d.class_share_low,
+            class_share_high=d.class_share_high, quantity_sigma=d.quantity_sigma)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def write_data_profile(data: FederatedData, partition: str, workdir: str) -> DataProfile:
+    """Writes data_profile.json, label_heatmap.png and client_sizes.png into `workdir`."""
+    profile = profile_partition(data, partition)
+    write_json(os.path.join(workdir, "data_profile.json"), profile.summary())
+    plotting.label_heatmap(profile, os.path.join(workdir, "label_heatmap.png"))
+    plotting.size_histogram(profile, os.path.join(workdir, "client_sizes.png"))
+    return profile
+
+
+def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
+    """The configured algorithm (`config.algorithm`, from the algorithm registry) for the
+    dataset's shapes and statistics."""
+    c = data.central
+    # Static local epochs: the most any client runs (fewer are masked by ClientArrays.step_limit).
+    epochs = int(client_epochs(config, np.array([len(i) for i in data.train_indices])).max())
+    archs = assign_architectures(config.clients.architectures, data.num_clients)
+    return algorithm_registry.build(config, c.num_classes, c.input_spec, epochs,
+                                    collections.Counter(archs))
+
+
+def build_pipeline(config: ml_collections.ConfigDict, algorithm, num_clients: int
+                   ) -> UploadPipeline:
+    """The upload pipeline from `config.upload`, `config.dp` and `config.secagg`."""
+    t = config.train
+    m = sampling.participants_per_round(num_clients, t.client_fraction)
+    expected = t.client_fraction * num_clients if t.sampling == "poisson" else m
+    try:
+        return UploadPipeline(pipeline_config(config), algorithm.aggregation, algorithm.name,
+                              num_clients, expected, m, t.rounds)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def client_epochs(config: ml_collections.ConfigDict, sizes: np.ndarray) -> np.ndarray:
+    """[N] local epochs of every client (`config.train` adaptive epochs, minimum-samples rule)."""
+    t = config.train
+    return sampling.local_epochs_per_client(sizes, t.local_epochs, t.adaptive_epochs,
+                                            t.min_epochs, t.max_epochs, t.min_samples,
+                                            t.below_min)
+
+
+def uses_step_limits(config: ml_collections.ConfigDict) -> bool:
+    """Whether clients run different step counts than `train.local_epochs` passes."""
+    t, s = config.train, config.system
+    return bool(t.adaptive_epochs or (t.min_samples > 0 and t.below_min == "one_epoch")
+                or (s.deadline_s > 0 and s.deadline_policy == "partial"))
+
+
+def upload_bytes_per_arch(pipeline: UploadPipeline, algorithm, server_state, arch: str
+                          ) -> float:
+    """Bytes one client of `arch` sends per round as the simulated network sees it."""
+    template = algorithm.upload_template(server_state, arch)
+    if not jax.tree.leaves(template):
+        return 0.0
+    cfg = pipeline.cfg
+    if cfg.secagg:  # dense masked ring elements
+        return tree_size(template)[0] * cfg.encoding.ring_bits / 8
+    return compression.encoded_bytes(template, cfg.compression) + (4 if cfg.dp else 0)
+
+
+def build_context(config: ml_collections.ConfigDict, data: FederatedData,
+                  strategies: dict[str, str] | None = None
+                  ) -> tuple[rounds.RunContext, SimState]:
+    """Everything static of a run, and the run's state at round 0.
+
+    `strategies` (arch -> 'loop' | 'vmap') fixes the cohorts' execution strategies under
+    `config.execution.strategy='auto'` (a resumed run keeps its original choice, so its numbers
+    continue bit for bit); otherwise 'auto' measures them (`strategy_choice`)."""
+    algorithm = build_algorithm(config, data)
+    archs = assign_architectures(config.clients.architectures, data.num_clients)
+    requested = execution.resolve_strategy(config.execution.strategy)
+    candidates = execution.STRATEGIES if requested == "auto" else (requested,)
+    programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
+    runners = {a: {s: execution.make_runner(p, s) for s in candidates}
+               for a, p in programs.items()}
+    t = config.train
+    n = data.num_clients
+    if config.asynchronous.enabled:
+        slots_per_round = config.asynchronous.concurrency
+    elif t.sampling == "poisson":  # no fixed round size: every member gets a slot
+        slots_per_round = n
+    else:
+        slots_per_round = sampling.participants_per_round(n, t.client_fraction)
+    root = jax.random.key(config.seed)
+    server_key, client_key, train_key = jax.random.split(root, 3)
+    upload_key = jax.random.fold_in(root, 7)  # compression / DP noise / secure-agg stream
+    cohorts, client_states = build_cohorts(data, archs, programs,
+                            {a: r[candidates[0]] for a, r in runners.items()}, slots_per_round,
+                            client_key)
+    server_state = jax.jit(algorithm.init_server, static_argnums=1, compiler_options={
+        "xla_backend_optimization_level": 1})(server_key, tuple(c.arch for c in cohorts))
+    pipeline = build_pipeline(config, algorithm, n)
+    try:
+        sys_cfg = system.system_config(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    profiles = system.client_profiles(sys_cfg, n, config.seed)
+    sizes = np.array([len(i) for i in data.train_indices], np.int64)
+    epochs = client_epochs(config, sizes)
+    capacity = np.zeros(n, np.int64)
+    for c in cohorts:
+        capacity[c.client_ids] = c.train.y.shape[1]
+    planned = sampling.planned_steps(sizes, capacity, t.batch_size, epochs)
+    choices = {}
+    # Clients that train per round, on average (FedBuff: the buffer's worth of arrivals).
+    launches_per_round = (config.asynchronous.buffer_size if config.asynchronous.enabled
+                          else t.client_fraction * n)
+    if requested == "auto" and strategies and all(c.arch in strategies for c in cohorts):
+        for c in cohorts:
+            c.runner = runners[c.arch][strategies[c.arch]]
+            choices[c.arch] = {"strategy": strategies[c.arch], "from_checkpoint": True}
+    elif requested == "auto":
+        cache_dir = compilation.configure_cache(config.execution.compilation_cache_dir)
+        for c in cohorts:
+            choice = strategy_choice.choose(strategy_choice.Trial(
+                f"{algorithm.name}/{c.arch}", runners[c.arch],
+                algorithm.broadcast(server_state, c.arch), client_states[c.arch], c.train,
+                c.bucket,
+                launches_per_round * len(c.client_ids) / n, planned[c.client_ids],
+                int(epochs.max()), t.batch_size), cache_dir)
+            c.runner = runners[c.arch][choice.strategy]
+            choices[c.arch] = choice.as_dict()
+    eligible = (sizes >= t.min_samples) if t.below_min == "skip" else np.ones(n, bool)
+    if not eligible.any():
+        raise ConfigError(f"config.train.min_samples={t.min_samples}: no client has that many "
+                          f"local samples (largest: {sizes.max()})")
+    try:
+        attack = attacks.attack_config(config, n)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    ctx = rounds.RunContext(
+        config=config, algorithm=algorithm, cohorts=cohorts,
+        server_step=jax.jit(algorithm.server_update), pipeline=pipeline, system=sys_cfg,
+        profiles=profiles, client_arch=archs, sizes=sizes, epochs=epochs,
+        planned_steps=planned, strategy_choices=choices,
+        statically_eligible=eligible,
+        strata=sampling.size_strata(sizes, t.strata, profiles.availability_class),
+        upload_bytes={c.arch: upload_bytes_per_arch(pipeline, algorithm, server_state, c.arch)
+                      for c in cohorts},
+        download_bytes={c.arch: float(tree_size(algorithm.broadcast(server_state, c.arch))[1])
+                        for c in cohorts},
+        step_limits=uses_step_limits(config), train_key=train_key, upload_key=upload_key,
+        monitor_x=jnp.asarray(data.central.x_test[:1]),
+        monitor_y=jnp.asarray(data.central.y_test[:1]), attack=attack)
+    return ctx, initial_state(ctx, server_state, client_states)
+
+
+def initial_state(ctx: rounds.RunContext, server_state, clients: dict[str, Any]) -> SimState:
+    """The run's state at round 0 (what a checkpoint holds, see `checkpointing`)."""
+    pipeline, algorithm = ctx.pipeline, ctx.algorithm
+    memories = {c.arch: (pipeline.init_memory(algorithm.upload_template(server_state, c.arch),
+                                              len(c.client_ids))
+                         if pipeline.cfg.compression.topk_fraction < 1
+                         else jnp.zeros((len(c.client_ids),), jnp.float32))
+                for c in ctx.cohorts}
+    in_flight = None
+    if ctx.config.asynchronous.enabled:
+        in_flight = asynchronous.InFlight.create(
+            ctx.config.asynchronous.concurrency,
+            {c.arch: algorithm.upload_template(server_state, c.arch) for c in ctx.cohorts})
+    return SimState(server=server_state, clients=clients, memories=memories,
+                    sampler=sampling.SamplerState.create(ctx.num_clients,
+                                                         int(ctx.strata.max()) + 1),
+                    dp_sgd_steps=np.zeros(ctx.num_clients, np.int64), clock_s=0.0,
+                    in_flight=in_flight)

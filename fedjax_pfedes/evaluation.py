@@ -1,0 +1,108 @@
+"""Evaluation and the per-round figures computed from a run's state: every client's model on its
+local test split and on the global test set, the label-only reference, the privacy spent so far
+(client-level DP and sample-level DP-SGD, from dp_accounting), and divergence detection.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fedjax_pfedes.cohorts import Cohort
+from fedjax_pfedes.data.federated import FederatedData
+from fedjax_pfedes.upload import privacy
+from fedjax_pfedes.upload.pipeline import UploadPipeline
+
+
+def global_test_set(data: FederatedData, config: ml_collections.ConfigDict):
+    c = data.central
+    n = config.eval.global_test_samples or len(c.y_test)
+    idx = np.random.default_rng(config.seed).permutation(len(c.y_test))[:n]
+    return jnp.asarray(c.x_test[np.sort(idx)]), jnp.asarray(c.y_test[np.sort(idx)])
+
+
+def majority_class_accuracy(data: FederatedData) -> float:
+    """Mean over clients of predicting each client's most frequent local-train label on its local
+    test split: the label-only reference a personalized model has to beat."""
+    y = data.central.y_train
+    scores = [np.mean(y[te] == np.bincount(y[tr]).argmax()) if len(te) else 0.0
+              for tr, te in zip(data.train_indices, data.test_indices, strict=True)]
+    return float(np.mean(scores))
+
+
+def evaluate(algorithm, server_state, cohorts: list[Cohort], clients: dict[str, Any], global_x,
+             global_y) -> dict[str, Any]:
+    """Every client's model (private states `clients`) on its own local test split and on the
+    global test set."""
+    per_client: dict[str, list[np.ndarray]] = {}
+    per_cohort = {}
+    for cohort in cohorts:
+        broadcast = algorithm.broadcast(server_state, cohort.arch)
+        m = jax.device_get(cohort.runner.evaluate(broadcast, clients[cohort.arch], cohort.test,
+                                                  global_x, global_y))
+        for k, v in m.items():
+            per_client.setdefault(k, []).append(np.asarray(v))
+        per_cohort[cohort.arch] = float(np.mean(m["personalized_accuracy"]))
+    acc = np.concatenate(per_client["personalized_accuracy"])
+    means = {f"{k}_mean": float(np.concatenate(v).mean()) for k, v in per_client.items()}
+    return {
+        **means,
+        "personalized_accuracy_std": float(acc.std()),
+        "personalized_accuracy_min": float(acc.min()),
+        "personalized_accuracy_max": float(acc.max()),
+        "personalized_accuracy_by_arch": per_cohort,
+    }
+
+
+def privacy_metrics(pipeline: UploadPipeline, rounds_done: int) -> dict[str, float]:
+    """dp_epsilon (at dp_delta) spent after `rounds_done` rounds, from dp_accounting composed
+    over the noise each round really released."""
+    dp = pipeline.cfg.dp
+    if dp is None:
+        return {}
+    realized = pipeline.round_noise_multipliers[:rounds_done]
+    eps = privacy.epsilon_of_rounds(dp, realized, pipeline.num_clients,
+                                    pipeline.clients_per_round)
+    return {"dp_epsilon": eps, "dp_delta": dp.delta,
+            "dp_noise_multiplier": pipeline.noise_multiplier, "dp_clip_norm": dp.clip_norm}
+
+
+def dp_sgd_metrics(config: ml_collections.ConfigDict, steps_taken: dict[int, int],
+                   batch_rate: dict[int, float], releases_per_step: int = 1
+                   ) -> dict[str, float]:
+    """Per-client epsilon of sample-level DP-SGD so far (max and mean over clients that have
+    trained), RDP accounting. Each local step is accounted as a Poisson-sampled batch with
+    q = B / n_k (the usual approximation for shuffled batches, as in Opacus / TF Privacy) on which
+    `releases_per_step` Gaussian mechanisms act (pFedES releases the private model's and
+    E_proxy's noisy gradients of the same batch: composed inside the sampled event, which equals
+    one Gaussian of noise multiplier sigma / sqrt(2) and is larger than composing two
+    independently sampled steps)."""
+    if not config.dp_sgd.enabled or not steps_taken:
+        return {}
+    d = config.dp_sgd
+    eps = []
+    for cid, steps in steps_taken.items():
+        if d.noise_multiplier == 0:
+            eps.append(float("inf"))
+            continue
+        accountant = privacy.make_accountant("rdp", "poisson")
+        release = dp_accounting.ComposedDpEvent(
+            [dp_accounting.GaussianDpEvent(d.noise_multiplier)] * releases_per_step)
+        accountant.compose(dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(batch_rate[cid], release), steps))
+        eps.append(float(accountant.get_epsilon(d.delta)))
+    return {"dp_sgd_epsilon_max": max(eps), "dp_sgd_epsilon_mean": float(np.mean(eps)),
+            "dp_sgd_delta": d.delta, "dp_sgd_noise_multiplier": d.noise_multiplier,
+            "dp_sgd_releases_per_step": releases_per_step}
+
+
+def non_finite_metrics(record: dict[str, Any]) -> list[str]:
+    """Names of the round's loss metrics that are NaN or infinite (training diverged)."""
+    return sorted(k for k, v in record.items()
+                  if "loss" in k and isinstance(v, float) and not math.isfinite(v))
