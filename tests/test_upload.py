@@ -100,6 +100,40 @@ def test_norm_outliers_are_rejected_beyond_factor_times_median():
     np.testing.assert_array_equal(groups["a"][1], [1, 1, 1, 0])
 
 
+def test_the_chain_follows_the_config_and_a_new_stage_is_one_class():
+    from fedjax_pfedes.upload import stages
+    from fedjax_pfedes.upload.pipeline import build_stages
+
+    def names(cfg):
+        return [s.name for s in build_stages(cfg, 1.0)]
+
+    checks = ["finite_check", "compression", "norm_outlier_check"]
+    assert names(PipelineConfig()) == checks + ["weighting"]
+    assert names(PipelineConfig(aggregator="median")) == checks + ["weighting",
+                                                                   "robust_aggregation"]
+    dp = privacy.ClientDPConfig(clip_norm=1.0, noise_multiplier=1.0)
+    assert names(PipelineConfig(dp=dp, weighting="uniform")) == checks + [
+        "clip", "weighting", "dp_noisy_mean"]
+    assert names(PipelineConfig(secagg=True, dp=dp, weighting="uniform")) == checks + [
+        "clip", "weighting", "secure_aggregation"]
+
+    class AddOne(stages.UploadStage):  # a new client-side transform
+        name, transforms = "add_one", True
+
+        def client(self, delta, memory, key, info):
+            return jax.tree.map(lambda d: d + 1.0, delta), memory, info
+
+    cfg = PipelineConfig(norm_outlier_factor=0.0)
+    chain = build_stages(cfg, 0.0)
+    chain.insert(1, AddOne())
+    pipe = UploadPipeline(cfg, "shared", "test", 10, 4, 4, 5, stages_override=chain)
+    template = {"w": jnp.array([1.0, 2.0])}
+    ups = {"w": jnp.array([[1.0, 2.0], [3.0, 2.0]])}
+    groups, _, _ = pipe.process(0, {"a": _cohort(ups, template, [1, 3])}, {"a": jnp.zeros(2)},
+                                {"a": 2}, jax.random.key(0))
+    np.testing.assert_allclose(groups["a"][0]["w"], [[2.0, 3.0], [4.0, 3.0]])
+
+
 # --- robust aggregation and weights -------------------------------------------------------------
 
 def test_median_and_trimmed_mean_match_numpy_over_valid_clients():

@@ -1,7 +1,10 @@
-"""The server side of an upload, as a chain of small pure transforms over stacked client updates.
+"""What happens to an upload between a client and the server step, as a chain of stages.
 
-Like `optax.chain`, each stage is a separate function, configured from `config.upload` and tested
-alone: validation (`validation`), compression
+Like `optax.chain`, each stage (`stages.py`) is one object with a client half (what one client
+does to its update before sending it, vmapped) and a server half (rejections, weights, the
+aggregate); `pipeline.build_stages` orders them from `config.upload`, `config.dp` and
+`config.secagg`, and `pipeline.UploadPipeline` runs them every round. The math of each stage
+lives in its own module and is tested alone: validation (`validation`), compression
 (`compression`), client-level differential privacy (`privacy`), secure aggregation
-(`secure_aggregation`) and robust aggregation (`robust`); `pipeline` runs them in order.
+(`secure_aggregation`) and robust aggregation (`robust`).
 """

@@ -25,7 +25,6 @@ methods that share one tree (pFedES, LG-FedAvg, FML, FedKD, FedMRL); see `Algori
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes import aggregation
-from fedjax_pfedes.upload import compression, privacy, robust, validation
+from fedjax_pfedes.upload import compression, privacy, robust, stages, validation
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 
 # Default of config.upload.norm_outlier_factor: an update whose L2 norm exceeds 10x the median of
@@ -187,12 +186,40 @@ def _sub(a, b):
     return jax.tree.map(lambda x, y: x.astype(jnp.float32) - y.astype(jnp.float32), a, b)
 
 
+def build_stages(cfg: PipelineConfig, noise_multiplier: float) -> list[stages.UploadStage]:
+    """The ordered stage list of `cfg`: checks and client-side transforms in the order a client
+    applies them (finite check on the raw update, compression, norm measured on what is sent,
+    DP clipping), then the server's weighting and aggregation."""
+    factor, _ = outlier_rule(cfg)
+    chain: list[stages.UploadStage] = [
+        stages.FiniteCheck(cfg.reject_nonfinite, "non-finite values (client-side check)"
+                           if cfg.secagg else "non-finite values"),
+        stages.Compression(cfg.compression),
+        stages.NormOutlierCheck(factor),
+    ]
+    if cfg.dp is not None:
+        chain.append(stages.Clip(cfg.dp.clip_norm))
+    chain.append(stages.Weighting(cfg.weighting))
+    if cfg.secagg:
+        chain.append(stages.SecureAggregation(
+            cfg.secagg_threshold_fraction, cfg.secagg_dropout_after_upload,
+            cfg.secagg_min_senders, cfg.encoding, noise_multiplier,
+            cfg.dp.clip_norm if cfg.dp is not None else 1.0, cfg.dp is not None))
+    elif cfg.dp is not None:
+        chain.append(stages.DPNoisyMean(noise_multiplier, cfg.dp.clip_norm))
+    elif cfg.aggregator != "mean":
+        chain.append(stages.RobustAggregation(cfg.aggregator, cfg.trim_fraction))
+    return chain
+
+
 class UploadPipeline:
-    """Runs the stages for every round; holds the jitted pieces, the noise multiplier and the
-    noise each round really released (`round_noise_multipliers`, for the accountant)."""
+    """Runs the stage chain (`build_stages`) every round; holds the jitted client side, the noise
+    multiplier and the noise each round really released (`round_noise_multipliers`, for the
+    accountant)."""
 
     def __init__(self, cfg: PipelineConfig, aggregation: str, algorithm: str, num_clients: int,
-                 expected_participants: float, clients_per_round: int, rounds: int):
+                 expected_participants: float, clients_per_round: int, rounds: int,
+                 stages_override: list[stages.UploadStage] | None = None):
         check_compatible(cfg, aggregation, algorithm)
         self.cfg = cfg
         self.aggregation = aggregation
@@ -204,9 +231,9 @@ class UploadPipeline:
             self.noise_multiplier = privacy.resolve_noise_multiplier(
                 cfg.dp, num_clients, clients_per_round, rounds)
         self.outlier_factor, self.outlier_note = outlier_rule(cfg)
+        self.stages = (build_stages(cfg, self.noise_multiplier) if stages_override is None
+                       else list(stages_override))
         self._client_side = jax.jit(jax.vmap(self._one_client))
-        self._robust = jax.jit(self._robust_aggregate)
-        self._noisy_mean = jax.jit(self._dp_mean)
         self.rejections: list[tuple[int, int, str]] = []
         # Per round: the smallest noise multiplier any released aggregate carried (None: nothing
         # was released). Under secure aggregation the clients add the noise, so fewer senders
@@ -215,38 +242,21 @@ class UploadPipeline:
 
     @property
     def active(self) -> bool:
-        """Whether accepted uploads are transformed (otherwise they reach the algorithm as they
-        are, and only validation runs)."""
-        c = self.cfg
-        return (c.compression.active or c.dp is not None or c.secagg or c.aggregator != "mean"
-                or c.weighting != "samples")
+        """Whether accepted uploads are transformed (otherwise they reach the algorithm exactly
+        as they arrived, and only the checks and the weights act)."""
+        return any(stage.transforms for stage in self.stages)
 
-    # --- client side (one client, vmapped) ----------------------------------------------------
     def _one_client(self, delta, memory, key):
-        finite = validation.finite_mask(jax.tree.map(lambda a: a[None], delta))[0]
-        sent, memory = compression.compress(delta, memory, key, self.cfg.compression)
-        norm = validation.update_norms(jax.tree.map(lambda a: a[None], sent))[0]
-        if self.cfg.dp is not None:
-            sent, _ = privacy.clip_update(sent, self.cfg.dp.clip_norm)
-        return sent, memory, norm, finite
+        """The client halves of the chain, for one client (vmapped and jitted once)."""
+        info: dict[str, jax.Array] = {}
+        for stage in self.stages:
+            delta, memory, info = stage.client(delta, memory, key, info)
+        return delta, memory, info
 
     def init_memory(self, template, num_members: int):
         """Error-feedback memory of a cohort: zeros [members, ...] (float32)."""
         return jax.tree.map(lambda a: jnp.zeros((num_members, *jnp.shape(a)), jnp.float32),
                             template)
-
-    # --- server side --------------------------------------------------------------------------
-    def _robust_aggregate(self, stacked, valid):
-        if self.cfg.aggregator == "median":
-            return robust.coordinate_median(stacked, valid)
-        return robust.trimmed_mean(stacked, valid, self.cfg.trim_fraction)
-
-    def _dp_mean(self, stacked, valid, key, denominator):
-        total = jax.tree.map(
-            lambda a: jnp.tensordot(valid.astype(jnp.float32), a, axes=1), stacked)
-        std = self.noise_multiplier * self.cfg.dp.clip_norm
-        noise = privacy.gaussian_noise_like(total, key, std)
-        return jax.tree.map(lambda t, z: (t + z) / denominator, total, noise)
 
     def expected_in_scope(self, members: int) -> float:
         """Fixed denominator: the expected number of participants among `members` clients."""
@@ -264,60 +274,60 @@ class UploadPipeline:
         if self.aggregation == "none":  # nothing is uploaded (Standalone)
             return ({a: (c.uploads, jnp.zeros(len(c.valid), jnp.float32))
                      for a, c in cohorts.items()}, memories, report)
-        if not self.active:
-            return self._validate_only(round_index, cohorts, report), memories, report
-        sent, valid, norms, finite, weights, new_memories = {}, {}, {}, {}, {}, dict(memories)
-        new_rows = {}
+        r = stages.RoundUploads(
+            round_index=round_index, cohorts=cohorts, scopes=self._scopes(cohorts),
+            members=members, key=key, valid={}, sent={}, info={}, report=report,
+            reject=lambda ids, reason: self._reject(round_index, ids, reason, report),
+            expected_in_scope=self.expected_in_scope)
+        arrived, new_rows = {}, {}
         for k, (arch, c) in enumerate(cohorts.items()):
             ok = np.asarray(c.valid).copy()
-            if validation.fingerprint(c.uploads, leading_axes=1) != validation.fingerprint(
+            uploads = c.uploads
+            if validation.fingerprint(uploads, leading_axes=1) != validation.fingerprint(
                     c.template):
                 self._reject(round_index, c.client_ids[ok], _mismatch(c), report)
                 ok[:] = False
                 uploads = _replicate(c.template, len(ok))
-            else:
-                uploads = c.uploads
+            arrived[arch] = uploads
             deltas = _sub(uploads, jax.tree.map(lambda t: t[None], c.template))
             memory_rows = _take_rows(memories[arch], jnp.asarray(c.slots))
             keys = jax.random.split(jax.random.fold_in(key, k), len(ok))
-            sent[arch], new_rows[arch], norms[arch], f = self._client_side(deltas, memory_rows,
-                                                                           keys)
-            finite[arch] = np.asarray(f)
-            valid[arch] = ok
-        if cfg.reject_nonfinite:
-            self._reject_nonfinite(round_index, cohorts, valid, finite, report,
-                                   "non-finite values (client-side check)" if cfg.secagg
-                                   else "non-finite values")
-        self._reject_outliers(round_index, cohorts, valid, norms, report)
-        upload_bytes = []
+            r.sent[arch], new_rows[arch], info = self._client_side(deltas, memory_rows, keys)
+            r.info[arch] = {name: np.asarray(v) for name, v in info.items()}
+            r.valid[arch] = ok
+        for stage in self.stages:  # checks, weights, aggregation: in chain order
+            stage.server(r)
+        if not self.active:  # the uploads as they arrived; rejected slots hold the template
+            groups = {}
+            for arch, c in cohorts.items():
+                uploads = arrived[arch]
+                if (np.asarray(c.valid) & ~r.valid[arch]).any():  # NaN x 0 is still NaN
+                    uploads = _where_rows(jnp.asarray(r.valid[arch]), uploads,
+                                          _replicate(c.template, len(c.valid)))
+                groups[arch] = (uploads, r.weights[arch])
+            return groups, memories, report
+        new_memories = dict(memories)
         for arch, c in cohorts.items():
-            ok = valid[arch]
             # Error feedback: only real participants with finite updates write their rows.
             rows = jnp.asarray(c.slots)
-            write = jnp.where(jnp.asarray(np.asarray(c.valid) & finite[arch]), rows,
+            write = jnp.where(jnp.asarray(np.asarray(c.valid) & r.info[arch]["finite"]), rows,
                               members[arch])
             new_memories[arch] = _put_rows(memories[arch], write, new_rows[arch])
-            # Rejected slots send nothing: their values leave every sum (NaN x 0 is NaN).
-            sent[arch] = _where_rows(jnp.asarray(ok), sent[arch],
-                                     jax.tree.map(jnp.zeros_like, sent[arch]))
-            weights[arch] = robust.smooth_weights(c.sizes, jnp.asarray(ok), cfg.weighting)
-            if ok.any():
-                upload_bytes.append((int(ok.sum()), compression.encoded_bytes(
-                    c.template, cfg.compression) + (4 if cfg.dp is not None else 0)))
-
-        aggregates = self._aggregate(round_index, cohorts, sent, valid, weights, members, key,
-                                     report)
+        upload_bytes = [(int(r.valid[a].sum()), compression.encoded_bytes(
+            c.template, cfg.compression) + (4 if cfg.dp is not None else 0))
+            for a, c in cohorts.items() if r.valid[a].any()]
         if cfg.secagg and report.get("secagg_bytes"):  # the wire carries dense masked vectors
             upload_bytes = report.pop("secagg_bytes")
         groups = {}
         for arch, c in cohorts.items():
-            if aggregates is None:  # the algorithm averages the decoded uploads itself
+            if r.aggregates is None:  # the algorithm averages the decoded uploads itself
                 uploads = jax.tree.map(lambda t, d: (t[None] + d).astype(t.dtype), c.template,
-                                       sent[arch])
+                                       r.sent[arch])
             else:
                 uploads = _replicate(jax.tree.map(lambda t, d: (t + d).astype(t.dtype),
-                                                  c.template, aggregates[arch]), len(c.valid))
-            groups[arch] = (uploads, weights[arch])
+                                                  c.template, r.aggregates[arch]),
+                                     len(c.valid))
+            groups[arch] = (uploads, r.weights[arch])
         if upload_bytes:
             counts = np.array(upload_bytes, np.float64)
             report["upload_bytes_per_client"] = float(counts[:, 1] @ counts[:, 0]
@@ -331,76 +341,6 @@ class UploadPipeline:
                 report["dp_realized_noise_multiplier"] = realized
         return groups, new_memories, report
 
-    def _validate_only(self, round_index: int, cohorts: dict[str, CohortUploads],
-                       report: dict) -> dict[str, tuple[Any, jax.Array]]:
-        """Default settings: fingerprint, finiteness and norm-outlier checks on the uploads as
-        they are (no arithmetic on accepted uploads, so results equal a run without the
-        pipeline)."""
-        uploads, valid, finite, norms = {}, {}, {}, {}
-        for arch, c in cohorts.items():
-            ok = np.asarray(c.valid).copy()
-            uploads[arch] = c.uploads
-            if validation.fingerprint(c.uploads, leading_axes=1) != validation.fingerprint(
-                    c.template):
-                self._reject(round_index, c.client_ids[ok], _mismatch(c), report)
-                ok[:] = False
-                uploads[arch] = _replicate(c.template, len(ok))
-            finite[arch] = np.asarray(validation.finite_mask(uploads[arch]))
-            if self.outlier_factor > 0:
-                norms[arch] = validation.upload_norms(uploads[arch], c.template)
-            valid[arch] = ok
-        if self.cfg.reject_nonfinite:
-            self._reject_nonfinite(round_index, cohorts, valid, finite, report,
-                                   "non-finite values")
-        self._reject_outliers(round_index, cohorts, valid, norms, report)
-        groups = {}
-        for arch, c in cohorts.items():
-            ok = valid[arch]
-            if (np.asarray(c.valid) & ~ok).any():  # NaN x weight 0 is still NaN: drop values
-                uploads[arch] = _where_rows(jnp.asarray(ok), uploads[arch],
-                                            _replicate(c.template, len(ok)))
-            groups[arch] = (uploads[arch], robust.smooth_weights(c.sizes, jnp.asarray(ok),
-                                                                 self.cfg.weighting))
-        return groups
-
-    def _reject_nonfinite(self, round_index: int, cohorts: dict[str, CohortUploads],
-                          valid: dict, finite: dict, report: dict, reason: str) -> None:
-        """Rejects valid slots with NaN/Inf values. When at least half of the round's uploads
-        are non-finite, the reason says that the broadcast they trained from is the likelier
-        culprit (a poisoned or diverged server model makes honest clients fail together)."""
-        bad = {a: valid[a] & ~finite[a] for a in cohorts}
-        n_bad = sum(int(b.sum()) for b in bad.values())
-        n_all = sum(int(v.sum()) for v in valid.values())
-        if n_bad >= 2 and 2 * n_bad >= n_all:
-            reason += (f" ({n_bad} of {n_all} uploads this round: a poisoned or diverged "
-                       "broadcast model is the likelier cause than these clients)")
-        for arch, c in cohorts.items():
-            self._reject(round_index, c.client_ids[bad[arch]], reason, report)
-            valid[arch] &= ~bad[arch]
-
-    def _reject_outliers(self, round_index: int, cohorts: dict[str, CohortUploads],
-                         valid: dict, norms: dict, report: dict) -> None:
-        """Rejects valid slots whose update norm exceeds `outlier_factor` x the median norm of
-        the valid updates aggregated together (per cohort or over all cohorts)."""
-        if self.outlier_factor <= 0:
-            return
-        for scope in self._scopes(cohorts):
-            ok = np.concatenate([valid[a] for a in scope])
-            scope_norms = jnp.concatenate([jnp.asarray(norms[a], jnp.float32) for a in scope])
-            outlier = np.asarray(validation.norm_outliers(scope_norms, jnp.asarray(ok),
-                                                          self.outlier_factor))
-            start = 0
-            for a in scope:
-                n = len(valid[a])
-                mine = outlier[start:start + n]
-                start += n
-                for j in np.flatnonzero(mine):
-                    self._reject(round_index, cohorts[a].client_ids[j:j + 1],
-                                 f"update norm {float(norms[a][j]):.3g} beyond "
-                                 f"{self.outlier_factor:g} x the round's median "
-                                 f"(config.upload.norm_outlier_factor)", report)
-                valid[a] &= ~mine
-
     def _reject(self, round_index: int, ids: np.ndarray, reason: str, report: dict) -> None:
         for cid in np.asarray(ids).tolist():
             self.rejections.append((round_index + 1, int(cid), reason))
@@ -411,121 +351,6 @@ class UploadPipeline:
         if self.aggregation == "per_cohort":
             return [[a] for a in cohorts]
         return [list(cohorts)]
-
-    def _aggregate(self, round_index, cohorts, sent, valid, weights, members, key, report):
-        cfg = self.cfg
-        if cfg.aggregator == "mean" and cfg.dp is None and not cfg.secagg:
-            return None
-        out = {}
-        for s_idx, scope in enumerate(self._scopes(cohorts)):
-            stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[sent[a] for a in scope])
-            ok = np.concatenate([valid[a] for a in scope])
-            w = jnp.concatenate([weights[a] for a in scope])
-            scope_key = jax.random.fold_in(jax.random.fold_in(key, 1000 + s_idx), round_index)
-            denominator = self.expected_in_scope(sum(members[a] for a in scope))
-            if cfg.secagg:
-                agg = self._secure_mean(round_index, scope, cohorts, stacked, ok, w, scope_key,
-                                        denominator, report)
-                if agg is None:  # protocol failed or skipped: nobody in this scope counts
-                    for a in scope:
-                        weights[a] = jnp.zeros_like(weights[a])
-                    agg = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], jnp.float32), stacked)
-            elif cfg.dp is not None:
-                agg = self._noisy_mean(stacked, jnp.asarray(ok), scope_key,
-                                       jnp.float32(denominator))
-            elif ok.sum() < robust.MIN_ROBUST_UPLOADS:
-                # A median / trimmed mean of 1-2 uploads is their mean: no protection. Skip.
-                report.setdefault("robust_aggregation_skipped", []).append(
-                    f"{'+'.join(scope)}: {int(ok.sum())} valid upload(s), config.upload."
-                    f"aggregator='{cfg.aggregator}' needs >= {robust.MIN_ROBUST_UPLOADS}")
-                for a in scope:
-                    weights[a] = jnp.zeros_like(weights[a])
-                agg = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], jnp.float32), stacked)
-            else:
-                agg = self._robust(stacked, jnp.asarray(ok))
-            for a in scope:
-                out[a] = agg
-        return out
-
-    def _secure_mean(self, round_index, scope, cohorts, stacked, ok, w, key, denominator,
-                     report):
-        cfg = self.cfg
-        ids = np.concatenate([cohorts[a].client_ids for a in scope])
-        flat_leaves = [np.asarray(a, np.float64).reshape(a.shape[0], -1)
-                       for a in jax.tree.leaves(stacked)]
-        flat = np.concatenate(flat_leaves, axis=1)
-        w = np.asarray(w, np.float64)
-        if ok.sum() < cfg.secagg_min_senders:
-            # Too few senders: the "secure" sum would reveal (nearly) one client's update.
-            report.setdefault("secagg_skipped", []).append(
-                f"{'+'.join(scope)}: {int(ok.sum())} sender(s), config.secagg.min_senders="
-                f"{cfg.secagg_min_senders}")
-            return None
-        noise_std = 0.0
-        if cfg.dp is not None:  # distributed noise: each client adds its share of the variance
-            noise_std = self.noise_multiplier * cfg.dp.clip_norm / math.sqrt(
-                max(denominator, 1.0))
-        rng = np.random.default_rng([int(jax.random.randint(key, (), 0, 2 ** 31 - 1)),
-                                     round_index])
-        bound = cfg.encoding.max_abs(int(ok.sum()))
-        vectors = {}
-        for j in np.flatnonzero(ok):
-            x = flat[j] * (1.0 if cfg.dp is not None else w[j])
-            if noise_std > 0:
-                x = x + rng.normal(0.0, noise_std, x.shape)
-            x = np.append(x, w[j])
-            worst = float(np.max(np.abs(x)))
-            if worst > bound:  # range check on the client, before masking
-                self._reject(round_index, ids[j:j + 1],
-                             f"|value| {worst:.3g} beyond the secure-aggregation fixed-point "
-                             f"range {bound:.3g} (checked before masking; config.secagg."
-                             "ring_bits / fraction_bits)", report)
-                continue
-            vectors[int(ids[j])] = x
-        if len(vectors) < cfg.secagg_min_senders:
-            report.setdefault("secagg_skipped", []).append(
-                f"{'+'.join(scope)}: {len(vectors)} sender(s) within range, "
-                f"config.secagg.min_senders={cfg.secagg_min_senders}")
-            return None
-        drop = frozenset(u for u in vectors if rng.random() < cfg.secagg_dropout_after_upload)
-        threshold = max(2, math.ceil(cfg.secagg_threshold_fraction * len(vectors)))
-        senders = len(vectors)  # clients that drop after uploading have sent their vector
-        report.setdefault("secagg_bytes", []).append((senders, sa_protocol.bytes_per_sender(
-            next(iter(vectors.values())).shape[0], senders, cfg.encoding)))
-        if cfg.dp is not None:
-            # Every sender's noise is in the sum (also of those lost before unmasking): total
-            # variance senders x std^2 = (sigma C)^2 x senders / expected.
-            realized = self.noise_multiplier * math.sqrt(senders / max(denominator, 1.0))
-            report["dp_realized_noise_multiplier"] = min(
-                report.get("dp_realized_noise_multiplier", math.inf), realized)
-        try:
-            result = sa_protocol.secure_sum(vectors, threshold, cfg.encoding,
-                                            int(rng.integers(0, 2 ** 62)),
-                                            drop_after_upload=drop)
-        except sa_protocol.SecureAggregationError as e:
-            report.setdefault("secagg_failures", []).append(str(e))
-            self._reject(round_index, np.array(sorted(vectors)), "secure aggregation failed",
-                         report)
-            return None  # the round's update is lost; the server keeps its state
-        report["secagg_senders"] = report.get("secagg_senders", 0) + len(result.senders)
-        report["secagg_dropped_after_upload"] = (report.get("secagg_dropped_after_upload", 0)
-                                                 + len(drop))
-        total, weight = result.total[:-1], result.total[-1]
-        divisor = denominator if cfg.dp is not None else max(weight, 1e-12)
-        # Each sender's values are rounded to the nearest multiple of 2^-fraction_bits: the
-        # decoded mean is off by at most senders x 2^-(fraction_bits + 1) / divisor per value.
-        error = len(result.senders) * 2.0 ** -(cfg.encoding.fraction_bits + 1) / divisor
-        report["secagg_quantization_error_bound"] = max(
-            report.get("secagg_quantization_error_bound", 0.0), error)
-        mean = total / divisor
-        zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), stacked)
-        leaves, treedef = jax.tree.flatten(zero)
-        out, start = [], 0
-        for leaf in leaves:
-            out.append(jnp.asarray(mean[start:start + leaf.size].reshape(leaf.shape),
-                                   jnp.float32))
-            start += leaf.size
-        return jax.tree.unflatten(treedef, out)
 
 
 def outlier_rule(cfg: PipelineConfig) -> tuple[float, str]:

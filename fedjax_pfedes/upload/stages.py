@@ -1,0 +1,384 @@
+"""Upload stages: each transform of an upload is one object, and the pipeline is their list.
+
+In the spirit of `optax.chain`, a stage has up to two halves:
+
+- `client(delta, memory, key, info) -> (delta, memory, info)`: what ONE client does to its
+  update before sending it (traced; the pipeline vmaps and jits the chain of client halves
+  once). `memory` is the client's persistent upload state (top-k error feedback); `info` is a
+  dict of per-client facts later stages read on the server (e.g. 'finite', 'norm').
+- `server(r: RoundUploads)`: what the server does with the round's uploads (host side, in chain
+  order): reject clients, set aggregation weights, or compute the aggregate.
+
+`transforms` says whether a stage changes the values of accepted uploads; when no stage does, the
+algorithm receives the uploads exactly as they arrived (bit for bit). A new transform is one
+class here (or in its own module) and one line in `build_stages`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pfedes.upload import compression, privacy, robust, validation
+from fedjax_pfedes.upload import secure_aggregation as sa_protocol
+
+
+@dataclasses.dataclass
+class RoundUploads:
+    """One round's uploads as the server-side stages see them (host side, updated in place).
+
+    Attributes:
+      round_index: 0-based round.
+      cohorts: architecture -> `pipeline.CohortUploads` (ids, sizes, template, real slots).
+      scopes: groups of architectures aggregated together (one per cohort for per-cohort
+        methods, one for all cohorts for shared-tree methods).
+      members: architecture -> clients in the cohort.
+      key: the round's upload RNG key.
+      valid: architecture -> [slots] whether the slot still counts (stages reject by clearing).
+      sent: architecture -> stacked updates as decoded by the server (float32).
+      info: architecture -> per-client facts from the client halves ('finite', 'norm').
+      weights: architecture -> [slots] aggregation weights (set by the weighting stage).
+      aggregates: architecture -> the update the server applies to every real slot, or None
+        when the algorithm averages the decoded uploads itself.
+      report: the round's report (rejections, skipped scopes, protocol figures).
+      reject: (ids, reason) -> None; records rejections (the caller clears `valid`).
+      expected_in_scope: members -> expected participants among them (fixed DP denominator).
+    """
+
+    round_index: int
+    cohorts: dict[str, Any]
+    scopes: list[list[str]]
+    members: dict[str, int]
+    key: jax.Array
+    valid: dict[str, np.ndarray]
+    sent: dict[str, Any]
+    info: dict[str, dict[str, np.ndarray]]
+    report: dict[str, Any]
+    reject: Callable[[np.ndarray, str], None]
+    expected_in_scope: Callable[[int], float]
+    weights: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+    aggregates: dict[str, Any] | None = None
+
+    def scope_arrays(self, scope: list[str]):
+        """(stacked sent [slots, ...], valid [slots], weights [slots]) over a scope's cohorts."""
+        stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[self.sent[a] for a in scope])
+        ok = np.concatenate([self.valid[a] for a in scope])
+        w = jnp.concatenate([self.weights[a] for a in scope])
+        return stacked, ok, w
+
+    def skip_scope(self, scope: list[str]) -> Any:
+        """No server update from `scope` this round: zero weights, a zero aggregate."""
+        for a in scope:
+            self.weights[a] = jnp.zeros_like(self.weights[a])
+        return jax.tree.map(lambda x: jnp.zeros(x.shape[1:], jnp.float32), self.sent[scope[0]])
+
+
+class UploadStage:
+    """A stage that does nothing; subclasses override the halves they need."""
+
+    name = "identity"
+    transforms = False
+
+    def client(self, delta, memory, key, info):
+        del key
+        return delta, memory, info
+
+    def server(self, r: RoundUploads) -> None:
+        del r
+
+
+# --- checks -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class FiniteCheck(UploadStage):
+    """Rejects uploads with NaN/Inf values (when `reject`). When at least half of the round's
+    uploads are non-finite, the reason says the broadcast they trained from is the likelier
+    culprit (a poisoned or diverged server model makes honest clients fail together)."""
+
+    reject: bool = True
+    reason: str = "non-finite values"
+    name = "finite_check"
+
+    def client(self, delta, memory, key, info):
+        finite = validation.finite_mask(jax.tree.map(lambda a: a[None], delta))[0]
+        return delta, memory, {**info, "finite": finite}
+
+    def server(self, r: RoundUploads) -> None:
+        if not self.reject:
+            return
+        bad = {a: r.valid[a] & ~r.info[a]["finite"] for a in r.cohorts}
+        n_bad = sum(int(b.sum()) for b in bad.values())
+        n_all = sum(int(v.sum()) for v in r.valid.values())
+        reason = self.reason
+        if n_bad >= 2 and 2 * n_bad >= n_all:
+            reason += (f" ({n_bad} of {n_all} uploads this round: a poisoned or diverged "
+                       "broadcast model is the likelier cause than these clients)")
+        for arch, c in r.cohorts.items():
+            r.reject(c.client_ids[bad[arch]], reason)
+            r.valid[arch] &= ~bad[arch]
+
+
+@dataclasses.dataclass
+class NormOutlierCheck(UploadStage):
+    """Measures each update's L2 norm where it stands in the chain (after compression, before
+    clipping) and rejects those beyond `factor` x the median norm of the valid updates
+    aggregated together (`validation.norm_outliers`; needs >= 3 of them)."""
+
+    factor: float = 0.0
+    name = "norm_outlier_check"
+
+    def client(self, delta, memory, key, info):
+        norm = validation.update_norms(jax.tree.map(lambda a: a[None], delta))[0]
+        return delta, memory, {**info, "norm": norm}
+
+    def server(self, r: RoundUploads) -> None:
+        if self.factor <= 0:
+            return
+        for scope in r.scopes:
+            ok = np.concatenate([r.valid[a] for a in scope])
+            norms = jnp.concatenate([jnp.asarray(r.info[a]["norm"], jnp.float32)
+                                     for a in scope])
+            outlier = np.asarray(validation.norm_outliers(norms, jnp.asarray(ok), self.factor))
+            start = 0
+            for a in scope:
+                n = len(r.valid[a])
+                mine = outlier[start:start + n]
+                start += n
+                for j in np.flatnonzero(mine):
+                    r.reject(r.cohorts[a].client_ids[j:j + 1],
+                             f"update norm {float(r.info[a]['norm'][j]):.3g} beyond "
+                             f"{self.factor:g} x the round's median "
+                             "(config.upload.norm_outlier_factor)")
+                r.valid[a] &= ~mine
+
+
+# --- client-side transforms ---------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Compression(UploadStage):
+    """Top-k with error feedback (the client's `memory`), then bf16 or QSGD values."""
+
+    cfg: compression.CompressionConfig = compression.CompressionConfig()
+    name = "compression"
+
+    @property
+    def transforms(self) -> bool:
+        return self.cfg.active
+
+    def client(self, delta, memory, key, info):
+        delta, memory = compression.compress(delta, memory, key, self.cfg)
+        return delta, memory, info
+
+
+@dataclasses.dataclass
+class Clip(UploadStage):
+    """Client-level DP: the update scaled to L2 norm <= `clip_norm`."""
+
+    clip_norm: float = 1.0
+    name = "clip"
+    transforms = True
+
+    def client(self, delta, memory, key, info):
+        delta, _ = privacy.clip_update(delta, self.clip_norm)
+        return delta, memory, info
+
+
+# --- server-side weights and aggregation --------------------------------------------------------
+
+@dataclasses.dataclass
+class Weighting(UploadStage):
+    """Zeroes the rejected slots' values (NaN x weight 0 is still NaN) and sets the weights:
+    sample counts, their square root, or uniform (`robust.smooth_weights`)."""
+
+    weighting: str = "samples"
+    name = "weighting"
+
+    @property
+    def transforms(self) -> bool:
+        return self.weighting != "samples"
+
+    def server(self, r: RoundUploads) -> None:
+        for arch, c in r.cohorts.items():
+            ok = jnp.asarray(r.valid[arch])
+            r.sent[arch] = jax.tree.map(
+                lambda a, ok=ok: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0.0),
+                r.sent[arch])
+            r.weights[arch] = robust.smooth_weights(c.sizes, ok, self.weighting)
+
+
+@dataclasses.dataclass
+class RobustAggregation(UploadStage):
+    """Coordinate-wise median or trimmed mean per scope; a scope with fewer than
+    `robust.MIN_ROBUST_UPLOADS` valid uploads gets no update (and says so)."""
+
+    aggregator: str = "median"
+    trim_fraction: float = 0.1
+    name = "robust_aggregation"
+    transforms = True
+
+    def __post_init__(self):
+        self._robust = jax.jit(self._aggregate)
+
+    def _aggregate(self, stacked, valid):
+        if self.aggregator == "median":
+            return robust.coordinate_median(stacked, valid)
+        return robust.trimmed_mean(stacked, valid, self.trim_fraction)
+
+    def server(self, r: RoundUploads) -> None:
+        r.aggregates = {}
+        for scope in r.scopes:
+            stacked, ok, _ = r.scope_arrays(scope)
+            if ok.sum() < robust.MIN_ROBUST_UPLOADS:
+                # A median / trimmed mean of 1-2 uploads is their mean: no protection. Skip.
+                r.report.setdefault("robust_aggregation_skipped", []).append(
+                    f"{'+'.join(scope)}: {int(ok.sum())} valid upload(s), config.upload."
+                    f"aggregator='{self.aggregator}' needs >= {robust.MIN_ROBUST_UPLOADS}")
+                agg = r.skip_scope(scope)
+            else:
+                agg = self._robust(stacked, jnp.asarray(ok))
+            r.aggregates.update({a: agg for a in scope})
+
+
+@dataclasses.dataclass
+class DPNoisyMean(UploadStage):
+    """DP-FedAvg: the sum of the clipped updates plus N(0, (sigma C)^2), divided by the expected
+    number of participants in the scope (fixed denominator)."""
+
+    noise_multiplier: float = 1.0
+    clip_norm: float = 1.0
+    name = "dp_noisy_mean"
+    transforms = True
+
+    def __post_init__(self):
+        self._noisy_mean = jax.jit(self._mean)
+
+    def _mean(self, stacked, valid, key, denominator):
+        total = jax.tree.map(
+            lambda a: jnp.tensordot(valid.astype(jnp.float32), a, axes=1), stacked)
+        noise = privacy.gaussian_noise_like(total, key, self.noise_multiplier * self.clip_norm)
+        return jax.tree.map(lambda t, z: (t + z) / denominator, total, noise)
+
+    def server(self, r: RoundUploads) -> None:
+        r.aggregates = {}
+        for s_idx, scope in enumerate(r.scopes):
+            stacked, ok, _ = r.scope_arrays(scope)
+            key = scope_key(r, s_idx)
+            denominator = r.expected_in_scope(sum(r.members[a] for a in scope))
+            agg = self._noisy_mean(stacked, jnp.asarray(ok), key, jnp.float32(denominator))
+            r.aggregates.update({a: agg for a in scope})
+
+
+def scope_key(r: RoundUploads, s_idx: int) -> jax.Array:
+    """The RNG key of a scope's server-side randomness this round."""
+    return jax.random.fold_in(jax.random.fold_in(r.key, 1000 + s_idx), r.round_index)
+
+
+@dataclasses.dataclass
+class SecureAggregation(UploadStage):
+    """Bonawitz et al. 2017 over each scope's valid clients (`secure_aggregation.secure_sum`):
+    each client's vector (weighted update and weight; with DP, its clipped update plus its share
+    of the noise) is range-checked on the client before masking; fewer than `min_senders`
+    senders get no sum; the decoded mean's quantization error bound and, with DP, the noise the
+    senders really added are reported."""
+
+    threshold_fraction: float = 0.6
+    dropout_after_upload: float = 0.0
+    min_senders: int = 3
+    encoding: sa_protocol.RingEncoding = sa_protocol.RingEncoding()
+    noise_multiplier: float = 0.0   # > 0: client-level DP noise added by the senders
+    clip_norm: float = 1.0
+    dp: bool = False
+    name = "secure_aggregation"
+    transforms = True
+
+    def server(self, r: RoundUploads) -> None:
+        r.aggregates = {}
+        for s_idx, scope in enumerate(r.scopes):
+            stacked, ok, w = r.scope_arrays(scope)
+            denominator = r.expected_in_scope(sum(r.members[a] for a in scope))
+            agg = self._secure_mean(r, scope, stacked, ok, w, scope_key(r, s_idx), denominator)
+            if agg is None:  # protocol failed or skipped: nobody in this scope counts
+                agg = r.skip_scope(scope)
+            r.aggregates.update({a: agg for a in scope})
+
+    def _secure_mean(self, r, scope, stacked, ok, w, key, denominator):
+        report = r.report
+        ids = np.concatenate([r.cohorts[a].client_ids for a in scope])
+        flat = np.concatenate([np.asarray(a, np.float64).reshape(a.shape[0], -1)
+                               for a in jax.tree.leaves(stacked)], axis=1)
+        w = np.asarray(w, np.float64)
+        if ok.sum() < self.min_senders:
+            # Too few senders: the "secure" sum would reveal (nearly) one client's update.
+            report.setdefault("secagg_skipped", []).append(
+                f"{'+'.join(scope)}: {int(ok.sum())} sender(s), config.secagg.min_senders="
+                f"{self.min_senders}")
+            return None
+        noise_std = 0.0
+        if self.dp:  # distributed noise: each client adds its share of the variance
+            noise_std = self.noise_multiplier * self.clip_norm / math.sqrt(max(denominator, 1.0))
+        rng = np.random.default_rng([int(jax.random.randint(key, (), 0, 2 ** 31 - 1)),
+                                     r.round_index])
+        bound = self.encoding.max_abs(int(ok.sum()))
+        vectors = {}
+        for j in np.flatnonzero(ok):
+            x = flat[j] * (1.0 if self.dp else w[j])
+            if noise_std > 0:
+                x = x + rng.normal(0.0, noise_std, x.shape)
+            x = np.append(x, w[j])
+            worst = float(np.max(np.abs(x)))
+            if worst > bound:  # range check on the client, before masking
+                r.reject(ids[j:j + 1],
+                         f"|value| {worst:.3g} beyond the secure-aggregation fixed-point "
+                         f"range {bound:.3g} (checked before masking; config.secagg."
+                         "ring_bits / fraction_bits)")
+                continue
+            vectors[int(ids[j])] = x
+        if len(vectors) < self.min_senders:
+            report.setdefault("secagg_skipped", []).append(
+                f"{'+'.join(scope)}: {len(vectors)} sender(s) within range, "
+                f"config.secagg.min_senders={self.min_senders}")
+            return None
+        drop = frozenset(u for u in vectors if rng.random() < self.dropout_after_upload)
+        threshold = max(2, math.ceil(self.threshold_fraction * len(vectors)))
+        senders = len(vectors)  # clients that drop after uploading have sent their vector
+        report.setdefault("secagg_bytes", []).append((senders, sa_protocol.bytes_per_sender(
+            next(iter(vectors.values())).shape[0], senders, self.encoding)))
+        if self.dp:
+            # Every sender's noise is in the sum (also of those lost before unmasking): total
+            # variance senders x std^2 = (sigma C)^2 x senders / expected.
+            realized = self.noise_multiplier * math.sqrt(senders / max(denominator, 1.0))
+            report["dp_realized_noise_multiplier"] = min(
+                report.get("dp_realized_noise_multiplier", math.inf), realized)
+        try:
+            result = sa_protocol.secure_sum(vectors, threshold, self.encoding,
+                                            int(rng.integers(0, 2 ** 62)),
+                                            drop_after_upload=drop)
+        except sa_protocol.SecureAggregationError as e:
+            report.setdefault("secagg_failures", []).append(str(e))
+            r.reject(np.array(sorted(vectors)), "secure aggregation failed")
+            return None  # the round's update is lost; the server keeps its state
+        report["secagg_senders"] = report.get("secagg_senders", 0) + len(result.senders)
+        report["secagg_dropped_after_upload"] = (report.get("secagg_dropped_after_upload", 0)
+                                                 + len(drop))
+        total, weight = result.total[:-1], result.total[-1]
+        divisor = denominator if self.dp else max(weight, 1e-12)
+        # Each sender's values are rounded to the nearest multiple of 2^-fraction_bits: the
+        # decoded mean is off by at most senders x 2^-(fraction_bits + 1) / divisor per value.
+        error = len(result.senders) * 2.0 ** -(self.encoding.fraction_bits + 1) / divisor
+        report["secagg_quantization_error_bound"] = max(
+            report.get("secagg_quantization_error_bound", 0.0), error)
+        mean = total / divisor
+        zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), stacked)
+        leaves, treedef = jax.tree.flatten(zero)
+        out, start = [], 0
+        for leaf in leaves:
+            out.append(jnp.asarray(mean[start:start + leaf.size].reshape(leaf.shape),
+                                   jnp.float32))
+            start += leaf.size
+        return jax.tree.unflatten(treedef, out)
