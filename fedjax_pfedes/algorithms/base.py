@@ -13,8 +13,34 @@ from typing import Any
 
 import jax
 
+from fedjax_pfedes.data.spec import InputSpec
+
 PyTree = Any
 Metrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTrainingConfig:
+    """What every method's local training needs; each method's config dataclass extends it.
+
+    Attributes:
+      num_classes: labels of the dataset.
+      input_spec: modality, shape and normalization statistics of the inputs.
+      lr_local: local SGD learning rate (`config.train.lr_local`).
+      local_momentum: local SGD heavy-ball momentum (0 = plain SGD).
+      local_epochs: the most local epochs any client runs (fewer are masked per client).
+      batch_size: local batch size.
+      unroll_local_steps: run the padded unrolled schedule instead of the rolled loop (the
+        tested reference; `config.execution.unroll_local_steps`).
+    """
+
+    num_classes: int
+    input_spec: InputSpec
+    lr_local: float = 0.05
+    local_momentum: float = 0.0
+    local_epochs: int = 1
+    batch_size: int = 32
+    unroll_local_steps: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

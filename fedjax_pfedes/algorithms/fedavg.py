@@ -26,16 +26,15 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
-from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
 SERVER_OPTIMIZERS = ("none", "sgd_momentum", "adam")
 
 
 @dataclasses.dataclass(frozen=True)
-class FedAvgConfig:
+class FedAvgConfig(LocalTrainingConfig):
     """Hyper-parameters of the FedAvg family.
 
     Attributes:
@@ -44,13 +43,6 @@ class FedAvgConfig:
       server_lr, server_momentum, adam_b1, adam_b2, adam_eps: the server optimizer's settings.
     """
 
-    num_classes: int
-    input_spec: InputSpec
-    lr_local: float = 0.05
-    local_momentum: float = 0.0
-    local_epochs: int = 1
-    batch_size: int = 32
-    unroll_local_steps: bool = False
     prox_mu: float = 0.0
     server_optimizer: str = "none"
     server_lr: float = 1.0

@@ -26,11 +26,10 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
 from fedjax_pfedes.algorithms.fedproto import class_prototypes
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
-from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
 
@@ -41,20 +40,13 @@ def check(section: ml_collections.ConfigDict | FedDistillConfig) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class FedDistillConfig:
+class FedDistillConfig(LocalTrainingConfig):
     """Local training (`BuildInputs.local_training`) and `config.feddistill`.
 
     Attributes:
       lam: weight of the distillation term (0 = Standalone training with logit uploads).
     """
 
-    num_classes: int
-    input_spec: InputSpec
-    lr_local: float = 0.05
-    local_momentum: float = 0.0
-    local_epochs: int = 1
-    batch_size: int = 32
-    unroll_local_steps: bool = False
     lam: float = 1.0
 
     def __post_init__(self):

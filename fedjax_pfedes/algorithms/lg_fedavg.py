@@ -19,15 +19,14 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
-from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
 
 @dataclasses.dataclass(frozen=True)
-class HeteroConfig:
+class HeteroConfig(LocalTrainingConfig):
     """Local training and common-space settings of the model-heterogeneous baselines
     (LG-FedAvg, FedProto, FML, FedKD, FedGH, FedMRL).
 
@@ -45,14 +44,7 @@ class HeteroConfig:
         0 = dim // 2).
     """
 
-    num_classes: int
-    input_spec: InputSpec
     dim: int = 128
-    lr_local: float = 0.05
-    local_momentum: float = 0.0
-    local_epochs: int = 1
-    batch_size: int = 32
-    unroll_local_steps: bool = False
     proto_lambda: float = 1.0
     shared_arch: str = ""
     fml_alpha: float = 0.5

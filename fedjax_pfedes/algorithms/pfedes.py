@@ -27,18 +27,15 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, alignment, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
-from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
 
 @dataclasses.dataclass(frozen=True)
-class PFedESConfig:
+class PFedESConfig(LocalTrainingConfig):
     """Hyper-parameters of pFedES (defaults inside the ranges of the README's Configs table)."""
 
-    num_classes: int
-    input_spec: InputSpec
     lam: float = 0.5
     align: str = "mse"
     contrastive_temperature: float = 0.1
@@ -46,13 +43,8 @@ class PFedESConfig:
     proxy_arch: str = "proxy_cnn"
     proxy_lr_ratio: float = 0.1
     projection_layernorm: bool = False
-    lr_local: float = 0.05
-    local_momentum: float = 0.0
-    local_epochs: int = 1
-    batch_size: int = 32
     warmup_steps: int = 0
     server_momentum: float = 0.5
-    unroll_local_steps: bool = False
     dp_sgd: local_training.DPSGDConfig | None = None
 
 

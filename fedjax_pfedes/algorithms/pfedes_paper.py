@@ -24,26 +24,20 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
-from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import registry
 
 
 @dataclasses.dataclass(frozen=True)
-class PFedESPaperConfig:
+class PFedESPaperConfig(LocalTrainingConfig):
     """Hyper-parameters of the published pFedES (mu = 0.5 as published)."""
 
-    num_classes: int
-    input_spec: InputSpec
     mu: float = 0.5
     g_lr_ratio: float = 1.0
     lr_local: float = 0.01
-    local_momentum: float = 0.0
-    local_epochs: int = 1
     batch_size: int = 64
-    unroll_local_steps: bool = False
 
 
 @struct.dataclass
