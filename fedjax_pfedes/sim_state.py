@@ -30,6 +30,8 @@ class SimState:
       clock_s: the simulated wall clock.
       in_flight: buffered asynchronous rounds only: the clients still training and their parked
         updates (`asynchronous.InFlight`); None for synchronous rounds.
+      history: the evaluated rounds' records so far (host side; a checkpoint keeps it in its
+        JSON meta, next to the arrays of `to_checkpoint`).
     """
 
     server: PyTree
@@ -39,6 +41,7 @@ class SimState:
     dp_sgd_steps: np.ndarray
     clock_s: float
     in_flight: Any = None
+    history: tuple[dict[str, Any], ...] = ()
 
     def replace(self, **changes) -> SimState:
         return dataclasses.replace(self, **changes)
@@ -64,8 +67,9 @@ class SimState:
             out["in_flight"] = self.in_flight.arrays()
         return out
 
-    def from_checkpoint(self, restored: dict[str, Any]) -> SimState:
-        """The state restored from `restored` (a checkpoint of a state shaped like `self`)."""
+    def from_checkpoint(self, restored: dict[str, Any], history=()) -> SimState:
+        """The state restored from `restored` (a checkpoint of a state shaped like `self`) and
+        the checkpoint's evaluated `history`."""
         in_flight = None
         if self.in_flight is not None:
             in_flight = type(self.in_flight)(**{
@@ -76,4 +80,4 @@ class SimState:
             memories=restored["memories"],
             sampler=SamplerState(**{k: np.array(v) for k, v in restored["sampler"].items()}),
             dp_sgd_steps=np.array(restored["dp_sgd_steps"]),
-            clock_s=float(restored["clock_s"]), in_flight=in_flight)
+            clock_s=float(restored["clock_s"]), in_flight=in_flight, history=tuple(history))

@@ -86,7 +86,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
     except ValueError as e:
         raise ConfigError(str(e)) from None
     ck = config.checkpoint
-    checkpointer, first_round, history, meta = None, 0, [], None
+    checkpointer, first_round, meta = None, 0, None
     if ck.every > 0:
         ckpt_dir = os.path.join(workdir, "checkpoints")
         if not ck.resume and os.path.isdir(ckpt_dir):
@@ -110,8 +110,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
     ctx, state = build_context(config, data, (meta or {}).get("execution_strategy_by_arch"))
     if meta is not None:
         first_round, restored = checkpointer.restore(state.to_checkpoint())
-        state = state.from_checkpoint(restored)
-        history = meta["history"]
+        state = state.from_checkpoint(restored, meta["history"])
         ctx.pipeline.round_noise_multipliers = list(meta.get("dp_round_noise_multipliers",
                                                              []))[:first_round]
         logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
@@ -123,7 +122,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
                   for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
     chosen = sorted({c.runner.strategy for c in ctx.cohorts})
     strategy = chosen[0] if len(chosen) == 1 else "+".join(chosen)
-    last = history[-1] if history else {}
+    last = state.history[-1] if state.history else {}
     rounds_total = config.train.rounds
     diverged = None
     bar = tqdm(range(first_round, rounds_total), desc=f"{config.algorithm} [{strategy}]",
@@ -164,14 +163,14 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
         record.update(round_time_s=time.time() - t0, elapsed_s=time.time() - start)
         writers.write_round(record, rows, rejections)
         if evaluated:
-            history.append(record)
+            state = state.replace(history=(*state.history, record))
             last = record
             writers.flush()
             bar.set_postfix(pacc=f"{last['personalized_accuracy_mean']:.3f}",
                             gacc=f"{last['global_accuracy_mean']:.3f}")
         if checkpointer is not None and checkpointer.due(r + 1, rounds_total):
             checkpointer.save(r + 1, state.to_checkpoint(), {
-                "history": history, "config": config.to_dict(),
+                "history": list(state.history), "config": config.to_dict(),
                 "dp_round_noise_multipliers": ctx.pipeline.round_noise_multipliers[:r + 1],
                 "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
                 "data_fingerprint": fingerprint})
@@ -181,6 +180,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
     writers.close()
     if checkpointer is not None:
         checkpointer.close()
+    history = state.history
     if not history:
         raise ConfigError(f"nothing to run: the checkpoint in {workdir} is at round "
                           f"{first_round} and config.train.rounds is {rounds_total}")
