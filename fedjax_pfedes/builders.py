@@ -215,10 +215,8 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
 def initial_state(ctx: rounds.RunContext, server_state, clients: dict[str, Any]) -> SimState:
     """The run's state at round 0 (what a checkpoint holds, see `checkpointing`)."""
     pipeline, algorithm = ctx.pipeline, ctx.algorithm
-    memories = {c.arch: (pipeline.init_memory(algorithm.upload_template(server_state, c.arch),
-                                              len(c.client_ids))
-                         if pipeline.cfg.compression.topk_fraction < 1
-                         else jnp.zeros((len(c.client_ids),), jnp.float32))
+    memories = {c.arch: pipeline.init_memory(algorithm.upload_template(server_state, c.arch),
+                                             len(c.client_ids))
                 for c in ctx.cohorts}
     in_flight = None
     if ctx.config.asynchronous.enabled:

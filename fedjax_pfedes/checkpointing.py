@@ -1,11 +1,12 @@
 """Checkpoints of the whole simulation with orbax, and the checks that make resuming safe.
 
-A checkpoint holds everything a round reads that is not a pure function of (config, seed, round):
-the server state, every client's private state (incl. local optimizer state), the upload
-pipeline's error-feedback memories, the sampler's participation history, the DP-SGD accountant's
-per-client step counts, the asynchronous buffer and in-flight updates, the simulated clock, and
-the evaluated history. Every random draw is keyed by (seed, round), so the RNG state is the round
-number. A run resumed from round r therefore continues exactly as an unbroken run would.
+A checkpoint holds the run's `SimState`: everything a round reads that is not a pure function of
+(config, seed, round): the server state, every client's private state (incl. local optimizer state),
+the upload stages' per-client states (top-k error feedback), the sampler's participation history,
+the DP-SGD accountant's per-client step counts, the asynchronous buffer and in-flight updates, the
+simulated clock, and (in the JSON meta) the evaluated history. Every random draw is keyed by (seed,
+round), so the RNG state is the round number. A run resumed from round r therefore continues exactly
+as an unbroken run would.
 
 Layout: `<workdir>/checkpoints/<round>/{state,meta}` (orbax `CheckpointManager`, `max_to_keep`).
 """

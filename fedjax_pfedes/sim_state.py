@@ -23,8 +23,9 @@ class SimState:
     """Attributes:
       server: the algorithm's server state.
       clients: architecture -> the cohort's private client states, stacked over its members.
-      memories: architecture -> the upload pipeline's per-client state (error-feedback memory of
-        top-k compression; a placeholder when compression keeps none).
+      memories: architecture -> {upload stage name: its per-client state stacked over the
+        cohort's members} (`UploadStage.init_state`; e.g. top-k's error-feedback memory; empty
+        when no stage keeps state).
       sampler: participation history (selections, deliveries, failure streaks, quotas).
       dp_sgd_steps: [N] local DP-SGD steps each client has released (its accountant's input).
       clock_s: the simulated wall clock.

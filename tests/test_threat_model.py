@@ -273,7 +273,7 @@ def test_default_pipeline_rejects_the_attacker_and_only_the_attacker(case):
     uploads = jax.tree.map(lambda a, b: a.at[3].set(b), honest, bad)
     pipe = UploadPipeline(PipelineConfig(), "shared", "test", 20, 6, 6, 5)
     groups, _, report = pipe.process(0, {"a": _cohort(uploads, template, range(10, 16))},
-                                     {"a": jnp.zeros(6)}, {"a": 6}, jax.random.key(0))
+                                     {"a": {}}, {"a": 6}, jax.random.key(0))
     assert [(r["client"], r["reason"].startswith(reason)) for r in report["rejections"]] == [
         (13, True)]
     from fedjax_pfedes.aggregation import weighted_mean
@@ -297,7 +297,7 @@ def test_uploads_for_another_model_are_rejected_naming_the_leaf(case):
     stacked = {"w": jnp.zeros((6, 8, 4)), "b": jnp.zeros((6, 4))}
     pipe = UploadPipeline(PipelineConfig(), "shared", "test", 20, 6, 6, 5)
     groups, _, report = pipe.process(0, {"a": _cohort(make(stacked), template, range(6))},
-                                     {"a": jnp.zeros(6)}, {"a": 6}, jax.random.key(0))
+                                     {"a": {}}, {"a": 6}, jax.random.key(0))
     assert report["rejected"] == 6
     assert all("model fingerprint mismatch" in r["reason"] and detail in r["reason"]
                for r in report["rejections"])

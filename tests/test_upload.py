@@ -53,7 +53,7 @@ def test_nan_and_wrong_model_uploads_are_rejected_and_the_rest_averaged():
     pipe = _pipeline()
     cohorts = {"a": _cohort(good, template, [10.0, 10.0, 30.0], ids=[4, 7, 9]),
                "b": _cohort(wrong, template, [5.0, 5.0], ids=[1, 2])}
-    groups, _, report = pipe.process(0, cohorts, {"a": jnp.zeros(3), "b": jnp.zeros(2)},
+    groups, _, report = pipe.process(0, cohorts, {"a": {}, "b": {}},
                                      {"a": 3, "b": 2}, jax.random.key(0))
     reasons = {(r["client"], r["reason"].split(" (")[0]) for r in report["rejections"]}
     assert reasons == {(7, "non-finite values"), (1, "model fingerprint mismatch"),
@@ -82,12 +82,13 @@ def test_rejected_nan_uploads_leave_no_trace_when_the_pipeline_transforms(settin
     ups = {"w": jnp.array([[1.0, 2.0], [jnp.nan, 1.0], [3.0, 0.0]])}
     groups, memories, report = pipe.process(
         0, {"a": _cohort(ups, template, [1, 1, 1])},
-        {"a": pipe.init_memory(template, 3) if topk < 1 else jnp.zeros(3)}, {"a": 3},
+        {"a": pipe.init_memory(template, 3)}, {"a": 3},
         jax.random.key(0))
     assert [r["client"] for r in report["rejections"]] == [1]
     mean, _ = weighted_mean([groups["a"]])
     assert np.all(np.isfinite(np.asarray(mean["w"])))
-    assert np.all(np.isfinite(np.asarray(jax.tree.leaves(memories)[0])))
+    assert all(np.all(np.isfinite(np.asarray(m))) for m in jax.tree.leaves(memories))
+    assert (len(jax.tree.leaves(memories)) == 1) == (topk < 1)  # only top-k keeps a memory
 
 
 def test_norm_outliers_are_rejected_beyond_factor_times_median():
@@ -95,7 +96,7 @@ def test_norm_outliers_are_rejected_beyond_factor_times_median():
     ups = {"w": jnp.array([[1.0, 0.0], [0.0, 1.2], [0.9, 0.0], [30.0, 0.0]])}
     pipe = _pipeline(norm_outlier_factor=5.0)
     groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1, 1])},
-                                     {"a": jnp.zeros(4)}, {"a": 4}, jax.random.key(0))
+                                     {"a": {}}, {"a": 4}, jax.random.key(0))
     assert [r["client"] for r in report["rejections"]] == [3]
     np.testing.assert_array_equal(groups["a"][1], [1, 1, 1, 0])
 
@@ -129,7 +130,7 @@ def test_the_chain_follows_the_config_and_a_new_stage_is_one_class():
     pipe = UploadPipeline(cfg, "shared", "test", 10, 4, 4, 5, stages_override=chain)
     template = {"w": jnp.array([1.0, 2.0])}
     ups = {"w": jnp.array([[1.0, 2.0], [3.0, 2.0]])}
-    groups, _, _ = pipe.process(0, {"a": _cohort(ups, template, [1, 3])}, {"a": jnp.zeros(2)},
+    groups, _, _ = pipe.process(0, {"a": _cohort(ups, template, [1, 3])}, {"a": {}},
                                 {"a": 2}, jax.random.key(0))
     np.testing.assert_allclose(groups["a"][0]["w"], [[2.0, 3.0], [4.0, 3.0]])
 
@@ -166,7 +167,7 @@ def test_pipeline_median_hands_the_algorithm_the_median_in_every_slot():
     ups = {"w": jnp.array([[2.0, 1.0], [1.0, 5.0], [100.0, 1.5]])}
     pipe = _pipeline(aggregator="median", norm_outlier_factor=0.0)  # the median alone
     groups, _, _ = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1])},
-                                {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
+                                {"a": {}}, {"a": 3}, jax.random.key(0))
     np.testing.assert_allclose(groups["a"][0]["w"], [[2.0, 1.5]] * 3, rtol=1e-6)
 
 
@@ -229,7 +230,7 @@ def test_dp_mean_noise_has_std_sigma_c_over_the_fixed_denominator():
         expected_participants=4, clients_per_round=4, rounds=5)
     ups = {"w": jnp.zeros((3, 20000))}  # zero updates: the aggregate is pure noise
     groups, _, _ = pipe.process(0, {"a": _cohort(ups, template, [5, 5, 5])},
-                                {"a": jnp.zeros(3)}, {"a": 10}, jax.random.key(3))
+                                {"a": {}}, {"a": 10}, jax.random.key(3))
     noise = np.asarray(groups["a"][0]["w"][0])
     expected = 1.5 * 2.0 / 4  # sigma C / expected participants (4 of 10)
     assert abs(noise.std() - expected) < 0.02 * expected
@@ -348,7 +349,7 @@ def test_secure_aggregation_rejects_an_out_of_range_client_and_sums_the_rest():
     template = {"w": jnp.zeros(3)}
     ups = {"w": jnp.array([[1.0, 2.0, 3.0], [0.5, 0.5, 0.5], [9e3, 0.0, 0.0], [1.0, 0.0, 1.0]])}
     groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1, 1])},
-                                     {"a": jnp.zeros(4)}, {"a": 4}, jax.random.key(0))
+                                     {"a": {}}, {"a": 4}, jax.random.key(0))
     assert [r["client"] for r in report["rejections"]] == [2]
     assert "fixed-point range" in report["rejections"][0]["reason"]
     np.testing.assert_allclose(groups["a"][0]["w"][0], [2.5 / 3, 2.5 / 3, 4.5 / 3], atol=1e-4)
@@ -360,7 +361,7 @@ def test_secure_aggregation_refuses_fewer_than_min_senders():
     template = {"w": jnp.zeros(2)}
     ups = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]])}
     groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1], [1, 1, 0])},
-                                     {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
+                                     {"a": {}}, {"a": 3}, jax.random.key(0))
     np.testing.assert_array_equal(groups["a"][1], [0, 0, 0])  # no update from a pair
     assert report["secagg_skipped"] == ["a: 2 sender(s), config.secagg.min_senders=3"]
     assert "secagg_senders" not in report
@@ -376,7 +377,7 @@ def test_secure_aggregation_reports_a_quantization_bound_that_holds():
     sizes = np.array([3.0, 1.0, 2.0, 5.0, 4.0])
     groups, _, report = pipe.process(0, {"a": _cohort({"w": jnp.asarray(x)}, {"w": jnp.zeros(200)},
                                                       sizes)},
-                                     {"a": jnp.zeros(5)}, {"a": 5}, jax.random.key(0))
+                                     {"a": {}}, {"a": 5}, jax.random.key(0))
     exact = sizes @ x.astype(np.float64) / sizes.sum()
     error = np.abs(np.asarray(groups["a"][0]["w"][0], np.float64) - exact).max()
     bound = report["secagg_quantization_error_bound"]
@@ -391,7 +392,7 @@ def test_secure_aggregation_with_dp_accounts_the_noise_the_senders_really_added(
     ups = {"w": jnp.ones((4, 3)) * 0.1}
     for r, valid in enumerate([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]):
         _, _, report = pipe.process(r, {"a": _cohort(ups, template, [1] * 4, valid)},
-                                    {"a": jnp.zeros(4)}, {"a": 20}, jax.random.key(r))
+                                    {"a": {}}, {"a": 20}, jax.random.key(r))
     # expected 4 per round of 20; senders 4, 3, then 2 (< min_senders: nothing released)
     assert pipe.round_noise_multipliers == [pytest.approx(1.2),
                                             pytest.approx(1.2 * math.sqrt(3 / 4)), None]
@@ -426,7 +427,7 @@ def test_default_settings_reject_a_wild_client_and_name_it(wild):
     pipe = _pipeline()  # PipelineConfig() defaults: norm_outlier_factor = 10
     assert pipe.cfg.norm_outlier_factor == 10.0 and not pipe.active
     groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [5] * 6, ids=range(10, 16))},
-                                     {"a": jnp.zeros(6)}, {"a": 6}, jax.random.key(0))
+                                     {"a": {}}, {"a": 6}, jax.random.key(0))
     assert [r["client"] for r in report["rejections"]] == [14]
     assert "beyond 10 x the round's median" in report["rejections"][0]["reason"]
     from fedjax_pfedes.aggregation import weighted_mean
@@ -441,11 +442,11 @@ def test_outliers_are_judged_across_the_cohorts_of_one_shared_tree():
                                    ids=[k]) for k in range(4)}
     cohorts["arch3"] = _cohort({"w": jnp.array([[50.0, 0.0]])}, template, [1], ids=[3])
     _, _, report = _pipeline("shared").process(
-        0, cohorts, {a: jnp.zeros(1) for a in cohorts}, {a: 1 for a in cohorts},
+        0, cohorts, {a: {} for a in cohorts}, {a: 1 for a in cohorts},
         jax.random.key(0))
     assert [r["client"] for r in report["rejections"]] == [3]
     _, _, report = _pipeline("per_cohort").process(  # alone in a cohort: no median to judge by
-        0, cohorts, {a: jnp.zeros(1) for a in cohorts}, {a: 1 for a in cohorts},
+        0, cohorts, {a: {} for a in cohorts}, {a: 1 for a in cohorts},
         jax.random.key(0))
     assert report["rejections"] == []
 
@@ -454,7 +455,7 @@ def test_when_most_uploads_are_non_finite_the_broadcast_is_blamed():
     template = {"w": jnp.zeros(2)}
     ups = {"w": jnp.array([[jnp.nan, 0.0], [jnp.inf, 1.0], [0.2, 0.1]])}
     _, _, report = _pipeline().process(0, {"a": _cohort(ups, template, [1, 1, 1])},
-                                       {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
+                                       {"a": {}}, {"a": 3}, jax.random.key(0))
     assert [r["client"] for r in report["rejections"]] == [0, 1]
     assert "2 of 3 uploads this round: a poisoned or diverged broadcast" in \
         report["rejections"][0]["reason"]
@@ -649,12 +650,12 @@ def test_robust_aggregation_of_fewer_than_three_uploads_is_skipped_and_reported(
     ups = {"w": jnp.array([[2.0, 1.0], [100.0, 5.0], [0.0, 0.0]])}
     pipe = _pipeline(aggregator=aggregator, norm_outlier_factor=0.0)
     groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1], [1, 1, 0])},
-                                     {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
+                                     {"a": {}}, {"a": 3}, jax.random.key(0))
     np.testing.assert_array_equal(groups["a"][1], [0, 0, 0])  # nobody counts: state kept
     assert report["robust_aggregation_skipped"] == [
         f"a: 2 valid upload(s), config.upload.aggregator='{aggregator}' needs >= 3"]
     groups, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1])},
-                                     {"a": jnp.zeros(3)}, {"a": 3}, jax.random.key(0))
+                                     {"a": {}}, {"a": 3}, jax.random.key(0))
     assert "robust_aggregation_skipped" not in report and float(groups["a"][1].sum()) > 0
 
 

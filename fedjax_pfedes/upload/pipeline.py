@@ -247,16 +247,21 @@ class UploadPipeline:
         return any(stage.transforms for stage in self.stages)
 
     def _one_client(self, delta, memory, key):
-        """The client halves of the chain, for one client (vmapped and jitted once)."""
+        """The client halves of the chain, for one client (vmapped and jitted once); `memory`
+        is {stage name: this client's row of the stage's state}."""
         info: dict[str, jax.Array] = {}
+        memory = dict(memory)
         for stage in self.stages:
-            delta, memory, info = stage.client(delta, memory, key, info)
+            delta, own, info = stage.client(delta, memory.get(stage.name), key, info)
+            if stage.name in memory:
+                memory[stage.name] = own
         return delta, memory, info
 
-    def init_memory(self, template, num_members: int):
-        """Error-feedback memory of a cohort: zeros [members, ...] (float32)."""
-        return jax.tree.map(lambda a: jnp.zeros((num_members, *jnp.shape(a)), jnp.float32),
-                            template)
+    def init_memory(self, template, num_members: int) -> dict[str, Any]:
+        """A cohort's per-client stage states: {stage name: state stacked over the members}
+        for the stages that keep one (an empty dict when none does)."""
+        states = {s.name: s.init_state(template, num_members) for s in self.stages}
+        return {name: state for name, state in states.items() if state is not None}
 
     def expected_in_scope(self, members: int) -> float:
         """Fixed denominator: the expected number of participants among `members` clients."""

@@ -2,9 +2,13 @@
 
 In the spirit of `optax.chain`, a stage has up to two halves:
 
+- `init_state(template, members)`: the stage's persistent per-client state, stacked over a
+  cohort's members (e.g. top-k's error-feedback memory), or None when it keeps none. The
+  pipeline keeps every cohort's states as {stage name: state}; they are part of the run's
+  `SimState` and checkpointed with it, whatever the stage.
 - `client(delta, memory, key, info) -> (delta, memory, info)`: what ONE client does to its
   update before sending it (traced; the pipeline vmaps and jits the chain of client halves
-  once). `memory` is the client's persistent upload state (top-k error feedback); `info` is a
+  once). `memory` is this client's row of the stage's state (None without one); `info` is a
   dict of per-client facts later stages read on the server (e.g. 'finite', 'norm').
 - `server(r: RoundUploads)`: what the server does with the round's uploads (host side, in chain
   order): reject clients, set aggregation weights, or compute the aggregate.
@@ -84,6 +88,10 @@ class UploadStage:
 
     name = "identity"
     transforms = False
+
+    def init_state(self, template, members: int):
+        del template, members
+        return None
 
     def client(self, delta, memory, key, info):
         del key
@@ -170,6 +178,13 @@ class Compression(UploadStage):
     @property
     def transforms(self) -> bool:
         return self.cfg.active
+
+    def init_state(self, template, members: int):
+        """Error-feedback memory, zeros [members, ...] (float32), when top-k is on."""
+        if self.cfg.topk_fraction >= 1:
+            return None
+        return jax.tree.map(lambda a: jnp.zeros((members, *jnp.shape(a)), jnp.float32),
+                            template)
 
     def client(self, delta, memory, key, info):
         delta, memory = compression.compress(delta, memory, key, self.cfg)
