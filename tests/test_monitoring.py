@@ -23,7 +23,8 @@ def documented_keys() -> dict[str, str]:
     """{key: when} from the README table under 'What a run writes' (incl. 'also `k`' keys)."""
     text = open(README).read()
     section = text[text.index("## What a run writes"):]
-    section = section[: section.index("\n## ", 5)]
+    end = section.find("\n## ", 5)
+    section = section if end < 0 else section[:end]
     keys = {}
     for line in section.splitlines():
         m = re.match(r"\| `([a-z_0-9]+)` \| ([^|]+) \| (.*) \|$", line)
