@@ -24,6 +24,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 
+from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.config_validation import ConfigError
 from fedjax_pfedes.metrics_io import flatten, to_builtin
 
@@ -48,8 +49,9 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     train.rounds may grow (a run continued for longer) unless the run depends on the total:
     a DP noise multiplier calibrated to a target epsilon, or FedKD's energy schedule."""
     a, b = flatten(to_builtin(saved), "."), flatten(to_builtin(current), ".")
+    known = algorithm_registry.entries()
     depends_on_total = (a.get("dp.enabled") and a.get("dp.target_epsilon", 0) > 0) or (
-        a.get("algorithm") == "fedkd")
+        a.get("algorithm") in known and known[a["algorithm"]].schedule_depends_on_rounds)
     changes = []
     for key in sorted(set(a) | set(b)):
         if a.get(key, "<missing>") == b.get(key, "<missing>"):

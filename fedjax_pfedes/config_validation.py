@@ -85,9 +85,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         with_dp_sgd = [n for n, e in algorithm_registry.entries().items() if e.dp_sgd]
         _require(entry.dp_sgd, "config.dp_sgd.enabled: DP-SGD is built into "
                  f"{with_dp_sgd}, not '{config.algorithm}'")
-        _require(config.algorithm != "pfedes" or config.align != "contrastive",
-                 "config.dp_sgd.enabled needs a per-example alignment loss: config.align "
-                 "'mse' or 'cosine' (InfoNCE couples the examples of a batch)")
         _require(config.dp_sgd.clip_norm > 0,
                  f"config.dp_sgd.clip_norm must be > 0, got {config.dp_sgd.clip_norm}")
         _require(config.dp_sgd.noise_multiplier >= 0, "config.dp_sgd.noise_multiplier must be "
@@ -204,14 +201,15 @@ def check_against_data(config: ml_collections.ConfigDict, central: CentralDatase
         _require(config.data.classes_per_client <= central.num_classes,
                  f"config.data.classes_per_client={config.data.classes_per_client} exceeds the "
                  f"{central.num_classes} classes of '{config.data.name}'")
-    _require(config.algorithm != "pfedes_paper" or central.modality == "image",
-             "config.algorithm='pfedes_paper' needs image data (its proxy G is an image-to-image "
-             f"network); config.data.name='{config.data.name}' is {central.modality}")
+    modalities = algorithm_registry.get(config.algorithm).modalities
+    _require(central.modality in modalities,
+             f"config.algorithm='{config.algorithm}' runs on {list(modalities)} data; "
+             f"config.data.name='{config.data.name}' is {central.modality}")
     try:
         for arch in dict.fromkeys(assign_architectures(config.clients.architectures, n)):
             check_architecture(arch, modality=central.modality)
         check_proxy(config.proxy_arch, modality=central.modality)
-        if config.algorithm in ("fml", "fedkd", "fedmrl"):
+        if algorithm_registry.get(config.algorithm).shared_model:
             shared_arch(config.clients.shared_arch, central.input_spec)
     except ValueError as e:
         raise ConfigError(f"{e} (config.data.name='{config.data.name}')") from None

@@ -17,11 +17,12 @@ from fedjax_pfedes.algorithms import registry
 
 def table() -> str:
     """The registry as a Markdown table."""
-    rows = ["| config.algorithm | aggregation | async | DP-SGD | BatchNorm | method |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| config.algorithm | aggregation | async | DP-SGD | BatchNorm | modalities | method |",
+            "|---|---|---|---|---|---|---|"]
     for name, e in sorted(registry.entries().items()):
         flags = ["yes" if f else "" for f in (e.asynchronous, e.dp_sgd, e.batch_norm)]
-        rows.append(f"| `{name}` | {e.aggregation} | {' | '.join(flags)} | {e.summary} |")
+        rows.append(f"| `{name}` | {e.aggregation} | {' | '.join(flags)} | "
+                    f"{', '.join(e.modalities)} | {e.summary} |")
     return "\n".join(rows)
 
 

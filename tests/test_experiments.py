@@ -51,5 +51,5 @@ def test_compare_cli_refuses_a_method_that_does_not_fit_before_running(tmp_path)
          "--algorithms=fedavg,pfedes_paper", f"--workdir={tmp_path}"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert "config.algorithm='pfedes_paper' needs image data" in proc.stderr
+    assert "config.algorithm='pfedes_paper' runs on ['image'] data" in proc.stderr
     assert not (tmp_path / "fedavg").exists()  # nothing ran

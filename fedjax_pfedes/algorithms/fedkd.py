@@ -173,7 +173,8 @@ def fedkd(cfg: HeteroConfig) -> Algorithm:
                      cohort_program)
 
 register(AlgorithmEntry(
-    "fedkd", lambda inputs: fedkd(hetero_config(inputs)),
+    "fedkd", lambda inputs: fedkd(hetero_config(inputs)), shared_model=True,
+    schedule_depends_on_rounds=True,
     check=lambda c: [check_range(c.fedkd[k], 0, 1, f"config.fedkd.{k}", low_open=True)
                      for k in ("energy_start", "energy_end")],
     summary="FedKD (Wu et al., Nature Communications 2022): distilled mentee, SVD uploads"))

@@ -152,6 +152,7 @@ def fedmrl(cfg: HeteroConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fedmrl", lambda inputs: fedmrl(hetero_config(inputs)), asynchronous=True,
+    shared_model=True,
     check=lambda c: check_range(c.fedmrl.sub_dim, 0, c.proxy_dim,
                                 f"config.fedmrl.sub_dim (0 = half of config.proxy_dim="
                                 f"{c.proxy_dim})"),

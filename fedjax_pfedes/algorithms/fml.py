@@ -117,6 +117,6 @@ def fml(cfg: HeteroConfig) -> Algorithm:
     return Algorithm("fml", init_server, broadcast, broadcast, server_update, cohort_program)
 
 register(AlgorithmEntry(
-    "fml", lambda inputs: fml(hetero_config(inputs)), asynchronous=True,
+    "fml", lambda inputs: fml(hetero_config(inputs)), asynchronous=True, shared_model=True,
     check=lambda c: [check_range(c.fml[k], 0, 1, f"config.fml.{k}") for k in ("alpha", "beta")],
     summary="FML (Shen et al., 2020): mutual learning with a shared meme model"))

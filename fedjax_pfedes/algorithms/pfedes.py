@@ -200,6 +200,12 @@ def _build(inputs: BuildInputs) -> Algorithm:
         server_momentum=c.server_momentum, dp_sgd=inputs.dp_sgd()))
 
 
+def _check(config) -> None:
+    if config.dp_sgd.enabled and config.align == "contrastive":
+        raise ValueError("config.dp_sgd.enabled needs a per-example alignment loss: config.align "
+                         "'mse' or 'cosine' (InfoNCE couples the examples of a batch)")
+
+
 register(AlgorithmEntry(
-    "pfedes", _build, asynchronous=True, dp_sgd=True,
+    "pfedes", _build, asynchronous=True, dp_sgd=True, check=_check,
     summary="pFedES, feature alignment to a shared proxy extractor (docs/design.md)"))

@@ -140,5 +140,5 @@ def _check(config) -> None:
 
 
 register(AlgorithmEntry(
-    "pfedes_paper", _build, asynchronous=True, check=_check,
+    "pfedes_paper", _build, asynchronous=True, check=_check, modalities=("image",),
     summary="published pFedES (Yi et al., AAAI 2025): a shared image-to-image proxy G"))

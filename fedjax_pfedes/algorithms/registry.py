@@ -76,6 +76,11 @@ class AlgorithmEntry:
         model measured from the broadcast, so a stale update can be re-based.
       dp_sgd: has sample-level DP-SGD built into its local step.
       batch_norm: accepts backbones with BatchNorm layers (running statistics kept local).
+      modalities: the input modalities it runs on ('image', 'text', 'tabular').
+      shared_model: every client also trains one small shared model of architecture
+        `config.clients.shared_arch` (checked against the dataset's modality).
+      schedule_depends_on_rounds: its schedule reads `config.train.rounds` (so a resumed run may
+        not change the total).
       check: config -> None, raising ValueError naming the field, for the method's own config
         section (run by `config_validation` before anything is built).
       summary: one line for listings, with the paper.
@@ -87,6 +92,9 @@ class AlgorithmEntry:
     asynchronous: bool = False
     dp_sgd: bool = False
     batch_norm: bool = False
+    modalities: tuple[str, ...] = ("image", "text", "tabular")
+    shared_model: bool = False
+    schedule_depends_on_rounds: bool = False
     check: Callable[[ml_collections.ConfigDict], None] | None = None
     summary: str = ""
 
