@@ -27,6 +27,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.projection_layernorm = False  # LayerNorm after the projection head's ReLU
     config.warmup_steps = 0              # first W local steps of a client: backbone frozen
     config.server_momentum = 0.5         # beta: new = beta * old + (1 - beta) * average
+    # The two stop-gradients of the design (finding F5 turns them off): E_proxy's output is a
+    # constant in the local step / the private embedding is a constant in E_proxy's step.
+    config.stop_gradient_proxy = True
+    config.stop_gradient_local = True
 
     # Other methods: one section per method (`python -m launch.methods` lists them). The FedAvg
     # family (fedavg, fedprox, fedavgm, fedadam, scaffold, fednova, fedbn) runs per architecture

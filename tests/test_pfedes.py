@@ -260,3 +260,47 @@ def test_infonce_equals_a_numpy_formula_over_the_real_rows(temperature):
     cos = alignment.get_alignment("cosine")(jnp.asarray(a, jnp.float32),
                                             jnp.asarray(b, jnp.float32), jnp.asarray(mask))
     np.testing.assert_allclose(float(cos), np.mean(1 - np.sum(an * bn, 1)[real]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("stop_proxy,stop_local", [(False, True), (True, False), (False, False)])
+def test_removing_a_stop_gradient_lets_that_loss_reach_the_other_side(stop_proxy, stop_local):
+    """Finding F5's switches: one local step against hand-written gradients of
+    L_local(p, q) = CE + lam * mse(e_local(p), e_proxy(q)) and L_proxy(p, q) =
+    mse(e_proxy(q), e_local(p)), with each stop-gradient in place or not."""
+    cfg = _cfg(align="mse", stop_gradient_proxy=stop_proxy, stop_gradient_local=stop_local)
+    _, program, server, client = _setup(cfg)
+    data = _client_data(n=8, capacity=8)
+    upload, new_client, _ = program.client_update(server.proxy_params, client, data,
+                                                  jax.random.key(0))
+    model = registry.client_model("mlp", 4, 6, SPEC)
+    proxy = registry.proxy_model("proxy_mlp", 6, SPEC)
+    x, y = jnp.asarray(data.x), jnp.asarray(data.y)
+
+    def mse(a, b):
+        return jnp.mean(jnp.mean((a - b) ** 2, -1))
+
+    def local_loss(p, q):
+        logits, e = model.apply(p, x)
+        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+        return ce + cfg.lam * mse(e, proxy.apply(q, x))
+
+    def proxy_loss(p, q):
+        return mse(proxy.apply(q, x), model.apply(p, x)[1])
+
+    p0, q0 = client.params, server.proxy_params
+    g_p = jax.grad(local_loss)(p0, q0)
+    if not stop_local:
+        g_p = jax.tree.map(jnp.add, g_p, jax.grad(proxy_loss)(p0, q0))
+    g_q = jax.grad(proxy_loss, argnums=1)(p0, q0)
+    if not stop_proxy:
+        g_q = jax.tree.map(jnp.add, g_q, jax.grad(local_loss, argnums=1)(p0, q0))
+    want_p = jax.tree.map(lambda a, g: a - cfg.lr_local * g, p0, g_p)
+    want_q = jax.tree.map(lambda a, g: a - cfg.proxy_lr_ratio * cfg.lr_local * g, q0, g_q)
+    chex.assert_trees_all_close(new_client.params, want_p, rtol=2e-5, atol=1e-6)
+    chex.assert_trees_all_close(upload, want_q, rtol=2e-5, atol=1e-6)
+    # and the result differs from the design's decoupled step
+    _, program_sg, _, _ = _setup(_cfg(align="mse"))
+    upload_sg, client_sg, _ = program_sg.client_update(q0, client, data, jax.random.key(0))
+    moved = [not np.allclose(jax.tree.leaves(a)[0], jax.tree.leaves(b)[0])
+             for a, b in ((upload, upload_sg), (new_client.params, client_sg.params))]
+    assert moved == [not stop_proxy, not stop_local]

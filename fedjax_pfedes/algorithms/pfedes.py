@@ -34,7 +34,15 @@ from fedjax_pfedes.models import registry
 
 @dataclasses.dataclass(frozen=True)
 class PFedESConfig(LocalTrainingConfig):
-    """Hyper-parameters of pFedES (defaults inside the ranges of the README's Configs table)."""
+    """Hyper-parameters of pFedES (defaults inside the ranges of the README's Configs table).
+
+    `stop_gradient_proxy` / `stop_gradient_local` (both True in the design, docs/design.md):
+    whether E_proxy's output is a constant target in the local step, and whether the private
+    embedding is a constant target in E_proxy's step. Turned off, the gradient of that step's
+    loss also reaches the other side's parameters (finding F5 asks what that does): E_proxy then
+    also descends lam * align(e_local, E_proxy(x)) at its own learning rate, and the private
+    model also descends align(E_proxy(x), e_local) at the local one.
+    """
 
     lam: float = 0.5
     align: str = "mse"
@@ -46,6 +54,8 @@ class PFedESConfig(LocalTrainingConfig):
     warmup_steps: int = 0
     server_momentum: float = 0.5
     dp_sgd: local_training.DPSGDConfig | None = None
+    stop_gradient_proxy: bool = True
+    stop_gradient_local: bool = True
 
 
 @struct.dataclass
@@ -126,6 +136,31 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
                 proxy_loss_fn, proxy_params, (x, mask, e_target), mask, k_proxy, cfg.dp_sgd)
             return grads, proxy_grads, ce, al, proxy_loss
 
+        def coupled_step(params, proxy_params, batch):
+            """Both gradients with one or both stop-gradients removed (F5)."""
+            x, y, mask = batch[:3]
+
+            def objectives(p, q):
+                logits, e_local = model.apply(p, x)
+                e_proxy = proxy.apply(q, x)
+                target_for_local = (jax.lax.stop_gradient(e_proxy) if cfg.stop_gradient_proxy
+                                    else e_proxy)
+                target_for_proxy = (jax.lax.stop_gradient(e_local) if cfg.stop_gradient_local
+                                    else e_local)
+                ce = local_training.cross_entropy(logits, y, mask)
+                al = align(e_local, target_for_local, mask)
+                proxy_loss = align(e_proxy, target_for_proxy, mask)
+                return ce + cfg.lam * al, proxy_loss, ce, al
+
+            (g_local_p, g_local_q), (g_proxy_p, g_proxy_q) = jax.jacrev(
+                lambda p, q: objectives(p, q)[:2], argnums=(0, 1))(params, proxy_params)
+            _, proxy_loss, ce, al = objectives(params, proxy_params)
+            # Each side descends its own loss; a removed stop-gradient adds the other loss's
+            # gradient (zero while the stop-gradient is in place).
+            grads = jax.tree.map(jnp.add, g_local_p, g_proxy_p)
+            proxy_grads = jax.tree.map(jnp.add, g_proxy_q, g_local_q)
+            return grads, proxy_grads, ce, al, proxy_loss
+
         def train_step(carry, batch):
             params, opt_state, proxy_params, steps = carry
             x, y, mask = batch[:3]
@@ -137,6 +172,9 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
             if cfg.dp_sgd is not None:
                 grads, proxy_grads, ce, al, proxy_loss = private_step(params, proxy_params,
                                                                       e_proxy, batch)
+            elif not (cfg.stop_gradient_proxy and cfg.stop_gradient_local):
+                grads, proxy_grads, ce, al, proxy_loss = coupled_step(params, proxy_params,
+                                                                      batch)
             else:
                 grads, (ce, al, e_local) = jax.grad(local_loss, has_aux=True)(
                     params, (x, y, mask, e_proxy))
@@ -197,10 +235,15 @@ def _build(inputs: BuildInputs) -> Algorithm:
         contrastive_temperature=c.contrastive_temperature, proxy_dim=c.proxy_dim,
         proxy_arch=c.proxy_arch, proxy_lr_ratio=c.proxy_lr_ratio,
         projection_layernorm=c.projection_layernorm, warmup_steps=c.warmup_steps,
-        server_momentum=c.server_momentum, dp_sgd=inputs.dp_sgd()))
+        server_momentum=c.server_momentum, dp_sgd=inputs.dp_sgd(),
+        stop_gradient_proxy=c.stop_gradient_proxy, stop_gradient_local=c.stop_gradient_local))
 
 
 def _check(config) -> None:
+    if config.dp_sgd.enabled and not (config.stop_gradient_proxy and config.stop_gradient_local):
+        raise ValueError("config.dp_sgd.enabled needs config.stop_gradient_proxy and "
+                         "config.stop_gradient_local (the accountant counts one release per "
+                         "side and step)")
     if config.dp_sgd.enabled and config.align == "contrastive":
         raise ValueError("config.dp_sgd.enabled needs a per-example alignment loss: config.align "
                          "'mse' or 'cosine' (InfoNCE couples the examples of a batch)")
