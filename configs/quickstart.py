@@ -31,6 +31,10 @@ def get_config() -> ml_collections.ConfigDict:
     # constant in the local step / the private embedding is a constant in E_proxy's step.
     config.stop_gradient_proxy = True
     config.stop_gradient_local = True
+    # Heavy-ball momentum of E_proxy's local SGD (0 = plain SGD, the design). With
+    # train.local_momentum = m and none here, E_proxy's effective step is proxy_lr_ratio x (1 - m)
+    # of the local one; proxy_momentum = m keeps the ratio.
+    config.proxy_momentum = 0.0
 
     # Other methods: one section per method (`python -m launch.methods` lists them). The FedAvg
     # family (fedavg, fedprox, fedavgm, fedadam, scaffold, fednova, fedbn) runs per architecture

@@ -180,7 +180,8 @@ def test_contrastive_alignment_runs_and_is_masked():
     chex.assert_trees_all_close(up_t, up_p, rtol=1e-5, atol=1e-6)
 
 
-def _reference_steps(cfg, model, proxy, params, trace, proxy_params, steps_done, x, y, count):
+def _reference_steps(cfg, model, proxy, params, trace, proxy_params, steps_done, x, y, count,
+                     proxy_trace=None):
     """`count` pFedES local steps by hand on the full batch (x, y): the local model takes
     heavy-ball SGD (t = g + m t; p -= lr t) on CE + lam * MSE to E_proxy's output held constant,
     with the backbone's gradient zeroed while fewer than `warmup_steps` steps have been taken in
@@ -205,6 +206,10 @@ def _reference_steps(cfg, model, proxy, params, trace, proxy_params, steps_done,
         trace = jax.tree.map(lambda t, gi: gi + cfg.local_momentum * t, trace, g)
         params = jax.tree.map(lambda p, t: p - cfg.lr_local * t, params, trace)
         proxy_grad = jax.grad(proxy_loss)(proxy_params)
+        if proxy_trace is not None:  # E_proxy's heavy-ball momentum
+            proxy_trace = jax.tree.map(lambda t, gq: gq + cfg.proxy_momentum * t, proxy_trace,
+                                       proxy_grad)
+            proxy_grad = proxy_trace
         proxy_params = jax.tree.map(lambda q, gq: q - cfg.proxy_lr_ratio * cfg.lr_local * gq,
                                     proxy_params, proxy_grad)
         steps_done += 1
@@ -304,3 +309,22 @@ def test_removing_a_stop_gradient_lets_that_loss_reach_the_other_side(stop_proxy
     moved = [not np.allclose(jax.tree.leaves(a)[0], jax.tree.leaves(b)[0])
              for a, b in ((upload, upload_sg), (new_client.params, client_sg.params))]
     assert moved == [not stop_proxy, not stop_local]
+
+
+def test_proxy_momentum_matches_heavy_ball_on_e_proxy_over_three_steps():
+    cfg = _cfg(align="mse", local_epochs=3, local_momentum=0.9, proxy_momentum=0.9)
+    _, program, server, client = _setup(cfg)
+    data = _client_data(n=8, capacity=8)
+    upload, state, _ = program.client_update(server.proxy_params, client, data,
+                                             jax.random.key(2))
+    model = registry.client_model("mlp", 4, 6, SPEC)
+    proxy = registry.proxy_model("proxy_mlp", 6, SPEC)
+    params, _, proxy_params, _ = _reference_steps(
+        cfg, model, proxy, client.params, jax.tree.map(jnp.zeros_like, client.params),
+        server.proxy_params, 0, jnp.asarray(data.x), jnp.asarray(data.y), 3,
+        proxy_trace=jax.tree.map(jnp.zeros_like, server.proxy_params))
+    chex.assert_trees_all_close(state.params, params, rtol=2e-4, atol=2e-6)
+    chex.assert_trees_all_close(upload, proxy_params, rtol=2e-4, atol=2e-6)
+    without = _setup(_cfg(align="mse", local_epochs=3, local_momentum=0.9))[1]
+    plain, _, _ = without.client_update(server.proxy_params, client, data, jax.random.key(2))
+    assert not np.allclose(jax.tree.leaves(plain)[0], jax.tree.leaves(upload)[0])

@@ -42,6 +42,11 @@ class PFedESConfig(LocalTrainingConfig):
     loss also reaches the other side's parameters (finding F5 asks what that does): E_proxy then
     also descends lam * align(e_local, E_proxy(x)) at its own learning rate, and the private
     model also descends align(E_proxy(x), e_local) at the local one.
+
+    `proxy_momentum`: heavy-ball momentum of E_proxy's local SGD (trace reset every round, as
+    E_proxy arrives fresh from the server). With local momentum m and none on E_proxy, E_proxy's
+    effective step is proxy_lr_ratio x (1 - m) of the local one (0.01x at m = 0.9, not the
+    design's 0.1x); proxy_momentum = m restores the ratio.
     """
 
     lam: float = 0.5
@@ -56,6 +61,7 @@ class PFedESConfig(LocalTrainingConfig):
     dp_sgd: local_training.DPSGDConfig | None = None
     stop_gradient_proxy: bool = True
     stop_gradient_local: bool = True
+    proxy_momentum: float = 0.0
 
 
 @struct.dataclass
@@ -162,7 +168,7 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
             return grads, proxy_grads, ce, al, proxy_loss
 
         def train_step(carry, batch):
-            params, opt_state, proxy_params, steps = carry
+            params, opt_state, (proxy_params, proxy_trace), steps = carry
             x, y, mask = batch[:3]
             # One forward pass of E_proxy serves both steps: its output is a constant target in
             # the local step, and its VJP gives the proxy step's gradient.
@@ -185,14 +191,20 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
             grads = _freeze_backbone(grads, steps < cfg.warmup_steps)
             updates, new_opt_state = local_opt.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
+            if cfg.proxy_momentum > 0:  # heavy-ball, as optax.sgd: t = g + m t; q -= lr t
+                proxy_trace = jax.tree.map(lambda t, g: g + cfg.proxy_momentum * t, proxy_trace,
+                                           proxy_grads)
+                proxy_grads = proxy_trace
             new_proxy = jax.tree.map(lambda q, g: q - lr_proxy * g, proxy_params, proxy_grads)
 
-            return ((new_params, new_opt_state, new_proxy, steps + 1),
+            return ((new_params, new_opt_state, (new_proxy, proxy_trace), steps + 1),
                     jnp.stack([ce, al, proxy_loss]))
 
         def client_update(global_proxy, state: ClientState, data, rng):
-            carry = (state.params, state.opt_state, global_proxy, state.steps)
-            (params, opt_state, local_proxy, steps), sums, n_active = \
+            trace = (jax.tree.map(jnp.zeros_like, global_proxy) if cfg.proxy_momentum > 0
+                     else ())
+            carry = (state.params, state.opt_state, (global_proxy, trace), state.steps)
+            (params, opt_state, (local_proxy, _), steps), sums, n_active = \
                 local_training.run_local_epochs(train_step, carry, data, rng, cfg.batch_size,
                                                 cfg.local_epochs, cfg.unroll_local_steps,
                                                 step_keys=cfg.dp_sgd is not None)
@@ -236,10 +248,13 @@ def _build(inputs: BuildInputs) -> Algorithm:
         proxy_arch=c.proxy_arch, proxy_lr_ratio=c.proxy_lr_ratio,
         projection_layernorm=c.projection_layernorm, warmup_steps=c.warmup_steps,
         server_momentum=c.server_momentum, dp_sgd=inputs.dp_sgd(),
-        stop_gradient_proxy=c.stop_gradient_proxy, stop_gradient_local=c.stop_gradient_local))
+        stop_gradient_proxy=c.stop_gradient_proxy, stop_gradient_local=c.stop_gradient_local,
+        proxy_momentum=c.proxy_momentum))
 
 
 def _check(config) -> None:
+    if not 0 <= config.proxy_momentum < 1:
+        raise ValueError(f"config.proxy_momentum must be in [0, 1), got {config.proxy_momentum}")
     if config.dp_sgd.enabled and not (config.stop_gradient_proxy and config.stop_gradient_local):
         raise ValueError("config.dp_sgd.enabled needs config.stop_gradient_proxy and "
                          "config.stop_gradient_local (the accountant counts one release per "
