@@ -75,6 +75,7 @@ def test_a_participant_gets_the_same_result_alone_or_in_a_padded_bucket():
                                 jax.tree.map(lambda a: a[1], crowd[0]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # ~8 s of compilation
 def test_loop_with_no_participant_returns_zero_uploads():
     _, program, data, states, server = _setup("mlp")
     runner = execution.make_runner(program, "loop")

@@ -185,7 +185,8 @@ def test_padded_step_fraction_counts_the_steps_each_strategy_runs(tmp_path, stra
 
 @pytest.mark.parametrize("modality,arch", [
     pytest.param("image", "vit", marks=pytest.mark.slow),  # ~9 s of compilation
-    ("image", "convnet3"), pytest.param("text", "text_transformer", marks=pytest.mark.slow),
+    pytest.param("image", "convnet3", marks=pytest.mark.slow),
+    pytest.param("text", "text_transformer", marks=pytest.mark.slow),
     ("text", "proxy")])
 def test_jitted_initialization_equals_eager_initialization(modality, arch):
     """Cohort states are initialized in one compiled call; the weights must be exactly those of
