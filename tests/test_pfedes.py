@@ -41,17 +41,24 @@ def _setup(cfg, arch="mlp"):
     return alg, program, server, client
 
 
+def _one_step(cfg, key: int):
+    """One client's update on 8 rows in one batch: (upload, new client, metrics, the client
+    and server before it, the client model, E_proxy, the data)."""
+    _, program, server, client = _setup(cfg)
+    data = _client_data(n=8, capacity=8)
+    upload, new_client, metrics = program.client_update(server.proxy_params, client, data,
+                                                        jax.random.key(key))
+    model = registry.client_model("mlp", 4, 6, SPEC)
+    proxy = registry.proxy_model("proxy_mlp", 6, SPEC)
+    return upload, new_client, metrics, client, server, model, proxy, data
+
+
 @pytest.mark.parametrize("align", ["mse", "cosine"])
 def test_one_local_step_matches_a_reference_with_constant_targets(align):
     """With one batch, the local model moves by the gradient of CE + lam*align to a CONSTANT
     e_proxy, and E_proxy by the gradient of align to a CONSTANT e_local (both stop-gradients)."""
     cfg = _cfg(align=align)
-    _, program, server, client = _setup(cfg)
-    data = _client_data(n=8, capacity=8)
-    upload, new_client, metrics = program.client_update(server.proxy_params, client, data,
-                                                        jax.random.key(2))
-    model = registry.client_model("mlp", 4, 6, SPEC)
-    proxy = registry.proxy_model("proxy_mlp", 6, SPEC)
+    upload, new_client, metrics, client, server, model, proxy, data = _one_step(cfg, 2)
     x, y = np.asarray(data.x), np.asarray(data.y)
 
     def align_ref(a, b):
@@ -273,12 +280,7 @@ def test_removing_a_stop_gradient_lets_that_loss_reach_the_other_side(stop_proxy
     L_local(p, q) = CE + lam * mse(e_local(p), e_proxy(q)) and L_proxy(p, q) =
     mse(e_proxy(q), e_local(p)), with each stop-gradient in place or not."""
     cfg = _cfg(align="mse", stop_gradient_proxy=stop_proxy, stop_gradient_local=stop_local)
-    _, program, server, client = _setup(cfg)
-    data = _client_data(n=8, capacity=8)
-    upload, new_client, _ = program.client_update(server.proxy_params, client, data,
-                                                  jax.random.key(0))
-    model = registry.client_model("mlp", 4, 6, SPEC)
-    proxy = registry.proxy_model("proxy_mlp", 6, SPEC)
+    upload, new_client, _, client, server, model, proxy, data = _one_step(cfg, 0)
     x, y = jnp.asarray(data.x), jnp.asarray(data.y)
 
     def mse(a, b):
