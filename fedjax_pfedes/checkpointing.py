@@ -82,9 +82,6 @@ class Checkpointer:
         self.step: int | None = None  # the step `check_config` selected
         self.verified = False  # whether that step had an integrity record
 
-    def latest_round(self) -> int | None:
-        return self.manager.latest_step()
-
     def due(self, rounds_done: int, total_rounds: int) -> bool:
         return self.every > 0 and (rounds_done % self.every == 0 or rounds_done == total_rounds)
 

@@ -124,6 +124,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
     strategy = chosen[0] if len(chosen) == 1 else "+".join(chosen)
     last = state.history[-1] if state.history else {}
     rounds_total = config.train.rounds
+    global_test = global_test_set(data, config)
     diverged = None
     bar = tqdm(range(first_round, rounds_total), desc=f"{config.algorithm} [{strategy}]",
                disable=not show_progress, unit="round", initial=first_round, total=rounds_total)
@@ -138,22 +139,16 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
                   "participation_min": int(state.sampler.selected.min()),
                   "participation_max": int(state.sampler.selected.max()),
                   **privacy_metrics(ctx.pipeline, r + 1)}
-        evaluated = (r + 1) % config.eval.every == 0 or r + 1 == rounds_total
+        # Evaluated every eval.every rounds, at the end, and in the round that diverged.
+        evaluated = ((r + 1) % config.eval.every == 0 or r + 1 == rounds_total
+                     or bool(non_finite_metrics(record)))
         if evaluated:
             steps = {i: int(s) for i, s in enumerate(state.dp_sgd_steps) if s > 0}
             record.update(dp_sgd_metrics(config, steps, batch_rate,
                                          ctx.algorithm.dp_sgd_releases_per_step))
             record.update(evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients,
-                                   *global_test_set(data, config)))
+                                   *global_test))
         bad = non_finite_metrics(record)
-        if bad and not evaluated:  # the round that diverged is always evaluated
-            evaluated = True
-            steps = {i: int(s) for i, s in enumerate(state.dp_sgd_steps) if s > 0}
-            record.update(dp_sgd_metrics(config, steps, batch_rate,
-                                         ctx.algorithm.dp_sgd_releases_per_step))
-            record.update(evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients,
-                                   *global_test_set(data, config)))
-            bad = non_finite_metrics(record)
         if bad:
             record["diverged"] = True
             diverged = {"round": r + 1, "metrics": bad}

@@ -237,13 +237,19 @@ def test_dp_mean_noise_has_std_sigma_c_over_the_fixed_denominator():
     assert abs(noise.mean()) < 4 * expected / math.sqrt(20000)
 
 
-def test_epsilon_in_the_metrics_equals_dp_accounting_for_the_same_events(tmp_path):
+def _client_dp_config(rounds: int, every: int, noise_multiplier: float = 1.1):
+    """tabular_hetero (10 clients, 5 per round) with client-level DP at sigma, uniform weights."""
     config = tabular_hetero.get_config()
-    config.train.rounds = 3
-    config.eval.every = 1
+    config.train.rounds = rounds
+    config.eval.every = every
     config.upload.weighting = "uniform"
     config.dp.enabled = True
-    config.dp.noise_multiplier = 1.1
+    config.dp.noise_multiplier = noise_multiplier
+    return config
+
+
+def test_epsilon_in_the_metrics_equals_dp_accounting_for_the_same_events(tmp_path):
+    config = _client_dp_config(3, 1)
     summary = run_experiment(config, str(tmp_path), show_progress=False)
     n, m = 10, 5  # tabular_hetero: 10 clients, C = 0.5
     accountant = rdp.RdpAccountant(
@@ -499,14 +505,9 @@ def test_secure_aggregation_dp_epsilon_composes_the_realized_noise_of_every_roun
     per-round noise multipliers written to metrics.jsonl."""
     import json
 
-    config = tabular_hetero.get_config()
-    config.train.rounds = 4
-    config.eval.every = 4
+    config = _client_dp_config(4, 4)
     config.train.sampling = "poisson"
     config.train.client_fraction = 0.5
-    config.upload.weighting = "uniform"
-    config.dp.enabled = True
-    config.dp.noise_multiplier = 1.1
     config.secagg.enabled = True
     final = run_experiment(config, str(tmp_path), show_progress=False)["final"]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -666,12 +667,7 @@ def test_robust_aggregation_of_fewer_than_three_uploads_is_skipped_and_reported(
 def test_client_dp_claims_no_amplification_when_selection_is_not_uniform(tmp_path, change):
     """Stratified quotas, availability < 1, failure-decayed weights and skipped clients are not
     a uniformly random draw: epsilon is the plain Gaussian mechanism composed per round."""
-    config = tabular_hetero.get_config()
-    config.train.rounds = 3
-    config.eval.every = 3
-    config.upload.weighting = "uniform"
-    config.dp.enabled = True
-    config.dp.noise_multiplier = 1.1
+    config = _client_dp_config(3, 3)
     (field, value), = change.items()
     section, name = field.split(".")
     config[section][name] = value

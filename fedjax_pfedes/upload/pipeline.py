@@ -230,10 +230,10 @@ class UploadPipeline:
         if cfg.dp is not None:
             self.noise_multiplier = privacy.resolve_noise_multiplier(
                 cfg.dp, num_clients, clients_per_round, rounds)
-        self.outlier_factor, self.outlier_note = outlier_rule(cfg)
+        self.outlier_note = outlier_rule(cfg)[1]
         self.stages = (build_stages(cfg, self.noise_multiplier) if stages_override is None
                        else list(stages_override))
-        self._client_side = jax.jit(jax.vmap(self._one_client))
+        self._client_side = jax.jit(jax.vmap(self._one_client, in_axes=(0, None, 0, 0)))
         self.rejections: list[tuple[int, int, str]] = []
         # Per round: the smallest noise multiplier any released aggregate carried (None: nothing
         # was released). Under secure aggregation the clients add the noise, so fewer senders
@@ -246,9 +246,11 @@ class UploadPipeline:
         as they arrived, and only the checks and the weights act)."""
         return any(stage.transforms for stage in self.stages)
 
-    def _one_client(self, delta, memory, key):
-        """The client halves of the chain, for one client (vmapped and jitted once); `memory`
-        is {stage name: this client's row of the stage's state}."""
+    def _one_client(self, upload, template, memory, key):
+        """The client halves of the chain, for one client (vmapped and jitted once) on its
+        update upload - template (float32); `memory` is {stage name: this client's row of the
+        stage's state}."""
+        delta = _sub(upload, template)
         info: dict[str, jax.Array] = {}
         memory = dict(memory)
         for stage in self.stages:
@@ -294,10 +296,10 @@ class UploadPipeline:
                 ok[:] = False
                 uploads = _replicate(c.template, len(ok))
             arrived[arch] = uploads
-            deltas = _sub(uploads, jax.tree.map(lambda t: t[None], c.template))
             memory_rows = _take_rows(memories[arch], jnp.asarray(c.slots))
             keys = jax.random.split(jax.random.fold_in(key, k), len(ok))
-            r.sent[arch], new_rows[arch], info = self._client_side(deltas, memory_rows, keys)
+            r.sent[arch], new_rows[arch], info = self._client_side(uploads, c.template,
+                                                                   memory_rows, keys)
             r.info[arch] = {name: np.asarray(v) for name, v in info.items()}
             r.valid[arch] = ok
         for stage in self.stages:  # checks, weights, aggregation: in chain order
