@@ -123,6 +123,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.batch_size = 32
     config.train.lr_local = 0.05         # local SGD learning rate
     config.train.local_momentum = 0.9    # local SGD momentum (0 = plain SGD); never aggregated
+    # Methods whose clients keep a private model (pfedes, fedproto, fml, ...; `launch.methods`
+    # column "private opt."): False keeps its optimizer state (momentum) across rounds, as a
+    # client that resumes its own training would; True starts each round from a fresh one.
+    # The FedAvg family always starts fresh (the local model restarts from the global one).
+    config.train.reset_local_optimizer = False
     # A loss that goes NaN/Inf stops the run with diverged: true in summary.json and exit
     # status 3; True keeps exit status 0 (e.g. inside a sweep that expects some to diverge).
     config.train.allow_divergence = False

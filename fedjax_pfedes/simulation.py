@@ -25,6 +25,7 @@ from fedjax_pfedes import (
     metrics_io,
     rounds,
 )
+from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.builders import build_context, build_federated_data, write_data_profile
 from fedjax_pfedes.config_validation import ConfigError, validate_config
 from fedjax_pfedes.evaluation import (
@@ -41,6 +42,15 @@ from fedjax_pfedes.workdir import WorkdirLock, data_fingerprint
 class DivergedError(RuntimeError):
     """Training went non-finite (and `config.train.allow_divergence` is False); the summary with
     `diverged: true` has been written."""
+
+
+def local_optimizer_note(config) -> str:
+    """What happens to the clients' local-optimizer state between rounds, in words."""
+    if not algorithm_registry.get(config.algorithm).private_optimizer:
+        return "fresh every round (the local model restarts from the broadcast)"
+    if config.train.reset_local_optimizer:
+        return "reset every round (config.train.reset_local_optimizer)"
+    return "kept across rounds"
 
 
 def _some(names: list[str], shown: int = 3) -> str:
@@ -192,6 +202,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
         **({"dp_accounting_sampling": ctx.pipeline.cfg.dp.sampling}
            if ctx.pipeline.cfg.dp is not None else {}),
         "norm_outlier_rejection": ctx.pipeline.outlier_note,
+        "local_optimizer_state": local_optimizer_note(config),
         "execution_strategy": strategy,
         "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
         **({"strategy_choice": ctx.strategy_choices} if ctx.strategy_choices else {}),

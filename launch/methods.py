@@ -4,8 +4,9 @@
 
 One row per `config.algorithm` name, read from the algorithm registry
 (`fedjax_pfedes/algorithms/registry.py`): how the server combines uploads, whether the method runs
-under buffered asynchronous aggregation, has DP-SGD built in, accepts BatchNorm backbones, and
-the paper.
+under buffered asynchronous aggregation, has DP-SGD built in, accepts BatchNorm backbones, keeps
+a private local-optimizer state across rounds (`config.train.reset_local_optimizer`), and the
+paper.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from fedjax_pfedes.algorithms import registry
 
 def table() -> str:
     """The registry as a Markdown table."""
-    rows = ["| config.algorithm | aggregation | async | DP-SGD | BatchNorm | modalities | method |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| config.algorithm | aggregation | async | DP-SGD | BatchNorm | private opt. | "
+            "modalities | method |", "|---|---|---|---|---|---|---|---|"]
     for name, e in sorted(registry.entries().items()):
-        flags = ["yes" if f else "" for f in (e.asynchronous, e.dp_sgd, e.batch_norm)]
+        flags = ["yes" if f else "" for f in (e.asynchronous, e.dp_sgd, e.batch_norm,
+                                               e.private_optimizer)]
         rows.append(f"| `{name}` | {e.aggregation} | {' | '.join(flags)} | "
                     f"{', '.join(e.modalities)} | {e.summary} |")
     return "\n".join(rows)

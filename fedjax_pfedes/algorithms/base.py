@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from fedjax_pfedes.data.spec import InputSpec
 
@@ -95,3 +96,20 @@ class Algorithm:
     cohort_program: Callable[[str], CohortProgram]
     aggregation: str = "shared"
     dp_sgd_releases_per_step: int = 1
+
+
+def with_fresh_local_optimizer(program: CohortProgram) -> CohortProgram:
+    """`program` whose clients start every round with a fresh local-optimizer state.
+
+    The client state's `opt_state` (the private model's SGD momentum trace) is replaced by zeros
+    before the round's local training, which is what `optax.sgd(...).init` returns (and every
+    optax optimizer's init: zero traces and moments, zero step counts); the private parameters
+    are kept. Used for `config.train.reset_local_optimizer` on methods whose registry entry has
+    `private_optimizer=True`.
+    """
+
+    def client_update(broadcast, state, data, rng):
+        fresh = state.replace(opt_state=jax.tree.map(jnp.zeros_like, state.opt_state))
+        return program.client_update(broadcast, fresh, data, rng)
+
+    return dataclasses.replace(program, client_update=client_update)

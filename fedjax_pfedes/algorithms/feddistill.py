@@ -154,4 +154,5 @@ def _build(inputs: BuildInputs) -> Algorithm:
 register(AlgorithmEntry(
     "feddistill", _build, aggregation="custom",
     check=lambda config: check(config.feddistill),
+    private_optimizer=True,
     summary="FedDistill (Jeong et al., 2018): per-class average logits, distilled locally"))

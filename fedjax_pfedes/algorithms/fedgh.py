@@ -113,4 +113,5 @@ register(AlgorithmEntry(
     check=lambda c: (check_range(c.fedgh.server_lr, 0, None, "config.fedgh.server_lr",
                                  low_open=True),
                      check_range(c.fedgh.server_epochs, 1, None, "config.fedgh.server_epochs")),
+    private_optimizer=True,
     summary="FedGH (Yi et al., ACM MM 2023): a global header trained on prototypes"))

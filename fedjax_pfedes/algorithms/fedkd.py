@@ -177,4 +177,5 @@ register(AlgorithmEntry(
     schedule_depends_on_rounds=True,
     check=lambda c: [check_range(c.fedkd[k], 0, 1, f"config.fedkd.{k}", low_open=True)
                      for k in ("energy_start", "energy_end")],
+    private_optimizer=True,
     summary="FedKD (Wu et al., Nature Communications 2022): distilled mentee, SVD uploads"))

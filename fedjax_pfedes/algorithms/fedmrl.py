@@ -156,4 +156,5 @@ register(AlgorithmEntry(
     check=lambda c: check_range(c.fedmrl.sub_dim, 0, c.proxy_dim,
                                 f"config.fedmrl.sub_dim (0 = half of config.proxy_dim="
                                 f"{c.proxy_dim})"),
+    private_optimizer=True,
     summary="FedMRL (Yi et al., NeurIPS 2024): nested representation learning"))

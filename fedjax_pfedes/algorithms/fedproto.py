@@ -143,4 +143,5 @@ def fedproto(cfg: HeteroConfig) -> Algorithm:
 register(AlgorithmEntry(
     "fedproto", lambda inputs: fedproto(hetero_config(inputs)), aggregation="custom",
     check=lambda c: check_range(c.fedproto.lam, 0, None, "config.fedproto.lam"),
+    private_optimizer=True,
     summary="FedProto (Tan et al., AAAI 2022): class prototypes instead of parameters"))

@@ -119,4 +119,5 @@ def fml(cfg: HeteroConfig) -> Algorithm:
 register(AlgorithmEntry(
     "fml", lambda inputs: fml(hetero_config(inputs)), asynchronous=True, shared_model=True,
     check=lambda c: [check_range(c.fml[k], 0, 1, f"config.fml.{k}") for k in ("alpha", "beta")],
+    private_optimizer=True,
     summary="FML (Shen et al., 2020): mutual learning with a shared meme model"))

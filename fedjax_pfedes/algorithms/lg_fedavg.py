@@ -164,4 +164,5 @@ def check_range(value, low, high, field: str, low_open: bool = False,
 
 register(AlgorithmEntry(
     "lg_fedavg", lambda inputs: lg_fedavg(hetero_config(inputs)), asynchronous=True,
+    private_optimizer=True,
     summary="LG-FedAvg (Liang et al., 2020): local representations, one global head"))

@@ -266,4 +266,5 @@ def _check(config) -> None:
 
 register(AlgorithmEntry(
     "pfedes", _build, asynchronous=True, dp_sgd=True, check=_check,
+    private_optimizer=True,
     summary="pFedES, feature alignment to a shared proxy extractor (docs/design.md)"))

@@ -141,4 +141,5 @@ def _check(config) -> None:
 
 register(AlgorithmEntry(
     "pfedes_paper", _build, asynchronous=True, check=_check, modalities=("image",),
+    private_optimizer=True,
     summary="published pFedES (Yi et al., AAAI 2025): a shared image-to-image proxy G"))

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import ml_collections
 
 from fedjax_pfedes import local_training
-from fedjax_pfedes.algorithms.base import Algorithm
+from fedjax_pfedes.algorithms.base import Algorithm, with_fresh_local_optimizer
 from fedjax_pfedes.data.spec import InputSpec
 
 AGGREGATIONS = ("shared", "per_cohort", "custom", "none")
@@ -81,6 +81,10 @@ class AlgorithmEntry:
         `config.clients.shared_arch` (checked against the dataset's modality).
       schedule_depends_on_rounds: its schedule reads `config.train.rounds` (so a resumed run may
         not change the total).
+      private_optimizer: its clients keep a private model whose local-optimizer state
+        (`ClientState.opt_state`) lives across rounds; `config.train.reset_local_optimizer`
+        resets it at the start of each round. Methods without it start every round's local
+        optimizer fresh (the FedAvg family: the local model restarts from the global one).
       check: config -> None, raising ValueError naming the field, for the method's own config
         section (run by `config_validation` before anything is built).
       summary: one line for listings, with the paper.
@@ -95,6 +99,7 @@ class AlgorithmEntry:
     modalities: tuple[str, ...] = ("image", "text", "tabular")
     shared_model: bool = False
     schedule_depends_on_rounds: bool = False
+    private_optimizer: bool = False
     check: Callable[[ml_collections.ConfigDict], None] | None = None
     summary: str = ""
 
@@ -149,6 +154,10 @@ def build(config: ml_collections.ConfigDict, num_classes: int, input_spec: Input
     entry = get(config.algorithm)
     algorithm = entry.build(BuildInputs(config, num_classes, input_spec, local_epochs,
                                         clients_per_arch))
+    if entry.private_optimizer and config.train.reset_local_optimizer:
+        programs = algorithm.cohort_program
+        algorithm = dataclasses.replace(
+            algorithm, cohort_program=lambda arch: with_fresh_local_optimizer(programs(arch)))
     if algorithm.aggregation != entry.aggregation or algorithm.name != entry.name:
         raise AssertionError(f"algorithm '{entry.name}' built as '{algorithm.name}' with "
                              f"aggregation '{algorithm.aggregation}', registered with "

@@ -77,4 +77,5 @@ def standalone(cfg: FedAvgConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "standalone", lambda inputs: standalone(fedavg_config(inputs, "standalone")),
-    aggregation="none", summary="Standalone: every client trains alone"))
+    aggregation="none", private_optimizer=True,
+    summary="Standalone: every client trains alone"))
