@@ -53,13 +53,25 @@ def get_config() -> ml_collections.ConfigDict:
     config.fedadam.eps = 1e-3
     config.scaffold = ml_collections.ConfigDict()
     config.scaffold.server_lr = 1.0      # global step size (1 = average)
+    # Control variates correct plain SGD steps; with momentum 0.9 it diverged on the quick start
+    # (docs/baselines.md), so SCAFFOLD's local optimizer is plain SGD (-1 = config.train's).
+    config.scaffold.local_momentum = 0.0
     config.fednova = ml_collections.ConfigDict()
     config.fednova.server_lr = 1.0       # global step size (1 = average)
-    # The published pFedES (Yi et al. AAAI 2025): loss (1 - mu) CE(F(x)) + mu CE(F(G(x)));
-    # G's SGD learning rate = g_lr_ratio * lr_local.
+    # The published pFedES (Yi et al. AAAI 2025), with the authors' schedule and optimizers: F
+    # trains E epochs on (1 - mu) CE(F(x)) + mu CE(F(G(x))), then G trains E + g_extra_epochs
+    # epochs on CE(F(G(x))); SGD with weight decay after global-norm clipping, both optimizers
+    # fresh every round. Its local optimizer is set here, not by config.train (-1 = inherit).
     config.pfedes_paper = ml_collections.ConfigDict()
     config.pfedes_paper.mu = 0.5
-    config.pfedes_paper.g_lr_ratio = 1.0
+    config.pfedes_paper.schedule = "paper"  # 'paper' | 'interleaved' (one F, one G step a batch)
+    config.pfedes_paper.g_extra_epochs = 10
+    config.pfedes_paper.lr_local = 0.01
+    config.pfedes_paper.local_momentum = 0.9
+    config.pfedes_paper.weight_decay = 1e-3
+    config.pfedes_paper.grad_clip_norm = 50.0  # 0 = off
+    config.pfedes_paper.g_lr_ratio = 1.0  # G's lr = g_lr_ratio * lr_local
+    config.pfedes_paper.reset_local_optimizer = True
     # LG-FedAvg, FedProto, FedGH, FedKD and FedMRL use config.proxy_dim as the common dimension d.
     config.fedproto = ml_collections.ConfigDict()
     config.fedproto.lam = 1.0            # weight of mean_d (e - global prototype[y])^2
@@ -76,6 +88,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.fedgh.server_epochs = 1
     config.fedmrl = ml_collections.ConfigDict()
     config.fedmrl.sub_dim = 0            # nested dim read by the shared header (0 = d/2)
+    # Its fused representation feeds unnormalized linear headers: with momentum 0.9 it diverged
+    # on the quick start (docs/baselines.md); plain SGD (-1 = config.train's momentum).
+    config.fedmrl.local_momentum = 0.0
 
     config.data = ml_collections.ConfigDict()
     # Datasets (README "Datasets"): offline 'mnist5k' | 'digits' | 'breast_cancer' | 'wine' |

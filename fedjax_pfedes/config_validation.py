@@ -77,6 +77,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         execution.resolve_strategy(config.execution.strategy)
         archs = assign_architectures(config.clients.architectures, config.data.num_clients)
         attacks.attack_config(config, config.data.num_clients)
+        algorithm_registry.check_optimizer_overrides(config)
         if entry.check is not None:
             entry.check(config)
     except ValueError as e:

@@ -44,13 +44,17 @@ class DivergedError(RuntimeError):
     `diverged: true` has been written."""
 
 
-def local_optimizer_note(config) -> str:
-    """What happens to the clients' local-optimizer state between rounds, in words."""
+def local_optimizer_note(config) -> dict:
+    """The clients' local optimizer and what happens to its state between rounds."""
+    opt = algorithm_registry.local_optimizer(config)
     if not algorithm_registry.get(config.algorithm).private_optimizer:
-        return "fresh every round (the local model restarts from the broadcast)"
-    if config.train.reset_local_optimizer:
-        return "reset every round (config.train.reset_local_optimizer)"
-    return "kept across rounds"
+        state = "fresh every round (the local model restarts from the broadcast)"
+    elif opt["reset_local_optimizer"]:
+        state = "reset every round"
+    else:
+        state = "kept across rounds"
+    return {"lr_local": opt["lr_local"], "local_momentum": opt["local_momentum"],
+            "state": state}
 
 
 def _some(names: list[str], shown: int = 3) -> str:
@@ -202,7 +206,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
         **({"dp_accounting_sampling": ctx.pipeline.cfg.dp.sampling}
            if ctx.pipeline.cfg.dp is not None else {}),
         "norm_outlier_rejection": ctx.pipeline.outlier_note,
-        "local_optimizer_state": local_optimizer_note(config),
+        "local_optimizer": local_optimizer_note(config),
         "execution_strategy": strategy,
         "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
         **({"strategy_choice": ctx.strategy_choices} if ctx.strategy_choices else {}),

@@ -197,8 +197,8 @@ def test_published_pfedes_proxy_g_has_443_parameters_on_rgb():
     assert tree_size(server.g_params)[0] == 443 == (3 * 3 * 3 * 8 + 8) + (3 * 3 * 8 * 3 + 3)
 
 
-def test_published_pfedes_alternation_matches_a_hand_reference():
-    """F_k steps on (1-mu) CE(F(x)) + mu CE(F(G(x))) with G fixed; then G steps on
+def test_published_pfedes_interleaved_alternation_matches_a_hand_reference():
+    """schedule='interleaved': F_k steps on (1-mu) CE(F(x)) + mu CE(F(G(x))) with G fixed; then G steps on
     CE(F_new(G(x))) with F fixed at its new value; the upload is G."""
     from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
     from fedjax_pfedes.models import registry
@@ -206,7 +206,9 @@ def test_published_pfedes_alternation_matches_a_hand_reference():
     spec = InputSpec("image", (6, 6, 3), "float32", (0.4,) * 3, (0.3,) * 3)
     mu, lr, ratio = 0.3, 0.1, 0.5
     alg = pfedes_paper(PFedESPaperConfig(num_classes=3, input_spec=spec, mu=mu, lr_local=lr,
-                                         g_lr_ratio=ratio, batch_size=8))
+                                         g_lr_ratio=ratio, batch_size=8,
+                                         schedule="interleaved", local_momentum=0.0,
+                                         weight_decay=0.0, grad_clip_norm=0.0))
     server = alg.init_server(jax.random.key(0))
     program = alg.cohort_program("mlp_small")
     state = program.init_client(jax.random.key(1))
@@ -232,6 +234,80 @@ def test_published_pfedes_alternation_matches_a_hand_reference():
     close = {"rtol": 1e-4, "atol": 1e-6}
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **close), new_state.params, f1)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **close), upload, g1)
+
+
+def _torch_sgd(params, grads_fn, steps, lr, momentum, wd, clip):
+    """Hand reference of `clip_grad_norm_(clip)` + `torch.optim.SGD(lr, momentum, wd)`."""
+    buf = None
+    for _ in range(steps):
+        g = grads_fn(params)
+        norm = np.sqrt(sum(float(jnp.sum(v ** 2)) for v in jax.tree.leaves(g)))
+        g = jax.tree.map(lambda v: v * min(1.0, clip / norm), g)
+        g = jax.tree.map(lambda v, w: v + wd * w, g, params)
+        buf = g if buf is None else jax.tree.map(lambda b, v: momentum * b + v, buf, g)
+        params = jax.tree.map(lambda w, b: w - lr * b, params, buf)
+    return params
+
+
+def test_published_pfedes_paper_schedule_matches_a_hand_reference():
+    """schedule='paper' (the authors' code): F trains E epochs with G frozen, then G trains
+    E + extra epochs through the new F; both SGD with momentum and weight decay after
+    global-norm clipping, fresh optimizers. Full-batch epochs make every step deterministic."""
+    from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
+    from fedjax_pfedes.models import registry
+
+    spec = InputSpec("image", (6, 6, 3), "float32", (0.4,) * 3, (0.3,) * 3)
+    mu, lr, ratio, m, wd, clip, epochs, extra = 0.3, 0.1, 0.5, 0.9, 0.01, 0.5, 2, 1
+    alg = pfedes_paper(PFedESPaperConfig(
+        num_classes=3, input_spec=spec, mu=mu, lr_local=lr, g_lr_ratio=ratio, batch_size=8,
+        local_momentum=m, weight_decay=wd, grad_clip_norm=clip, local_epochs=epochs,
+        g_extra_epochs=extra))
+    server = alg.init_server(jax.random.key(0))
+    program = alg.cohort_program("mlp_small")
+    state = program.init_client(jax.random.key(1))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(size=(8, 6, 6, 3)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 3, 8), jnp.int32)
+    upload, new_state, metrics = program.client_update(
+        server.g_params, state, ClientArrays(x, y, jnp.int32(8)), jax.random.key(2))
+    assert float(metrics["local_steps"]) == epochs + epochs + extra
+    model = registry.classifier_model("mlp_small", 3, spec)
+    g_model = registry.ImageProxyG(spec)
+
+    def ce(logits):
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(8), y])
+
+    g0 = server.g_params
+    gx = g_model.apply(g0, x)
+    f1 = _torch_sgd(state.params, jax.grad(lambda p: (1 - mu) * ce(model.apply(p, x))
+                                           + mu * ce(model.apply(p, gx, True))),
+                    epochs, lr, m, wd, clip)
+    g1 = _torch_sgd(g0, jax.grad(lambda q: ce(model.apply(f1, g_model.apply(q, x), True))),
+                    epochs + extra, ratio * lr, m, wd, clip)
+    close = {"rtol": 2e-4, "atol": 1e-6}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **close), new_state.params, f1)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **close), upload, g1)
+
+
+def test_published_pfedes_paper_step_counts_per_phase():
+    """n = 8 rows, batch 4: F runs E x 2 steps, G (E + extra) x 2; an adaptive-epoch cap of
+    one epoch on F gives G 1 + extra epochs."""
+    from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
+
+    spec = InputSpec("image", (6, 6, 3), "float32", (0.4,) * 3, (0.3,) * 3)
+    alg = pfedes_paper(PFedESPaperConfig(num_classes=3, input_spec=spec, batch_size=4,
+                                         local_epochs=2, g_extra_epochs=3))
+    program = alg.cohort_program("mlp_small")
+    g = alg.init_server(jax.random.key(0)).g_params
+    x = jnp.zeros((8, 6, 6, 3), jnp.float32)
+    y = jnp.zeros((8,), jnp.int32)
+    state = program.init_client(jax.random.key(1))
+    _, _, metrics = program.client_update(g, state, ClientArrays(x, y, jnp.int32(8)),
+                                          jax.random.key(2))
+    assert float(metrics["local_steps"]) == 2 * 2 + (2 + 3) * 2
+    capped = ClientArrays(x, y, jnp.int32(8), jnp.int32(2))  # one epoch of F
+    _, _, metrics = program.client_update(g, state, capped, jax.random.key(2))
+    assert float(metrics["local_steps"]) == 1 * 2 + (1 + 3) * 2
 
 
 def _hetero(**kw):

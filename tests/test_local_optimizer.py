@@ -90,8 +90,8 @@ def test_reset_changes_a_run_only_when_there_is_momentum(tmp_path):
             summary = run_experiment(config, str(tmp_path / f"{momentum}_{reset}"),
                                      show_progress=False)
             accuracies[momentum, reset] = summary["final"]["personalized_accuracy_mean"]
-            assert summary["local_optimizer_state"] == (
-                "reset every round (config.train.reset_local_optimizer)" if reset
+            assert summary["local_optimizer"]["state"] == (
+                "reset every round" if reset
                 else "kept across rounds")
     assert accuracies[0.0, False] == accuracies[0.0, True]
     assert accuracies[0.9, False] != accuracies[0.9, True]
@@ -102,4 +102,31 @@ def test_fedavg_reports_a_fresh_optimizer_every_round(tmp_path):
     config.train.rounds = 1
     config.eval.every = 1
     summary = run_experiment(config, str(tmp_path), show_progress=False)
-    assert summary["local_optimizer_state"].startswith("fresh every round")
+    assert summary["local_optimizer"]["state"].startswith("fresh every round")
+
+
+def test_method_sections_override_the_local_optimizer():
+    config = _tabular_config("scaffold")
+    assert registry.local_optimizer(config) == {
+        "lr_local": config.train.lr_local, "local_momentum": 0.0,
+        "reset_local_optimizer": False}
+    config.scaffold.local_momentum = -1.0  # inherit config.train's
+    assert registry.local_optimizer(config)["local_momentum"] == config.train.local_momentum
+    config = _tabular_config("pfedes_paper")
+    assert registry.local_optimizer(config) == {
+        "lr_local": 0.01, "local_momentum": 0.9, "reset_local_optimizer": True}
+    config.train.lr_local = 0.3  # the section's own value wins
+    assert registry.local_optimizer(config)["lr_local"] == 0.01
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("lr_local", 0.0, "config.fedmrl.lr_local must be > 0"),
+    ("local_momentum", 1.0, r"config.fedmrl.local_momentum must be in \[0, 1\)"),
+])
+def test_bad_optimizer_override_names_the_field(field, value, message):
+    from fedjax_pfedes.config_validation import ConfigError, validate_config
+
+    config = _tabular_config("fedmrl")
+    config.fedmrl[field] = value
+    with pytest.raises(ConfigError, match=message):
+        validate_config(config)

@@ -3,14 +3,22 @@
 Yi et al., "pFedES: Generalized Proxy Feature Extractor Sharing for Model Heterogeneous
 Personalized Federated Learning", AAAI 2025 (public code LipingYi/pFedES). The shared G is
 conv3x3 C->8, ReLU, conv3x3 8->C, ReLU (443 parameters for RGB). Each client k keeps its
-classifier F_k (e.g. CNN-1..CNN-5). On every local batch (x, y), alternating:
+classifier F_k (e.g. CNN-1..CNN-5). A client's round, `schedule='paper'` (the authors'
+model-heterogeneous code):
 
-1. G frozen: F_k takes one SGD step on (1 - mu) * CE(F_k(x), y) + mu * CE(F_k(G(x)), y).
-2. F_k frozen (its new parameters): G takes one SGD step on CE(F_k(G(x)), y).
+1. G frozen: F_k trains for E epochs on (1 - mu) * CE(F_k(x), y) + mu * CE(F_k(G(x)), y).
+2. F_k frozen (its new parameters): G trains for E + 10 epochs on CE(F_k(G(x)), y).
 
-Only G is uploaded; the server takes the plain sample-weighted average (no momentum). Inference
-uses F_k(x) alone. Image data only. Unlike the feature-alignment variant (`pfedes.py`), there is no
-projection head and no feature alignment: G is trained through each client's own classifier.
+Both with SGD (lr 0.01, momentum 0.9, weight decay 1e-3 added to the gradient as in
+`torch.optim.SGD`) after clipping the gradient's global norm at 50; each client-round starts both
+optimizers fresh (the authors create F's optimizer per client and round; their G optimizer is one
+object shared by every client, whose momentum would leak between clients; here each client's G
+trace starts at zero). Only G is uploaded; the server takes the plain sample-weighted average (no
+momentum). Inference uses F_k(x) alone. Image data only. Unlike the feature-alignment variant
+(`pfedes.py`), there is no projection head and no feature alignment.
+
+`schedule='interleaved'` instead takes one F step then one G step per batch, E epochs in all (an
+earlier reading of the paper, kept for comparison).
 """
 
 from __future__ import annotations
@@ -26,18 +34,47 @@ from flax import struct
 from fedjax_pfedes import aggregation, local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
 from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
-from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
+from fedjax_pfedes.algorithms.registry import (
+    OPTIMIZER_OVERRIDES,
+    AlgorithmEntry,
+    BuildInputs,
+    register,
+)
 from fedjax_pfedes.models import registry
 
 
 @dataclasses.dataclass(frozen=True)
 class PFedESPaperConfig(LocalTrainingConfig):
-    """Hyper-parameters of the published pFedES (mu = 0.5 as published)."""
+    """Hyper-parameters of the published pFedES (defaults: the authors' code).
+
+    `lr_local`, `local_momentum`, `weight_decay`, `grad_clip_norm` (0 = off) configure both
+    optimizers; G's learning rate is `g_lr_ratio * lr_local`. `g_extra_epochs`: G trains that many
+    epochs more than F (paper schedule).
+    """
 
     mu: float = 0.5
     g_lr_ratio: float = 1.0
+    schedule: str = "paper"
+    g_extra_epochs: int = 10
+    weight_decay: float = 1e-3
+    grad_clip_norm: float = 50.0
     lr_local: float = 0.01
+    local_momentum: float = 0.9
     batch_size: int = 64
+
+
+SCHEDULES = ("paper", "interleaved")
+
+
+def paper_sgd(lr: float, momentum: float, weight_decay: float,
+              clip_norm: float) -> optax.GradientTransformation:
+    """`torch.optim.SGD(lr, momentum, weight_decay)` after `clip_grad_norm_(clip_norm)`: clip the
+    global gradient norm, add weight_decay * w, heavy-ball momentum (trace = g + m * trace)."""
+    parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm > 0 else []
+    if weight_decay > 0:
+        parts.append(optax.add_decayed_weights(weight_decay))
+    parts.append(local_training.sgd(lr, momentum))
+    return optax.chain(*parts)
 
 
 @struct.dataclass
@@ -57,9 +94,13 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
     if cfg.input_spec.modality != "image":
         raise ValueError("config.algorithm='pfedes_paper' needs image data (its proxy G is an "
                          f"image-to-image network); the dataset is {cfg.input_spec.modality}")
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"config.pfedes_paper.schedule: unknown '{cfg.schedule}'; known: "
+                         f"{list(SCHEDULES)}")
     g_model = registry.ImageProxyG(cfg.input_spec)
-    local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
-    lr_g = cfg.g_lr_ratio * cfg.lr_local
+    local_opt = paper_sgd(cfg.lr_local, cfg.local_momentum, cfg.weight_decay, cfg.grad_clip_norm)
+    g_opt = paper_sgd(cfg.g_lr_ratio * cfg.lr_local, cfg.local_momentum, cfg.weight_decay,
+                      cfg.grad_clip_norm)
     dummy_x = cfg.input_spec.dummy_batch()
 
     def init_server(rng: jax.Array, archs: tuple[str, ...] = ()) -> ServerState:
@@ -83,38 +124,60 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
             params = model.init(rng, dummy_x)
             return ClientState(params, local_opt.init(params))
 
-        def train_step(carry, batch):
+        def f_loss(p, g_params, x, y, mask):
+            gx = jax.lax.stop_gradient(g_model.apply(g_params, x))  # G frozen
+            ce_x = local_training.cross_entropy(model.apply(p, x), y, mask)
+            ce_gx = local_training.cross_entropy(model.apply(p, gx, True), y, mask)
+            return (1.0 - cfg.mu) * ce_x + cfg.mu * ce_gx, ce_x
+
+        def g_loss(q, f_params, x, y, mask):
+            frozen = jax.lax.stop_gradient(f_params)  # F_k frozen
+            return local_training.cross_entropy(model.apply(frozen, g_model.apply(q, x), True),
+                                                y, mask)
+
+        def f_step(carry, batch):
             params, opt_state, g_params = carry
-            x, y, mask = batch
-            gx = jax.lax.stop_gradient(g_model.apply(g_params, x))  # G frozen in step 1
+            grads, ce_x = jax.grad(f_loss, has_aux=True)(params, g_params, *batch)
+            updates, opt_state = local_opt.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state, g_params), jnp.stack([ce_x])
 
-            def f_loss(p):
-                ce_x = local_training.cross_entropy(model.apply(p, x), y, mask)
-                ce_gx = local_training.cross_entropy(model.apply(p, gx, True), y, mask)
-                return (1.0 - cfg.mu) * ce_x + cfg.mu * ce_gx, ce_x
+        def g_step(carry, batch):
+            g_params, g_state, f_params = carry
+            ce_g, grads = jax.value_and_grad(g_loss)(g_params, f_params, *batch)
+            updates, g_state = g_opt.update(grads, g_state, g_params)
+            return (optax.apply_updates(g_params, updates), g_state, f_params), jnp.stack([ce_g])
 
-            f_grads, ce_x = jax.grad(f_loss, has_aux=True)(params)
-            updates, opt_state = local_opt.update(f_grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-
-            frozen = jax.lax.stop_gradient(params)  # F_k frozen in step 2
-
-            def g_loss(q):
-                logits = model.apply(frozen, g_model.apply(q, x), True)
-                return local_training.cross_entropy(logits, y, mask)
-
-            ce_g, g_grads = jax.value_and_grad(g_loss)(g_params)
-            g_params = jax.tree.map(lambda q, g: q - lr_g * g, g_params, g_grads)
-            return (params, opt_state, g_params), jnp.stack([ce_x, ce_g])
+        def interleaved_step(carry, batch):
+            params, opt_state, g_params, g_state = carry
+            (params, opt_state, _), ce_x = f_step((params, opt_state, g_params), batch)
+            (g_params, g_state, _), ce_g = g_step((g_params, g_state, params), batch)
+            return (params, opt_state, g_params, g_state), jnp.concatenate([ce_x, ce_g])
 
         def client_update(global_g, state: ClientState, data, rng):
-            (params, opt_state, local_g), sums, n_active = local_training.run_local_epochs(
-                train_step, (state.params, state.opt_state, global_g), data, rng,
-                cfg.batch_size, cfg.local_epochs, cfg.unroll_local_steps)
-            n = jnp.maximum(n_active, 1.0)
+            if cfg.schedule == "interleaved":
+                carry = (state.params, state.opt_state, global_g, g_opt.init(global_g))
+                (params, opt_state, local_g, _), sums, n_active = \
+                    local_training.run_local_epochs(interleaved_step, carry, data, rng,
+                                                    cfg.batch_size, cfg.local_epochs,
+                                                    cfg.unroll_local_steps)
+                n = jnp.maximum(n_active, 1.0)
+                f_ce, g_ce, steps = sums[0] / n, sums[1] / n, n_active
+            else:
+                f_rng, g_rng = jax.random.split(rng)
+                (params, opt_state, _), f_sums, f_n = local_training.run_local_epochs(
+                    f_step, (state.params, state.opt_state, global_g), data, f_rng,
+                    cfg.batch_size, cfg.local_epochs, cfg.unroll_local_steps)
+                (local_g, _, _), g_sums, g_n = local_training.run_local_epochs(
+                    g_step, (global_g, g_opt.init(global_g), params),
+                    g_phase_arrays(data, cfg.batch_size, cfg.g_extra_epochs), g_rng,
+                    cfg.batch_size, cfg.local_epochs + cfg.g_extra_epochs,
+                    cfg.unroll_local_steps)
+                f_ce = f_sums[0] / jnp.maximum(f_n, 1.0)
+                g_ce = g_sums[0] / jnp.maximum(g_n, 1.0)
+                steps = f_n + g_n
             delta = jax.tree.map(jnp.subtract, local_g, global_g)
-            metrics = {"train_ce_loss": sums[0] / n, "train_g_ce_loss": sums[1] / n,
-                       "local_steps": n_active, "update_norm": optax.tree.norm(delta)}
+            metrics = {"train_ce_loss": f_ce, "train_g_ce_loss": g_ce,
+                       "local_steps": steps, "update_norm": optax.tree.norm(delta)}
             return local_g, ClientState(params, opt_state), metrics
 
         def evaluate(global_g, state: ClientState, test, global_x, global_y):
@@ -126,9 +189,20 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
     return Algorithm("pfedes_paper", init_server, broadcast, broadcast, server_update,
                      cohort_program)
 
+def g_phase_arrays(data, batch_size: int, extra_epochs: int):
+    """One client's arrays for the G phase: a step cap (adaptive epochs) grows by
+    `extra_epochs` of the client's own batches, so G runs E_i + extra epochs when F ran E_i."""
+    limit = getattr(data, "step_limit", None)
+    if limit is None:
+        return data
+    per_epoch = -(-data.sizes // min(batch_size, data.y.shape[0]))
+    return data.replace(step_limit=limit + extra_epochs * per_epoch)
+
+
 def _build(inputs: BuildInputs) -> Algorithm:
-    return pfedes_paper(PFedESPaperConfig(**inputs.local_training(),
-                                          **inputs.config.pfedes_paper.to_dict()))
+    section = {k: v for k, v in inputs.config.pfedes_paper.to_dict().items()
+               if k not in OPTIMIZER_OVERRIDES}  # those arrive through local_training()
+    return pfedes_paper(PFedESPaperConfig(**inputs.local_training(), **section))
 
 
 def _check(config) -> None:
@@ -137,6 +211,17 @@ def _check(config) -> None:
         raise ValueError(f"config.pfedes_paper.mu must be in [0, 1], got {section.mu}")
     if not section.g_lr_ratio > 0:
         raise ValueError(f"config.pfedes_paper.g_lr_ratio must be > 0, got {section.g_lr_ratio}")
+    if section.schedule not in SCHEDULES:
+        raise ValueError(f"config.pfedes_paper.schedule: unknown '{section.schedule}'; known: "
+                         f"{list(SCHEDULES)}")
+    for field in ("g_extra_epochs", "weight_decay", "grad_clip_norm"):
+        if section[field] < 0:
+            raise ValueError(f"config.pfedes_paper.{field} must be >= 0, got {section[field]}")
+    if section.schedule == "paper" and config.system.deadline_s > 0:
+        raise ValueError("config.system.deadline_s: the round-deadline model counts one pass "
+                         "over the data per local epoch, and pfedes_paper's schedule 'paper' "
+                         "makes 2E + g_extra_epochs passes; use schedule 'interleaved' or no "
+                         "deadline")
 
 
 register(AlgorithmEntry(

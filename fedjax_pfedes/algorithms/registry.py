@@ -29,6 +29,40 @@ from fedjax_pfedes.data.spec import InputSpec
 AGGREGATIONS = ("shared", "per_cohort", "custom", "none")
 
 
+# Local-optimizer fields a method's config section may set to override `config.train` (floats:
+# -1 = inherit). E.g. `config.scaffold.local_momentum = 0.0`: SCAFFOLD's control variates assume
+# plain local SGD, and it diverges with the quick start's momentum 0.9 (docs/baselines.md).
+OPTIMIZER_OVERRIDES = ("lr_local", "local_momentum", "reset_local_optimizer")
+
+
+def local_optimizer(config: ml_collections.ConfigDict) -> dict:
+    """The local optimizer `config.algorithm` trains with: `config.train`'s lr_local,
+    local_momentum and reset_local_optimizer, each overridden by the method's own config section
+    where that section sets it (floats: -1 = inherit). `reset_local_optimizer` is reported False
+    for methods without a private optimizer state (they start every round fresh anyway)."""
+    section = config.get(config.algorithm) or {}
+    out = {}
+    for field in OPTIMIZER_OVERRIDES:
+        value = section.get(field, -1)
+        out[field] = config.train[field] if value is None or value == -1 else value
+    out["reset_local_optimizer"] = bool(out["reset_local_optimizer"]
+                                        and get(config.algorithm).private_optimizer)
+    return out
+
+
+def check_optimizer_overrides(config: ml_collections.ConfigDict) -> None:
+    """ValueError naming the field for a bad override in the method's section."""
+    section = config.get(config.algorithm) or {}
+    name = f"config.{config.algorithm}"
+    lr = section.get("lr_local", -1)
+    if lr != -1 and not lr > 0:
+        raise ValueError(f"{name}.lr_local must be > 0 (or -1 = config.train.lr_local), got {lr}")
+    m = section.get("local_momentum", -1)
+    if m != -1 and not 0 <= m < 1:
+        raise ValueError(f"{name}.local_momentum must be in [0, 1) (or -1 = "
+                         f"config.train.local_momentum), got {m}")
+
+
 @dataclasses.dataclass(frozen=True)
 class BuildInputs:
     """What `build` gets: the experiment config and the facts of the partitioned dataset.
@@ -48,11 +82,12 @@ class BuildInputs:
     clients_per_arch: collections.Counter
 
     def local_training(self) -> dict:
-        """The local-training settings every method's config dataclass takes."""
-        t = self.config.train
+        """The local-training settings every method's config dataclass takes (the local
+        optimizer from `local_optimizer`: `config.train`, or the method's own section)."""
+        opt = local_optimizer(self.config)
         return dict(num_classes=self.num_classes, input_spec=self.input_spec,
-                    lr_local=t.lr_local, local_momentum=t.local_momentum,
-                    local_epochs=self.local_epochs, batch_size=t.batch_size,
+                    lr_local=opt["lr_local"], local_momentum=opt["local_momentum"],
+                    local_epochs=self.local_epochs, batch_size=self.config.train.batch_size,
                     unroll_local_steps=self.config.execution.unroll_local_steps)
 
     def dp_sgd(self) -> local_training.DPSGDConfig | None:
@@ -154,7 +189,7 @@ def build(config: ml_collections.ConfigDict, num_classes: int, input_spec: Input
     entry = get(config.algorithm)
     algorithm = entry.build(BuildInputs(config, num_classes, input_spec, local_epochs,
                                         clients_per_arch))
-    if entry.private_optimizer and config.train.reset_local_optimizer:
+    if local_optimizer(config)["reset_local_optimizer"]:
         programs = algorithm.cohort_program
         algorithm = dataclasses.replace(
             algorithm, cohort_program=lambda arch: with_fresh_local_optimizer(programs(arch)))
