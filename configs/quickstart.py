@@ -35,6 +35,9 @@ def get_config() -> ml_collections.ConfigDict:
     # train.local_momentum = m and none here, E_proxy's effective step is proxy_lr_ratio x (1 - m)
     # of the local one; proxy_momentum = m keeps the ratio.
     config.proxy_momentum = 0.0
+    # Start E_proxy from a saved one instead of a random initialization ('' = random), e.g. one
+    # pretrained on the public share of the data: python -m launch.pretrain_proxy (README).
+    config.proxy_init = ""
 
     # Other methods: one section per method (`python -m launch.methods` lists them). The FedAvg
     # family (fedavg, fedprox, fedavgm, fedadam, scaffold, fednova, fedbn) runs per architecture
@@ -103,6 +106,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.data.text_max_length = 64     # text: tokens per example (truncate / pad)
     config.data.text_vocab_size = 10000  # text: vocabulary incl. padding (0) and unknown (1)
     config.data.global_test_fraction = 0.2  # held out as global test set (no official test split)
+    # Share of the training pool held out as public data (class-stratified, seeded) before the
+    # partition: no client owns it; launch.pretrain_proxy trains E_proxy on it (0 = none).
+    config.data.public_fraction = 0.0
     config.data.num_clients = 20
     # 'iid' | 'dirichlet' | 'pathological' | 'quantity_skew' | 'natural' (writers; femnist/npz)
     config.data.partition = "dirichlet"

@@ -33,7 +33,8 @@ from fedjax_pfedes.config_validation import ConfigError, check_against_data
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.federated import FederatedData, partition_dataset
 from fedjax_pfedes.data.profile import DataProfile, profile_partition
-from fedjax_pfedes.data.sources import LoadOptions
+from fedjax_pfedes.data.public import split_public
+from fedjax_pfedes.data.sources import CentralDataset, LoadOptions
 from fedjax_pfedes.metrics_io import write_json
 from fedjax_pfedes.rounds import tree_size
 from fedjax_pfedes.sim_state import SimState
@@ -49,10 +50,22 @@ def load_options(config: ml_collections.ConfigDict) -> LoadOptions:
                        text_max_length=d.text_max_length, text_vocab_size=d.text_vocab_size)
 
 
+def load_pool(config: ml_collections.ConfigDict
+              ) -> tuple[CentralDataset, tuple[np.ndarray, np.ndarray]]:
+    """The configured dataset with its public share (`config.data.public_fraction`, for
+    `launch.pretrain_proxy`) held out of the pool: (dataset, (public x, public y))."""
+    central = load_dataset(config.data.name, load_options(config))
+    try:
+        return split_public(central, config.data.public_fraction, config.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def build_federated_data(config: ml_collections.ConfigDict) -> FederatedData:
-    """Loads the configured dataset and partitions it over clients."""
+    """Loads the configured dataset and partitions it over clients (the public share, if any,
+    excluded)."""
     d = config.data
-    central = load_dataset(d.name, load_options(config))
+    central, _ = load_pool(config)
     check_against_data(config, central)
     try:
         return partition_dataset(

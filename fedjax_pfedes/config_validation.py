@@ -114,6 +114,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              f"(0, 1), got {data.global_test_fraction}")
     _require(data.partition in PARTITIONS, f"config.data.partition: unknown partition "
              f"'{data.partition}'; known: {list(PARTITIONS)}")
+    with_proxy = [n for n, e in algorithm_registry.entries().items() if e.proxy_init]
+    _require(not config.proxy_init or entry.proxy_init, f"config.proxy_init: only {with_proxy} "
+             f"start from a saved E_proxy, not '{config.algorithm}'; set it to ''")
+    _require(0 <= data.public_fraction < 1, "config.data.public_fraction must be in [0, 1), "
+             f"got {data.public_fraction}")
     _require(data.dirichlet_alpha > 0,
              f"config.data.dirichlet_alpha must be > 0, got {data.dirichlet_alpha}")
     _require(data.quantity_sigma >= 0,

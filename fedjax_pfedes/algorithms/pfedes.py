@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedjax_pfedes import aggregation, alignment, local_training
+from fedjax_pfedes import aggregation, alignment, local_training, proxy_init
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.models import registry
@@ -42,6 +42,9 @@ class PFedESConfig(LocalTrainingConfig):
     loss also reaches the other side's parameters (finding F5 asks what that does): E_proxy then
     also descends lam * align(e_local, E_proxy(x)) at its own learning rate, and the private
     model also descends align(E_proxy(x), e_local) at the local one.
+
+    `proxy_init`: path of a saved E_proxy (`launch.pretrain_proxy`) to start from instead of a
+    random initialization ('' = random).
 
     `proxy_momentum`: heavy-ball momentum of E_proxy's local SGD (trace reset every round, as
     E_proxy arrives fresh from the server). With local momentum m and none on E_proxy, E_proxy's
@@ -62,6 +65,7 @@ class PFedESConfig(LocalTrainingConfig):
     stop_gradient_proxy: bool = True
     stop_gradient_local: bool = True
     proxy_momentum: float = 0.0
+    proxy_init: str = ""
 
 
 @struct.dataclass
@@ -95,9 +99,14 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
     lr_proxy = cfg.proxy_lr_ratio * cfg.lr_local
     dummy_x = cfg.input_spec.dummy_batch()
 
+    pretrained = (proxy_init.load(cfg.proxy_init, proxy.init(jax.random.key(0), dummy_x))
+                  if cfg.proxy_init else None)
+
     def init_server(rng: jax.Array, archs: tuple[str, ...] = ()) -> ServerState:
         del archs  # one E_proxy shared by every cohort
-        return ServerState(proxy.init(rng, dummy_x), jnp.zeros((), jnp.int32))
+        params = (proxy.init(rng, dummy_x) if pretrained is None
+                  else jax.tree.map(jnp.asarray, pretrained))
+        return ServerState(params, jnp.zeros((), jnp.int32))
 
     def broadcast(state: ServerState, arch: str = "") -> dict:
         del arch
@@ -249,10 +258,48 @@ def _build(inputs: BuildInputs) -> Algorithm:
         projection_layernorm=c.projection_layernorm, warmup_steps=c.warmup_steps,
         server_momentum=c.server_momentum, dp_sgd=inputs.dp_sgd(),
         stop_gradient_proxy=c.stop_gradient_proxy, stop_gradient_local=c.stop_gradient_local,
-        proxy_momentum=c.proxy_momentum))
+        proxy_momentum=c.proxy_momentum, proxy_init=c.proxy_init))
+
+
+# Settings that decide which samples form the pool (and so its public share).
+POOL_FIELDS = ("data.name", "seed", "data.max_train_samples", "data.global_test_fraction",
+               "data.public_fraction")
+
+
+def pool_of(config) -> dict:
+    """The values of `POOL_FIELDS` in `config`."""
+    out = {}
+    for field in POOL_FIELDS:
+        value = config
+        for part in field.split("."):
+            value = value[part]
+        out[field] = value
+    return out
+
+
+def check_proxy_init(config) -> None:
+    """A saved E_proxy must match this run's E_proxy, and when pretrained on this dataset, its
+    public share must be the one this run holds out (else clients would own its samples)."""
+    meta, _ = proxy_init.read(config.proxy_init)
+    for field in ("proxy_arch", "proxy_dim"):
+        if meta.get(field) != config[field]:
+            raise ValueError(f"config.proxy_init: '{config.proxy_init}' holds an E_proxy with "
+                             f"{field}={meta.get(field)!r}; this run has "
+                             f"config.{field}={config[field]!r}")
+    pool = meta.get("pool", {})
+    if pool.get("data.name") == config.data.name:
+        differ = {k: v for k, v in pool.items() if pool_of(config).get(k) != v}
+        if differ:
+            wanted = ", ".join(f"config.{k}={v!r}" for k, v in differ.items())
+            raise ValueError(f"config.proxy_init: '{config.proxy_init}' was pretrained on the "
+                             f"public share of '{config.data.name}' held out with {wanted}; "
+                             "with this run's settings its clients would own some of those "
+                             "samples. Set the same values, or pretrain again")
 
 
 def _check(config) -> None:
+    if config.proxy_init:
+        check_proxy_init(config)
     if not 0 <= config.proxy_momentum < 1:
         raise ValueError(f"config.proxy_momentum must be in [0, 1), got {config.proxy_momentum}")
     if config.dp_sgd.enabled and not (config.stop_gradient_proxy and config.stop_gradient_local):
@@ -265,6 +312,6 @@ def _check(config) -> None:
 
 
 register(AlgorithmEntry(
-    "pfedes", _build, asynchronous=True, dp_sgd=True, check=_check,
+    "pfedes", _build, asynchronous=True, dp_sgd=True, check=_check, proxy_init=True,
     private_optimizer=True,
     summary="pFedES, feature alignment to a shared proxy extractor (docs/design.md)"))

@@ -120,6 +120,7 @@ class AlgorithmEntry:
         (`ClientState.opt_state`) lives across rounds; `config.train.reset_local_optimizer`
         resets it at the start of each round. Methods without it start every round's local
         optimizer fresh (the FedAvg family: the local model restarts from the global one).
+      proxy_init: can start its shared E_proxy from a saved one (`config.proxy_init`).
       check: config -> None, raising ValueError naming the field, for the method's own config
         section (run by `config_validation` before anything is built).
       summary: one line for listings, with the paper.
@@ -135,6 +136,7 @@ class AlgorithmEntry:
     shared_model: bool = False
     schedule_depends_on_rounds: bool = False
     private_optimizer: bool = False
+    proxy_init: bool = False
     check: Callable[[ml_collections.ConfigDict], None] | None = None
     summary: str = ""
 

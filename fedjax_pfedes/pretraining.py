@@ -1,0 +1,116 @@
+"""Pretraining E_proxy on the public share of the data (`config.data.public_fraction`).
+
+Supervised: E_proxy followed by a linear classifier head, trained with SGD on cross-entropy over
+the public samples, which no client owns (`data.public`). Only E_proxy is kept; the head is a
+probe whose accuracy on the global test set is reported. A run then starts from it with
+`config.proxy_init` (`algorithms/pfedes.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from fedjax_pfedes import local_training, proxy_init
+from fedjax_pfedes.algorithms.pfedes import pool_of
+from fedjax_pfedes.builders import load_pool
+from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
+from fedjax_pfedes.models import registry
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainSettings:
+    """How E_proxy is pretrained (flags of `launch.pretrain_proxy`)."""
+
+    epochs: int = 10
+    lr: float = 0.05
+    momentum: float = 0.9
+    batch_size: int = 64
+
+    def __post_init__(self):
+        for name, ok in (("epochs", self.epochs >= 1), ("lr", self.lr > 0),
+                         ("momentum", 0 <= self.momentum < 1),
+                         ("batch_size", self.batch_size >= 1)):
+            if not ok:
+                raise ConfigError(f"--{name}={getattr(self, name)} is out of range")
+
+
+def pretrain_proxy(config: ml_collections.ConfigDict, settings: PretrainSettings,
+                   show_progress: bool = True) -> tuple[Any, dict]:
+    """Trains E_proxy (config.proxy_arch, config.proxy_dim) with a linear head on the public
+    share; returns (E_proxy parameters, report with accuracies and sample counts)."""
+    validate_config(config)
+    central, (x, y) = load_pool(config)
+    check_against_data(config, central)
+    if len(y) == 0:
+        raise ConfigError("config.data.public_fraction is 0: there is no public data to pretrain "
+                          "E_proxy on (e.g. --config.data.public_fraction=0.1)")
+    spec = central.input_spec
+    proxy = registry.proxy_model(config.proxy_arch, config.proxy_dim, spec)
+    head = nn.Dense(central.num_classes)
+    k_proxy, k_head = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 31))
+    params = (proxy.init(k_proxy, spec.dummy_batch()),
+              head.init(k_head, jnp.zeros((1, config.proxy_dim))))
+    optimizer = local_training.sgd(settings.lr, settings.momentum)
+    opt_state = optimizer.init(params)
+
+    def logits_of(p, xb):
+        return head.apply(p[1], proxy.apply(p[0], xb))
+
+    @jax.jit
+    def step(p, s, xb, yb):
+        loss, grads = jax.value_and_grad(lambda q: jnp.mean(
+            optax.softmax_cross_entropy_with_integer_labels(logits_of(q, xb), yb)))(p)
+        updates, s = optimizer.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    @jax.jit
+    def correct(p, xb, yb):
+        return jnp.sum(jnp.argmax(logits_of(p, xb), -1) == yb)
+
+    def accuracy(p, xs, ys):
+        hits = sum(int(correct(p, xs[i:i + 512], ys[i:i + 512])) for i in range(0, len(ys), 512))
+        return hits / max(len(ys), 1)
+
+    rng = np.random.default_rng([config.seed, 31])
+    batch = min(settings.batch_size, len(y))
+    losses = []
+    bar = tqdm(range(settings.epochs), desc="pretraining E_proxy", disable=not show_progress)
+    for _ in bar:
+        order = rng.permutation(len(y))
+        epoch_losses = []
+        for i in range(0, len(order) - batch + 1, batch):  # full batches: one compiled shape
+            rows = order[i:i + batch]
+            params, opt_state, loss = step(params, opt_state, jnp.asarray(x[rows]),
+                                           jnp.asarray(y[rows]))
+            epoch_losses.append(float(loss))
+        losses.append(float(np.mean(epoch_losses)))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        if not np.isfinite(losses[-1]):
+            raise ConfigError(f"pretraining diverged at epoch {len(losses)} (loss "
+                              f"{losses[-1]}); lower --lr")
+    report = {
+        "public_samples": int(len(y)),
+        "epochs": settings.epochs,
+        "loss_per_epoch": losses,
+        "public_accuracy": accuracy(params, x, y),
+        "global_test_accuracy_linear_probe": accuracy(params, central.x_test, central.y_test),
+        "settings": dataclasses.asdict(settings),
+    }
+    return params[0], report
+
+
+def save_pretrained(path: str, config: ml_collections.ConfigDict, params: Any,
+                    report: dict) -> None:
+    """Writes the E_proxy file `config.proxy_init` reads, with what it is and was trained on."""
+    proxy_init.save(path, params, {
+        "proxy_arch": config.proxy_arch, "proxy_dim": config.proxy_dim,
+        "pool": pool_of(config), "report": report})
