@@ -131,7 +131,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.rounds = 20
     config.train.client_fraction = 0.5   # C: share of clients sampled each round
     # 'uniform' (m = C*N each round) | 'poisson' (each w.p. C) | 'stratified' (quotas per
-    # bucket of sample count x availability class, least-selected clients first)
+    # bucket of sample count x availability class, least-selected clients first) | 'coverage'
+    # (greedy: each next client fills the labels the round's selection lacks; the server learns
+    # every client's label histogram; refused with DP)
     config.train.sampling = "uniform"
     config.train.strata = 3              # stratified: sample-count buckets (quantiles)
     config.train.min_samples = 0         # clients with fewer local samples ..

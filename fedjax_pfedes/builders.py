@@ -215,6 +215,9 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         planned_steps=planned, strategy_choices=choices,
         statically_eligible=eligible,
         strata=sampling.size_strata(sizes, t.strata, profiles.availability_class),
+        label_counts=np.stack([np.bincount(data.central.y_train[i],
+                                           minlength=data.central.num_classes)
+                               for i in data.train_indices]),
         upload_bytes={c.arch: upload_bytes_per_arch(pipeline, algorithm, server_state, c.arch)
                       for c in cohorts},
         download_bytes={c.arch: float(tree_size(algorithm.broadcast(server_state, c.arch))[1])

@@ -138,6 +138,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(train.rounds >= 1, f"config.train.rounds must be >= 1, got {train.rounds}")
     _require(train.sampling in SAMPLING_METHODS, f"config.train.sampling: unknown "
              f"'{train.sampling}'; known: {list(SAMPLING_METHODS)}")
+    _require(train.sampling != "coverage" or not (config.dp.enabled or config.dp_sgd.enabled),
+             "config.train.sampling='coverage' picks clients by their label histograms, so one "
+             "client's data changes who else takes part and DP's per-client sensitivity bound "
+             "fails; with config.dp / config.dp_sgd use 'uniform' or 'poisson'")
     _require(train.strata >= 1, f"config.train.strata must be >= 1, got {train.strata}")
     _require(train.min_samples >= 0,
              f"config.train.min_samples must be >= 0 (0 = off), got {train.min_samples}")

@@ -53,6 +53,7 @@ class RunContext:
     strategy_choices: dict       # arch -> strategy_choice.Choice as a dict ('auto' only)
     statically_eligible: np.ndarray  # [N] False below the minimum-samples threshold ('skip')
     strata: np.ndarray           # [N] stratum of every client (stratified sampling)
+    label_counts: np.ndarray     # [N, C] local train labels (coverage sampling, monitoring)
     upload_bytes: dict[str, float]    # per architecture, as sent (simulated upload time)
     download_bytes: dict[str, float]  # per architecture
     step_limits: bool            # whether local steps are capped per client (ClientArrays)
@@ -262,11 +263,17 @@ def select_clients(ctx: RunContext, sampler: sampling.SamplerState, round_index:
         planned = m
         selected = sampling.stratified_sample(cfg.seed, round_index, m, eligible, weights,
                                               ctx.strata, sampler)
+    elif t.sampling == "coverage" and count is None:
+        planned = m
+        selected = sampling.coverage_sample(cfg.seed, round_index, m, eligible, weights,
+                                            ctx.label_counts)
     else:
         planned = m
         selected = sampling.weighted_uniform(cfg.seed, round_index, m, eligible, weights)
     return selected, {"planned_participants": planned, "online_clients": int(online.sum()),
-                      "selected": len(selected)}
+                      "selected": len(selected),
+                      "selected_label_coverage": sampling.label_coverage(ctx.label_counts,
+                                                                         selected)}
 
 
 def simulate_selected(ctx: RunContext, round_index: int, selected: np.ndarray

@@ -6,6 +6,9 @@ history and availability, a share of every round for each bucket — plus a mini
 (skip tiny clients or give them fewer epochs) and local epochs adapted to client size. Clients
 that keep failing are sampled less.
 
+Coverage sampling (`coverage_sample`) fills the round's label distribution: each next participant
+is one whose labels the selection so far lacks most (the design's label-coverage extension).
+
 Every draw depends only on (seed, round) and the `SamplerState` (participation history), which the
 checkpoint saves, so a resumed run selects the same clients as an unbroken one.
 """
@@ -16,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-METHODS = ("uniform", "poisson", "stratified")
+METHODS = ("uniform", "poisson", "stratified", "coverage")
 BELOW_MIN = ("skip", "one_epoch")
 
 
@@ -184,3 +187,51 @@ def planned_steps(sizes: np.ndarray, capacity: np.ndarray, batch_size: int,
     `local_training.batch_schedule`)."""
     batch = np.minimum(batch_size, np.asarray(capacity))
     return np.asarray(epochs) * -(-np.asarray(sizes) // batch)
+
+
+def coverage_sample(seed: int, round_index: int, m: int, eligible: np.ndarray,
+                    weights: np.ndarray, label_counts: np.ndarray) -> np.ndarray:
+    """m eligible clients chosen greedily to cover the label distribution.
+
+    The first participant is drawn with probability proportional to `weights`. Each next one is,
+    among the eligible clients not yet chosen, one with the largest coverage gain
+    p_k . max(0, g - q): p_k its label distribution, g the pooled label distribution of all
+    eligible clients, q that of the clients chosen so far (sample-weighted); ties are broken at
+    random in proportion to `weights`. On a population of one-class clients it picks a client of
+    a new class as long as one is left.
+
+    The server must know every client's label histogram (`label_counts` [N, C]), which is a
+    disclosure of its own, and the choice depends on the clients' data: client-level DP and
+    DP-SGD refuse this method (one client's data would change who else is selected, so the
+    sensitivity bound of one client's contribution no longer holds).
+    """
+    candidates = np.flatnonzero(eligible)
+    if len(candidates) <= m:
+        return candidates
+    rng = np.random.default_rng([seed, round_index, 2])
+    counts = np.asarray(label_counts, np.float64)
+    dist = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
+    target = counts[candidates].sum(axis=0)
+    target = target / max(target.sum(), 1.0)
+    pooled = np.zeros(counts.shape[1])
+    chosen = []
+    for _ in range(m):
+        if pooled.sum() == 0:
+            gain = np.ones(len(candidates))
+        else:
+            gain = dist[candidates] @ np.maximum(target - pooled / pooled.sum(), 0.0)
+        best = candidates[gain >= gain.max() - 1e-12]
+        w = weights[best] / weights[best].sum()
+        pick = int(rng.choice(best, p=w))
+        chosen.append(pick)
+        pooled += counts[pick]
+        candidates = candidates[candidates != pick]
+    return np.sort(np.array(chosen, np.int64))
+
+
+def label_coverage(label_counts: np.ndarray, selected: np.ndarray) -> float:
+    """Share of the classes held by at least one of the `selected` clients."""
+    if len(selected) == 0:
+        return 0.0
+    present = np.asarray(label_counts)[selected].sum(axis=0) > 0
+    return float(present.mean())

@@ -198,8 +198,8 @@ def test_published_pfedes_proxy_g_has_443_parameters_on_rgb():
 
 
 def test_published_pfedes_interleaved_alternation_matches_a_hand_reference():
-    """schedule='interleaved': F_k steps on (1-mu) CE(F(x)) + mu CE(F(G(x))) with G fixed; then G steps on
-    CE(F_new(G(x))) with F fixed at its new value; the upload is G."""
+    """schedule='interleaved': F_k steps on (1-mu) CE(F(x)) + mu CE(F(G(x))) with G fixed; then
+    G steps on CE(F_new(G(x))) with F fixed at its new value; the upload is G."""
     from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
     from fedjax_pfedes.models import registry
 
@@ -241,8 +241,8 @@ def _torch_sgd(params, grads_fn, steps, lr, momentum, wd, clip):
     buf = None
     for _ in range(steps):
         g = grads_fn(params)
-        norm = np.sqrt(sum(float(jnp.sum(v ** 2)) for v in jax.tree.leaves(g)))
-        g = jax.tree.map(lambda v: v * min(1.0, clip / norm), g)
+        scale = min(1.0, clip / np.sqrt(sum(float(jnp.sum(v ** 2)) for v in jax.tree.leaves(g))))
+        g = jax.tree.map(lambda v, s=scale: v * s, g)
         g = jax.tree.map(lambda v, w: v + wd * w, g, params)
         buf = g if buf is None else jax.tree.map(lambda b, v: momentum * b + v, buf, g)
         params = jax.tree.map(lambda w, b: w - lr * b, params, buf)
