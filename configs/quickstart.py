@@ -38,6 +38,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Start E_proxy from a saved one instead of a random initialization ('' = random), e.g. one
     # pretrained on the public share of the data: python -m launch.pretrain_proxy (README).
     config.proxy_init = ""
+    # Multi-scale alignment: one weight per E_proxy scale ('1.0' = single scale). E.g. '1.0,0.5'
+    # also aligns a second client projection head with E_proxy's last conv layer (proxy_cnn).
+    config.proxy_scales = "1.0"
 
     # Other methods: one section per method (`python -m launch.methods` lists them). The FedAvg
     # family (fedavg, fedprox, fedavgm, fedadam, scaffold, fednova, fedbn) runs per architecture

@@ -54,3 +54,15 @@ def get_alignment(name: str, temperature: float = 0.1) -> AlignLoss:
         return make_contrastive_alignment(temperature)
     raise ValueError(f"config.align: unknown alignment '{name}'; "
                      "known: ['contrastive', 'cosine', 'mse']")
+
+
+def multi_scale(align: AlignLoss, weights: tuple[float, ...]) -> AlignLoss:
+    """sum_s weights[s] * align(a[:, s], b[:, s], mask) over the scale axis of [B, S, d] features;
+    with one weight, weights[0] * align(a, b, mask) on [B, d] features."""
+    if len(weights) == 1:
+        return lambda a, b, mask: weights[0] * align(a, b, mask)
+
+    def aligned(a, b, mask):
+        return sum(w * align(a[:, s], b[:, s], mask) for s, w in enumerate(weights))
+
+    return aligned

@@ -94,8 +94,11 @@ def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
     # Static local epochs: the most any client runs (fewer are masked by ClientArrays.step_limit).
     epochs = int(client_epochs(config, np.array([len(i) for i in data.train_indices])).max())
     archs = assign_architectures(config.clients.architectures, data.num_clients)
-    return algorithm_registry.build(config, c.num_classes, c.input_spec, epochs,
-                                    collections.Counter(archs))
+    try:
+        return algorithm_registry.build(config, c.num_classes, c.input_spec, epochs,
+                                        collections.Counter(archs))
+    except ValueError as e:  # a setting that does not fit the dataset, naming the field
+        raise ConfigError(f"{e} (config.data.name='{config.data.name}')") from None
 
 
 def build_pipeline(config: ml_collections.ConfigDict, algorithm, num_clients: int

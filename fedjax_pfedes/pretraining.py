@@ -20,7 +20,7 @@ import optax
 from tqdm.auto import tqdm
 
 from fedjax_pfedes import local_training, proxy_init
-from fedjax_pfedes.algorithms.pfedes import pool_of
+from fedjax_pfedes.algorithms.pfedes import parse_scales, pool_of
 from fedjax_pfedes.builders import load_pool
 from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
 from fedjax_pfedes.models import registry
@@ -54,7 +54,8 @@ def pretrain_proxy(config: ml_collections.ConfigDict, settings: PretrainSettings
         raise ConfigError("config.data.public_fraction is 0: there is no public data to pretrain "
                           "E_proxy on (e.g. --config.data.public_fraction=0.1)")
     spec = central.input_spec
-    proxy = registry.proxy_model(config.proxy_arch, config.proxy_dim, spec)
+    scales = len(parse_scales(config.proxy_scales))
+    proxy = registry.proxy_model(config.proxy_arch, config.proxy_dim, spec, scales)
     head = nn.Dense(central.num_classes)
     k_proxy, k_head = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 31))
     params = (proxy.init(k_proxy, spec.dummy_batch()),
@@ -62,8 +63,9 @@ def pretrain_proxy(config: ml_collections.ConfigDict, settings: PretrainSettings
     optimizer = local_training.sgd(settings.lr, settings.momentum)
     opt_state = optimizer.init(params)
 
-    def logits_of(p, xb):
-        return head.apply(p[1], proxy.apply(p[0], xb))
+    def logits_of(p, xb):  # the probe reads E_proxy's usual output (scale 0)
+        e = proxy.apply(p[0], xb)
+        return head.apply(p[1], e[:, 0] if scales > 1 else e)
 
     @jax.jit
     def step(p, s, xb, yb):

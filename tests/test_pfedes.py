@@ -330,3 +330,79 @@ def test_proxy_momentum_matches_heavy_ball_on_e_proxy_over_three_steps():
     without = _setup(_cfg(align="mse", local_epochs=3, local_momentum=0.9))[1]
     plain, _, _ = without.client_update(server.proxy_params, client, data, jax.random.key(2))
     assert not np.allclose(jax.tree.leaves(plain)[0], jax.tree.leaves(upload)[0])
+
+
+def test_one_proxy_scale_is_the_single_scale_algorithm():
+    """proxy_scales=(1.0,) builds the same parameters and takes the same steps as the default."""
+    from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
+    from fedjax_pfedes.data.spec import InputSpec
+
+    spec = InputSpec("image", (8, 8, 1), "float32", (0.0,), (1.0,))
+    rng = np.random.default_rng(0)
+    data = ClientArrays(jnp.asarray(rng.uniform(size=(8, 8, 8, 1)), jnp.float32),
+                        jnp.asarray(rng.integers(0, 3, 8), jnp.int32), jnp.int32(8))
+    results = []
+    for scales in ((1.0,), None):
+        kw = {} if scales is None else {"proxy_scales": scales}
+        alg = pfedes(PFedESConfig(num_classes=3, input_spec=spec, proxy_dim=4, batch_size=4,
+                                  lr_local=0.1, **kw))
+        program = alg.cohort_program("convnet3")
+        proxy = alg.broadcast(alg.init_server(jax.random.key(0)), "")
+        results.append(program.client_update(proxy, program.init_client(jax.random.key(1)),
+                                             data, jax.random.key(2))[:2])
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_multi_scale_alignment_matches_a_hand_computed_weighted_sum():
+    """Two scales: E_proxy emits [B, 2, d] (its output and its last conv layer, pooled), the
+    client one projection head per scale, and the local loss is
+    CE + lam (w0 mse(P0(z), E0(x)) + w1 mse(P1(z), E1(x)))."""
+    from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
+    from fedjax_pfedes.data.spec import InputSpec
+    from fedjax_pfedes.models import registry
+
+    spec = InputSpec("image", (8, 8, 1), "float32", (0.0,), (1.0,))
+    lam, w, lr = 0.7, (1.0, 0.25), 0.1
+    alg = pfedes(PFedESConfig(num_classes=3, input_spec=spec, proxy_dim=4, batch_size=8,
+                              lr_local=lr, lam=lam, proxy_scales=w))
+    program = alg.cohort_program("convnet3")
+    proxy_params = alg.broadcast(alg.init_server(jax.random.key(0)), "")
+    state = program.init_client(jax.random.key(1))
+    assert set(state.params["params"]) == {"backbone", "projection", "scale_projections_0",
+                                           "classifier"}
+    assert "out_scale1" in proxy_params["params"]
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(size=(8, 8, 8, 1)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 3, 8), jnp.int32)
+    _, new_state, _ = program.client_update(proxy_params, state, ClientArrays(x, y, jnp.int32(8)),
+                                            jax.random.key(2))
+    model = registry.client_model("convnet3", 3, 4, spec, projection_scales=2)
+    proxy = registry.proxy_model("proxy_cnn", 4, spec, scales=2)
+    e_proxy = proxy.apply(proxy_params, x)
+    assert e_proxy.shape == (8, 2, 4)
+
+    def loss(p):
+        logits, e = model.apply(p, x)
+        ce = -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(8), y])
+        al = sum(w[s] * jnp.mean((e[:, s] - e_proxy[:, s]) ** 2) for s in range(2))
+        return ce + lam * al
+
+    expected = jax.tree.map(lambda p, g: p - lr * g, state.params, jax.grad(loss)(state.params))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 new_state.params, expected)
+
+
+def test_proxy_scales_are_validated():
+    from fedjax_pfedes.config_validation import ConfigError, validate_config
+    from tests.fl_helpers import tiny_config
+
+    for value, message in (("1,x", "not a comma-separated list"), ("0,0", "not all 0"),
+                           ("1,0.5", r"need a conv E_proxy \(\['proxy_cnn'\]\)")):
+        config = tiny_config()
+        config.proxy_scales = value  # tiny_config's E_proxy is proxy_mlp
+        with pytest.raises(ConfigError, match=message):
+            validate_config(config)
+    spec = InputSpec("image", (8, 8, 1), "float32", (0.0,), (1.0,))
+    with pytest.raises(ValueError, match="5 weights, but E_proxy 'proxy_cnn' emits at most 4"):
+        registry.proxy_model("proxy_cnn", 4, spec, scales=5)

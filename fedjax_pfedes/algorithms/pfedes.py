@@ -43,6 +43,11 @@ class PFedESConfig(LocalTrainingConfig):
     also descends lam * align(e_local, E_proxy(x)) at its own learning rate, and the private
     model also descends align(E_proxy(x), e_local) at the local one.
 
+    `proxy_scales`: alignment weight of each E_proxy scale (the design's multi-scale extension):
+    (1.0,) is the single-scale algorithm; with S weights E_proxy also emits features of its S - 1
+    last conv layers (`models.registry.ProxyExtractor`), every client gets one projection head
+    per scale, and the alignment loss is sum_s w_s align(P_k^s(z), E_proxy^s(x)) on both sides.
+
     `proxy_init`: path of a saved E_proxy (`launch.pretrain_proxy`) to start from instead of a
     random initialization ('' = random).
 
@@ -66,6 +71,7 @@ class PFedESConfig(LocalTrainingConfig):
     stop_gradient_local: bool = True
     proxy_momentum: float = 0.0
     proxy_init: str = ""
+    proxy_scales: tuple[float, ...] = (1.0,)
 
 
 @struct.dataclass
@@ -93,8 +99,10 @@ def _freeze_backbone(grads: dict, frozen: jnp.ndarray) -> dict:
 
 def pfedes(cfg: PFedESConfig) -> Algorithm:
     """Builds the pFedES algorithm for a dataset described by `cfg`."""
-    proxy = registry.proxy_model(cfg.proxy_arch, cfg.proxy_dim, cfg.input_spec)
-    align = alignment.get_alignment(cfg.align, cfg.contrastive_temperature)
+    scales = len(cfg.proxy_scales)
+    proxy = registry.proxy_model(cfg.proxy_arch, cfg.proxy_dim, cfg.input_spec, scales)
+    align = alignment.multi_scale(alignment.get_alignment(cfg.align, cfg.contrastive_temperature),
+                                  cfg.proxy_scales)
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     lr_proxy = cfg.proxy_lr_ratio * cfg.lr_local
     dummy_x = cfg.input_spec.dummy_batch()
@@ -122,7 +130,7 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
 
     def cohort_program(arch: str) -> CohortProgram:
         model = registry.client_model(arch, cfg.num_classes, cfg.proxy_dim, cfg.input_spec,
-                                      cfg.projection_layernorm)
+                                      cfg.projection_layernorm, scales)
 
         def init_client(rng: jax.Array) -> ClientState:
             params = model.init(rng, dummy_x)
@@ -258,8 +266,25 @@ def _build(inputs: BuildInputs) -> Algorithm:
         projection_layernorm=c.projection_layernorm, warmup_steps=c.warmup_steps,
         server_momentum=c.server_momentum, dp_sgd=inputs.dp_sgd(),
         stop_gradient_proxy=c.stop_gradient_proxy, stop_gradient_local=c.stop_gradient_local,
-        proxy_momentum=c.proxy_momentum, proxy_init=c.proxy_init))
+        proxy_momentum=c.proxy_momentum, proxy_init=c.proxy_init,
+        proxy_scales=parse_scales(c.proxy_scales)))
 
+
+def parse_scales(text: str) -> tuple[float, ...]:
+    """`config.proxy_scales` ('1.0' or '1.0,0.5,...') as weights; ValueError naming the field."""
+    try:
+        weights = tuple(float(v) for v in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"config.proxy_scales: '{text}' is not a comma-separated list of "
+                         "weights, e.g. '1.0,0.5'") from None
+    if not all(w >= 0 and w == w and w != float("inf") for w in weights) or not any(weights):
+        raise ValueError(f"config.proxy_scales: weights must be finite, >= 0 and not all 0; "
+                         f"got '{text}'")
+    return weights
+
+
+# E_proxy bodies with intermediate layers to tap for config.proxy_scales.
+MULTI_SCALE_BODIES = ("proxy_cnn",)
 
 # Settings that decide which samples form the pool (and so its public share).
 POOL_FIELDS = ("data.name", "seed", "data.max_train_samples", "data.global_test_fraction",
@@ -298,6 +323,11 @@ def check_proxy_init(config) -> None:
 
 
 def _check(config) -> None:
+    scales = parse_scales(config.proxy_scales)
+    if len(scales) > 1 and config.proxy_arch not in MULTI_SCALE_BODIES:
+        raise ValueError(f"config.proxy_scales: {len(scales)} scales need a conv E_proxy "
+                         f"({list(MULTI_SCALE_BODIES)}), config.proxy_arch is "
+                         f"'{config.proxy_arch}'")
     if config.proxy_init:
         check_proxy_init(config)
     if not 0 <= config.proxy_momentum < 1:

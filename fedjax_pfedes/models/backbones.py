@@ -87,7 +87,10 @@ class ConvStack(nn.Module):
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, train: bool = False,
-                 mask: jnp.ndarray | None = None) -> jnp.ndarray:
+                 mask: jnp.ndarray | None = None, return_taps: bool = False):
+        """Features [B, out_features]; with `return_taps`, also the globally average-pooled
+        output of every conv layer (a list, first layer first)."""
+        taps = []
         for i, f in enumerate(self.features):
             x = Conv(f, (3, 3), padding="SAME", name=f"conv{i + 1}")(x)
             if self.batch_norm:
@@ -97,8 +100,10 @@ class ConvStack(nn.Module):
             x = nn.relu(x)
             if i in self.pool_after and min(x.shape[-3:-1]) >= 2:
                 x = max_pool_2x2(x)
+            taps.append(jnp.mean(x, axis=(1, 2)))
         x = x.reshape(x.shape[0], -1)
-        return nn.relu(nn.Dense(self.out_features, name="fc")(x))
+        out = nn.relu(nn.Dense(self.out_features, name="fc")(x))
+        return (out, taps) if return_taps else out
 
 
 class MLP(nn.Module):

@@ -36,16 +36,23 @@ class ClientModel(nn.Module):
     proxy_dim: int
     spec: InputSpec
     projection_layernorm: bool = False
+    projection_scales: int = 1  # > 1: one more projection head per extra E_proxy scale
 
     def setup(self):
         self.normalize = InputNormalization(self.spec)
         self.backbone = BACKBONES[self.arch].build(self.spec)
         self.projection = ProjectionHead(self.proxy_dim, self.projection_layernorm)
+        self.scale_projections = [ProjectionHead(self.proxy_dim, self.projection_layernorm)
+                                  for _ in range(self.projection_scales - 1)]
         self.classifier = nn.Dense(self.num_classes)
 
     def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """(logits [B, classes], e_local [B, d]; [B, scales, d] with several scales)."""
         z = self.backbone(self.normalize(x))
-        return self.classifier(z), self.projection(z)
+        e = self.projection(z)
+        if self.projection_scales > 1:
+            e = jnp.stack([e] + [p(z) for p in self.scale_projections], axis=1)
+        return self.classifier(z), e
 
 
 class ProxyExtractor(nn.Module):
@@ -54,12 +61,22 @@ class ProxyExtractor(nn.Module):
     arch: str
     dim: int
     spec: InputSpec
+    scales: int = 1
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        """[B, d] features; with `scales` S > 1, [B, S, d]: scale 0 is the usual output, scale s
+        a Dense to d of the globally pooled output of the body's s-th last conv layer (the
+        multi-scale extension of the design; conv bodies only)."""
         x = InputNormalization(self.spec)(x)
         body = PROXY_BODIES[self.arch].build(self.spec)
-        return nn.Dense(self.dim, name="out")(body(x))
+        if self.scales == 1:
+            return nn.Dense(self.dim, name="out")(body(x))
+        h, taps = body(x, return_taps=True)
+        outs = [nn.Dense(self.dim, name="out")(h)]
+        outs += [nn.Dense(self.dim, name=f"out_scale{s}")(taps[-s])
+                 for s in range(1, self.scales)]
+        return jnp.stack(outs, axis=1)
 
 
 PROXY_BODIES: dict[str, Backbone] = {
@@ -117,17 +134,29 @@ def check_proxy(name: str, field: str = "config.proxy_arch", modality: str | Non
 
 
 def client_model(arch: str, num_classes: int, proxy_dim: int, spec: InputSpec,
-                 projection_layernorm: bool = False) -> ClientModel:
+                 projection_layernorm: bool = False, projection_scales: int = 1) -> ClientModel:
     """The client model for a registered backbone name."""
     check_architecture(arch, modality=spec.modality)
     _refuse_batch_norm(arch, "pFedES's client model")
-    return ClientModel(arch, num_classes, proxy_dim, spec, projection_layernorm)
+    return ClientModel(arch, num_classes, proxy_dim, spec, projection_layernorm,
+                       projection_scales)
 
 
-def proxy_model(arch: str, dim: int, spec: InputSpec) -> ProxyExtractor:
-    """The proxy feature extractor for a registered name."""
+def proxy_scale_count(arch: str, spec: InputSpec) -> int:
+    """How many scales E_proxy `arch` can emit: 1 + its conv layers (1 for other bodies)."""
+    body = PROXY_BODIES[arch].build(spec)
+    return 1 + len(body.features) if isinstance(body, ConvStack) else 1
+
+
+def proxy_model(arch: str, dim: int, spec: InputSpec, scales: int = 1) -> ProxyExtractor:
+    """The proxy feature extractor for a registered name (`scales` outputs, see
+    `ProxyExtractor`)."""
     check_proxy(arch, modality=spec.modality)
-    return ProxyExtractor(arch, dim, spec)
+    available = proxy_scale_count(arch, spec)
+    if not 1 <= scales <= available:
+        raise ValueError(f"config.proxy_scales: {scales} weights, but E_proxy '{arch}' emits "
+                         f"at most {available} scale(s) (1 + its conv layers)")
+    return ProxyExtractor(arch, dim, spec, scales)
 
 
 class Classifier(nn.Module):
