@@ -33,17 +33,25 @@ def heterogeneous_architectures(num_clients: int, ratio: float, majority: str,
     return ",".join(f"{arch}:{n}" for arch, n in counts.items() if n > 0)
 
 
+# Per-round metrics kept in a grid's records (the findings read them).
+CURVES = ("train_ce_loss_mean", "train_align_loss_mean", "train_proxy_align_loss_mean",
+          "loss_before_aggregation", "loss_after_aggregation", "align_loss_before_aggregation",
+          "align_loss_after_aggregation", "proxy_update_norm_mean")
+
+
 def _record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -> dict:
     every_round = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     rows = [r for r in every_round if "personalized_accuracy_mean" in r]  # evaluated rounds
     return {
-        "seed": config.seed, "final": summary["final"],
+        "seed": config.seed, "final": summary["final"], "run_dir": run_dir,
         "rounds": [r["round"] for r in rows],
         "personalized_accuracy": [r["personalized_accuracy_mean"] for r in rows],
         "global_accuracy": [r["global_accuracy_mean"] for r in rows],
         "upload_params_per_client": summary["final"]["upload_params_per_client"],
         "wall_time_s": summary["wall_time_s"],
         "majority_class_accuracy_mean": summary["majority_class_accuracy_mean"],
+        # Every round's training and monitoring losses (None where a round lacks one).
+        "curves": {k: [r.get(k) for r in every_round] for k in CURVES},
         # Non-finite training losses in any round: the run diverged (its accuracy is
         # then that of NaN logits, not of a model).
         "diverged": any(not np.isfinite(v) for r in every_round for k, v in r.items()

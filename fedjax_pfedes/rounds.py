@@ -145,10 +145,12 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
 
 
 def participants_loss(ctx: RunContext, server_state, clients: dict[str, Any],
-                      ids: np.ndarray) -> float | None:
-    """Mean local-test CE of the clients `ids` with `server_state`'s broadcast and their private
-    states in `clients` (the model each would predict with); None when nobody is given."""
-    losses = []
+                      ids: np.ndarray) -> dict[str, float]:
+    """Mean local-test losses of the clients `ids` with `server_state`'s broadcast and their
+    private states in `clients` (the model each would predict with): 'test_ce_loss', and
+    'test_align_loss' for methods that report one (pFedES: alignment to the broadcast E_proxy).
+    Empty when nobody is given."""
+    losses: dict[str, list] = {}
     for cohort in ctx.cohorts:
         slots = cohort.slots(ids)
         valid = slots < len(cohort.client_ids)
@@ -158,8 +160,10 @@ def participants_loss(ctx: RunContext, server_state, clients: dict[str, Any],
                                          clients[cohort.arch], cohort.test, slots,
                                          ctx.monitor_x,
                                          ctx.monitor_y)
-        losses.append(np.asarray(m["test_ce_loss"])[valid])
-    return float(np.concatenate(losses).mean()) if losses else None
+        for key in ("test_ce_loss", "test_align_loss"):
+            if key in m:
+                losses.setdefault(key, []).append(np.asarray(m[key])[valid])
+    return {k: float(np.concatenate(v).mean()) for k, v in losses.items()}
 
 
 def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: Trained,
@@ -176,9 +180,9 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
                         r["client"], r["reason"])
     trained_ids = np.array(sorted(trained.client_metrics), np.int64)
     monitor = ctx.config.monitor.aggregation_loss and len(trained_ids) > 0
-    before = participants_loss(ctx, server_state, clients, trained_ids) if monitor else None
+    before = participants_loss(ctx, server_state, clients, trained_ids) if monitor else {}
     server_state = ctx.server_step(server_state, groups)
-    after = participants_loss(ctx, server_state, clients, trained_ids) if monitor else None
+    after = participants_loss(ctx, server_state, clients, trained_ids) if monitor else {}
     summary: dict[str, Any] = {"uploads_rejected": report["rejected"],
                                "rejections": report["rejections"]}
     if trained.traffic:
@@ -202,8 +206,11 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
         if k in report:
             summary[k] = report[k]
     if monitor:
-        summary["loss_before_aggregation"] = before
-        summary["loss_after_aggregation"] = after
+        summary["loss_before_aggregation"] = before.get("test_ce_loss")
+        summary["loss_after_aggregation"] = after.get("test_ce_loss")
+        if "test_align_loss" in before:  # pFedES: the jump of the alignment target (F4)
+            summary["align_loss_before_aggregation"] = before["test_align_loss"]
+            summary["align_loss_after_aggregation"] = after["test_align_loss"]
     return server_state, memories, summary
 
 
@@ -236,6 +243,7 @@ def client_report(ctx: RunContext, timing: system.RoundTiming, trained: Trained,
                "train_loss": m.get("train_ce_loss"), "update_norm": m.get("update_norm"),
                "download_s": float(timing.download_s[k]), "compute_s": float(timing.compute_s[k]),
                "upload_s": float(timing.upload_s[k]), "total_s": float(timing.total_s[k])}
+        row.update({k: v for k, v in m.items() if k.startswith("align_loss_at_")})
         if staleness is not None and cid in staleness:
             row["staleness"] = staleness[cid]
         rows.append(row)

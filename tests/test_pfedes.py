@@ -406,3 +406,32 @@ def test_proxy_scales_are_validated():
     spec = InputSpec("image", (8, 8, 1), "float32", (0.0,), (1.0,))
     with pytest.raises(ValueError, match="5 weights, but E_proxy 'proxy_cnn' emits at most 4"):
         registry.proxy_model("proxy_cnn", 4, spec, scales=5)
+
+
+def test_alignment_loss_at_start_and_end_of_a_participation():
+    """align_loss_at_start: the starting private model against the received E_proxy;
+    align_loss_at_end: the trained model against the client's trained E_proxy; both on the
+    client's first batch of rows (F4's jump pairs them across participations)."""
+    from fedjax_pfedes.alignment import mse_alignment
+    from fedjax_pfedes.data.spec import InputSpec
+
+    spec = InputSpec("tabular", (5,), "float32", (0.0,) * 5, (1.0,) * 5)
+    alg = pfedes(PFedESConfig(num_classes=3, input_spec=spec, proxy_dim=4, batch_size=4,
+                              lr_local=0.1, proxy_arch="proxy_mlp", local_epochs=2))
+    program = alg.cohort_program("mlp_small")
+    proxy_params = alg.broadcast(alg.init_server(jax.random.key(0)), "")
+    state = program.init_client(jax.random.key(1))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 5)), jnp.float32)
+    data = ClientArrays(x, jnp.asarray(rng.integers(0, 3, 8), jnp.int32), jnp.int32(3))
+    upload, new_state, m = program.client_update(proxy_params, state, data, jax.random.key(2))
+    model = registry.client_model("mlp_small", 3, 4, spec)
+    proxy = registry.proxy_model("proxy_mlp", 4, spec)
+    mask = jnp.arange(4) < 3  # 3 real rows among the first batch of 4
+    start = mse_alignment(model.apply(state.params, x[:4])[1], proxy.apply(proxy_params, x[:4]),
+                          mask)
+    end = mse_alignment(model.apply(new_state.params, x[:4])[1], proxy.apply(upload, x[:4]),
+                        mask)
+    np.testing.assert_allclose(m["align_loss_at_start"], start, rtol=1e-6)
+    np.testing.assert_allclose(m["align_loss_at_end"], end, rtol=1e-6)
+    assert float(m["align_loss_at_end"]) < float(m["align_loss_at_start"])

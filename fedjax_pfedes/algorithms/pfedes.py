@@ -227,12 +227,21 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
                                                 step_keys=cfg.dp_sgd is not None)
             n_steps = jnp.maximum(n_active, 1.0)
             delta = jax.tree.map(jnp.subtract, local_proxy, global_proxy)
+            # The alignment loss on the client's first batch of rows, right after receiving the
+            # aggregated E_proxy and at the end of its local training: across two participations
+            # of a client, start minus the previous end is the jump aggregation causes (F4).
+            rows = min(cfg.batch_size, data.y.shape[0])
+            x0, mask0 = data.x[:rows], jnp.arange(rows) < data.sizes
+            start = align(model.apply(state.params, x0)[1], proxy.apply(global_proxy, x0), mask0)
+            end = align(model.apply(params, x0)[1], proxy.apply(local_proxy, x0), mask0)
             metrics = {
                 "train_ce_loss": sums[0] / n_steps,
                 "train_align_loss": sums[1] / n_steps,
                 "train_proxy_align_loss": sums[2] / n_steps,
                 "local_steps": n_active,
                 "proxy_update_norm": optax.tree.norm(delta),
+                "align_loss_at_start": start,
+                "align_loss_at_end": end,
             }
             return local_proxy, ClientState(params, opt_state, steps), metrics
 
