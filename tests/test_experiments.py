@@ -53,3 +53,28 @@ def test_compare_cli_refuses_a_method_that_does_not_fit_before_running(tmp_path)
     assert proc.returncode == 2
     assert "config.algorithm='pfedes_paper' runs on ['image'] data" in proc.stderr
     assert not (tmp_path / "fedavg").exists()  # nothing ran
+
+
+def test_compare_tunes_each_methods_learning_rate_on_the_grid(tmp_path):
+    cmd = [sys.executable, "-m", "launch.compare", "--config=configs/tabular_hetero.py",
+           "--config.train.rounds=2", "--config.eval.every=2", "--config.checkpoint.every=0",
+           "--config.clients.architectures=mlp_small", "--algorithms=fedavg,scaffold",
+           "--lr_grid=0.001,0.05", "--seeds=2", f"--workdir={tmp_path}", "--progress=False"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    grid = {}
+    for method in ("fedavg", "scaffold"):
+        for lr in ("0.001", "0.05"):
+            summary = json.load(open(tmp_path / "lr_tuning" / method / f"lr{lr}" / "seed0"
+                                     / "summary.json"))
+            grid[method, lr] = summary["final"]["personalized_accuracy_mean"]
+            assert summary["local_optimizer"]["lr_local"] == float(lr)
+        best = max(("0.001", "0.05"), key=lambda lr, m=method: grid[m, lr])
+        for seed in (0, 1):  # both seeds ran at the chosen rate (seed 0 copied from tuning)
+            s = json.load(open(tmp_path / method / f"seed{seed}" / "summary.json"))
+            assert s["local_optimizer"]["lr_local"] == float(best)
+    text = open(tmp_path / "comparison.md").read()
+    assert "Learning-rate grid" in text and "| scaffold (`train.lr_local`) |" in text
+    assert text.count("**") >= 4  # one chosen rate in bold per method
