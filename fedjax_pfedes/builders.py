@@ -183,7 +183,8 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     capacity = np.zeros(n, np.int64)
     for c in cohorts:
         capacity[c.client_ids] = c.train.y.shape[1]
-    planned = sampling.planned_steps(sizes, capacity, t.batch_size, epochs)
+    planned = sampling.planned_steps(sizes, capacity, t.batch_size, epochs,
+                                     t.drop_partial_batch)
     choices = {}
     # Clients that train per round, on average (FedBuff: the buffer's worth of arrivals).
     launches_per_round = (config.asynchronous.buffer_size if config.asynchronous.enabled

@@ -29,19 +29,53 @@ class BatchSchedule:
     step_active: jnp.ndarray
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalSchedule:
+    """How a client walks its own data in a round.
+
+    Attributes:
+      batch_size: B (capped at the client's padded length).
+      epochs: the most local epochs any client runs (fewer via a per-client step limit).
+      unroll: run the padded schedule as one unrolled scan (the tested reference) instead of the
+        rolled loop of the client's own steps.
+      drop_partial_batch: skip an epoch's last, partial batch when the client has at least one
+        full batch (PyTorch's `drop_last`): a client of 161 rows with B = 32 then takes 5 steps
+        per epoch, not 6 with a one-sample sixth. Off by default (every sample is used each
+        epoch, as PyTorch's default data loader does); docs/baselines.md measures both.
+    """
+
+    batch_size: int
+    epochs: int
+    unroll: bool = False
+    drop_partial_batch: bool = False
+
+    def with_epochs(self, epochs: int) -> LocalSchedule:
+        return dataclasses.replace(self, epochs=epochs)
+
+
+def batches_per_epoch(size, batch: int, drop_partial: bool):
+    """Local steps of one epoch for a client with `size` real rows: ceil(size / B), or
+    floor(size / B) with `drop_partial` when size >= B (a client smaller than B keeps its one
+    partial batch)."""
+    ceil = -(-size // batch)
+    return jnp.where(size >= batch, size // batch, ceil) if drop_partial else ceil
+
+
 def steps_per_epoch(capacity: int, batch_size: int) -> int:
     """Local steps of one epoch for a client padded to `capacity` rows (static)."""
     return -(-capacity // min(batch_size, capacity))
 
 
 def batch_schedule(rng: jax.Array, size: jnp.ndarray, capacity: int, batch_size: int,
-                   epochs: int, step_limit: jnp.ndarray | None = None) -> BatchSchedule:
+                   epochs: int, step_limit: jnp.ndarray | None = None,
+                   drop_partial: bool = False) -> BatchSchedule:
     """Shuffled mini-batches over `epochs` passes of a client's `size` real rows.
 
     A client with n real rows takes ceil(n / B) steps per epoch, like a data loader over its own
     data; the remaining steps up to ceil(capacity / B) are inactive. Each epoch reshuffles.
     With `step_limit`, only the first `step_limit` real steps are active (fewer epochs, or the
-    partial work a straggler finishes before the round deadline).
+    partial work a straggler finishes before the round deadline). With `drop_partial`, an
+    epoch's last partial batch is inactive when the client has a full one.
     """
     batch = min(batch_size, capacity)
     per_epoch = steps_per_epoch(capacity, batch)
@@ -55,7 +89,9 @@ def batch_schedule(rng: jax.Array, size: jnp.ndarray, capacity: int, batch_size:
         return order.reshape(per_epoch, batch)
 
     indices = jax.vmap(one_epoch)(jax.random.split(rng, epochs)).reshape(-1, batch)
-    sample_mask = jnp.tile((positions < size).reshape(per_epoch, batch), (epochs, 1))
+    used = batches_per_epoch(size, batch, True) * batch if drop_partial else size
+    sample_mask = jnp.tile((positions < jnp.minimum(size, used)).reshape(per_epoch, batch),
+                           (epochs, 1))
     if step_limit is not None:
         real_step = jnp.cumsum(sample_mask.any(axis=1)) - 1  # index among real steps
         sample_mask = sample_mask & (real_step < step_limit)[:, None]
@@ -143,17 +179,18 @@ def sgd(learning_rate: float, momentum: float) -> optax.GradientTransformation:
 
 
 def local_step_count(size: jnp.ndarray, capacity: int, batch_size: int, epochs: int,
-                     step_limit: jnp.ndarray | None = None) -> jnp.ndarray:
-    """The local steps a client with `size` real rows runs: epochs * ceil(size / B), capped at
-    `step_limit` when given (a traced int32 scalar)."""
+                     step_limit: jnp.ndarray | None = None,
+                     drop_partial: bool = False) -> jnp.ndarray:
+    """The local steps a client with `size` real rows runs: epochs * `batches_per_epoch`, capped
+    at `step_limit` when given (a traced int32 scalar)."""
     batch = min(batch_size, capacity)
-    count = epochs * (-(-size // batch))
+    count = epochs * batches_per_epoch(size, batch, drop_partial)
     return count if step_limit is None else jnp.minimum(count, step_limit)
 
 
-def run_local_epochs(train_step, carry, data, rng: jax.Array, batch_size: int, epochs: int,
-                     unroll: bool = False, step_keys: bool = False):
-    """Runs `epochs` passes of `train_step` over one client's padded `data`.
+def run_local_epochs(train_step, carry, data, rng: jax.Array, schedule: LocalSchedule,
+                     step_keys: bool = False):
+    """Runs `schedule.epochs` passes of `train_step` over one client's padded `data`.
 
     The batches are those of `batch_schedule` (each epoch reshuffles the client's own rows).
     By default the client runs exactly its own `local_step_count` steps: a rolled loop with a
@@ -166,24 +203,26 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, batch_size: int, e
       carry: the training state threaded through the steps.
       data: one client's `ClientArrays` (x [capacity, ...], y [capacity], sizes scalar, and an
         optional step_limit scalar).
-      unroll: instead run the whole padded schedule (epochs * ceil(capacity / B) positions) as a
-        fully unrolled `lax.scan`, with the positions past the client's data masked out. Same
-        numbers; kept as the reference the rolled loop is tested and benchmarked against.
+      schedule: batch size, epochs, partial batches; with `schedule.unroll`, run the whole
+        padded schedule (epochs * ceil(capacity / B) positions) as a fully unrolled `lax.scan`
+        instead, with the positions past the client's data masked out. Same numbers; kept as
+        the reference the rolled loop is tested and benchmarked against.
       step_keys: append a fresh PRNG key to every batch tuple (DP-SGD noise).
 
     Returns:
       (final carry, per-stat sums over the steps run, number of steps run as float32).
     """
-    if unroll:
-        return _run_unrolled(train_step, carry, data, rng, batch_size, epochs, step_keys)
+    if schedule.unroll:
+        return _run_unrolled(train_step, carry, data, rng, schedule, step_keys)
+    batch_size, epochs, drop = schedule.batch_size, schedule.epochs, schedule.drop_partial_batch
     capacity = data.y.shape[0]
     batch = min(batch_size, capacity)
     per_epoch = steps_per_epoch(capacity, batch)
     size = data.sizes
-    real_per_epoch = jnp.maximum(-(-size // batch), 1)
+    real_per_epoch = jnp.maximum(batches_per_epoch(size, batch, drop), 1)
     total = local_step_count(size, capacity, batch_size, epochs,
-                             getattr(data, "step_limit", None))
-    schedule = batch_schedule(rng, size, capacity, batch_size, epochs)
+                             getattr(data, "step_limit", None), drop)
+    schedule = batch_schedule(rng, size, capacity, batch_size, epochs, drop_partial=drop)
     keys = (jax.random.split(jax.random.fold_in(rng, 1), epochs * per_epoch) if step_keys
             else None)
 
@@ -207,11 +246,11 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, batch_size: int, e
     return carry, sums, total.astype(jnp.float32)
 
 
-def _run_unrolled(train_step, carry, data, rng, batch_size, epochs, step_keys):
+def _run_unrolled(train_step, carry, data, rng, plan: LocalSchedule, step_keys):
     """The padded static schedule as a fully unrolled scan (see `run_local_epochs`)."""
     capacity = data.y.shape[0]
-    schedule = batch_schedule(rng, data.sizes, capacity, batch_size, epochs,
-                              getattr(data, "step_limit", None))
+    schedule = batch_schedule(rng, data.sizes, capacity, plan.batch_size, plan.epochs,
+                              getattr(data, "step_limit", None), plan.drop_partial_batch)
 
     def step(carry, step_inputs):
         *batch, active = step_inputs

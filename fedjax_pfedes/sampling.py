@@ -182,11 +182,15 @@ def local_epochs_per_client(sizes: np.ndarray, epochs: int, adaptive: bool, min_
 
 
 def planned_steps(sizes: np.ndarray, capacity: np.ndarray, batch_size: int,
-                  epochs: np.ndarray) -> np.ndarray:
-    """Local steps = epochs x ceil(n / B), with B capped at the cohort's padded length (as in
-    `local_training.batch_schedule`)."""
+                  epochs: np.ndarray, drop_partial_batch: bool = False) -> np.ndarray:
+    """Local steps = epochs x ceil(n / B) (floor(n / B) for n >= B when partial batches are
+    dropped), with B capped at the cohort's padded length (as `local_training.batch_schedule`)."""
     batch = np.minimum(batch_size, np.asarray(capacity))
-    return np.asarray(epochs) * -(-np.asarray(sizes) // batch)
+    n = np.asarray(sizes)
+    per_epoch = -(-n // batch)
+    if drop_partial_batch:
+        per_epoch = np.where(n >= batch, n // batch, per_epoch)
+    return np.asarray(epochs) * per_epoch
 
 
 def coverage_sample(seed: int, round_index: int, m: int, eligible: np.ndarray,

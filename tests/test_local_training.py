@@ -51,6 +51,10 @@ def test_local_step_count_by_hand():
     assert int(count(jnp.int32(50), 64, 16, 3, jnp.int32(5))) == 5  # capped by a step limit
     assert int(count(jnp.int32(0), 64, 16, 3)) == 0
     assert int(count(jnp.int32(7), 8, 32, 2)) == 2                 # batch clipped to capacity
+    # drop_partial_batch: floor(50/16) = 3 per epoch; a client below B keeps its one batch
+    assert int(count(jnp.int32(50), 64, 16, 3, drop_partial=True)) == 3 * 3
+    assert int(count(jnp.int32(10), 64, 16, 3, drop_partial=True)) == 3
+    assert int(count(jnp.int32(0), 64, 16, 3, drop_partial=True)) == 0
 
 
 def _linear_step(optimizer):
@@ -70,8 +74,9 @@ def _clients(sizes, capacity=37, features=6, classes=3, step_limits=None):
 
 
 @pytest.mark.slow  # ~9 s of compilation
-@pytest.mark.parametrize("step_limits", [None, [3, 100, 0, 7]])
-def test_rolled_loop_equals_padded_unrolled_schedule(step_limits):
+@pytest.mark.parametrize("step_limits,drop", [(None, False), ([3, 100, 0, 7], False),
+                                              (None, True)])
+def test_rolled_loop_equals_padded_unrolled_schedule(step_limits, drop):
     """Each client runs only its own steps, with the same batches as the padded schedule."""
     data = _clients([37, 12, 5, 30], step_limits=step_limits)
     params = {"w": jnp.full((6, 3), 0.1), "b": jnp.zeros(3)}
@@ -80,15 +85,16 @@ def test_rolled_loop_equals_padded_unrolled_schedule(step_limits):
 
     def run(unroll, client, key):
         return local_training.run_local_epochs(step, (params, opt.init(params)), client, key,
-                                               batch_size=8, epochs=3, unroll=unroll)
+                                               local_training.LocalSchedule(8, 3, unroll, drop))
 
     keys = jax.random.split(jax.random.key(1), 4)
     rolled = jax.jit(jax.vmap(lambda c, k: run(False, c, k)))(data, keys)
     unrolled = jax.jit(jax.vmap(lambda c, k: run(True, c, k)))(data, keys)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  rolled, unrolled)
-    expected = [min(3 * -(-n // 8), lim) for n, lim in
-                zip([37, 12, 5, 30], step_limits or [10**6] * 4, strict=True)]
+    per_epoch = [n // 8 if drop and n >= 8 else -(-n // 8) for n in [37, 12, 5, 30]]
+    expected = [min(3 * k, lim) for k, lim in
+                zip(per_epoch, step_limits or [10**6] * 4, strict=True)]
     np.testing.assert_array_equal(rolled[2], expected)
     # One client alone (the loop strategy) gives the same as inside the vmap.
     one = jax.tree.map(lambda a: a[1], data)
@@ -97,16 +103,19 @@ def test_rolled_loop_equals_padded_unrolled_schedule(step_limits):
                  alone, rolled)
 
 
-def test_rolled_loop_matches_a_numpy_sgd_loop():
-    """Hand-written SGD over the batches the schedule names: the loop runs these and no others."""
+@pytest.mark.parametrize("drop,steps_per_epoch", [(False, 3), (True, 2)])
+def test_rolled_loop_matches_a_numpy_sgd_loop(drop, steps_per_epoch):
+    """Hand-written SGD over the batches the schedule names: the loop runs these and no others
+    (10 rows, B = 4: batches of 4, 4, 2; with drop_partial_batch the 2-row batch is skipped)."""
     data = _clients([10], capacity=16)
     client = jax.tree.map(lambda a: a[0], data)
     params = {"w": jnp.zeros((6, 3)), "b": jnp.zeros(3)}
     opt = optax.sgd(0.5)
     key = jax.random.key(4)
     (final, _), sums, steps = jax.jit(lambda c: local_training.run_local_epochs(
-        _linear_step(opt), (params, opt.init(params)), c, key, batch_size=4, epochs=2))(client)
-    schedule = local_training.batch_schedule(key, jnp.int32(10), 16, 4, 2)
+        _linear_step(opt), (params, opt.init(params)), c, key,
+        local_training.LocalSchedule(4, 2, drop_partial_batch=drop)))(client)
+    schedule = local_training.batch_schedule(key, jnp.int32(10), 16, 4, 2, drop_partial=drop)
     x, y = np.asarray(client.x), np.asarray(client.y)
     w, b = np.zeros((6, 3)), np.zeros(3)
     losses = []
@@ -121,7 +130,9 @@ def test_rolled_loop_matches_a_numpy_sgd_loop():
         losses.append(-np.mean(np.log(p[np.arange(len(yb)), yb])))
         g = (p - np.eye(3)[yb]) / len(yb)
         w, b = w - 0.5 * xb.T @ g, b - 0.5 * g.sum(0)
-    assert steps == len(losses) == 2 * 3
+    assert steps == len(losses) == 2 * steps_per_epoch
+    assert all(len(np.flatnonzero(m)) == 4 for m in np.asarray(schedule.sample_mask)
+               if m.any()) or not drop
     np.testing.assert_allclose(final["w"], w, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(final["b"], b, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(sums[0], sum(losses), rtol=1e-5)
@@ -136,8 +147,9 @@ def test_step_keys_follow_the_schedule_positions():
         return carry + jax.random.uniform(batch[3]), jnp.zeros(1)
 
     def run(unroll, c, k):
-        return local_training.run_local_epochs(step, jnp.float32(0), c, k, batch_size=4,
-                                               epochs=2, unroll=unroll, step_keys=True)[0]
+        return local_training.run_local_epochs(step, jnp.float32(0), c, k,
+                                               local_training.LocalSchedule(4, 2, unroll),
+                                               step_keys=True)[0]
 
     keys = jax.random.split(jax.random.key(2), 2)
     for unroll in (False, True):

@@ -274,3 +274,18 @@ def test_poisson_sampling_runs_and_its_pld_epsilon_equals_dp_accounting(tmp_path
         0.5, dp_accounting.GaussianDpEvent(1.3)), 6))
     assert summary["final"]["dp_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5),
                                                            rel=1e-9)
+
+
+def test_drop_partial_batch_runs_whole_batches_only(tmp_path):
+    """config.train.drop_partial_batch: a client of n >= B rows takes E * floor(n / B) steps,
+    one below B takes E."""
+    config = fl_helpers.tiny_config(rounds=2, num_clients=6)
+    config.train.drop_partial_batch = True
+    config.train.batch_size = 16
+    config.train.client_fraction = 1.0
+    run_experiment(config, str(tmp_path), show_progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "clients.jsonl")]
+    assert rows
+    for r in rows:
+        n, e = r["samples"], r["epochs"]
+        assert r["local_steps"] == e * (n // 16 if n >= 16 else 1), r

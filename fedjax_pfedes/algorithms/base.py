@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.local_training import LocalSchedule
 
 PyTree = Any
 Metrics = dict[str, jax.Array]
@@ -33,6 +34,7 @@ class LocalTrainingConfig:
       batch_size: local batch size.
       unroll_local_steps: run the padded unrolled schedule instead of the rolled loop (the
         tested reference; `config.execution.unroll_local_steps`).
+      drop_partial_batch: skip an epoch's last partial batch (`config.train.drop_partial_batch`).
     """
 
     num_classes: int
@@ -42,6 +44,12 @@ class LocalTrainingConfig:
     local_epochs: int = 1
     batch_size: int = 32
     unroll_local_steps: bool = False
+    drop_partial_batch: bool = False
+
+    def local_schedule(self) -> LocalSchedule:
+        """The `local_training.LocalSchedule` of these settings."""
+        return LocalSchedule(self.batch_size, self.local_epochs, self.unroll_local_steps,
+                             self.drop_partial_batch)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,8 +159,8 @@ def fedavg(cfg: FedAvgConfig) -> Algorithm:
 
             carry = (global_params, local_opt.init(global_params))
             (params, _), sums, n_active = local_training.run_local_epochs(
-                train_step, carry, data, rng, cfg.batch_size, cfg.local_epochs,
-                cfg.unroll_local_steps, step_keys=cfg.dp_sgd is not None)
+                train_step, carry, data, rng, cfg.local_schedule(),
+                step_keys=cfg.dp_sgd is not None)
             delta = jax.tree.map(jnp.subtract, params, global_params)
             metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
                        "local_steps": n_active, "update_norm": optax.tree.norm(delta)}

@@ -136,7 +136,7 @@ def fedbn(cfg: FedAvgConfig) -> Algorithm:
             # As in FedAvg, the local optimizer state is fresh every round.
             (params, batch_stats, _), sums, n_active = local_training.run_local_epochs(
                 train_step, (start, state.batch_stats, local_opt.init(start)), data, rng,
-                cfg.batch_size, cfg.local_epochs, cfg.unroll_local_steps)
+                cfg.local_schedule())
             new_shared, new_local = split_params(params, bn_modules)
             upload = _path_keys(new_shared)
             metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),

@@ -126,8 +126,7 @@ def feddistill(cfg: FedDistillConfig) -> Algorithm:
                 return (optax.apply_updates(params, updates), opt_state), stats
 
             (params, opt_state), sums, n_active = local_training.run_local_epochs(
-                train_step, (state.params, state.opt_state), data, rng, cfg.batch_size,
-                cfg.local_epochs, cfg.unroll_local_steps)
+                train_step, (state.params, state.opt_state), data, rng, cfg.local_schedule())
             mask = jnp.arange(data.y.shape[0]) < data.sizes
             class_logits, counts = class_prototypes(model.apply(params, data.x), data.y, mask, k)
             n = jnp.maximum(n_active, 1.0)

@@ -151,8 +151,7 @@ def fedkd(cfg: HeteroConfig) -> Algorithm:
             carry = ((state.mentor, mentee, state.hidden_map),
                      (state.opt_state, local_opt.init(mentee)))
             ((mentor, new_mentee, w_h), (opt_private, _)), sums, n_active = (
-                local_training.run_local_epochs(train_step, carry, data, rng, cfg.batch_size,
-                                                cfg.local_epochs, cfg.unroll_local_steps))
+                local_training.run_local_epochs(train_step, carry, data, rng, cfg.local_schedule()))
             update = jax.tree.map(jnp.subtract, new_mentee, mentee)
             compressed, sent = compress_update(update, received["energy"])
             n = jnp.maximum(n_active, 1.0)

@@ -131,8 +131,7 @@ def fedmrl(cfg: HeteroConfig) -> Algorithm:
         def client_update(shared, state: ClientState, data, rng):
             start = with_shared(state.params, shared)
             (params, opt_state), sums, n_active = local_training.run_local_epochs(
-                train_step, (start, state.opt_state), data, rng, cfg.batch_size,
-                cfg.local_epochs, cfg.unroll_local_steps)
+                train_step, (start, state.opt_state), data, rng, cfg.local_schedule())
             upload = shared_part(params)
             n = jnp.maximum(n_active, 1.0)
             metrics = {"train_ce_loss": sums[0] / n, "train_shared_ce_loss": sums[1] / n,

@@ -96,8 +96,7 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
 
         def client_update(x, state: ClientState, data, rng):
             (y, _), sums, n_active = local_training.run_local_epochs(
-                train_step, (x, local_opt.init(x)), data, rng, cfg.batch_size,
-                cfg.local_epochs, cfg.unroll_local_steps)
+                train_step, (x, local_opt.init(x)), data, rng, cfg.local_schedule())
             a = local_solver_norm(n_active, cfg.local_momentum)
             safe_a = jnp.maximum(a, 1e-12)
             normalized = jax.tree.map(lambda xo, yo: (xo - yo) / safe_a, x, y)

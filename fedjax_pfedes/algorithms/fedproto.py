@@ -112,8 +112,7 @@ def fedproto(cfg: HeteroConfig) -> Algorithm:
                 return (optax.apply_updates(params, updates), opt_state), jnp.stack([ce])
 
             (params, opt_state), sums, n_active = local_training.run_local_epochs(
-                train_step, (state.params, state.opt_state), data, rng, cfg.batch_size,
-                cfg.local_epochs, cfg.unroll_local_steps)
+                train_step, (state.params, state.opt_state), data, rng, cfg.local_schedule())
             _, e = model.apply(params, data.x)
             mask = jnp.arange(data.y.shape[0]) < data.sizes
             local_protos, counts = class_prototypes(e, data.y, mask, cfg.num_classes)

@@ -99,8 +99,7 @@ def fml(cfg: HeteroConfig) -> Algorithm:
         def client_update(meme, state: ClientState, data, rng):
             carry = ((state.params, meme), (state.opt_state, local_opt.init(meme)))
             ((private, new_meme), (opt_p, _)), sums, n_active = local_training.run_local_epochs(
-                train_step, carry, data, rng, cfg.batch_size, cfg.local_epochs,
-                cfg.unroll_local_steps)
+                train_step, carry, data, rng, cfg.local_schedule())
             n = jnp.maximum(n_active, 1.0)
             metrics = {"train_ce_loss": sums[0] / n, "train_meme_ce_loss": sums[1] / n,
                        "local_steps": n_active,

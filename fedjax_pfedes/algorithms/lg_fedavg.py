@@ -95,8 +95,7 @@ def global_head_program(arch: str, cfg: HeteroConfig, make_upload) -> CohortProg
     def client_update(global_head, state: ClientState, data, rng):
         start = with_head(state.params, global_head)
         (params, opt_state), sums, n_active = local_training.run_local_epochs(
-            train_step, (start, state.opt_state), data, rng, cfg.batch_size, cfg.local_epochs,
-            cfg.unroll_local_steps)
+            train_step, (start, state.opt_state), data, rng, cfg.local_schedule())
         upload, extra = make_upload(model, params, data, global_head)
         metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
                    "local_steps": n_active, **extra}

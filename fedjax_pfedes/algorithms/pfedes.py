@@ -222,8 +222,7 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
                      else ())
             carry = (state.params, state.opt_state, (global_proxy, trace), state.steps)
             (params, opt_state, (local_proxy, _), steps), sums, n_active = \
-                local_training.run_local_epochs(train_step, carry, data, rng, cfg.batch_size,
-                                                cfg.local_epochs, cfg.unroll_local_steps,
+                local_training.run_local_epochs(train_step, carry, data, rng, cfg.local_schedule(),
                                                 step_keys=cfg.dp_sgd is not None)
             n_steps = jnp.maximum(n_active, 1.0)
             delta = jax.tree.map(jnp.subtract, local_proxy, global_proxy)

@@ -158,20 +158,18 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
                 carry = (state.params, state.opt_state, global_g, g_opt.init(global_g))
                 (params, opt_state, local_g, _), sums, n_active = \
                     local_training.run_local_epochs(interleaved_step, carry, data, rng,
-                                                    cfg.batch_size, cfg.local_epochs,
-                                                    cfg.unroll_local_steps)
+                                                    cfg.local_schedule())
                 n = jnp.maximum(n_active, 1.0)
                 f_ce, g_ce, steps = sums[0] / n, sums[1] / n, n_active
             else:
                 f_rng, g_rng = jax.random.split(rng)
                 (params, opt_state, _), f_sums, f_n = local_training.run_local_epochs(
                     f_step, (state.params, state.opt_state, global_g), data, f_rng,
-                    cfg.batch_size, cfg.local_epochs, cfg.unroll_local_steps)
+                    cfg.local_schedule())
                 (local_g, _, _), g_sums, g_n = local_training.run_local_epochs(
                     g_step, (global_g, g_opt.init(global_g), params),
-                    g_phase_arrays(data, cfg.batch_size, cfg.g_extra_epochs), g_rng,
-                    cfg.batch_size, cfg.local_epochs + cfg.g_extra_epochs,
-                    cfg.unroll_local_steps)
+                    g_phase_arrays(data, cfg.local_schedule(), cfg.g_extra_epochs), g_rng,
+                    cfg.local_schedule().with_epochs(cfg.local_epochs + cfg.g_extra_epochs))
                 f_ce = f_sums[0] / jnp.maximum(f_n, 1.0)
                 g_ce = g_sums[0] / jnp.maximum(g_n, 1.0)
                 steps = f_n + g_n
@@ -189,13 +187,14 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
     return Algorithm("pfedes_paper", init_server, broadcast, broadcast, server_update,
                      cohort_program)
 
-def g_phase_arrays(data, batch_size: int, extra_epochs: int):
+def g_phase_arrays(data, schedule: local_training.LocalSchedule, extra_epochs: int):
     """One client's arrays for the G phase: a step cap (adaptive epochs) grows by
     `extra_epochs` of the client's own batches, so G runs E_i + extra epochs when F ran E_i."""
     limit = getattr(data, "step_limit", None)
     if limit is None:
         return data
-    per_epoch = -(-data.sizes // min(batch_size, data.y.shape[0]))
+    per_epoch = local_training.batches_per_epoch(
+        data.sizes, min(schedule.batch_size, data.y.shape[0]), schedule.drop_partial_batch)
     return data.replace(step_limit=limit + extra_epochs * per_epoch)
 
 

@@ -122,8 +122,7 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
                 return (optax.apply_updates(params, updates), opt_state), jnp.stack([ce])
 
             (y, _), sums, n_active = local_training.run_local_epochs(
-                train_step, (x, local_opt.init(x)), data, rng, cfg.batch_size,
-                cfg.local_epochs, cfg.unroll_local_steps)
+                train_step, (x, local_opt.init(x)), data, rng, cfg.local_schedule())
             # Option II divides by K * lr for plain SGD; with momentum rho the K steps move the
             # model by lr * ||a||_1 average gradients (FedNova's local-solver norm).
             solver = local_solver_norm(n_active, cfg.local_momentum)

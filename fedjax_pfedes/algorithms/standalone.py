@@ -60,8 +60,7 @@ def standalone(cfg: FedAvgConfig) -> Algorithm:
         def client_update(broadcast, state: ClientState, data, rng):
             del broadcast
             (params, opt_state), sums, n_active = local_training.run_local_epochs(
-                train_step, (state.params, state.opt_state), data, rng, cfg.batch_size,
-                cfg.local_epochs, cfg.unroll_local_steps)
+                train_step, (state.params, state.opt_state), data, rng, cfg.local_schedule())
             metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
                        "local_steps": n_active}
             return {}, ClientState(params, opt_state), metrics
