@@ -59,15 +59,35 @@ def _record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -> d
     }
 
 
+def same_config(old: Any, new: Any, default: Any) -> bool:
+    """Whether a finished run's config `old` is `new`: every field equal, except a field `old`
+    lacks (added to the code after the run was made) whose value in `new` is its shipped
+    default (`default`, configs/quickstart.py): new fields default to the old behaviour."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        default = default if isinstance(default, dict) else {}
+        for key, value in new.items():
+            if key not in old:
+                if key not in default or default[key] != value:
+                    return False
+            elif not same_config(old[key], value, default.get(key)):
+                return False
+        return set(old) <= set(new)
+    return old == new
+
+
 def _finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | None:
-    """The summary of a finished run in `run_dir` made with exactly `config`, else None."""
+    """The summary of a finished run in `run_dir` made with `config` (`same_config`), else
+    None."""
+    from configs import quickstart
+
     path = os.path.join(run_dir, "summary.json")
     if not os.path.exists(path):
         return None
     with open(path) as f:
         summary = json.load(f)
-    same = summary.get("config") == json.loads(json.dumps(config.to_dict()))
-    return summary if same else None
+    normalized = json.loads(json.dumps(config.to_dict()))
+    default = json.loads(json.dumps(quickstart.get_config().to_dict()))
+    return summary if same_config(summary.get("config"), normalized, default) else None
 
 
 def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]],

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 
+import jax
 import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
@@ -52,7 +53,9 @@ def _with(base: ml_collections.ConfigDict, overrides: dict) -> ml_collections.Co
 
 def population(config: ml_collections.ConfigDict, seeds: int) -> str:
     d, t = config.data, config.train
-    return (f"{d.name}, {d.num_clients} clients ({config.clients.architectures}), partition "
+    machine = f"{jax.default_backend().upper()}, {os.cpu_count()} cores"
+    return (f"Measured on {machine}. {d.name}, {d.num_clients} clients "
+            f"({config.clients.architectures}), partition "
             f"{d.partition} (Dirichlet α {d.dirichlet_alpha:g} where it applies), "
             f"{t.rounds} rounds, {t.client_fraction:g} of the clients per round, E = "
             f"{t.local_epochs}, SGD lr {t.lr_local:g} momentum {t.local_momentum:g}, "

@@ -78,3 +78,16 @@ def test_compare_tunes_each_methods_learning_rate_on_the_grid(tmp_path):
     text = open(tmp_path / "comparison.md").read()
     assert "Learning-rate grid" in text and "| scaffold (`train.lr_local`) |" in text
     assert text.count("**") >= 4  # one chosen rate in bold per method
+
+
+def test_a_finished_run_is_reused_across_fields_added_later_at_their_default():
+    default = {"train": {"lr": 0.05, "new_flag": False}, "seed": 0}
+    old = {"train": {"lr": 0.05}, "seed": 0}  # made before new_flag existed
+    assert experiments.same_config(old, {"train": {"lr": 0.05, "new_flag": False}, "seed": 0},
+                                   default)
+    assert not experiments.same_config(old, {"train": {"lr": 0.05, "new_flag": True},
+                                             "seed": 0}, default)
+    assert not experiments.same_config(old, {"train": {"lr": 0.1, "new_flag": False},
+                                             "seed": 0}, default)
+    assert not experiments.same_config({**old, "gone": 1}, {"train": {"lr": 0.05}, "seed": 0},
+                                       default)
