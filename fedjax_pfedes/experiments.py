@@ -90,6 +90,19 @@ def _finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | Non
     return summary if same_config(summary.get("config"), normalized, default) else None
 
 
+def with_overrides(base: ml_collections.ConfigDict, overrides: dict[str, Any]
+                   ) -> ml_collections.ConfigDict:
+    """A copy of `base` with dotted overrides applied ({"train.lr_local": 0.1, ...})."""
+    config = ml_collections.ConfigDict(base.to_dict())
+    for dotted, value in overrides.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
 def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]],
              seeds: int, workdir: str, show_progress: bool = True, reuse: bool = False,
              on_seed_done: Callable[[dict[str, list[dict]]], None] | None = None
@@ -110,13 +123,7 @@ def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for s in range(seeds):
         for name, overrides in variants.items():
-            config = ml_collections.ConfigDict(base.to_dict())
-            for dotted, value in overrides.items():
-                node = config
-                *parents, leaf = dotted.split(".")
-                for p in parents:
-                    node = node[p]
-                node[leaf] = value
+            config = with_overrides(base, overrides)
             config.seed = base.seed + s
             run_dir = os.path.join(workdir, name, f"seed{config.seed}")
             summary = _finished_run(config, run_dir) if reuse else None
@@ -129,16 +136,16 @@ def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]
     return results
 
 
-def _mean_std(values: Sequence[float]) -> str:
+def mean_std(values: Sequence[float], digits: int = 4) -> str:
     """'mean ± std' over seeds; seeds with a non-finite value are counted as diverged and left
     out of the mean (said in the cell)."""
     v = np.asarray(values, np.float64)
     finite = v[np.isfinite(v)]
     if len(finite) == 0:
         return f"diverged ({len(v)}/{len(v)} seeds)"
-    cell = f"{finite.mean():.4f}"
+    cell = f"{finite.mean():.{digits}f}"
     if len(finite) > 1:
-        cell += f" ± {finite.std():.4f}"
+        cell += f" ± {finite.std():.{digits}f}"
     if len(finite) < len(v):
         cell += f" (diverged in {len(v) - len(finite)}/{len(v)} seeds)"
     return cell
@@ -153,9 +160,9 @@ def markdown_table(results: dict[str, list[dict]]) -> str:
         note = f" (diverged: non-finite training loss in {diverged}/{len(runs)} seeds)" \
             if diverged else ""
         lines.append(
-            f"| {name} | {_mean_std([r['final']['personalized_accuracy_mean'] for r in runs])}"
+            f"| {name} | {mean_std([r['final']['personalized_accuracy_mean'] for r in runs])}"
             f"{note} | "
-            f"{_mean_std([r['final']['global_accuracy_mean'] for r in runs])} | "
+            f"{mean_std([r['final']['global_accuracy_mean'] for r in runs])} | "
             f"{int(np.mean([r['upload_params_per_client'] for r in runs])):,} | "
             f"{np.mean([r['wall_time_s'] for r in runs]):.0f} |")
     return "\n".join(lines)

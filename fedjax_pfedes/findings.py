@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import ml_collections
 import numpy as np
 
-from fedjax_pfedes.experiments import heterogeneous_architectures
+from fedjax_pfedes.experiments import heterogeneous_architectures, mean_std
 
 Records = dict[str, list[dict]]  # variant name -> one record per seed (experiments.run_grid)
 
@@ -59,19 +59,6 @@ def curve(records: list[dict], key: str) -> np.ndarray:
     """[seeds, rounds] per-round values of `key` (NaN where missing or non-finite)."""
     return np.array([[np.nan if v is None else v for v in r["curves"][key]] for r in records],
                     np.float64)
-
-
-def mean_std(values: Sequence[float], scale: float = 1.0, digits: int = 4) -> str:
-    v = np.asarray(values, np.float64) * scale
-    finite = v[np.isfinite(v)]
-    if len(finite) == 0:
-        return "diverged"
-    cell = f"{finite.mean():.{digits}f}"
-    if len(finite) > 1:
-        cell += f" ± {finite.std():.{digits}f}"
-    if len(finite) < len(v):
-        cell += f" ({len(v) - len(finite)} diverged)"
-    return cell
 
 
 def oscillation(values: np.ndarray) -> float:

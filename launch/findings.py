@@ -40,17 +40,6 @@ _FIGURES = flags.DEFINE_string("figures", "docs/figures", "Where the figures go.
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
 
 
-def _with(base: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict(base.to_dict())
-    for dotted, value in overrides.items():
-        node = config
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return config
-
-
 def population(config: ml_collections.ConfigDict, seeds: int) -> str:
     d, t = config.data, config.train
     machine = f"{jax.default_backend().upper()}, {os.cpu_count()} cores"
@@ -120,7 +109,7 @@ def main(argv: list[str]) -> None:
         chosen = findings.resolve(_FINDING.value)
         variants = findings.variants_of(chosen, base)
         for overrides in variants.values():
-            validate_config(_with(base, overrides))
+            validate_config(experiments.with_overrides(base, overrides))
         workdir = os.path.join(_WORKDIR.value, base.data.name)
         results = experiments.run_grid(base, variants, _SEEDS.value, workdir, _PROGRESS.value,
                                        reuse=True)
