@@ -78,15 +78,17 @@ def same_config(old: Any, new: Any, default: Any) -> bool:
 def _finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | None:
     """The summary of a finished run in `run_dir` made with `config` (`same_config`), else
     None."""
-    from configs import quickstart
-
     path = os.path.join(run_dir, "summary.json")
     if not os.path.exists(path):
         return None
     with open(path) as f:
         summary = json.load(f)
     normalized = json.loads(json.dumps(config.to_dict()))
-    default = json.loads(json.dumps(quickstart.get_config().to_dict()))
+    try:  # the shipped defaults (the `configs` package installs with this one)
+        from configs import quickstart
+        default = json.loads(json.dumps(quickstart.get_config().to_dict()))
+    except ImportError:  # then only an identical config counts
+        default = {}
     return summary if same_config(summary.get("config"), normalized, default) else None
 
 
