@@ -135,10 +135,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.client_fraction = 0.5   # C: share of clients sampled each round
     # 'uniform' (m = C*N each round) | 'poisson' (each w.p. C) | 'stratified' (quotas per
     # bucket of sample count x availability class, least-selected clients first) | 'coverage'
-    # (greedy: each next client fills the labels the round's selection lacks; the server learns
-    # every client's label histogram; refused with DP)
+    # (from a random candidate set, each next client is the one whose labels the selection lacks
+    # most; the server learns every client's label histogram; refused with DP)
     config.train.sampling = "uniform"
     config.train.strata = 3              # stratified: sample-count buckets (quantiles)
+    config.train.coverage_candidates = 0  # coverage: random candidates per round (0 = 2m; N = all)
     config.train.min_samples = 0         # clients with fewer local samples ..
     config.train.below_min = "skip"      # .. are never sampled ('skip') or run one epoch
     config.train.local_epochs = 2        # E (seed: 1-3)

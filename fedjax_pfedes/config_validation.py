@@ -142,6 +142,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              "config.train.sampling='coverage' picks clients by their label histograms, so one "
              "client's data changes who else takes part and DP's per-client sensitivity bound "
              "fails; with config.dp / config.dp_sgd use 'uniform' or 'poisson'")
+    _require(train.coverage_candidates >= 0, "config.train.coverage_candidates must be >= 0 "
+             f"(0 = twice the participants), got {train.coverage_candidates}")
     _require(train.strata >= 1, f"config.train.strata must be >= 1, got {train.strata}")
     _require(train.min_samples >= 0,
              f"config.train.min_samples must be >= 0 (0 = off), got {train.min_samples}")

@@ -274,7 +274,7 @@ def select_clients(ctx: RunContext, sampler: sampling.SamplerState, round_index:
     elif t.sampling == "coverage" and count is None:
         planned = m
         selected = sampling.coverage_sample(cfg.seed, round_index, m, eligible, weights,
-                                            ctx.label_counts)
+                                            ctx.label_counts, t.coverage_candidates)
     else:
         planned = m
         selected = sampling.weighted_uniform(cfg.seed, round_index, m, eligible, weights)

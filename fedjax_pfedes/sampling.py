@@ -194,42 +194,47 @@ def planned_steps(sizes: np.ndarray, capacity: np.ndarray, batch_size: int,
 
 
 def coverage_sample(seed: int, round_index: int, m: int, eligible: np.ndarray,
-                    weights: np.ndarray, label_counts: np.ndarray) -> np.ndarray:
-    """m eligible clients chosen greedily to cover the label distribution.
+                    weights: np.ndarray, label_counts: np.ndarray,
+                    candidates: int = 0) -> np.ndarray:
+    """m eligible clients chosen to cover the label distribution, from a random candidate set.
 
-    The first participant is drawn with probability proportional to `weights`. Each next one is,
-    among the eligible clients not yet chosen, one with the largest coverage gain
-    p_k . max(0, g - q): p_k its label distribution, g the pooled label distribution of all
-    eligible clients, q that of the clients chosen so far (sample-weighted); ties are broken at
-    random in proportion to `weights`. On a population of one-class clients it picks a client of
-    a new class as long as one is left.
+    First `candidates` eligible clients (0 = 2m) are drawn without replacement with probability
+    proportional to `weights`, as `weighted_uniform` does; then m of them are picked greedily:
+    each next one is a candidate with the largest coverage gain p_k . max(0, g - q) (p_k its
+    label distribution, g the pooled label distribution of all eligible clients, q that of the
+    clients picked so far, sample-weighted; ties at random, the first pick at random). The random
+    candidate set is the power-of-choice construction (Cho et al., "Client Selection in Federated
+    Learning: Convergence Analysis and Power-of-Choice Selection Strategies", 2020) with label
+    coverage as the criterion: every client keeps a chance to take part (a full greedy pass over
+    all clients, candidates = N, starved some clients in every run here, docs/design.md), and
+    candidates = m is uniform sampling.
 
     The server must know every client's label histogram (`label_counts` [N, C]), which is a
     disclosure of its own, and the choice depends on the clients' data: client-level DP and
     DP-SGD refuse this method (one client's data would change who else is selected, so the
     sensitivity bound of one client's contribution no longer holds).
     """
-    candidates = np.flatnonzero(eligible)
-    if len(candidates) <= m:
-        return candidates
+    pool_size = 2 * m if candidates <= 0 else max(candidates, m)
+    pool = weighted_uniform(seed, round_index, pool_size, eligible, weights)
+    if len(pool) <= m:
+        return pool
     rng = np.random.default_rng([seed, round_index, 2])
     counts = np.asarray(label_counts, np.float64)
     dist = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
-    target = counts[candidates].sum(axis=0)
+    target = counts[eligible].sum(axis=0)
     target = target / max(target.sum(), 1.0)
     pooled = np.zeros(counts.shape[1])
     chosen = []
     for _ in range(m):
         if pooled.sum() == 0:
-            gain = np.ones(len(candidates))
+            gain = np.ones(len(pool))
         else:
-            gain = dist[candidates] @ np.maximum(target - pooled / pooled.sum(), 0.0)
-        best = candidates[gain >= gain.max() - 1e-12]
-        w = weights[best] / weights[best].sum()
-        pick = int(rng.choice(best, p=w))
+            gain = dist[pool] @ np.maximum(target - pooled / pooled.sum(), 0.0)
+        best = pool[gain >= gain.max() - 1e-12]
+        pick = int(rng.choice(best, p=weights[best] / weights[best].sum()))
         chosen.append(pick)
         pooled += counts[pick]
-        candidates = candidates[candidates != pick]
+        pool = pool[pool != pick]
     return np.sort(np.array(chosen, np.int64))
 
 
