@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 
 from fedjax_pfedes import (
     asynchronous,
@@ -204,6 +205,13 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
                 int(epochs.max()), t.batch_size), cache_dir)
             c.runner = runners[c.arch][choice.strategy]
             choices[c.arch] = choice.as_dict()
+    m = sampling.participants_per_round(n, t.client_fraction)
+    if t.sampling == "coverage" and (t.coverage_candidates or 2 * m) >= n:
+        logging.warning(
+            "config.train.sampling='coverage' draws its candidates from all %d clients (%d per "
+            "round): the greedy pass then picks the same clients again and again and starves "
+            "others (docs/design.md measures it); set config.train.coverage_candidates between "
+            "%d and %d", n, m, m, n - 1)
     eligible = (sizes >= t.min_samples) if t.below_min == "skip" else np.ones(n, bool)
     if not eligible.any():
         raise ConfigError(f"config.train.min_samples={t.min_samples}: no client has that many "
