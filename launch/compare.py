@@ -18,6 +18,7 @@ cripples it.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -41,10 +42,38 @@ _ALGORITHMS = flags.DEFINE_list("algorithms", ["pfedes", "standalone", "fedavg"]
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per method (config.seed, config.seed+1, ...).")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare", "Where runs and the table go.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
+_VARIANT = flags.DEFINE_multi_string(
+    "variant", [], "NAME:FIELD=VALUE;FIELD=VALUE (repeatable): compare config variants of "
+    "config.algorithm instead of --algorithms, e.g. --variant=kept: "
+    "--variant=reset:train.reset_local_optimizer=True")
 _LR_GRID = flags.DEFINE_list("lr_grid", [], "Local learning rates to tune each method over "
                              "(seed config.seed); empty = no tuning.")
 _REUSE = flags.DEFINE_bool("reuse", True, "Reuse finished runs in the workdir made with the same "
                            "config (resume an interrupted comparison).")
+
+
+def parse_variants(specs: list[str]) -> dict[str, dict]:
+    """'name:field=value;field=value' -> {name: {field: value}}; values are numbers or
+    True/False where they parse as such, else strings. ConfigError naming the flag for a
+    malformed one."""
+    out = {}
+    for spec in specs:
+        name, sep, body = spec.partition(":")
+        if not sep or not name:
+            raise ConfigError(f"--variant={spec}: expected NAME:FIELD=VALUE;... (NAME: alone "
+                              "for the config as it is)")
+        overrides = {}
+        for item in filter(None, body.split(";")):
+            field, eq, value = item.partition("=")
+            if not eq:
+                raise ConfigError(f"--variant={spec}: '{item}' is not FIELD=VALUE")
+            try:
+                parsed = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                parsed = value
+            overrides[field] = parsed if isinstance(parsed, (bool, int, float)) else value
+        out[name] = overrides
+    return out
 
 
 def lr_field(config, algorithm: str) -> str:
@@ -96,10 +125,15 @@ def main(argv: list[str]) -> None:
         if _SEEDS.value < 1:
             raise ConfigError(f"--seeds must be >= 1, got {_SEEDS.value}")
         central = load_dataset(config.data.name, load_options(config))
-        for name in _ALGORITHMS.value:  # every method checked before the first run starts
+        methods = [config.algorithm] if _VARIANT.value else _ALGORITHMS.value
+        if _VARIANT.value and _LR_GRID.value:
+            raise ConfigError("--lr_grid tunes --algorithms; it does not combine with --variant")
+        chosen = config.algorithm
+        for name in methods:  # every method checked before the first run starts
             config.algorithm = name
             validate_config(config)
             check_against_data(config, central)
+        config.algorithm = chosen
         header = (f"{config.data.name}, {config.data.num_clients} clients "
                   f"({config.clients.architectures}), partition {config.data.partition}, "
                   f"{config.train.rounds} rounds, {_SEEDS.value} seed(s); accuracy at the last "
@@ -121,14 +155,17 @@ def main(argv: list[str]) -> None:
                                         title)
             return table
 
-        variants = {a: {"algorithm": a} for a in _ALGORITHMS.value}
+        variants = ({a: {"algorithm": a} for a in _ALGORITHMS.value} if not _VARIANT.value
+                    else parse_variants(_VARIANT.value))
+        for overrides in variants.values():
+            validate_config(experiments.with_overrides(config, overrides))
         tuning = ""
         if _LR_GRID.value:
             variants, tuning = tune_learning_rates(config, [float(v) for v in _LR_GRID.value])
             header += f" Learning rate per method tuned over {_LR_GRID.value} (seed {config.seed})."
         results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
                                        _PROGRESS.value, reuse=_REUSE.value, on_seed_done=write)
-    except (ConfigError, DatasetUnavailableError) as e:
+    except (ConfigError, DatasetUnavailableError, KeyError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     table = write(results)

@@ -91,3 +91,21 @@ def test_a_finished_run_is_reused_across_fields_added_later_at_their_default():
                                              "seed": 0}, default)
     assert not experiments.same_config({**old, "gone": 1}, {"train": {"lr": 0.05}, "seed": 0},
                                        default)
+
+
+def test_compare_variants_parse_fields_and_types():
+    from launch.compare import parse_variants
+
+    from fedjax_pfedes.config_validation import ConfigError
+
+    variants = parse_variants(["kept:", "reset:train.reset_local_optimizer=True",
+                               "two:proxy_scales=1.0,0.5;train.coverage_candidates=12;lam=0.5"])
+    assert variants == {"kept": {}, "reset": {"train.reset_local_optimizer": True},
+                        "two": {"proxy_scales": "1.0,0.5", "train.coverage_candidates": 12,
+                                "lam": 0.5}}
+    config = experiments.with_overrides(_tiny(), variants["two"])
+    assert config.proxy_scales == "1.0,0.5" and config.train.coverage_candidates == 12
+    with pytest.raises(ConfigError, match="--variant=broken: expected NAME:FIELD=VALUE"):
+        parse_variants(["broken"])
+    with pytest.raises(ConfigError, match="'lam' is not FIELD=VALUE"):
+        parse_variants(["x:lam"])
