@@ -94,9 +94,8 @@ def test_a_finished_run_is_reused_across_fields_added_later_at_their_default():
 
 
 def test_compare_variants_parse_fields_and_types():
-    from launch.compare import parse_variants
-
     from fedjax_pfedes.config_validation import ConfigError
+    from launch.compare import parse_variants
 
     variants = parse_variants(["kept:", "reset:train.reset_local_optimizer=True",
                                "two:proxy_scales=1.0,0.5;train.coverage_candidates=12;lam=0.5"])
