@@ -75,6 +75,23 @@ def same_config(old: Any, new: Any, default: Any) -> bool:
     return old == new
 
 
+# Fields that change what a run reports or keeps, never its numbers: ignored when a finished
+# run is matched for reuse.
+RESULT_NEUTRAL = (("train", "allow_divergence"), ("monitor", "tensorboard"),
+                  ("checkpoint", "every"), ("checkpoint", "max_to_keep"),
+                  ("execution", "compilation_cache_dir"))
+
+
+def _without_neutral(config: dict | None) -> dict | None:
+    if not isinstance(config, dict):
+        return config
+    out = json.loads(json.dumps(config))
+    for section, field in RESULT_NEUTRAL:
+        if isinstance(out.get(section), dict):
+            out[section].pop(field, None)
+    return out
+
+
 def _finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | None:
     """The summary of a finished run in `run_dir` made with `config` (`same_config`), else
     None."""
@@ -89,7 +106,9 @@ def _finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | Non
         default = json.loads(json.dumps(quickstart.get_config().to_dict()))
     except ImportError:  # then only an identical config counts
         default = {}
-    return summary if same_config(summary.get("config"), normalized, default) else None
+    same = same_config(_without_neutral(summary.get("config")), _without_neutral(normalized),
+                       _without_neutral(default))
+    return summary if same else None
 
 
 def with_overrides(base: ml_collections.ConfigDict, overrides: dict[str, Any]

@@ -103,6 +103,7 @@ def main(argv: list[str]) -> None:
     base.algorithm = "pfedes"
     base.monitor.client_report = True  # F4 reads every client's alignment losses
     base.monitor.aggregation_loss = True
+    base.train.allow_divergence = True  # a diverging variant is a result (F5), not an error
     if _SEEDS.value < 1:
         fail(f"--seeds must be >= 1, got {_SEEDS.value}")
     try:
