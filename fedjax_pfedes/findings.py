@@ -56,9 +56,13 @@ def final(records: list[dict], key: str = "personalized_accuracy_mean") -> np.nd
 
 
 def curve(records: list[dict], key: str) -> np.ndarray:
-    """[seeds, rounds] per-round values of `key` (NaN where missing or non-finite)."""
-    return np.array([[np.nan if v is None else v for v in r["curves"][key]] for r in records],
-                    np.float64)
+    """[seeds, rounds] per-round values of `key`: NaN where missing, and after the last round of
+    a run that stopped early (diverged)."""
+    rows = [[np.nan if v is None else v for v in r["curves"][key]] for r in records]
+    out = np.full((len(rows), max(map(len, rows), default=0)), np.nan)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
 
 
 def oscillation(values: np.ndarray) -> float:

@@ -111,3 +111,13 @@ def test_launch_findings_refuses_an_unknown_finding(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --finding=F8: unknown")
+
+
+def test_a_run_that_stopped_early_counts_as_oscillating():
+    """A diverged run stops early: its curve is padded with NaN and its oscillation is inf."""
+    records = [_record(0.9, train_align_loss_mean=[1.0, 0.9, 0.8, 0.7]),
+               _record(0.9, train_align_loss_mean=[1.0, 0.9, float("nan")])]
+    c = findings.curve(records, "train_align_loss_mean")
+    assert c.shape == (2, 4) and np.isnan(c[1, 2:]).all()
+    assert findings.oscillation(c[0]) == pytest.approx(0.0, abs=1e-9)
+    assert findings.oscillation(c[1]) == np.inf
