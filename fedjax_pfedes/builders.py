@@ -206,7 +206,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
             c.runner = runners[c.arch][choice.strategy]
             choices[c.arch] = choice.as_dict()
     m = sampling.participants_per_round(n, t.client_fraction)
-    if t.sampling == "coverage" and (t.coverage_candidates or 2 * m) >= n:
+    if t.sampling == "coverage" and sampling.coverage_pool_size(m, t.coverage_candidates) >= n:
         logging.warning(
             "config.train.sampling='coverage' draws its candidates from all %d clients (%d per "
             "round): the greedy pass then picks the same clients again and again and starves "
@@ -227,9 +227,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         planned_steps=planned, strategy_choices=choices,
         statically_eligible=eligible,
         strata=sampling.size_strata(sizes, t.strata, profiles.availability_class),
-        label_counts=np.stack([np.bincount(data.central.y_train[i],
-                                           minlength=data.central.num_classes)
-                               for i in data.train_indices]),
+        label_counts=data.train_label_counts(),
         upload_bytes={c.arch: upload_bytes_per_arch(pipeline, algorithm, server_state, c.arch)
                       for c in cohorts},
         download_bytes={c.arch: float(tree_size(algorithm.broadcast(server_state, c.arch))[1])

@@ -19,6 +19,8 @@ import dataclasses
 
 import numpy as np
 
+from fedjax_pfedes import local_training
+
 METHODS = ("uniform", "poisson", "stratified", "coverage")
 BELOW_MIN = ("skip", "one_epoch")
 
@@ -186,11 +188,8 @@ def planned_steps(sizes: np.ndarray, capacity: np.ndarray, batch_size: int,
     """Local steps = epochs x ceil(n / B) (floor(n / B) for n >= B when partial batches are
     dropped), with B capped at the cohort's padded length (as `local_training.batch_schedule`)."""
     batch = np.minimum(batch_size, np.asarray(capacity))
-    n = np.asarray(sizes)
-    per_epoch = -(-n // batch)
-    if drop_partial_batch:
-        per_epoch = np.where(n >= batch, n // batch, per_epoch)
-    return np.asarray(epochs) * per_epoch
+    per_epoch = local_training.batches_per_epoch(np.asarray(sizes), batch, drop_partial_batch)
+    return np.asarray(epochs) * np.asarray(per_epoch)
 
 
 def coverage_sample(seed: int, round_index: int, m: int, eligible: np.ndarray,
@@ -214,8 +213,8 @@ def coverage_sample(seed: int, round_index: int, m: int, eligible: np.ndarray,
     DP-SGD refuse this method (one client's data would change who else is selected, so the
     sensitivity bound of one client's contribution no longer holds).
     """
-    pool_size = 2 * m if candidates <= 0 else max(candidates, m)
-    pool = weighted_uniform(seed, round_index, pool_size, eligible, weights)
+    pool = weighted_uniform(seed, round_index, coverage_pool_size(m, candidates), eligible,
+                            weights)
     if len(pool) <= m:
         return pool
     rng = np.random.default_rng([seed, round_index, 2])
@@ -236,6 +235,11 @@ def coverage_sample(seed: int, round_index: int, m: int, eligible: np.ndarray,
         pooled += counts[pick]
         pool = pool[pool != pick]
     return np.sort(np.array(chosen, np.int64))
+
+
+def coverage_pool_size(m: int, candidates: int) -> int:
+    """Candidates coverage sampling draws per round: `candidates` (at least m), 0 = 2m."""
+    return 2 * m if candidates <= 0 else max(candidates, m)
 
 
 def label_coverage(label_counts: np.ndarray, selected: np.ndarray) -> float:

@@ -19,6 +19,7 @@ described below (the authors' published schedule is `pfedes_paper.py`):
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import jax
@@ -285,7 +286,7 @@ def parse_scales(text: str) -> tuple[float, ...]:
     except ValueError:
         raise ValueError(f"config.proxy_scales: '{text}' is not a comma-separated list of "
                          "weights, e.g. '1.0,0.5'") from None
-    if not all(w >= 0 and w == w and w != float("inf") for w in weights) or not any(weights):
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
         raise ValueError(f"config.proxy_scales: weights must be finite, >= 0 and not all 0; "
                          f"got '{text}'")
     return weights

@@ -66,6 +66,11 @@ class FederatedData:
     def num_clients(self) -> int:
         return len(self.train_indices)
 
+    def train_label_counts(self) -> np.ndarray:
+        """[clients, classes] label histogram of every client's local train split."""
+        y, classes = self.central.y_train, self.central.num_classes
+        return np.stack([np.bincount(y[idx], minlength=classes) for idx in self.train_indices])
+
     def client_arrays(self, client_ids: np.ndarray, split: str) -> ClientArrays:
         """Padded arrays of the given clients' local `split` ('train' or 'test')."""
         chosen = self.train_indices if split == "train" else self.test_indices

@@ -104,9 +104,7 @@ class DataProfile:
 
 def profile_partition(data: FederatedData, partition: str) -> DataProfile:
     """The profile of `data`'s clients (local train splits; test sizes alongside)."""
-    y = data.central.y_train
-    classes = data.central.num_classes
-    counts = np.stack([np.bincount(y[idx], minlength=classes) for idx in data.train_indices])
+    counts = data.train_label_counts()
     train_sizes = counts.sum(axis=1)
     test_sizes = np.array([len(idx) for idx in data.test_indices])
     global_dist = counts.sum(axis=0) / max(counts.sum(), 1)
