@@ -251,9 +251,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval.global_test_samples = 0  # 0 = the whole global test set
 
     config.execution = ml_collections.ConfigDict()
-    # 'loop' | 'vmap' | 'auto' (times both per cohort at start-up, keeps the cheaper; see
-    # docs/performance.md). 'loop' is the measured winner on CPU for every cohort shipped here.
+    # 'loop' | 'vmap' | 'shard' | 'auto' (times the applicable ones per cohort at start-up,
+    # keeps the cheapest; see docs/performance.md). 'loop' is the measured winner on CPU for
+    # every cohort shipped here. 'shard' splits each round's participants over the devices of
+    # a mesh (each device vmaps its share): the multi-GPU / TPU strategy.
     config.execution.strategy = "loop"
+    config.execution.devices = 0         # devices of the 'shard' mesh (0 = all local devices)
     # True: every client runs its cohort's padded schedule as one unrolled scan (the reference
     # the default rolled loop, compiled once and running each client's own steps, is tested against)
     config.execution.unroll_local_steps = False

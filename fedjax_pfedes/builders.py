@@ -153,9 +153,11 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     algorithm = build_algorithm(config, data)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
     requested = execution.resolve_strategy(config.execution.strategy)
-    candidates = execution.STRATEGIES if requested == "auto" else (requested,)
+    mesh = (execution.client_mesh(config.execution.devices)
+            if requested in ("shard", "auto") else None)
+    candidates = execution.auto_candidates(mesh) if requested == "auto" else (requested,)
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
-    runners = {a: {s: execution.make_runner(p, s) for s in candidates}
+    runners = {a: {s: execution.make_runner(p, s, mesh) for s in candidates}
                for a, p in programs.items()}
     t = config.train
     n = data.num_clients
@@ -170,7 +172,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     upload_key = jax.random.fold_in(root, 7)  # compression / DP noise / secure-agg stream
     cohorts, client_states = build_cohorts(data, archs, programs,
                             {a: r[candidates[0]] for a, r in runners.items()}, slots_per_round,
-                            client_key)
+                            client_key, mesh.size if "shard" in candidates else 1)
     server_state = jax.jit(algorithm.init_server, static_argnums=1, compiler_options={
         "xla_backend_optimization_level": 1})(server_key, tuple(c.arch for c in cohorts))
     pipeline = build_pipeline(config, algorithm, n)

@@ -82,9 +82,14 @@ def _init_states(init_client, rng: jax.Array, ids: jax.Array) -> PyTree:
 
 def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, CohortProgram],
                   runners: dict[str, CohortRunner], participants_per_round: int,
-                  rng: jax.Array) -> tuple[list[Cohort], dict[str, PyTree]]:
+                  rng: jax.Array, bucket_multiple: int = 1
+                  ) -> tuple[list[Cohort], dict[str, PyTree]]:
     """Groups clients by architecture (in order of first appearance); returns the cohorts and
-    their initial private states (architecture -> states stacked over the members)."""
+    their initial private states (architecture -> states stacked over the members).
+
+    `bucket_multiple`: every cohort's participant slots are rounded up to a multiple of it
+    (the 'shard' strategy splits the slots evenly over the devices of its mesh; the extra
+    slots are padding, they take no steps and carry no weight)."""
     cohorts, states_of = [], {}
     for arch in dict.fromkeys(archs):
         ids = np.array([k for k, a in enumerate(archs) if a == arch])
@@ -95,5 +100,6 @@ def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, Coh
             train=jax.device_put(data.client_arrays(ids, "train")),
             test=jax.device_put(data.client_arrays(ids, "test")),
             program=programs[arch], runner=runners[arch],
-            bucket=min(len(ids), participants_per_round)))
+            bucket=-(-min(len(ids), participants_per_round) // bucket_multiple)
+            * bucket_multiple))
     return cohorts, states_of

@@ -75,6 +75,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         alignment.get_alignment(config.align)
         check_proxy(config.proxy_arch)
         execution.resolve_strategy(config.execution.strategy)
+        if config.execution.strategy in ("shard", "auto"):
+            execution.client_mesh(config.execution.devices)
         archs = assign_architectures(config.clients.architectures, config.data.num_clients)
         attacks.attack_config(config, config.data.num_clients)
         algorithm_registry.check_optimizer_overrides(config)

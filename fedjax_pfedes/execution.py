@@ -10,6 +10,10 @@ give the same numbers (up to float reassociation):
   scatter and carry zero aggregation weight.
 * 'loop': one jitted call per real participant, which reads and writes its row of the stacked
   state in place (the state buffer is donated). Padded slots cost nothing.
+* 'shard': 'vmap' with the participant slots split over a one-axis `jax.sharding.Mesh` of the
+  local devices (`shard_map`): each device vmaps its share of the slots, the stacked states are
+  replicated on the mesh, and uploads and metrics come back to the default device for the
+  server step. The bucket is a multiple of the mesh size (`cohorts.build_cohorts` pads it).
 
 Which one is faster depends on the models, the bucket and the backend (on CPU vmapped per-client
 convolutions become grouped convolutions); 'auto' measures both per cohort at start-up
@@ -25,19 +29,39 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fedjax_pfedes.algorithms.base import CohortProgram, Metrics, PyTree
 
-STRATEGIES = ("vmap", "loop")
+STRATEGIES = ("vmap", "loop", "shard")
+CLIENT_AXIS = "clients"  # the mesh axis the participant slots are split over
 
 
 def resolve_strategy(name: str) -> str:
-    """Checks `config.execution.strategy`: 'loop', 'vmap', or 'auto' (chosen per cohort by
-    timing both on the run's backend, see `strategy_choice`)."""
+    """Checks `config.execution.strategy`: 'loop', 'vmap', 'shard', or 'auto' (chosen per
+    cohort by timing the applicable ones on the run's backend, see `strategy_choice`)."""
     if name == "auto" or name in STRATEGIES:
         return name
     raise ValueError(f"config.execution.strategy: unknown strategy '{name}'; "
-                     f"known: ['auto', 'loop', 'vmap']")
+                     f"known: ['auto', 'loop', 'vmap', 'shard']")
+
+
+def auto_candidates(mesh: Mesh | None) -> tuple[str, ...]:
+    """The strategies 'auto' times: 'shard' only when the mesh has more than one device."""
+    return ("vmap", "loop") + (("shard",) if mesh is not None and mesh.size > 1 else ())
+
+
+def client_mesh(devices: int) -> Mesh:
+    """A one-axis mesh ('clients') over the first `devices` local devices (0 = all of them).
+    Auto axis types: the runner states its shardings itself (`shard_map`)."""
+    available = jax.local_devices()
+    if devices < 0 or devices > len(available):
+        raise ValueError(f"config.execution.devices={devices}: this process sees "
+                         f"{len(available)} device(s) ({available[0].platform}); use 0 for all "
+                         f"or a number up to {len(available)}")
+    chosen = available[: devices or len(available)]
+    return Mesh(np.array(chosen), (CLIENT_AXIS,), axis_types=(AxisType.Auto,))
 
 
 def _take(tree: PyTree, idx: jax.Array) -> PyTree:
@@ -73,52 +97,85 @@ class CohortRunner:
     computed_steps: Callable[[np.ndarray, int], float]
 
 
-def make_runner(program: CohortProgram, strategy: str) -> CohortRunner:
-    """Builds the jitted update/evaluate functions of a cohort for `strategy` ('vmap'|'loop')."""
+def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None
+                ) -> CohortRunner:
+    """Builds the jitted update/evaluate functions of a cohort for `strategy` ('vmap' | 'loop'
+    | 'shard'; 'shard' needs the `mesh` of `client_mesh`)."""
     if strategy == "vmap":
-        return _vmap_runner(program)
+        return _mapped_runner(program, "vmap", _vmapped)
     if strategy == "loop":
         return _loop_runner(program)
-    raise ValueError(f"make_runner: strategy must be 'loop' or 'vmap' ('auto' is resolved per "
-                     f"cohort by strategy_choice), got '{strategy}'")
+    if strategy == "shard":
+        if mesh is None:
+            raise ValueError("make_runner: strategy 'shard' needs a mesh (execution.client_mesh)")
+        return _mapped_runner(program, "shard", functools.partial(_sharded, mesh=mesh), mesh)
+    raise ValueError(f"make_runner: strategy must be 'loop', 'vmap' or 'shard' ('auto' is "
+                     f"resolved per cohort by strategy_choice), got '{strategy}'")
 
 
-def _vmap_runner(program: CohortProgram) -> CohortRunner:
+def _vmapped(fn: Callable, in_axes: tuple) -> Callable:
+    return jax.vmap(fn, in_axes=in_axes)
+
+
+def _sharded(fn: Callable, in_axes: tuple, mesh: Mesh) -> Callable:
+    """`fn` vmapped over the slots of each device's share (axes None: replicated)."""
+    specs = tuple(P() if a is None else P(CLIENT_AXIS) for a in in_axes)
+    return jax.shard_map(jax.vmap(fn, in_axes=in_axes), mesh=mesh, in_specs=specs,
+                         out_specs=P(CLIENT_AXIS), check_vma=False)
+
+
+def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
+                   mesh: Mesh | None = None) -> CohortRunner:
+    """'vmap' and 'shard': one jitted call maps the client function over all slots;
+    `map_clients(fn, in_axes)` says how (plain vmap, or vmap per device under shard_map)."""
+    client_update = map_clients(program.client_update, (None, 0, 0, 0))
+    client_evaluate = map_clients(program.evaluate, (None, 0, 0, None, None))
+    # 'shard': the inputs replicated on the mesh (stacked states stay there between rounds);
+    # uploads and metrics go back to the default device, where the server step runs.
+    on_mesh = (lambda tree: tree) if mesh is None else functools.partial(
+        jax.device_put, device=NamedSharding(mesh, P()))
+    home = (lambda tree: tree) if mesh is None else functools.partial(
+        jax.device_put, device=jax.local_devices()[0])
+
     @functools.partial(jax.jit, donate_argnums=1)
-    def vmapped_update(broadcast, states, train, slots, keys):
+    def mapped_update(broadcast, states, train, slots, keys):
         valid = slots < train.sizes.shape[0]
         rows = _take(train, slots)
         # Padded slots hold no samples, so they take no local steps (their results are dropped).
         rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
-        uploads, new_rows, metrics = jax.vmap(program.client_update, in_axes=(None, 0, 0, 0))(
-            broadcast, _take(states, slots), rows, keys)
+        uploads, new_rows, metrics = client_update(broadcast, _take(states, slots), rows, keys)
         zero_padded = lambda a: jnp.where(valid.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0)  # noqa: E731
         return (jax.tree.map(zero_padded, uploads), _put(states, slots, new_rows),
                 jax.tree.map(zero_padded, metrics))
 
     @jax.jit
-    def vmapped_evaluate(broadcast, states, test, global_x, global_y):
-        return jax.vmap(program.evaluate, in_axes=(None, 0, 0, None, None))(
-            broadcast, states, test, global_x, global_y)
-
-    @jax.jit
-    def vmapped_evaluate_slots(broadcast, states, test, slots, global_x, global_y):
+    def mapped_evaluate_slots(broadcast, states, test, slots, global_x, global_y):
         valid = slots < test.sizes.shape[0]
-        metrics = jax.vmap(program.evaluate, in_axes=(None, 0, 0, None, None))(
-            broadcast, _take(states, slots), _take(test, slots), global_x, global_y)
+        metrics = client_evaluate(broadcast, _take(states, slots), _take(test, slots),
+                                  global_x, global_y)
         return jax.tree.map(lambda a: jnp.where(valid, a, 0), metrics)
 
     def update(broadcast, states, train, slots, keys):
-        return vmapped_update(broadcast, states, train, jnp.asarray(slots), keys)
+        uploads, states, metrics = mapped_update(*on_mesh((broadcast, states, train)),
+                                                 on_mesh(jnp.asarray(slots)), on_mesh(keys))
+        return home(uploads), states, home(metrics)
 
     def evaluate_slots(broadcast, states, test, slots, global_x, global_y):
-        return vmapped_evaluate_slots(broadcast, states, test, jnp.asarray(slots), global_x,
-                                      global_y)
+        return home(mapped_evaluate_slots(*on_mesh((broadcast, states, test)),
+                                          on_mesh(jnp.asarray(slots)),
+                                          *on_mesh((global_x, global_y))))
+
+    def evaluate(broadcast, states, test, global_x, global_y):
+        n = test.sizes.shape[0]
+        multiple = 1 if mesh is None else mesh.size  # shard_map splits the slots evenly
+        every = np.arange(-(-n // multiple) * multiple, dtype=np.int32)  # padded: out of range
+        out = evaluate_slots(broadcast, states, test, every, global_x, global_y)
+        return out if len(every) == n else jax.tree.map(lambda a: a[:n], out)
 
     def computed_steps(steps: np.ndarray, bucket: int) -> float:
         return float(bucket * np.max(steps)) if len(steps) else 0.0
 
-    return CohortRunner("vmap", update, vmapped_evaluate, evaluate_slots, computed_steps)
+    return CohortRunner(name, update, evaluate, evaluate_slots, computed_steps)
 
 
 def _loop_runner(program: CohortProgram) -> CohortRunner:

@@ -36,7 +36,7 @@ class Choice:
     """The strategy picked for one cohort and the evidence.
 
     Attributes:
-      strategy: 'loop' or 'vmap'.
+      strategy: 'loop', 'vmap' or 'shard'.
       seconds_per_call: measured seconds of one update call with one step per client per epoch.
       expected_round_s: those scaled to the cohort's planned steps per round, per strategy.
       cached: True when read from the decision cache instead of measured.
@@ -148,6 +148,7 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
         "loop": per_call.get("loop", 0.0) / (epochs * bucket) * mean_steps
         * expected_participants,
         "vmap": per_call.get("vmap", 0.0) / epochs * max_steps,
+        "shard": per_call.get("shard", 0.0) / epochs * max_steps,  # vmap per device
     }
     expected = {s: expected[s] for s in per_call}
     choice = Choice(min(expected, key=expected.get), per_call, expected)

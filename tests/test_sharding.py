@@ -1,0 +1,103 @@
+"""The 'shard' strategy (participants split over a mesh of devices) gives the numbers of 'vmap'.
+
+JAX fixes its device count at start-up, so each check runs in a subprocess with four simulated
+CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fedjax_pfedes import execution
+from fedjax_pfedes.config_validation import ConfigError, validate_config
+from tests.fl_helpers import tiny_config
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def _run_with_devices(code: str, devices: int = 4, timeout: int = 600) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_shard_runner_equals_vmap_on_four_devices():
+    """One cohort round: uploads, new states and metrics of 'shard' (4 devices, 8 slots of which
+    3 real) equal 'vmap''s; padded slots upload zeros; non-participants keep their states."""
+    result = _run_with_devices("""
+        import json, jax, jax.numpy as jnp, numpy as np
+        from fedjax_pfedes import execution
+        from tests.test_execution import _setup, _copy
+        _, program, data, states, server = _setup("convnet3", num_clients=5)
+        slots = np.array([2, 0, 4, 5, 5, 5, 5, 5], np.int32)  # 3 clients, 5 padded slots
+        keys = jax.random.split(jax.random.key(7), 8)
+        mesh = execution.client_mesh(0)
+        out = {s: execution.make_runner(program, s, mesh).update(
+                   server.proxy_params, _copy(states), data, slots, keys)
+               for s in ("vmap", "shard")}
+        diff = lambda a, b: max(float(jnp.abs(jnp.asarray(x) - jnp.asarray(y)).max())
+                                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+        (up_v, st_v, m_v), (up_s, st_s, m_s) = out["vmap"], out["shard"]
+        ev = {s: execution.make_runner(program, s, mesh).evaluate(
+                  server.proxy_params, st_v, data, data.x[0], data.y[0]) for s in out}
+        print(json.dumps({
+            "devices": mesh.size,
+            "uploads": diff(up_v, up_s), "states": diff(st_v.params, st_s.params),
+            "metrics": diff(m_v, m_s), "evaluate": diff(ev["vmap"], ev["shard"]),
+            "evaluate_rows": int(jax.tree.leaves(ev["shard"])[0].shape[0]),
+            "padded_upload_max": max(float(jnp.abs(l[3:]).max()) for l in jax.tree.leaves(up_s)),
+            "untouched": diff(jax.tree.map(lambda a: a[jnp.array([1, 3])], st_s.params),
+                              jax.tree.map(lambda a: a[jnp.array([1, 3])], states.params)),
+            "moved": diff(st_s.params, states.params)}))
+    """)
+    assert result["devices"] == 4
+    for key in ("uploads", "states", "metrics", "evaluate"):
+        assert result[key] < 1e-4, (key, result)
+    assert result["evaluate_rows"] == 5  # the padding of the last device's share is cut off
+    assert result["padded_upload_max"] == 0.0
+    assert result["untouched"] == 0.0
+    assert result["moved"] > 1e-3  # the participants did train
+
+
+@pytest.mark.slow  # two end-to-end runs with 4 simulated devices: ~1 min
+def test_shard_run_matches_vmap_run_end_to_end(tmp_path):
+    result = _run_with_devices(f"""
+        import json
+        from fedjax_pfedes.simulation import run_experiment
+        from tests.fl_helpers import small_config
+        out = {{}}
+        for strategy in ("vmap", "shard"):
+            c = small_config(strategy)
+            c.train.rounds, c.checkpoint.every = 3, 0
+            c.execution.compilation_cache_dir = ""
+            s = run_experiment(c, "{tmp_path}/" + strategy)
+            out[strategy] = dict(s["final"], strategy=s["execution_strategy"])
+        print(json.dumps(out))
+    """)
+    v, s = result["vmap"], result["shard"]
+    assert s["strategy"] == "shard"
+    for key in ("personalized_accuracy_mean", "global_accuracy_mean", "test_ce_loss_mean",
+                "test_align_loss_mean"):
+        assert abs(v[key] - s[key]) <= 5e-3 * max(1.0, abs(v[key])), (key, v[key], s[key])
+
+
+def test_a_mesh_larger_than_the_devices_is_refused_naming_the_field():
+    config = tiny_config()
+    config.execution.strategy = "shard"
+    config.execution.devices = len(__import__("jax").local_devices()) + 1
+    with pytest.raises(ConfigError, match=r"config\.execution\.devices=\d+: this process sees"):
+        validate_config(config)
+
+
+def test_auto_considers_shard_only_with_several_devices():
+    mesh = execution.client_mesh(0)
+    expected = ("vmap", "loop") + (("shard",) if mesh.size > 1 else ())
+    assert execution.auto_candidates(mesh) == expected
+    assert execution.auto_candidates(None) == ("vmap", "loop")
