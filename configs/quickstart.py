@@ -257,6 +257,14 @@ def get_config() -> ml_collections.ConfigDict:
     # a mesh (each device vmaps its share): the multi-GPU / TPU strategy.
     config.execution.strategy = "loop"
     config.execution.devices = 0         # devices of the 'shard' mesh (0 = all local devices)
+    # Where the clients' private states and local data live: 'device' (stacked on the
+    # accelerator: fastest for small populations) | 'offload' (host memory, gathered per round
+    # for the participants only: populations of 10,000+ clients, README "Scale").
+    config.execution.client_states = "device"
+    # 'offload': host memory all cohorts' states may take; above it they are memory-mapped
+    # files in client_state_dir ('' = <workdir>/client_states).
+    config.execution.client_state_budget_gb = 8.0
+    config.execution.client_state_dir = ""
     # True: every client runs its cohort's padded schedule as one unrolled scan (the reference
     # the default rolled loop, compiled once and running each client's own steps, is tested against)
     config.execution.unroll_local_steps = False

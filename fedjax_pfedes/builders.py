@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+import tempfile
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ from absl import logging
 from fedjax_pfedes import (
     asynchronous,
     attacks,
+    client_store,
     compilation,
     execution,
     plotting,
@@ -29,7 +31,7 @@ from fedjax_pfedes import (
     system,
 )
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.cohorts import assign_architectures, build_cohorts
+from fedjax_pfedes.cohorts import Offload, assign_architectures, build_cohorts
 from fedjax_pfedes.config_validation import ConfigError, check_against_data
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.federated import FederatedData, partition_dataset
@@ -142,14 +144,27 @@ def upload_bytes_per_arch(pipeline: UploadPipeline, algorithm, server_state, arc
     return compression.encoded_bytes(template, cfg.compression) + (4 if cfg.dp else 0)
 
 
+def offload_spec(config: ml_collections.ConfigDict, workdir: str | None) -> Offload | None:
+    """Where `config.execution.client_states='offload'` keeps client states (None: 'device').
+    Their files go to `config.execution.client_state_dir`, '' = `<workdir>/client_states`
+    (a fresh temporary folder when there is no workdir)."""
+    ex = config.execution
+    if ex.client_states == "device":
+        return None
+    directory = ex.client_state_dir or (os.path.join(workdir, "client_states") if workdir
+                                        else tempfile.mkdtemp(prefix="fedjax_pfedes_states_"))
+    return Offload(budget_gb=ex.client_state_budget_gb, directory=directory)
+
+
 def build_context(config: ml_collections.ConfigDict, data: FederatedData,
-                  strategies: dict[str, str] | None = None
+                  strategies: dict[str, str] | None = None, workdir: str | None = None
                   ) -> tuple[rounds.RunContext, SimState]:
     """Everything static of a run, and the run's state at round 0.
 
     `strategies` (arch -> 'loop' | 'vmap') fixes the cohorts' execution strategies under
     `config.execution.strategy='auto'` (a resumed run keeps its original choice, so its numbers
-    continue bit for bit); otherwise 'auto' measures them (`strategy_choice`)."""
+    continue bit for bit); otherwise 'auto' measures them (`strategy_choice`). `workdir`: the
+    run's folder (offloaded client states that exceed their memory budget go under it)."""
     algorithm = build_algorithm(config, data)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
     requested = execution.resolve_strategy(config.execution.strategy)
@@ -170,9 +185,13 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     root = jax.random.key(config.seed)
     server_key, client_key, train_key = jax.random.split(root, 3)
     upload_key = jax.random.fold_in(root, 7)  # compression / DP noise / secure-agg stream
-    cohorts, client_states = build_cohorts(data, archs, programs,
-                            {a: r[candidates[0]] for a, r in runners.items()}, slots_per_round,
-                            client_key, mesh.size if "shard" in candidates else 1)
+    try:
+        cohorts, client_states = build_cohorts(
+            data, archs, programs, {a: r[candidates[0]] for a, r in runners.items()},
+            slots_per_round, client_key, mesh.size if "shard" in candidates else 1,
+            offload_spec(config, workdir))
+    except client_store.BudgetError as e:
+        raise ConfigError(str(e)) from None
     server_state = jax.jit(algorithm.init_server, static_argnums=1, compiler_options={
         "xla_backend_optimization_level": 1})(server_key, tuple(c.arch for c in cohorts))
     pipeline = build_pipeline(config, algorithm, n)
@@ -185,7 +204,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     epochs = client_epochs(config, sizes)
     capacity = np.zeros(n, np.int64)
     for c in cohorts:
-        capacity[c.client_ids] = c.train.y.shape[1]
+        capacity[c.client_ids] = c.train.capacity
     planned = sampling.planned_steps(sizes, capacity, t.batch_size, epochs,
                                      t.drop_partial_batch)
     choices = {}

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pfedes import client_store
 from fedjax_pfedes.algorithms.base import CohortProgram, PyTree
 from fedjax_pfedes.data.federated import ClientArrays, FederatedData
 from fedjax_pfedes.execution import CohortRunner
@@ -80,26 +82,56 @@ def _init_states(init_client, rng: jax.Array, ids: jax.Array) -> PyTree:
     return jax.vmap(lambda k: init_client(jax.random.fold_in(rng, k)))(ids)
 
 
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Where offloaded client states go (`config.execution.client_states='offload'`):
+    host memory up to `budget_gb` for all cohorts together, memory-mapped files under
+    `directory` (one folder per cohort) above it."""
+
+    budget_gb: float
+    directory: str
+
+
 def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, CohortProgram],
                   runners: dict[str, CohortRunner], participants_per_round: int,
-                  rng: jax.Array, bucket_multiple: int = 1
+                  rng: jax.Array, bucket_multiple: int = 1, offload: Offload | None = None
                   ) -> tuple[list[Cohort], dict[str, PyTree]]:
     """Groups clients by architecture (in order of first appearance); returns the cohorts and
     their initial private states (architecture -> states stacked over the members).
 
     `bucket_multiple`: every cohort's participant slots are rounded up to a multiple of it
     (the 'shard' strategy splits the slots evenly over the devices of its mesh; the extra
-    slots are padding, they take no steps and carry no weight)."""
+    slots are padding, they take no steps and carry no weight).
+    `offload`: keep states and data on the host (`client_store`); the cohorts' runners are
+    wrapped to gather each round's participants. None: everything stacked on the device."""
+    members = {a: np.array([k for k, x in enumerate(archs) if x == a])
+               for a in dict.fromkeys(archs)}
+    buckets = {a: -(-min(len(ids), participants_per_round) // bucket_multiple) * bucket_multiple
+               for a, ids in members.items()}
+    in_memory = True
+    if offload is not None:
+        rows = {a: jax.eval_shape(programs[a].init_client, rng) for a in members}
+        in_memory = client_store.check_budget(rows, {a: len(i) for a, i in members.items()},
+                                              buckets, offload.budget_gb)
     cohorts, states_of = [], {}
-    for arch in dict.fromkeys(archs):
-        ids = np.array([k for k, a in enumerate(archs) if a == arch])
-        # One compiled call per cohort (eager initialization compiles every op separately).
-        states_of[arch] = _init_states(programs[arch].init_client, rng, jnp.asarray(ids))
-        cohorts.append(Cohort(
-            arch=arch, client_ids=ids,
-            train=jax.device_put(data.client_arrays(ids, "train")),
-            test=jax.device_put(data.client_arrays(ids, "test")),
-            program=programs[arch], runner=runners[arch],
-            bucket=-(-min(len(ids), participants_per_round) // bucket_multiple)
-            * bucket_multiple))
+    for arch, ids in members.items():
+        init = functools.partial(_init_states, programs[arch].init_client, rng)
+        runner = runners[arch]
+        if offload is None:
+            # One compiled call per cohort (eager initialization compiles every op separately).
+            states_of[arch] = init(jnp.asarray(ids))
+            train = jax.device_put(data.client_arrays(ids, "train"))
+            test = jax.device_put(data.client_arrays(ids, "test"))
+        else:
+            store = client_store.allocate(
+                rows[arch], len(ids),
+                None if in_memory else os.path.join(offload.directory, arch))
+            states_of[arch] = client_store.initialize(init, ids, store)
+            train, test = (client_store.RaggedClientArrays.from_indices(
+                data.central.x_train, data.central.y_train,
+                [chosen[int(k)] for k in ids])
+                for chosen in (data.train_indices, data.test_indices))
+            runner = client_store.offloaded_runner(runner, buckets[arch])
+        cohorts.append(Cohort(arch=arch, client_ids=ids, train=train, test=test,
+                              program=programs[arch], runner=runner, bucket=buckets[arch]))
     return cohorts, states_of

@@ -9,7 +9,7 @@ import math
 
 import ml_collections
 
-from fedjax_pfedes import alignment, attacks, execution
+from fedjax_pfedes import alignment, attacks, client_store, execution
 from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.cohorts import assign_architectures
 from fedjax_pfedes.data.catalog import LOADERS
@@ -77,6 +77,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         execution.resolve_strategy(config.execution.strategy)
         if config.execution.strategy in ("shard", "auto"):
             execution.client_mesh(config.execution.devices)
+        _check_client_states(config.execution)
         archs = assign_architectures(config.clients.architectures, config.data.num_clients)
         attacks.attack_config(config, config.data.num_clients)
         algorithm_registry.check_optimizer_overrides(config)
@@ -162,6 +163,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              f"config.train.local_momentum must be in [0, 1), got {train.local_momentum}")
     _require(config.eval.every >= 1, f"config.eval.every must be >= 1, got {config.eval.every}")
     _validate_runtime(config)
+
+
+def _check_client_states(ex: ml_collections.ConfigDict) -> None:
+    _require(ex.client_states in client_store.PLACEMENTS, f"config.execution.client_states: "
+             f"unknown '{ex.client_states}'; known: {list(client_store.PLACEMENTS)}")
+    if ex.client_states == "offload":
+        _require(ex.client_state_budget_gb > 0, "config.execution.client_state_budget_gb must "
+                 f"be > 0, got {ex.client_state_budget_gb}")
+        _require(ex.strategy != "auto", "config.execution.client_states='offload' needs an "
+                 "explicit config.execution.strategy ('loop', 'vmap' or 'shard'), not 'auto'")
 
 
 def _validate_runtime(config: ml_collections.ConfigDict) -> None:

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from fedjax_pfedes import (
     asynchronous,
     checkpointing,
+    client_store,
     compilation,
     metrics_io,
     rounds,
@@ -121,9 +122,13 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
             f" then, {fingerprint[:12]} now) although the config did not; use another "
             "--workdir, or --config.checkpoint.resume=False to start over")
     write_data_profile(data, config.data.partition, workdir)
-    ctx, state = build_context(config, data, (meta or {}).get("execution_strategy_by_arch"))
+    ctx, state = build_context(config, data, (meta or {}).get("execution_strategy_by_arch"),
+                               workdir)
     if meta is not None:
         first_round, restored = checkpointer.restore(state.to_checkpoint())
+        if config.execution.client_states == "offload":  # back into the host / disk store
+            restored["clients"] = {a: client_store.refill(state.clients[a], r)
+                                   for a, r in restored["clients"].items()}
         state = state.from_checkpoint(restored, meta["history"])
         ctx.pipeline.round_noise_multipliers = list(meta.get("dp_round_noise_multipliers",
                                                              []))[:first_round]
@@ -131,7 +136,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
     writers = metrics_io.RunWriters(workdir, first_round, config.monitor.tensorboard,
                                     config.monitor.client_report)
     rejected_total = sum(1 for _ in metrics_io.read_jsonl(writers.rejections.path))
-    batch_rate = {int(cid): min(1.0, min(config.train.batch_size, c.train.y.shape[1]) / max(n, 1))
+    batch_rate = {int(cid): min(1.0, min(config.train.batch_size, c.train.capacity) / max(n, 1))
                   for c in ctx.cohorts
                   for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
     chosen = sorted({c.runner.strategy for c in ctx.cohorts})

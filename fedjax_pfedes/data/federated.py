@@ -34,6 +34,11 @@ class ClientArrays:
     def num_clients(self) -> int:
         return int(self.sizes.shape[0])
 
+    @property
+    def capacity(self) -> int:
+        """Rows per client (the padded length)."""
+        return int(self.y.shape[1])
+
 
 def stack_clients(x: np.ndarray, y: np.ndarray, client_indices: list[np.ndarray]
                   ) -> ClientArrays:

@@ -1,0 +1,213 @@
+"""Client states and client data off the accelerator: memory that grows with participants, not N.
+
+With `config.execution.client_states='offload'` a cohort's private client states (model,
+optimizer state, step counts) live in host memory as numpy arrays — or, when all cohorts' states
+exceed `config.execution.client_state_budget_gb`, in memory-mapped `.npy` files on disk — and
+its local data is stored ragged (rows of all members concatenated, plus offsets) instead of
+padded to [members, largest client]. Each round `OffloadedRunner` gathers only the participants'
+state rows and data into a compact [bucket, ...] batch, runs the wrapped 'loop' / 'vmap' /
+'shard' runner on it, and writes the new rows back. Shapes never change (always `bucket` slots,
+padded to the cohort's largest client), so nothing recompiles; the numbers equal the on-device
+placement's, since every client computes the same function of the same inputs.
+
+Round cost is then O(participants) in device memory, host-device traffic and time; only
+evaluation over all clients (`runner.evaluate`, every `config.eval.every` rounds) and the
+host-side bookkeeping of the sampler touch every client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pfedes.algorithms.base import PyTree
+from fedjax_pfedes.data.federated import ClientArrays
+from fedjax_pfedes.execution import CohortRunner
+
+PLACEMENTS = ("device", "offload")
+INIT_CHUNK = 256  # clients initialized per compiled call when states are offloaded
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedClientArrays:
+    """Samples of several clients without padding: client k's rows are
+    `x[offsets[k]:offsets[k + 1]]`. `padded(idx)` builds the `ClientArrays` of some of them,
+    padded to `capacity` rows (the largest client of the cohort, as the on-device layout)."""
+
+    x: np.ndarray
+    y: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    capacity: int
+    step_limit: np.ndarray | None = None
+
+    @classmethod
+    def from_indices(cls, x: np.ndarray, y: np.ndarray, client_indices: list[np.ndarray]
+                     ) -> RaggedClientArrays:
+        sizes = np.array([len(i) for i in client_indices], np.int32)
+        rows = np.concatenate(client_indices) if len(client_indices) else np.zeros(0, np.int64)
+        return cls(x=x[rows], y=y[rows].astype(np.int32),
+                   offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                   sizes=sizes, capacity=max(int(sizes.max(initial=0)), 1))
+
+    @property
+    def num_clients(self) -> int:
+        return int(self.sizes.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.x.nbytes + self.y.nbytes + self.offsets.nbytes + self.sizes.nbytes)
+
+    def replace(self, **changes) -> RaggedClientArrays:
+        return dataclasses.replace(self, **changes)
+
+    def padded(self, idx: np.ndarray) -> ClientArrays:
+        """The clients `idx` (clipped to the valid range), padded to `capacity` rows."""
+        idx = np.clip(np.asarray(idx), 0, self.num_clients - 1)
+        x = np.zeros((len(idx), self.capacity) + self.x.shape[1:], self.x.dtype)
+        y = np.zeros((len(idx), self.capacity), np.int32)
+        for j, k in enumerate(idx):
+            lo, hi = self.offsets[k], self.offsets[k + 1]
+            x[j, : hi - lo] = self.x[lo:hi]
+            y[j, : hi - lo] = self.y[lo:hi]
+        limit = None if self.step_limit is None else np.asarray(self.step_limit)[idx]
+        return ClientArrays(x, y, self.sizes[idx], limit)
+
+
+class BudgetError(ValueError):
+    """`config.execution.client_state_budget_gb` cannot hold one round's participants."""
+
+
+def tree_bytes(tree: PyTree) -> int:
+    return sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(tree))
+
+
+def check_budget(row_shapes: dict[str, PyTree], members: dict[str, int],
+                 buckets: dict[str, int], budget_gb: float) -> bool:
+    """Whether the cohorts' states ([members] rows of `row_shapes` each) fit in `budget_gb` of
+    host memory (else they go to disk). BudgetError naming the field when even one round's
+    participants ([bucket] rows per cohort, which must be in memory together) do not fit."""
+    per_round = sum(tree_bytes(row_shapes[a]) * buckets[a] for a in row_shapes)
+    budget = budget_gb * 2**30
+    if per_round > budget:
+        raise BudgetError(
+            f"config.execution.client_state_budget_gb={budget_gb:g}: one round's participants "
+            f"alone hold {per_round / 2**30:.3g} GiB of client state; raise the budget to at "
+            "least that, or lower config.train.client_fraction")
+    return sum(tree_bytes(row_shapes[a]) * members[a] for a in row_shapes) <= budget
+
+
+def allocate(row_shapes: PyTree, members: int, directory: str | None) -> PyTree:
+    """Zeroed host arrays [members, *row] for every leaf: in memory, or memory-mapped `.npy`
+    files under `directory` (one per leaf, created or overwritten)."""
+    leaves, treedef = jax.tree.flatten(row_shapes)
+    if directory is not None:
+        os.makedirs(directory, exist_ok=True)
+    out = []
+    for i, s in enumerate(leaves):
+        shape, dtype = (members,) + tuple(s.shape), np.dtype(s.dtype)
+        if directory is None:
+            out.append(np.zeros(shape, dtype))
+        else:
+            out.append(np.lib.format.open_memmap(os.path.join(directory, f"leaf{i}.npy"),
+                                                 mode="w+", dtype=dtype, shape=shape))
+    return jax.tree.unflatten(treedef, out)
+
+
+def initialize(init_states: Callable[[jax.Array], PyTree], ids: np.ndarray, store: PyTree,
+               chunk: int = INIT_CHUNK) -> PyTree:
+    """Fills `store` with `init_states(ids)` computed `chunk` clients at a time (one compiled
+    shape: the last chunk is padded with repeats of its first id, and those rows dropped)."""
+    chunk = max(1, min(chunk, len(ids)))
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        padded = np.concatenate([part, np.full(chunk - len(part), part[0])])
+        rows = jax.device_get(init_states(jnp.asarray(padded)))
+        count = len(part)
+        write_rows(store, np.arange(start, start + count),
+                   jax.tree.map(lambda a: a[:count], rows))  # noqa: B023 (used at once)
+    return store
+
+
+def to_host(tree: PyTree) -> PyTree:
+    """Host arrays of `tree` (numpy and memory-mapped leaves as they are; device arrays copied
+    into writable numpy arrays)."""
+    return jax.tree.map(lambda a: a if isinstance(a, np.ndarray) else np.array(a), tree)
+
+
+def refill(store: PyTree, restored: PyTree) -> PyTree:
+    """`store` (host or memory-mapped arrays) overwritten with `restored` (a checkpoint's
+    client states), so a resumed run keeps its states where the budget put them."""
+    def copy(a, r):
+        a[...] = np.asarray(r)
+    jax.tree.map(copy, store, restored)
+    return store
+
+
+def read_rows(store: PyTree, idx: np.ndarray) -> PyTree:
+    return jax.tree.map(lambda a: np.asarray(a[idx]), store)
+
+
+def write_rows(store: PyTree, idx: np.ndarray, rows: PyTree) -> None:
+    def write(a, r):
+        a[idx] = np.asarray(r)
+    jax.tree.map(write, store, rows)
+
+
+def _data_rows(data, idx: np.ndarray) -> ClientArrays:
+    if isinstance(data, RaggedClientArrays):
+        return data.padded(idx)
+    idx = np.clip(idx, 0, data.num_clients - 1)
+    return jax.tree.map(lambda a: np.asarray(a)[idx], data)
+
+
+def offloaded_runner(inner: CohortRunner, bucket: int) -> CohortRunner:
+    """`inner` run on each round's participants only: their state rows and data are gathered
+    from host (or disk) into a compact [bucket] batch, and the new rows written back.
+    Evaluation over all clients runs `bucket` clients per call (the same compiled shape).
+
+    The returned runner takes and returns the cohort's host states (updated in place, as the
+    on-device runners donate theirs) and ragged or padded host data."""
+
+    def compact(states, data, slots):
+        slots = np.asarray(slots)
+        n = data.num_clients
+        valid = slots < n
+        rows = np.where(valid, slots, 0)
+        local = np.where(valid, np.arange(len(slots)), len(slots)).astype(np.int32)
+        return rows, valid, local, jax.device_put(read_rows(states, rows)), jax.device_put(
+            _data_rows(data, rows))
+
+    def update(broadcast, states, train, slots, keys):
+        states = to_host(states)
+        rows, valid, local, device_states, device_train = compact(states, train, slots)
+        uploads, new_states, metrics = inner.update(broadcast, device_states, device_train,
+                                                    local, keys)
+        write_rows(states, rows[valid], jax.tree.map(lambda a: np.asarray(a)[valid],
+                                                     jax.device_get(new_states)))
+        return uploads, states, metrics
+
+    def evaluate_slots(broadcast, states, test, slots, global_x, global_y):
+        _, _, local, device_states, device_test = compact(to_host(states), test, slots)
+        return inner.evaluate_slots(broadcast, device_states, device_test, local, global_x,
+                                    global_y)
+
+    def evaluate(broadcast, states, test, global_x, global_y):
+        n = test.num_clients
+        parts = []
+        for start in range(0, n, bucket):
+            slots = np.arange(start, start + bucket, dtype=np.int32)
+            slots[slots >= n] = n  # padded: out of range, dropped below
+            out = jax.device_get(evaluate_slots(broadcast, states, test, slots, global_x,
+                                                global_y))
+            keep = min(bucket, n - start)
+            parts.append(jax.tree.map(lambda a: np.asarray(a)[:keep], out))  # noqa: B023
+        return jax.tree.map(lambda *a: np.concatenate(a), *parts)
+
+    return CohortRunner(inner.strategy, update, evaluate, evaluate_slots, inner.computed_steps)

@@ -1,0 +1,129 @@
+"""Offloaded client states ('offload'): ragged data, chunked initialization, the gathering runner,
+and whole runs that equal the on-device placement bit for bit (host memory and memory-mapped)."""
+
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pfedes import client_store, cohorts, execution
+from fedjax_pfedes.config_validation import ConfigError, validate_config
+from fedjax_pfedes.data.federated import stack_clients
+from fedjax_pfedes.simulation import run_experiment
+from tests.fl_helpers import small_config, tiny_config
+from tests.test_execution import _copy, _setup
+
+
+def test_ragged_rows_equal_the_padded_stack():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 3, 2)).astype(np.float32)
+    y = rng.integers(0, 5, 40)
+    idx = [np.array([3, 7, 1]), np.arange(10, 30), np.array([0]), np.array([39, 38])]
+    ragged = client_store.RaggedClientArrays.from_indices(x, y, idx)
+    dense = stack_clients(x, y, idx)
+    assert ragged.capacity == dense.capacity == 20
+    assert ragged.nbytes < dense.x.nbytes  # 26 rows stored instead of 4 x 20
+    picked = ragged.replace(step_limit=np.array([5, 6, 7, 8])).padded(np.array([2, 0, 9]))
+    np.testing.assert_array_equal(picked.x, dense.x[[2, 0, 3]])  # 9 is clipped to the last
+    np.testing.assert_array_equal(picked.y, dense.y[[2, 0, 3]])
+    np.testing.assert_array_equal(picked.sizes, [1, 3, 2])
+    np.testing.assert_array_equal(picked.step_limit, [7, 5, 8])
+
+
+def test_chunked_initialization_equals_one_call(tmp_path):
+    _, program, _, _, _ = _setup("convnet3", num_clients=5)
+    rng = jax.random.key(3)
+    ids = np.array([0, 2, 5, 7, 8, 11, 12])
+    init = lambda i: cohorts._init_states(program.init_client, rng, i)  # noqa: E731
+    reference = jax.device_get(init(jnp.asarray(ids)))
+    rows = jax.eval_shape(program.init_client, rng)
+    for directory in (None, str(tmp_path / "mm")):
+        store = client_store.initialize(init, ids, client_store.allocate(rows, len(ids),
+                                                                         directory), chunk=3)
+        chex.assert_trees_all_equal(jax.tree.map(np.asarray, store), reference)
+    assert (tmp_path / "mm" / "leaf0.npy").exists()
+
+
+@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+def test_offloaded_runner_equals_the_device_runner(strategy):
+    _, program, data, states, server = _setup("convnet3", num_clients=5)
+    slots = np.array([3, 0, 5], np.int32)  # clients 3 and 0, one padded slot
+    keys = jax.random.split(jax.random.key(7), 3)
+    runner = execution.make_runner(program, strategy)
+    up_d, st_d, m_d = runner.update(server.proxy_params, _copy(states), data, slots, keys)
+    host = jax.tree.map(np.array, states)
+    host_data = jax.tree.map(np.asarray, data)
+    off = client_store.offloaded_runner(runner, bucket=3)
+    up_o, st_o, m_o = off.update(server.proxy_params, host, host_data, slots, keys)
+    assert all(a is b for a, b in zip(jax.tree.leaves(st_o), jax.tree.leaves(host),
+                                      strict=True))  # written back in place
+    chex.assert_trees_all_close(up_o, up_d, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(m_o, m_d, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(jax.tree.map(jnp.asarray, st_o), st_d, rtol=1e-6, atol=1e-7)
+    for i in (1, 2, 4):  # not selected: untouched
+        chex.assert_trees_all_equal(jax.tree.map(lambda a, i=i: np.asarray(a[i]), st_o),
+                                    jax.tree.map(lambda a, i=i: np.asarray(a[i]), states))
+    ev_d = runner.evaluate(server.proxy_params, st_d, data, data.x[0], data.y[0])
+    ev_o = off.evaluate(server.proxy_params, st_o, host_data, data.x[0], data.y[0])
+    chex.assert_trees_all_close(ev_o, jax.device_get(ev_d), rtol=1e-6, atol=1e-7)
+
+
+def test_a_budget_below_one_round_is_refused_naming_the_field():
+    row = {"w": jax.ShapeDtypeStruct((1000,), jnp.float32)}  # 4,000 bytes a client
+    with pytest.raises(client_store.BudgetError,
+                       match=r"config\.execution\.client_state_budget_gb=1e-06: one round"):
+        client_store.check_budget({"a": row}, {"a": 100}, {"a": 10}, 1e-6)
+    assert client_store.check_budget({"a": row}, {"a": 100}, {"a": 10}, 400_000 / 2**30)
+    assert not client_store.check_budget({"a": row}, {"a": 100}, {"a": 10}, 100_000 / 2**30)
+
+
+def test_offload_config_is_validated():
+    config = tiny_config()
+    config.execution.client_states = "gpu"
+    with pytest.raises(ConfigError, match="config.execution.client_states: unknown 'gpu'"):
+        validate_config(config)
+    config.execution.client_states = "offload"
+    config.execution.strategy = "auto"
+    with pytest.raises(ConfigError, match="needs an explicit config.execution.strategy"):
+        validate_config(config)
+
+
+def _metrics(workdir):
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    return [{k: v for k, v in r.items() if "time" not in k and "elapsed" not in k}
+            for r in rows]
+
+
+@pytest.mark.slow  # four small runs
+def test_offloaded_runs_equal_the_device_run_and_resume(tmp_path, monkeypatch):
+    def config(**execution):
+        c = small_config("loop")
+        c.train.rounds, c.train.client_fraction, c.checkpoint.every = 3, 0.34, 1
+        for k, v in execution.items():
+            setattr(c.execution, k, v)
+        return c
+
+    run_experiment(config(), str(tmp_path / "device"), show_progress=False)
+    run_experiment(config(client_states="offload"), str(tmp_path / "host"), show_progress=False)
+    # a budget that holds one round's participants but not all clients: memory-mapped files
+    disk = config(client_states="offload", client_state_budget_gb=0.002)
+    short = config(client_states="offload", client_state_budget_gb=0.002)
+    short.train.rounds = 2
+    run_experiment(short, str(tmp_path / "disk"), show_progress=False)
+    run_experiment(disk, str(tmp_path / "disk"), show_progress=False)  # resumes at round 2
+    assert list((tmp_path / "disk" / "client_states").glob("*/leaf0.npy"))
+    reference = _metrics(tmp_path / "device")
+    assert len(reference) == 3
+    assert _metrics(tmp_path / "host") == reference
+    assert _metrics(tmp_path / "disk") == reference
+    restored = []  # a resumed run puts its states back into the memory-mapped files
+    real_refill = client_store.refill
+    monkeypatch.setattr(client_store, "refill",
+                        lambda store, r: restored.append(real_refill(store, r)) or restored[-1])
+    disk.train.rounds = 4
+    run_experiment(disk, str(tmp_path / "disk"), show_progress=False)
+    assert restored and all(isinstance(a, np.memmap) for s in restored
+                            for a in jax.tree.leaves(s))
