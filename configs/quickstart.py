@@ -99,13 +99,15 @@ def get_config() -> ml_collections.ConfigDict:
     config.fedmrl.local_momentum = 0.0
 
     config.data = ml_collections.ConfigDict()
-    # Datasets (README "Datasets"): offline 'mnist5k' | 'digits' | 'breast_cancer' | 'wine' |
-    # 'iris' | 'synthetic_text' | 'npz'; tfds 'cifar10' | 'cifar100' | 'mnist' | 'fashion_mnist' |
-    # 'emnist_balanced' | 'emnist_byclass' | 'ag_news'; TFF files 'femnist' | 'femnist_digits'.
+    # Datasets (README "Datasets"): offline 'mnist5k' | 'mnist_shifted' | 'digits' |
+    # 'breast_cancer' | 'wine' | 'iris' | 'synthetic_text' | 'npz'; tfds 'cifar10' | 'cifar100' |
+    # 'mnist' | 'fashion_mnist' | 'emnist_balanced' | 'emnist_byclass' | 'ag_news'; TFF files
+    # 'femnist' | 'femnist_digits'.
     config.data.name = "mnist5k"
     config.data.data_dir = ""            # tfds data_dir ('' = tfds default); femnist: h5 folder
     config.data.path = ""                # 'npz': the .npz file (x_train, y_train, x_test, y_test)
     config.data.max_train_samples = 0    # keep a seeded random subset of the pool (0 = all)
+    config.data.shifted_samples = 200_000  # 'mnist_shifted': pool size (shifted MNIST-5k digits)
     config.data.text_max_length = 64     # text: tokens per example (truncate / pad)
     config.data.text_vocab_size = 10000  # text: vocabulary incl. padding (0) and unknown (1)
     config.data.global_test_fraction = 0.2  # held out as global test set (no official test split)
@@ -249,6 +251,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval = ml_collections.ConfigDict()
     config.eval.every = 5                # evaluate every k rounds (and after the last)
     config.eval.global_test_samples = 0  # 0 = the whole global test set
+    # Clients evaluated (0 = all; else a seeded random set of that many, the same each time):
+    # with 10,000+ clients, evaluating everyone costs more than training.
+    config.eval.clients = 0
 
     config.execution = ml_collections.ConfigDict()
     # 'loop' | 'vmap' | 'shard' | 'auto' (times the applicable ones per cohort at start-up,

@@ -50,7 +50,8 @@ def load_options(config: ml_collections.ConfigDict) -> LoadOptions:
     d = config.data
     return LoadOptions(seed=config.seed, global_test_fraction=d.global_test_fraction,
                        data_dir=d.data_dir, path=d.path, max_train_samples=d.max_train_samples,
-                       text_max_length=d.text_max_length, text_vocab_size=d.text_vocab_size)
+                       text_max_length=d.text_max_length, text_vocab_size=d.text_vocab_size,
+                       shifted_samples=d.shifted_samples)
 
 
 def load_pool(config: ml_collections.ConfigDict

@@ -18,6 +18,7 @@ host-side bookkeeping of the sampler touch every client.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 from collections.abc import Callable
 
@@ -146,18 +147,35 @@ def refill(store: PyTree, restored: PyTree) -> PyTree:
     client states), so a resumed run keeps its states where the budget put them."""
     def copy(a, r):
         a[...] = np.asarray(r)
+        release(a)
     jax.tree.map(copy, store, restored)
     return store
 
 
 def read_rows(store: PyTree, idx: np.ndarray) -> PyTree:
-    return jax.tree.map(lambda a: np.asarray(a[idx]), store)
+    def read(a):
+        rows = np.asarray(a[idx])  # a copy: fancy indexing
+        release(a)
+        return rows
+    return jax.tree.map(read, store)
 
 
 def write_rows(store: PyTree, idx: np.ndarray, rows: PyTree) -> None:
     def write(a, r):
         a[idx] = np.asarray(r)
+        release(a)
     jax.tree.map(write, store, rows)
+
+
+def release(a: np.ndarray) -> None:
+    """For a memory-mapped array: writes its dirty pages to the file and drops them from this
+    process's resident memory (the kernel keeps them in its page cache while memory is free),
+    so resident memory stays bounded by what a round touches, not by all clients' states."""
+    if isinstance(a, np.memmap):
+        a.flush()
+        mapping = getattr(a, "_mmap", None)  # numpy's mmap object (None for a view)
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def _data_rows(data, idx: np.ndarray) -> ClientArrays:

@@ -162,6 +162,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(0 <= train.local_momentum < 1,
              f"config.train.local_momentum must be in [0, 1), got {train.local_momentum}")
     _require(config.eval.every >= 1, f"config.eval.every must be >= 1, got {config.eval.every}")
+    _require(config.eval.clients >= 0, "config.eval.clients must be >= 0 (0 = every client), "
+             f"got {config.eval.clients}")
     _validate_runtime(config)
 
 

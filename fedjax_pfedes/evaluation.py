@@ -36,16 +36,48 @@ def majority_class_accuracy(data: FederatedData) -> float:
     return float(np.mean(scores))
 
 
+def evaluation_sample(config: ml_collections.ConfigDict, num_clients: int) -> np.ndarray | None:
+    """The clients every evaluation measures: all (None) when `config.eval.clients` is 0, else a
+    seeded random set of that many, the same at every evaluation of the run (cross-device
+    populations: evaluating 10,000 clients costs more than training a round)."""
+    k = config.eval.clients
+    if k <= 0 or k >= num_clients:
+        return None
+    return np.sort(np.random.default_rng([config.seed, 0xE7A1]).choice(num_clients, k,
+                                                                        replace=False))
+
+
+def _evaluate_members(cohort: Cohort, broadcast, states, members: np.ndarray, global_x,
+                      global_y) -> dict[str, np.ndarray]:
+    """Metrics of the cohort's members `members` (local indices), `cohort.bucket` per call."""
+    parts = []
+    for start in range(0, len(members), cohort.bucket):
+        chunk = members[start:start + cohort.bucket]
+        slots = np.full(cohort.bucket, len(cohort.client_ids), np.int32)
+        slots[:len(chunk)] = chunk
+        m = jax.device_get(cohort.runner.evaluate_slots(broadcast, states, cohort.test, slots,
+                                                        global_x, global_y))
+        parts.append({k: np.asarray(v)[:len(chunk)] for k, v in m.items()})
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
 def evaluate(algorithm, server_state, cohorts: list[Cohort], clients: dict[str, Any], global_x,
-             global_y) -> dict[str, Any]:
+             global_y, sample: np.ndarray | None = None) -> dict[str, Any]:
     """Every client's model (private states `clients`) on its own local test split and on the
-    global test set."""
+    global test set; only the clients in `sample` (global ids) when one is given."""
     per_client: dict[str, list[np.ndarray]] = {}
     per_cohort = {}
     for cohort in cohorts:
         broadcast = algorithm.broadcast(server_state, cohort.arch)
-        m = jax.device_get(cohort.runner.evaluate(broadcast, clients[cohort.arch], cohort.test,
-                                                  global_x, global_y))
+        if sample is None:
+            m = jax.device_get(cohort.runner.evaluate(broadcast, clients[cohort.arch],
+                                                      cohort.test, global_x, global_y))
+        else:
+            members = np.flatnonzero(np.isin(cohort.client_ids, sample)).astype(np.int32)
+            if not len(members):
+                continue
+            m = _evaluate_members(cohort, broadcast, clients[cohort.arch], members, global_x,
+                                  global_y)
         for k, v in m.items():
             per_client.setdefault(k, []).append(np.asarray(v))
         per_cohort[cohort.arch] = float(np.mean(m["personalized_accuracy"]))
@@ -57,6 +89,7 @@ def evaluate(algorithm, server_state, cohorts: list[Cohort], clients: dict[str, 
         "personalized_accuracy_min": float(acc.min()),
         "personalized_accuracy_max": float(acc.max()),
         "personalized_accuracy_by_arch": per_cohort,
+        "evaluated_clients": int(len(acc)),
     }
 
 

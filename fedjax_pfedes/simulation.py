@@ -32,6 +32,7 @@ from fedjax_pfedes.config_validation import ConfigError, validate_config
 from fedjax_pfedes.evaluation import (
     dp_sgd_metrics,
     evaluate,
+    evaluation_sample,
     global_test_set,
     majority_class_accuracy,
     non_finite_metrics,
@@ -139,6 +140,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
     batch_rate = {int(cid): min(1.0, min(config.train.batch_size, c.train.capacity) / max(n, 1))
                   for c in ctx.cohorts
                   for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
+    eval_sample = evaluation_sample(config, ctx.num_clients)
     chosen = sorted({c.runner.strategy for c in ctx.cohorts})
     strategy = chosen[0] if len(chosen) == 1 else "+".join(chosen)
     last = state.history[-1] if state.history else {}
@@ -166,7 +168,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
             record.update(dp_sgd_metrics(config, steps, batch_rate,
                                          ctx.algorithm.dp_sgd_releases_per_step))
             record.update(evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients,
-                                   *global_test))
+                                   *global_test, eval_sample))
         bad = non_finite_metrics(record)
         if bad:
             record["diverged"] = True

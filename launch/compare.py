@@ -124,6 +124,9 @@ def main(argv: list[str]) -> None:
             raise ConfigError(f"--algorithms: unknown {unknown}; known: {list(known)}")
         if _SEEDS.value < 1:
             raise ConfigError(f"--seeds must be >= 1, got {_SEEDS.value}")
+        # A diverging method or learning rate is a result (marked in the table, the worst rate
+        # of a grid), not the end of the comparison.
+        config.train.allow_divergence = True
         central = load_dataset(config.data.name, load_options(config))
         methods = [config.algorithm] if _VARIANT.value else _ALGORITHMS.value
         if _VARIANT.value and _LR_GRID.value:

@@ -127,3 +127,30 @@ def test_offloaded_runs_equal_the_device_run_and_resume(tmp_path, monkeypatch):
     run_experiment(disk, str(tmp_path / "disk"), show_progress=False)
     assert restored and all(isinstance(a, np.memmap) for s in restored
                             for a in jax.tree.leaves(s))
+
+
+def test_evaluating_a_sample_of_clients_equals_those_clients_of_a_full_evaluation():
+    from fedjax_pfedes.builders import build_context, build_federated_data
+    from fedjax_pfedes.evaluation import evaluate, evaluation_sample, global_test_set
+
+    config = small_config("loop")
+    data = build_federated_data(config)
+    ctx, state = build_context(config, data)
+    gx, gy = global_test_set(data, config)
+    full = evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients, gx, gy)
+    everyone = evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients, gx, gy,
+                        np.arange(ctx.num_clients))
+    assert everyone == full and full["evaluated_clients"] == ctx.num_clients
+    config.eval.clients = 3
+    sample = evaluation_sample(config, ctx.num_clients)
+    assert len(sample) == 3 and np.array_equal(sample, evaluation_sample(config, 6))
+    part = evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients, gx, gy, sample)
+    per_client = {}
+    for c in ctx.cohorts:
+        m = c.runner.evaluate(ctx.algorithm.broadcast(state.server, c.arch),
+                              state.clients[c.arch], c.test, gx, gy)
+        per_client.update(zip(c.client_ids.tolist(), np.asarray(m["personalized_accuracy"]),
+                              strict=True))
+    assert part["evaluated_clients"] == 3
+    assert part["personalized_accuracy_mean"] == pytest.approx(
+        np.mean([per_client[int(k)] for k in sample]), abs=1e-6)

@@ -180,3 +180,21 @@ def test_every_registered_loader_is_offline_or_fails_with_instructions(tmp_path)
                 load_dataset(name, LoadOptions(data_dir=str(tmp_path)))
         else:
             assert len(load_dataset(name).y_train) > 0
+
+
+def test_mnist_shifted_images_are_real_digits_moved_by_at_most_two_pixels():
+    base = load_dataset("mnist5k", LoadOptions())
+    shifted = load_dataset("mnist_shifted", LoadOptions(shifted_samples=300))
+    assert shifted.x_train.shape == (300, 28, 28, 1) and shifted.x_train.dtype == np.uint8
+    np.testing.assert_array_equal(shifted.x_test[..., 0],
+                                  np.rint(base.x_test[..., 0] * 255).astype(np.uint8))
+    pixels = np.pad(np.rint(base.x_train[..., 0] * 255).astype(np.uint8),
+                    ((0, 0), (2, 2), (2, 2)))
+    windows = {(sy, sx): pixels[:, sy:sy + 28, sx:sx + 28].reshape(len(pixels), -1)
+               for sy in range(5) for sx in range(5)}
+    for i in range(0, 300, 30):  # each image is one pool digit in one of 25 positions
+        img, label = shifted.x_train[i, ..., 0].reshape(-1), shifted.y_train[i]
+        hits = [(k, j) for k, w in windows.items() for j in np.flatnonzero((w == img).all(1))]
+        assert hits and all(base.y_train[j] == label for _, j in hits), i
+    again = load_dataset("mnist_shifted", LoadOptions(shifted_samples=300))
+    np.testing.assert_array_equal(again.x_train, shifted.x_train)  # seeded

@@ -21,6 +21,7 @@ def load_synthetic_text(options: LoadOptions) -> CentralDataset:
 
 LOADERS: dict[str, Callable[[LoadOptions], CentralDataset]] = {
     "mnist5k": sources.load_mnist5k,
+    "mnist_shifted": sources.load_mnist_shifted,
     "digits": sources.load_sklearn_digits,
     "breast_cancer": sources.load_breast_cancer,
     "wine": sources.load_wine,
@@ -31,7 +32,8 @@ LOADERS: dict[str, Callable[[LoadOptions], CentralDataset]] = {
     **{name: femnist_loader(name) for name in FEMNIST_FILES},
 }
 
-OFFLINE = ("mnist5k", "digits", "breast_cancer", "wine", "iris", "synthetic_text", "npz")
+OFFLINE = ("mnist5k", "mnist_shifted", "digits", "breast_cancer", "wine", "iris",
+           "synthetic_text", "npz")
 
 
 def load_dataset(name: str, options: LoadOptions | None = None) -> CentralDataset:

@@ -67,6 +67,7 @@ class LoadOptions:
       max_train_samples: keep a seeded random subset of the training pool of this size (0 = all).
       text_max_length: text: tokens kept per example (longer texts are truncated).
       text_vocab_size: text: vocabulary size including padding (0) and out-of-vocabulary (1).
+      shifted_samples: 'mnist_shifted': size of its training pool.
     """
 
     seed: int = 0
@@ -76,6 +77,7 @@ class LoadOptions:
     max_train_samples: int = 0
     text_max_length: int = 64
     text_vocab_size: int = 10000
+    shifted_samples: int = 200_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +214,35 @@ def load_mnist5k(options: LoadOptions) -> CentralDataset:
     x, y = mnist_data()
     x = (x.reshape(-1, 28, 28, 1) / 255.0).astype(np.float32)
     return from_single_pool("mnist5k", "image", x, y, 10, options)
+
+
+SHIFT = 2  # 'mnist_shifted': largest shift in pixels, each direction
+
+
+def load_mnist_shifted(options: LoadOptions) -> CentralDataset:
+    """MNIST-5k's training pool grown to `options.shifted_samples` images, each a real digit
+    of the pool moved by up to 2 pixels in each direction (label kept), as uint8 28x28x1; the
+    global test set is MNIST-5k's real held-out digits, unshifted. It gives populations of
+    10,000+ clients data offline; it is not new handwriting (at most 25 variants of each of
+    4,000 digits)."""
+    base = load_mnist5k(dataclasses.replace(options, max_train_samples=0))
+    n = options.shifted_samples
+    if n < 1:
+        raise DataError(f"config.data.shifted_samples must be >= 1, got {n}")
+    rng = np.random.default_rng([options.seed, 0x5D1F7])
+    source = rng.integers(0, len(base.y_train), n)
+    width = 2 * SHIFT + 1
+    dx, dy = rng.integers(0, width, n), rng.integers(0, width, n)
+    pixels = np.rint(base.x_train[..., 0] * 255).astype(np.uint8)
+    padded = np.pad(pixels, ((0, 0), (SHIFT, SHIFT), (SHIFT, SHIFT)))
+    x = np.empty((n, 28, 28), np.uint8)
+    for sx in range(width):
+        for sy in range(width):
+            chosen = (dx == sx) & (dy == sy)
+            x[chosen] = padded[source[chosen], sy:sy + 28, sx:sx + 28]
+    test = np.rint(base.x_test * 255).astype(np.uint8)
+    return make_dataset("mnist_shifted", "image", x[..., None], base.y_train[source], test,
+                        base.y_test, 10, options)
 
 
 def load_sklearn_digits(options: LoadOptions) -> CentralDataset:
