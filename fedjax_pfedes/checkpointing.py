@@ -18,6 +18,7 @@ import json
 import logging as pylogging
 import os
 import shutil
+import threading
 from typing import Any
 
 import ml_collections
@@ -63,6 +64,11 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     return changes
 
 
+# Orbax coordinates a save through process-wide signals: runs checkpointing from several threads
+# of one process (the members of `launch.sweep`) take turns.
+ORBAX_LOCK = threading.RLock()
+
+
 class Checkpointer:
     """Saves / restores `(state pytree, meta dict)` every `every` rounds under `<workdir>`.
 
@@ -86,9 +92,10 @@ class Checkpointer:
         return self.every > 0 and (rounds_done % self.every == 0 or rounds_done == total_rounds)
 
     def save(self, rounds_done: int, state: Any, meta: dict) -> None:
-        self.manager.save(rounds_done, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(to_builtin(meta))))
-        self.manager.wait_until_finished()  # a kill after this line loses nothing
+        with ORBAX_LOCK:
+            self.manager.save(rounds_done, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(to_builtin(meta))))
+            self.manager.wait_until_finished()  # a kill after this line loses nothing
         os.makedirs(self.integrity_dir, exist_ok=True)
         record = os.path.join(self.integrity_dir, f"{rounds_done}.json")
         with open(record + ".tmp", "w") as f:
@@ -145,8 +152,9 @@ class Checkpointer:
             meta = None
             if problem is None:
                 try:
-                    meta = self.manager.restore(step, args=ocp.args.Composite(
-                        meta=ocp.args.JsonRestore()))["meta"]
+                    with ORBAX_LOCK:
+                        meta = self.manager.restore(step, args=ocp.args.Composite(
+                            meta=ocp.args.JsonRestore()))["meta"]
                 except Exception as e:  # noqa: BLE001 - any unreadable meta is corruption
                     problem = f"meta unreadable ({type(e).__name__}: {e})"
             if problem is not None:
@@ -167,8 +175,9 @@ class Checkpointer:
         """(rounds done, state) of the step `check_config` selected."""
         step = self.step
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target_state)))["state"]
+            with ORBAX_LOCK:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target_state)))["state"]
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"cannot resume from {self.directory}/{step}: the saved state "
                               f"does not match this run's state ({e})") from None

@@ -39,7 +39,9 @@ CURVES = ("train_ce_loss_mean", "train_align_loss_mean", "train_proxy_align_loss
           "align_loss_after_aggregation", "proxy_update_norm_mean")
 
 
-def _record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -> dict:
+def run_record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -> dict:
+    """What tables and figures read of a finished run: its final metrics, the evaluated
+    accuracy curve, every round's losses, upload size, wall time, divergence."""
     every_round = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     rows = [r for r in every_round if "personalized_accuracy_mean" in r]  # evaluated rounds
     return {
@@ -151,7 +153,7 @@ def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]
             if summary is None:
                 os.makedirs(run_dir, exist_ok=True)
                 summary = run_experiment(config, run_dir, show_progress=show_progress)
-            results[name].append(_record(config, summary, run_dir))
+            results[name].append(run_record(config, summary, run_dir))
         if on_seed_done is not None:
             on_seed_done(results)
     return results

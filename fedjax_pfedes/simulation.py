@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -65,9 +66,12 @@ def _some(names: list[str], shown: int = 3) -> str:
 
 
 def run_experiment(config: ml_collections.ConfigDict, workdir: str,
-                   show_progress: bool = True) -> dict[str, Any]:
+                   show_progress: bool = True,
+                   adapt_context: Callable[[rounds.RunContext], None] | None = None
+                   ) -> dict[str, Any]:
     """Runs (or resumes) a full experiment; see `_run`. Holds `<workdir>/.lock` meanwhile, so
-    two runs never write the same workdir."""
+    two runs never write the same workdir. `adapt_context` may change the run's context before
+    round 1 (`sweep` routes the cohorts' updates through its batched program)."""
     validate_config(config)
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir={workdir} is a file, not a directory")
@@ -78,13 +82,13 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     lock = WorkdirLock(workdir)
     lock.acquire()
     try:
-        return _run(config, workdir, show_progress)
+        return _run(config, workdir, show_progress, adapt_context)
     finally:
         lock.release()
 
 
-def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
-         ) -> dict[str, Any]:
+def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
+         adapt_context: Callable[[rounds.RunContext], None] | None = None) -> dict[str, Any]:
     """Runs (or resumes) a full experiment; writes metrics.jsonl / .csv, clients.jsonl,
     rejections.jsonl, TensorBoard events, checkpoints and summary.json into `workdir`.
 
@@ -125,6 +129,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool
     write_data_profile(data, config.data.partition, workdir)
     ctx, state = build_context(config, data, (meta or {}).get("execution_strategy_by_arch"),
                                workdir)
+    if adapt_context is not None:
+        adapt_context(ctx)
     if meta is not None:
         first_round, restored = checkpointer.restore(state.to_checkpoint())
         if config.execution.client_states == "offload":  # back into the host / disk store

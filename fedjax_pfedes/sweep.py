@@ -1,0 +1,312 @@
+"""Vectorized hyper-parameter sweeps: R runs that differ in one float field, trained together.
+
+`python -m launch.sweep --config=... --sweep.lam=0.1,0.5,1.0,2.0` runs one member per value. The
+members share everything else — data, partition, initialization, client sampling, the system
+model, batches — so in every round the same clients train in every member, from different
+states. The local training, which dominates a round, then runs as ONE compiled program per
+participant: the client update vmapped over a leading member axis, with the swept value a traced
+input (the method is built with that field set to a tracer, so any float the client update reads
+can be swept: lam, train.lr_local, proxy_lr_ratio, …). Everything else of a round — upload
+checks, server step, evaluation, metrics files — is each member's own ordinary run
+(`simulation.run_experiment` in a thread, its cohorts' `update` routed here), so every member
+writes the usual workdir and its numbers equal a separate run with that value up to float
+reassociation.
+
+A field that changes shapes or control flow (proxy_dim, architectures, epochs, …) cannot be
+traced: `check_field` refuses it with the field's name before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fedjax_pfedes import execution
+from fedjax_pfedes.algorithms.base import PyTree
+from fedjax_pfedes.config_validation import ConfigError
+from fedjax_pfedes.data.federated import FederatedData
+from fedjax_pfedes.execution import CohortRunner
+
+
+def field_value(config: ml_collections.ConfigDict, dotted: str) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            raise ConfigError(f"--sweep.{dotted}: config has no field '{dotted}'")
+        node = node[part]
+    return node
+
+
+def with_value(config: ml_collections.ConfigDict, dotted: str, value: Any
+               ) -> ml_collections.ConfigDict:
+    """A copy of `config` with `dotted` set to `value`; not type-checked, so `value` may be a
+    JAX tracer (the traced build of `traced_program`)."""
+    out = ml_collections.ConfigDict(config.to_dict(), type_safe=False)
+    node = out
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    return out
+
+
+# What members may differ in: the method's own settings and its local optimizer. Everything
+# else (data, partition, sampling, system model, upload pipeline) is shared by construction.
+LOCAL_OPTIMIZER_FIELDS = ("train.lr_local", "train.local_momentum")
+
+
+def check_float(config: ml_collections.ConfigDict, dotted: str) -> float:
+    """The field's value; ConfigError naming it unless it is a float field of the method (a
+    top-level field, the method's own section, or the local optimizer)."""
+    from fedjax_pfedes.algorithms import registry
+    current = field_value(config, dotted)
+    head = dotted.split(".")[0]
+    if not ("." not in dotted or head in registry.names() or dotted in LOCAL_OPTIMIZER_FIELDS):
+        raise ConfigError(
+            f"--sweep.{dotted}: members share the data, sampling, system model and upload "
+            "pipeline, so only the method's fields (top-level ones such as lam, its own "
+            f"config.<method> section) and {', '.join(LOCAL_OPTIMIZER_FIELDS)} can be swept; "
+            "run separate launch.main runs for this one")
+    if isinstance(current, bool) or not isinstance(current, float):
+        raise ConfigError(f"--sweep.{dotted}: only float fields can be swept in one program "
+                          f"(this one is {type(current).__name__} {current!r}: it may set "
+                          "shapes or control flow); run separate launch.main runs for it")
+    return current
+
+
+def traced_algorithm(config: ml_collections.ConfigDict, data: FederatedData, dotted: str,
+                     value: jax.Array):
+    """The configured method built with `dotted` = `value` (a tracer inside jit / vmap)."""
+    from fedjax_pfedes.builders import build_algorithm  # builders imports the whole engine
+    return build_algorithm(with_value(config, dotted, value), data)
+
+
+def check_field(config: ml_collections.ConfigDict, data: FederatedData, dotted: str,
+                archs: list[str]) -> None:
+    """ConfigError naming the field unless it is a float the client update can take traced."""
+    current = check_float(config, dotted)
+    from fedjax_pfedes.builders import build_algorithm
+    concrete = build_algorithm(config, data)
+    server = concrete.init_server(jax.random.key(0), tuple(dict.fromkeys(archs)))
+    rows = data.client_arrays(np.array([0]), "train")
+    one = jax.tree.map(lambda a: jnp.asarray(a)[0], rows)
+    try:
+        for arch in dict.fromkeys(archs):
+            def update(v, arch=arch):
+                program = traced_algorithm(config, data, dotted, v).cohort_program(arch)
+                return program.client_update(concrete.broadcast(server, arch),
+                                             program.init_client(jax.random.key(0)), one,
+                                             jax.random.key(1))
+            jax.eval_shape(update, jnp.float32(current))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+            jax.errors.TracerIntegerConversionError, TypeError) as e:
+        raise ConfigError(
+            f"--sweep.{dotted}: this field decides shapes or control flow of the client update "
+            f"({type(e).__name__}), so members cannot share one compiled program; run separate "
+            "launch.main runs for it") from None
+
+
+@dataclasses.dataclass
+class _Call:
+    broadcast: PyTree
+    states: PyTree
+    train: Any
+    slots: np.ndarray
+    keys: jax.Array
+
+
+class Coordinator:
+    """Collects the members' cohort updates of a round and computes them together.
+
+    Every member's run calls `update(member, arch, ...)` in the same order (rounds, then cohorts);
+    the call of the last active member computes all of them — one jitted call per participant,
+    the client update vmapped over the members — and wakes the others with their results. A
+    member whose run ends (finished or diverged) `leave`s, and the others go on without it.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, data: FederatedData, dotted: str,
+                 values: list[float]):
+        self.config, self.data, self.dotted = config, data, dotted
+        self.values = np.asarray(values, np.float32)
+        self.active = set(range(len(values)))
+        self.pending: dict[int, _Call] = {}
+        self.results: dict[int, tuple] = {}
+        self.generation = 0
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        self.calls: dict[str, Callable] = {}
+        self.shapes: dict[str, PyTree] = {}
+        self.batched_calls = 0  # compiled-program invocations (one per participant and round)
+
+    def runner(self, member: int, arch: str, inner: CohortRunner) -> CohortRunner:
+        """`inner` (the member's own runner, kept for evaluation) with its update routed here."""
+        def update(broadcast, states, train, slots, keys):
+            return self.update(member, arch, _Call(broadcast, states, train, np.asarray(slots),
+                                                   keys))
+        return dataclasses.replace(inner, update=update)
+
+    def leave(self, member: int) -> None:
+        with self.cond:
+            self.active.discard(member)
+            self._maybe_compute()
+            self.cond.notify_all()
+
+    def update(self, member: int, arch: str, call: _Call):
+        with self.cond:
+            generation = self.generation
+            self.pending[member] = (arch, call)
+            self._maybe_compute()
+            while self.generation == generation and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise RuntimeError("the sweep's batched update failed") from self.error
+            return self.results.pop(member)
+
+    def _maybe_compute(self) -> None:
+        if not self.active or not self.active <= set(self.pending):
+            return
+        members = sorted(self.active)
+        archs = {self.pending[m][0] for m in members}
+        try:
+            if len(archs) != 1:
+                raise RuntimeError(f"members reached different cohorts: {sorted(archs)}")
+            arch = archs.pop()
+            calls = [self.pending[m][1] for m in members]
+            for m, out in zip(members, self._compute(arch, members, calls), strict=True):
+                self.results[m] = out
+        except BaseException as e:  # noqa: BLE001 - handed to every waiting member
+            self.error = e
+        self.pending = {m: c for m, c in self.pending.items() if m not in members}
+        self.generation += 1
+        self.cond.notify_all()
+
+    def _batched(self, arch: str) -> Callable:
+        if arch in self.calls:
+            return self.calls[arch]
+        config, data, dotted = self.config, self.data, self.dotted
+
+        def one(value, broadcast, row, train_row, key):
+            program = traced_algorithm(config, data, dotted, value).cohort_program(arch)
+            return program.client_update(broadcast, row, train_row, key)
+
+        mapped = jax.vmap(one, in_axes=(0, 0, 0, None, None))
+
+        @functools.partial(jax.jit, donate_argnums=(2, 6, 7))
+        def step(values, broadcasts, states, train, i, key, uploads, metrics, j):
+            rows = jax.tree.map(lambda *a: jnp.stack(a), *[_row(s, i) for s in states])
+            stacked = jax.tree.map(lambda *a: jnp.stack(a), *broadcasts)
+            up, new_rows, m = mapped(values, stacked, rows, _row(train, i), key)
+            r = len(states)
+            states = tuple(_set_row(s, i, jax.tree.map(lambda a, k=k: a[k], new_rows))
+                           for k, s in zip(range(r), states, strict=True))
+            uploads = tuple(_set_row(u, j, jax.tree.map(lambda a, k=k: a[k], up))
+                            for k, u in zip(range(r), uploads, strict=True))
+            metrics = tuple(_set_row(x, j, jax.tree.map(lambda a, k=k: a[k], m))
+                            for k, x in zip(range(r), metrics, strict=True))
+            return states, uploads, metrics
+
+        self.calls[arch] = step
+        return step
+
+    def _compute(self, arch: str, members: list[int], calls: list[_Call]) -> list[tuple]:
+        first = calls[0]
+        for c in calls[1:]:  # the members' schedules are identical by construction
+            if not np.array_equal(c.slots, first.slots):
+                raise RuntimeError("members selected different clients in one round")
+        step = self._batched(arch)
+        values = jnp.asarray(self.values[members])
+        broadcasts = tuple(c.broadcast for c in calls)
+        states = tuple(c.states for c in calls)
+        bucket = len(first.slots)
+        if arch not in self.shapes:  # (upload, state, metrics) of one client
+            self.shapes[arch] = jax.eval_shape(
+                lambda b, s, t, k: traced_algorithm(
+                    self.config, self.data, self.dotted, jnp.float32(0)
+                ).cohort_program(arch).client_update(b, _row(s, 0), _row(t, 0), k),
+                first.broadcast, first.states, first.train, first.keys[0])
+        shapes = self.shapes[arch]
+        zeros = lambda tree: jax.tree.map(  # noqa: E731
+            lambda s: jnp.zeros((bucket,) + tuple(s.shape), s.dtype), tree)
+        uploads = tuple(zeros(shapes[0]) for _ in calls)
+        metrics = tuple(zeros(shapes[2]) for _ in calls)
+        n = first.train.sizes.shape[0]
+        for j in np.flatnonzero(first.slots < n):
+            states, uploads, metrics = step(values, broadcasts, states, first.train,
+                                            jnp.int32(first.slots[j]), first.keys[j], uploads,
+                                            metrics, jnp.int32(j))
+            self.batched_calls += 1
+        return [(u, s, m) for u, s, m in zip(uploads, states, metrics, strict=True)]
+
+
+_row = execution._row  # noqa: SLF001 - the runners' own row helpers
+_set_row = execution._set_row  # noqa: SLF001
+
+
+def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float],
+              workdir: str, show_progress: bool = True) -> dict[str, dict]:
+    """Runs one member per value of `dotted` (workdir/<field>=<value>), their local training
+    batched by a `Coordinator`; returns {member name: its `experiments.run_record`}."""
+    import os
+
+    from fedjax_pfedes.builders import build_federated_data
+    from fedjax_pfedes.cohorts import assign_architectures
+    from fedjax_pfedes.config_validation import validate_config
+    from fedjax_pfedes.experiments import run_record, with_overrides
+    from fedjax_pfedes.simulation import run_experiment
+
+    if len(values) < 1 or len(set(values)) != len(values):
+        raise ConfigError(f"--sweep.{dotted}: give distinct values, got {values}")
+    check_float(config, dotted)
+    ex = config.execution
+    if ex.strategy != "loop" or ex.client_states != "device" or config.asynchronous.enabled:
+        raise ConfigError("launch.sweep batches the members' local training participant by "
+                          "participant: it needs config.execution.strategy='loop', "
+                          "config.execution.client_states='device' and synchronous rounds "
+                          "(config.asynchronous.enabled=False)")
+    members = {}
+    for v in values:
+        member = with_overrides(config, {dotted: v})
+        member.train.allow_divergence = True  # a diverging member is a result of the sweep
+        validate_config(member)
+        members[f"{dotted}={v:g}"] = member
+    data = build_federated_data(config)
+    check_field(config, data, dotted, assign_architectures(config.clients.architectures,
+                                                           data.num_clients))
+    coordinator = Coordinator(config, data, dotted, list(values))
+    summaries: dict[str, dict] = {}
+    errors: dict[str, BaseException] = {}
+
+    def run(m: int, name: str, member: ml_collections.ConfigDict) -> None:
+        def route(ctx):
+            for c in ctx.cohorts:
+                c.runner = coordinator.runner(m, c.arch, c.runner)
+        try:
+            run_dir = os.path.join(workdir, name)
+            summary = run_experiment(member, run_dir, show_progress=show_progress and m == 0,
+                                     adapt_context=route)
+            summaries[name] = run_record(member, summary, run_dir)
+        except BaseException as e:  # noqa: BLE001 - reported after every member ended
+            errors[name] = e
+        finally:
+            coordinator.leave(m)
+
+    threads = [threading.Thread(target=run, args=(m, name, member), name=name)
+               for m, (name, member) in enumerate(members.items())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        name, e = next(iter(errors.items()))
+        if isinstance(e, ConfigError):
+            raise ConfigError(f"sweep member {name}: {e}") from None
+        raise RuntimeError(f"sweep member {name} failed: {e}") from e
+    return {name: summaries[name] for name in members}
