@@ -75,6 +75,9 @@ def check_float(config: ml_collections.ConfigDict, dotted: str) -> float:
             "pipeline, so only the method's fields (top-level ones such as lam, its own "
             f"config.<method> section) and {', '.join(LOCAL_OPTIMIZER_FIELDS)} can be swept; "
             "run separate launch.main runs for this one")
+    if head in registry.names() and head != config.algorithm:
+        raise ConfigError(f"--sweep.{dotted}: config.algorithm is '{config.algorithm}', which "
+                          f"does not read config.{head}")
     if isinstance(current, bool) or not isinstance(current, float):
         raise ConfigError(f"--sweep.{dotted}: only float fields can be swept in one program "
                           f"(this one is {type(current).__name__} {current!r}: it may set "
