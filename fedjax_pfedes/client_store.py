@@ -155,7 +155,7 @@ def refill(store: PyTree, restored: PyTree) -> PyTree:
 def read_rows(store: PyTree, idx: np.ndarray) -> PyTree:
     def read(a):
         rows = np.asarray(a[idx])  # a copy: fancy indexing
-        release(a)
+        release(a, idx)
         return rows
     return jax.tree.map(read, store)
 
@@ -163,19 +163,36 @@ def read_rows(store: PyTree, idx: np.ndarray) -> PyTree:
 def write_rows(store: PyTree, idx: np.ndarray, rows: PyTree) -> None:
     def write(a, r):
         a[idx] = np.asarray(r)
-        release(a)
+        release(a, idx)
     jax.tree.map(write, store, rows)
 
 
-def release(a: np.ndarray) -> None:
-    """For a memory-mapped array: writes its dirty pages to the file and drops them from this
-    process's resident memory (the kernel keeps them in its page cache while memory is free),
-    so resident memory stays bounded by what a round touches, not by all clients' states."""
-    if isinstance(a, np.memmap):
+def release(a: np.ndarray, rows: np.ndarray | None = None) -> None:
+    """For a memory-mapped array: writes the pages of `rows` (None: all) to the file and drops
+    them from this process's resident memory (the kernel keeps them in its page cache while
+    memory is free), so resident memory stays bounded by what a round touches, not by all
+    clients' states. Only the touched rows' pages are synced: a sync of the whole mapping walks
+    every page of it (about 1 s a round for 44 GiB, docs/performance.md)."""
+    mapping = getattr(a, "_mmap", None) if isinstance(a, np.memmap) else None
+    if mapping is None:  # not memory-mapped (or a view without numpy's mmap object)
+        return
+    dont_need = getattr(mmap, "MADV_DONTNEED", None)
+    if rows is None:
         a.flush()
-        mapping = getattr(a, "_mmap", None)  # numpy's mmap object (None for a view)
-        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
-            mapping.madvise(mmap.MADV_DONTNEED)
+        if dont_need is not None:
+            mapping.madvise(dont_need)
+        return
+    # numpy maps the file from `offset` rounded down to the allocation granularity
+    base = a.offset % mmap.ALLOCATIONGRANULARITY
+    row_bytes = a.strides[0] if a.ndim else a.itemsize
+    page = mmap.PAGESIZE
+    for k in np.unique(np.asarray(rows).reshape(-1)):
+        start = base + int(k) * row_bytes
+        lo = start - start % page
+        hi = min(len(mapping), -(-(start + row_bytes) // page) * page)
+        mapping.flush(lo, hi - lo)
+        if dont_need is not None:
+            mapping.madvise(dont_need, lo, hi - lo)
 
 
 def _data_rows(data, idx: np.ndarray) -> ClientArrays:
