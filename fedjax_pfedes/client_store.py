@@ -133,6 +133,7 @@ def initialize(init_states: Callable[[jax.Array], PyTree], ids: np.ndarray, stor
         count = len(part)
         write_rows(store, np.arange(start, start + count),
                    jax.tree.map(lambda a: a[:count], rows))  # noqa: B023 (used at once)
+    jax.tree.map(release, store)
     return store
 
 
@@ -152,47 +153,65 @@ def refill(store: PyTree, restored: PyTree) -> PyTree:
     return store
 
 
+def _file_rows(a: np.ndarray) -> tuple[int, int, int] | None:
+    """(file descriptor, byte offset of row 0, bytes per row) of a memory-mapped array whose
+    rows are contiguous in its file; None for other arrays."""
+    if not isinstance(a, np.memmap) or a.filename is None or not a.flags.c_contiguous:
+        return None
+    key = (a.filename, os.stat(a.filename).st_ino)  # a file made anew at the same path: anew
+    fd = _FILES.get(key)
+    if fd is None:
+        fd = _FILES[key] = os.open(a.filename, os.O_RDWR)
+    return fd, a.offset, a.strides[0] if a.ndim else a.itemsize
+
+
+# memory-mapped store files, opened once for row reads and writes: (path, inode) -> descriptor
+_FILES: dict[tuple[str, int], int] = {}
+
+
 def read_rows(store: PyTree, idx: np.ndarray) -> PyTree:
+    """Rows `idx` of every leaf, as new arrays. Memory-mapped leaves are read with one `pread`
+    per row: page faults on a mapping larger than memory read it 4 KiB at a time (3x slower
+    for 100,000 clients here, docs/performance.md)."""
     def read(a):
-        rows = np.asarray(a[idx])  # a copy: fancy indexing
-        release(a, idx)
-        return rows
+        file = _file_rows(a)
+        if file is None:
+            return np.asarray(a[idx])  # a copy: fancy indexing
+        fd, offset, row_bytes = file
+        out = np.empty((len(idx),) + a.shape[1:], a.dtype)
+        for j, k in enumerate(np.asarray(idx).reshape(-1)):
+            os.preadv(fd, [memoryview(out[j:j + 1]).cast("B")], offset + int(k) * row_bytes)
+        return out
     return jax.tree.map(read, store)
 
 
 def write_rows(store: PyTree, idx: np.ndarray, rows: PyTree) -> None:
+    """Writes `rows` into rows `idx` of every leaf (memory-mapped leaves with `pwrite`)."""
     def write(a, r):
-        a[idx] = np.asarray(r)
-        release(a, idx)
+        file = _file_rows(a)
+        if file is None:
+            a[idx] = np.asarray(r)
+            return
+        fd, offset, row_bytes = file
+        r = np.ascontiguousarray(np.asarray(r, a.dtype))
+        for j, k in enumerate(np.asarray(idx).reshape(-1)):
+            os.pwritev(fd, [memoryview(r[j:j + 1]).cast("B")], offset + int(k) * row_bytes)
     jax.tree.map(write, store, rows)
 
 
-def release(a: np.ndarray, rows: np.ndarray | None = None) -> None:
-    """For a memory-mapped array: writes the pages of `rows` (None: all) to the file and drops
-    them from this process's resident memory (the kernel keeps them in its page cache while
-    memory is free), so resident memory stays bounded by what a round touches, not by all
-    clients' states. Only the touched rows' pages are synced: a sync of the whole mapping walks
-    every page of it (about 1 s a round for 44 GiB, docs/performance.md)."""
-    mapping = getattr(a, "_mmap", None) if isinstance(a, np.memmap) else None
-    if mapping is None:  # not memory-mapped (or a view without numpy's mmap object)
+def release(a: np.ndarray) -> None:
+    """For a memory-mapped leaf: its pages written to the file (`fsync`) and dropped from this
+    process's resident memory. `initialize` and `refill` end with it, so the rounds after them
+    do not compete with the write-back of every client's state."""
+    if not isinstance(a, np.memmap):
         return
-    dont_need = getattr(mmap, "MADV_DONTNEED", None)
-    if rows is None:
-        a.flush()
-        if dont_need is not None:
-            mapping.madvise(dont_need)
-        return
-    # numpy maps the file from `offset` rounded down to the allocation granularity
-    base = a.offset % mmap.ALLOCATIONGRANULARITY
-    row_bytes = a.strides[0] if a.ndim else a.itemsize
-    page = mmap.PAGESIZE
-    for k in np.unique(np.asarray(rows).reshape(-1)):
-        start = base + int(k) * row_bytes
-        lo = start - start % page
-        hi = min(len(mapping), -(-(start + row_bytes) // page) * page)
-        mapping.flush(lo, hi - lo)
-        if dont_need is not None:
-            mapping.madvise(dont_need, lo, hi - lo)
+    a.flush()
+    file = _file_rows(a)
+    if file is not None:
+        os.fsync(file[0])
+    mapping = getattr(a, "_mmap", None)  # numpy's mmap object
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def _data_rows(data, idx: np.ndarray) -> ClientArrays:

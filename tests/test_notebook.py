@@ -47,3 +47,38 @@ def test_notebook_cells_run_on_a_tiny_config(tmp_path):
     results = nb.cells[-1].outputs[0]["data"]["text/plain"]
     assert all(f"{lam}:" in results for lam in (0.1, 0.5, 2.0)), results
     assert (tmp_path / "runs" / "notebook" / "metrics.jsonl").exists()
+
+
+COLAB = pathlib.Path(__file__).parents[1] / "notebooks" / "colab_tpu.ipynb"
+
+
+def test_colab_notebook_runs_on_a_tiny_config(tmp_path):
+    """The Colab notebook (install skipped: the package is importable here) on a 2-round digits
+    config: the shard-strategy quick start and the vectorized lambda sweep both finish."""
+    import nbclient
+    import nbformat
+
+    nb = nbformat.reads(COLAB.read_text(), as_version=4)
+    assert any("%pip install" in c.source for c in nb.cells if c.cell_type == "code")
+    shrink = nbformat.v4.new_code_cell(
+        "import sys\n"
+        f"sys.path.insert(0, {str(COLAB.parents[1])!r})\n"
+        "def _tiny(config):\n"
+        "    config.data.name = 'digits'; config.data.num_clients = 6\n"
+        "    config.data.min_samples_per_client = 30; config.clients.architectures = 'mlp'\n"
+        "    config.proxy_arch = 'proxy_mlp'; config.proxy_dim = 16\n"
+        "    config.eval.every = 1; config.checkpoint.every = 0\n"
+        "    return config\n")
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.source = cell.source.replace("quickstart.get_config()",
+                                              "_tiny(quickstart.get_config())")
+            cell.source = cell.source.replace("ROUNDS = 10", "ROUNDS = 2")
+    nb.cells.insert(0, shrink)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                   for o in c.get("outputs", []))
+    assert "strategy shard" in text and "mesh axes: {'clients':" in text
+    assert all(f"lam={lam}:" in text for lam in ("0.1", "0.5", "1", "2")), text
+    assert (tmp_path / "runs" / "colab_sweep" / "lam=2" / "metrics.jsonl").exists()
