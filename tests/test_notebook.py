@@ -22,28 +22,9 @@ def test_notebook_cells_parse_and_import_existing_names():
 
 
 def test_notebook_cells_run_on_a_tiny_config(tmp_path):
-    """Executes every code cell (nbclient, a real kernel) with each get_config() shrunk to a
-    2-round, 6-client digits run; a cell that raises fails the test."""
-    import nbclient
-    import nbformat
-
-    nb = nbformat.reads(NOTEBOOK.read_text(), as_version=4)
-    shrink = nbformat.v4.new_code_cell(
-        "import sys\n"
-        f"sys.path.insert(0, {str(NOTEBOOK.parents[1])!r})\n"
-        "def _tiny(config):\n"
-        "    config.data.name = 'digits'; config.data.num_clients = 6\n"
-        "    config.data.min_samples_per_client = 30; config.clients.architectures = 'mlp'\n"
-        "    config.proxy_arch = 'proxy_mlp'; config.proxy_dim = 16\n"
-        "    config.train.rounds = 2; config.eval.every = 1; config.checkpoint.every = 0\n"
-        "    return config\n")
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.source = cell.source.replace("quickstart.get_config()",
-                                              "_tiny(quickstart.get_config())")
-    nb.cells.insert(0, shrink)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    """Executes every code cell with each get_config() shrunk to a 2-round, 6-client digits
+    run; a cell that raises fails the test."""
+    nb = _run_tiny(NOTEBOOK, tmp_path, {})
     results = nb.cells[-1].outputs[0]["data"]["text/plain"]
     assert all(f"{lam}:" in results for lam in (0.1, 0.5, 2.0)), results
     assert (tmp_path / "runs" / "notebook" / "metrics.jsonl").exists()
@@ -55,30 +36,38 @@ COLAB = pathlib.Path(__file__).parents[1] / "notebooks" / "colab_tpu.ipynb"
 def test_colab_notebook_runs_on_a_tiny_config(tmp_path):
     """The Colab notebook (install skipped: the package is importable here) on a 2-round digits
     config: the shard-strategy quick start and the vectorized lambda sweep both finish."""
-    import nbclient
-    import nbformat
-
-    nb = nbformat.reads(COLAB.read_text(), as_version=4)
-    assert any("%pip install" in c.source for c in nb.cells if c.cell_type == "code")
-    shrink = nbformat.v4.new_code_cell(
-        "import sys\n"
-        f"sys.path.insert(0, {str(COLAB.parents[1])!r})\n"
-        "def _tiny(config):\n"
-        "    config.data.name = 'digits'; config.data.num_clients = 6\n"
-        "    config.data.min_samples_per_client = 30; config.clients.architectures = 'mlp'\n"
-        "    config.proxy_arch = 'proxy_mlp'; config.proxy_dim = 16\n"
-        "    config.eval.every = 1; config.checkpoint.every = 0\n"
-        "    return config\n")
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.source = cell.source.replace("quickstart.get_config()",
-                                              "_tiny(quickstart.get_config())")
-            cell.source = cell.source.replace("ROUNDS = 10", "ROUNDS = 2")
-    nb.cells.insert(0, shrink)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert "%pip install" in COLAB.read_text()
+    nb = _run_tiny(COLAB, tmp_path, {"ROUNDS = 10": "ROUNDS = 2"})
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                    for o in c.get("outputs", []))
     assert "strategy shard" in text and "mesh axes: {'clients':" in text
     assert all(f"lam={lam}:" in text for lam in ("0.1", "0.5", "1", "2")), text
     assert (tmp_path / "runs" / "colab_sweep" / "lam=2" / "metrics.jsonl").exists()
+
+
+def _run_tiny(path: pathlib.Path, tmp_path, replacements: dict[str, str]):
+    """Executes the notebook at `path` (nbclient, a real kernel) with every
+    `quickstart.get_config()` shrunk to a 6-client digits MLP run and the given source
+    replacements; returns the executed notebook (a cell that raises fails the test)."""
+    import nbclient
+    import nbformat
+
+    nb = nbformat.reads(path.read_text(), as_version=4)
+    shrink = nbformat.v4.new_code_cell(
+        "import sys\n"
+        f"sys.path.insert(0, {str(path.parents[1])!r})\n"
+        "def _tiny(config):\n"
+        "    config.data.name = 'digits'; config.data.num_clients = 6\n"
+        "    config.data.min_samples_per_client = 30; config.clients.architectures = 'mlp'\n"
+        "    config.proxy_arch = 'proxy_mlp'; config.proxy_dim = 16\n"
+        "    config.train.rounds = 2; config.eval.every = 1; config.checkpoint.every = 0\n"
+        "    return config\n")
+    replacements = {"quickstart.get_config()": "_tiny(quickstart.get_config())", **replacements}
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            for old, new in replacements.items():
+                cell.source = cell.source.replace(old, new)
+    nb.cells.insert(0, shrink)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    return nb
