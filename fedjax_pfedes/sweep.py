@@ -117,6 +117,12 @@ def check_field(config: ml_collections.ConfigDict, data: FederatedData, dotted: 
             "launch.main runs for it") from None
 
 
+# How the members' client updates share a program: 'vmap' batches them (one kernel per layer
+# for all members: the accelerator choice), 'map' runs them one after another inside the
+# program (`lax.map`: no grouped convolutions, which XLA:CPU runs slowly).
+MEMBER_AXES = ("vmap", "map")
+
+
 @dataclasses.dataclass
 class _Call:
     broadcast: PyTree
@@ -136,8 +142,11 @@ class Coordinator:
     """
 
     def __init__(self, config: ml_collections.ConfigDict, data: FederatedData, dotted: str,
-                 values: list[float]):
+                 values: list[float], member_axis: str = "vmap"):
+        if member_axis not in MEMBER_AXES:
+            raise ConfigError(f"--member_axis: '{member_axis}' is not one of {MEMBER_AXES}")
         self.config, self.data, self.dotted = config, data, dotted
+        self.member_axis = member_axis
         self.values = np.asarray(values, np.float32)
         self.active = set(range(len(values)))
         self.pending: dict[int, _Call] = {}
@@ -200,7 +209,11 @@ class Coordinator:
             program = traced_algorithm(config, data, dotted, value).cohort_program(arch)
             return program.client_update(broadcast, row, train_row, key)
 
-        mapped = jax.vmap(one, in_axes=(0, 0, 0, None, None))
+        if self.member_axis == "vmap":
+            mapped = jax.vmap(one, in_axes=(0, 0, 0, None, None))
+        else:  # 'map': members one after another inside the one program (lax.map)
+            def mapped(values, broadcasts, rows, train_row, key):
+                return jax.lax.map(lambda m: one(*m, train_row, key), (values, broadcasts, rows))
 
         @functools.partial(jax.jit, donate_argnums=(2, 6, 7))
         def step(values, broadcasts, states, train, i, key, uploads, metrics, j):
@@ -254,7 +267,8 @@ _set_row = execution._set_row  # noqa: SLF001
 
 
 def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float],
-              workdir: str, show_progress: bool = True) -> dict[str, dict]:
+              workdir: str, show_progress: bool = True, member_axis: str = "vmap"
+              ) -> dict[str, dict]:
     """Runs one member per value of `dotted` (workdir/<field>=<value>), their local training
     batched by a `Coordinator`; returns {member name: its `experiments.run_record`}."""
     import os
@@ -283,7 +297,7 @@ def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float
     data = build_federated_data(config)
     check_field(config, data, dotted, assign_architectures(config.clients.architectures,
                                                            data.num_clients))
-    coordinator = Coordinator(config, data, dotted, list(values))
+    coordinator = Coordinator(config, data, dotted, list(values), member_axis)
     summaries: dict[str, dict] = {}
     errors: dict[str, BaseException] = {}
 

@@ -30,6 +30,10 @@ from launch.cli import fail, loaded_config
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/sweep", "One folder per member goes here.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show the first member's progress bar.")
+_MEMBER_AXIS = flags.DEFINE_enum("member_axis", "vmap", ["vmap", "map"],
+                                 "How members share the compiled client update: 'vmap' batches "
+                                 "them, 'map' runs them one after another in the program "
+                                 "(docs/performance.md compares them).")
 
 PREFIX = "--sweep."
 
@@ -70,7 +74,8 @@ def main(argv: list[str]) -> None:
     config = loaded_config(_CONFIG)
     (field, values), = _SWEPT.items()
     try:
-        records = sweep.run_sweep(config, field, values, _WORKDIR.value, _PROGRESS.value)
+        records = sweep.run_sweep(config, field, values, _WORKDIR.value, _PROGRESS.value,
+                                  _MEMBER_AXIS.value)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError) as e:
         fail(str(e))
     results = {name: [r] for name, r in records.items()}

@@ -71,25 +71,28 @@ def _metrics(path):
     return [json.loads(line) for line in open(path / "metrics.jsonl")]
 
 
-@pytest.mark.slow  # a 3-member sweep and three separate runs
+@pytest.mark.slow  # two 3-member sweeps and three separate runs
 def test_every_member_equals_a_separate_run_with_its_value(tmp_path):
     config = small_config("loop")
     config.train.rounds, config.checkpoint.every = 3, 0
     values = [0.1, 0.5, 2.0]
-    records = sweep.run_sweep(config, "lam", values, str(tmp_path / "sweep"),
-                              show_progress=False)
-    assert list(records) == ["lam=0.1", "lam=0.5", "lam=2"]
+    for axis in sweep.MEMBER_AXES:
+        records = sweep.run_sweep(config, "lam", values, str(tmp_path / axis),
+                                  show_progress=False, member_axis=axis)
+        assert list(records) == ["lam=0.1", "lam=0.5", "lam=2"]
     finals = []
     for v in values:
         member = with_overrides(config, {"lam": v})
         run_experiment(member, str(tmp_path / f"alone{v}"), show_progress=False)
-        swept, alone = _metrics(tmp_path / "sweep" / f"lam={v:g}"), _metrics(tmp_path / f"alone{v}")
-        assert len(swept) == len(alone) == 3
-        for a, b in zip(swept, alone, strict=True):
-            for key in ("train_ce_loss_mean", "train_align_loss_mean", "test_ce_loss_mean",
-                        "personalized_accuracy_mean", "global_accuracy_mean"):
-                if key in b:
-                    assert a[key] == pytest.approx(b[key], rel=2e-3, abs=2e-4), (v, key)
-            assert a["participants"] == b["participants"]
-        finals.append(swept[-1]["train_align_loss_mean"])
+        alone = _metrics(tmp_path / f"alone{v}")
+        for axis in sweep.MEMBER_AXES:
+            swept = _metrics(tmp_path / axis / f"lam={v:g}")
+            assert len(swept) == len(alone) == 3
+            for a, b in zip(swept, alone, strict=True):
+                for key in ("train_ce_loss_mean", "train_align_loss_mean", "test_ce_loss_mean",
+                            "personalized_accuracy_mean", "global_accuracy_mean"):
+                    if key in b:
+                        assert a[key] == pytest.approx(b[key], rel=2e-3, abs=2e-4), (axis, v, key)
+                assert a["participants"] == b["participants"]
+        finals.append(alone[-1]["train_align_loss_mean"])
     assert len(set(np.round(finals, 4))) == 3  # the members did differ
