@@ -103,3 +103,24 @@ def loaded_config(config_flag):
     except Exception:  # noqa: BLE001 - whatever the file raised, one line names it
         fail(config_file_problem(_flag_value(sys.argv, "config")))
     return config
+
+
+SWEEP_PREFIX = "--sweep."  # launch.sweep: --sweep.FIELD=v1,v2,...
+
+
+def split_sweep_flags(argv: list[str]) -> tuple[list[str], dict[str, list[float]]]:
+    """argv without the --sweep.FIELD=v1,v2 flags, and {FIELD: values}; exit 2 naming a
+    malformed one."""
+    rest, swept = [], {}
+    for a in argv:
+        if not a.startswith(SWEEP_PREFIX):
+            rest.append(a)
+            continue
+        field, eq, text = a[len(SWEEP_PREFIX):].partition("=")
+        if not eq or not field:
+            fail(f"{a}: expected --sweep.FIELD=v1,v2,... (e.g. --sweep.lam=0.1,0.5)")
+        try:
+            swept[field] = [float(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            fail(f"--sweep.{field}: '{text}' is not a comma-separated list of numbers")
+    return rest, swept

@@ -35,32 +35,11 @@ _MEMBER_AXIS = flags.DEFINE_enum("member_axis", "vmap", ["vmap", "map"],
                                  "them, 'map' runs them one after another in the program "
                                  "(docs/performance.md compares them).")
 
-PREFIX = "--sweep."
-
-
-def split_sweep_flags(argv: list[str]) -> tuple[list[str], dict[str, list[float]]]:
-    """argv without the --sweep.FIELD=v1,v2 flags, and {FIELD: values}; exit 2 naming a
-    malformed one."""
-    rest, swept = [], {}
-    for a in argv:
-        if not a.startswith(PREFIX):
-            rest.append(a)
-            continue
-        field, eq, text = a[len(PREFIX):].partition("=")
-        if not eq or not field:
-            cli.fail(f"{a}: expected --sweep.FIELD=v1,v2,... (e.g. --sweep.lam=0.1,0.5)")
-        try:
-            swept[field] = [float(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            cli.fail(f"--sweep.{field}: '{text}' is not a comma-separated list of numbers")
-    return rest, swept
-
-
 _SWEPT: dict[str, list[float]] = {}
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    rest, swept = split_sweep_flags(argv)
+    rest, swept = cli.split_sweep_flags(argv)
     _SWEPT.update(swept)
     return cli.parse_flags(rest)
 

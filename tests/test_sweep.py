@@ -10,7 +10,7 @@ from fedjax_pfedes.builders import build_federated_data
 from fedjax_pfedes.config_validation import ConfigError
 from fedjax_pfedes.experiments import with_overrides
 from fedjax_pfedes.simulation import run_experiment
-from launch.sweep import split_sweep_flags
+from launch.cli import split_sweep_flags
 from tests.fl_helpers import small_config, tiny_config
 
 
