@@ -137,7 +137,8 @@ class Coordinator:
 
     Every member's run calls `update(member, arch, ...)` in the same order (rounds, then cohorts);
     the call of the last active member computes all of them — one jitted call per participant,
-    the client update vmapped over the members — and wakes the others with their results. A
+    the client update vmapped (or `lax.map`ped) over the members — and wakes the others with
+    their results. A
     member whose run ends (finished or diverged) `leave`s, and the others go on without it.
     """
 
@@ -149,7 +150,7 @@ class Coordinator:
         self.member_axis = member_axis
         self.values = np.asarray(values, np.float32)
         self.active = set(range(len(values)))
-        self.pending: dict[int, _Call] = {}
+        self.pending: dict[int, tuple[str, _Call]] = {}  # member -> (cohort, its call)
         self.results: dict[int, tuple] = {}
         self.generation = 0
         self.error: BaseException | None = None

@@ -26,7 +26,7 @@ ROUND_KEYS = {
 EVAL_KEYS = {
     "personalized_accuracy_mean", "personalized_accuracy_std", "personalized_accuracy_min",
     "personalized_accuracy_max", "global_accuracy_mean", "test_ce_loss_mean",
-    "test_align_loss_mean", "personalized_accuracy_by_arch",
+    "test_align_loss_mean", "personalized_accuracy_by_arch", "evaluated_clients",
 }
 
 
