@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pfedes import execution
 from fedjax_pfedes.algorithms.base import PyTree
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.execution import CohortRunner
@@ -253,15 +254,8 @@ def offloaded_runner(inner: CohortRunner, bucket: int) -> CohortRunner:
                                     global_y)
 
     def evaluate(broadcast, states, test, global_x, global_y):
-        n = test.num_clients
-        parts = []
-        for start in range(0, n, bucket):
-            slots = np.arange(start, start + bucket, dtype=np.int32)
-            slots[slots >= n] = n  # padded: out of range, dropped below
-            out = jax.device_get(evaluate_slots(broadcast, states, test, slots, global_x,
-                                                global_y))
-            keep = min(bucket, n - start)
-            parts.append(jax.tree.map(lambda a: np.asarray(a)[:keep], out))  # noqa: B023
-        return jax.tree.map(lambda *a: np.concatenate(a), *parts)
+        return execution.evaluate_in_buckets(evaluate_slots, broadcast, states, test,
+                                             np.arange(test.num_clients), bucket, global_x,
+                                             global_y)
 
     return CohortRunner(inner.strategy, update, evaluate, evaluate_slots, inner.computed_steps)

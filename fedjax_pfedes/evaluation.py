@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from fedjax_pfedes import execution
 from fedjax_pfedes.cohorts import Cohort
 from fedjax_pfedes.data.federated import FederatedData
 from fedjax_pfedes.upload import privacy
@@ -47,20 +48,6 @@ def evaluation_sample(config: ml_collections.ConfigDict, num_clients: int) -> np
                                                                         replace=False))
 
 
-def _evaluate_members(cohort: Cohort, broadcast, states, members: np.ndarray, global_x,
-                      global_y) -> dict[str, np.ndarray]:
-    """Metrics of the cohort's members `members` (local indices), `cohort.bucket` per call."""
-    parts = []
-    for start in range(0, len(members), cohort.bucket):
-        chunk = members[start:start + cohort.bucket]
-        slots = np.full(cohort.bucket, len(cohort.client_ids), np.int32)
-        slots[:len(chunk)] = chunk
-        m = jax.device_get(cohort.runner.evaluate_slots(broadcast, states, cohort.test, slots,
-                                                        global_x, global_y))
-        parts.append({k: np.asarray(v)[:len(chunk)] for k, v in m.items()})
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-
 def evaluate(algorithm, server_state, cohorts: list[Cohort], clients: dict[str, Any], global_x,
              global_y, sample: np.ndarray | None = None) -> dict[str, Any]:
     """Every client's model (private states `clients`) on its own local test split and on the
@@ -76,8 +63,9 @@ def evaluate(algorithm, server_state, cohorts: list[Cohort], clients: dict[str, 
             members = np.flatnonzero(np.isin(cohort.client_ids, sample)).astype(np.int32)
             if not len(members):
                 continue
-            m = _evaluate_members(cohort, broadcast, clients[cohort.arch], members, global_x,
-                                  global_y)
+            m = execution.evaluate_in_buckets(cohort.runner.evaluate_slots, broadcast,
+                                              clients[cohort.arch], cohort.test, members,
+                                              cohort.bucket, global_x, global_y)
         for k, v in m.items():
             per_client.setdefault(k, []).append(np.asarray(v))
         per_cohort[cohort.arch] = float(np.mean(m["personalized_accuracy"]))

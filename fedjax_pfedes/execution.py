@@ -64,6 +64,11 @@ def client_mesh(devices: int) -> Mesh:
     return Mesh(np.array(chosen), (CLIENT_AXIS,), axis_types=(AxisType.Auto,))
 
 
+def replicated(tree: PyTree, mesh: Mesh) -> PyTree:
+    """`tree` replicated on every device of `mesh` (a no-op for arrays already placed so)."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
 def _take(tree: PyTree, idx: jax.Array) -> PyTree:
     return jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode="clip"), tree)
 
@@ -130,10 +135,10 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
     `map_clients(fn, in_axes)` says how (plain vmap, or vmap per device under shard_map)."""
     client_update = map_clients(program.client_update, (None, 0, 0, 0))
     client_evaluate = map_clients(program.evaluate, (None, 0, 0, None, None))
-    # 'shard': the inputs replicated on the mesh (stacked states stay there between rounds);
+    # 'shard': the inputs replicated on the mesh (the cohort's data and stacked states are put
+    # there once, `builders.build_context`; a broadcast or this round's step caps are copied);
     # uploads and metrics go back to the default device, where the server step runs.
-    on_mesh = (lambda tree: tree) if mesh is None else functools.partial(
-        jax.device_put, device=NamedSharding(mesh, P()))
+    on_mesh = (lambda tree: tree) if mesh is None else functools.partial(replicated, mesh=mesh)
     home = (lambda tree: tree) if mesh is None else functools.partial(
         jax.device_put, device=jax.local_devices()[0])
 
@@ -241,6 +246,22 @@ def _loop_runner(program: CohortProgram) -> CohortRunner:
         return float(np.sum(steps))
 
     return CohortRunner("loop", update, evaluate, evaluate_slots, computed_steps)
+
+
+def evaluate_in_buckets(evaluate_slots: Callable[..., Metrics], broadcast, states, test,
+                        members: np.ndarray, bucket: int, global_x, global_y
+                        ) -> dict[str, np.ndarray]:
+    """Metrics of the cohort members `members` (local indices), host-side, computed `bucket`
+    slots per `evaluate_slots` call (one compiled shape; the last call padded out of range)."""
+    num_clients = test.sizes.shape[0]
+    parts = []
+    for start in range(0, len(members), bucket):
+        chunk = members[start:start + bucket]
+        slots = np.full(bucket, num_clients, np.int32)
+        slots[:len(chunk)] = chunk
+        m = jax.device_get(evaluate_slots(broadcast, states, test, slots, global_x, global_y))
+        parts.append({k: np.asarray(v)[:len(chunk)] for k, v in m.items()})
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def _set_row(tree: PyTree, i: jax.Array, row: PyTree) -> PyTree:

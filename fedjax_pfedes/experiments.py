@@ -113,10 +113,11 @@ def _finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | Non
     return summary if same else None
 
 
-def with_overrides(base: ml_collections.ConfigDict, overrides: dict[str, Any]
-                   ) -> ml_collections.ConfigDict:
-    """A copy of `base` with dotted overrides applied ({"train.lr_local": 0.1, ...})."""
-    config = ml_collections.ConfigDict(base.to_dict())
+def with_overrides(base: ml_collections.ConfigDict, overrides: dict[str, Any],
+                   type_safe: bool = True) -> ml_collections.ConfigDict:
+    """A copy of `base` with dotted overrides applied ({"train.lr_local": 0.1, ...}).
+    `type_safe=False` accepts values of another type (a JAX tracer: `sweep`)."""
+    config = ml_collections.ConfigDict(base.to_dict(), type_safe=type_safe)
     for dotted, value in overrides.items():
         node = config
         *parents, leaf = dotted.split(".")

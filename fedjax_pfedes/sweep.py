@@ -45,19 +45,6 @@ def field_value(config: ml_collections.ConfigDict, dotted: str) -> Any:
     return node
 
 
-def with_value(config: ml_collections.ConfigDict, dotted: str, value: Any
-               ) -> ml_collections.ConfigDict:
-    """A copy of `config` with `dotted` set to `value`; not type-checked, so `value` may be a
-    JAX tracer (the traced build of `traced_program`)."""
-    out = ml_collections.ConfigDict(config.to_dict(), type_safe=False)
-    node = out
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        node = node[part]
-    node[leaf] = value
-    return out
-
-
 # What members may differ in: the method's own settings and its local optimizer. Everything
 # else (data, partition, sampling, system model, upload pipeline) is shared by construction.
 LOCAL_OPTIMIZER_FIELDS = ("train.lr_local", "train.local_momentum")
@@ -89,7 +76,8 @@ def traced_algorithm(config: ml_collections.ConfigDict, data: FederatedData, dot
                      value: jax.Array):
     """The configured method built with `dotted` = `value` (a tracer inside jit / vmap)."""
     from fedjax_pfedes.builders import build_algorithm  # builders imports the whole engine
-    return build_algorithm(with_value(config, dotted, value), data)
+    from fedjax_pfedes.experiments import with_overrides
+    return build_algorithm(with_overrides(config, {dotted: value}, type_safe=False), data)
 
 
 def check_field(config: ml_collections.ConfigDict, data: FederatedData, dotted: str,
