@@ -85,24 +85,21 @@ class BudgetError(ValueError):
     """`config.execution.client_state_budget_gb` cannot hold one round's participants."""
 
 
-def tree_bytes(tree: PyTree) -> int:
-    return sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize
-               for a in jax.tree.leaves(tree))
-
-
 def check_budget(row_shapes: dict[str, PyTree], members: dict[str, int],
                  buckets: dict[str, int], budget_gb: float) -> bool:
     """Whether the cohorts' states ([members] rows of `row_shapes` each) fit in `budget_gb` of
     host memory (else they go to disk). BudgetError naming the field when even one round's
     participants ([bucket] rows per cohort, which must be in memory together) do not fit."""
-    per_round = sum(tree_bytes(row_shapes[a]) * buckets[a] for a in row_shapes)
+    from fedjax_pfedes.rounds import tree_size  # rounds imports cohorts, which imports this
+    row_bytes = {a: tree_size(shapes)[1] for a, shapes in row_shapes.items()}
+    per_round = sum(row_bytes[a] * buckets[a] for a in row_shapes)
     budget = budget_gb * 2**30
     if per_round > budget:
         raise BudgetError(
             f"config.execution.client_state_budget_gb={budget_gb:g}: one round's participants "
             f"alone hold {per_round / 2**30:.3g} GiB of client state; raise the budget to at "
             "least that, or lower config.train.client_fraction")
-    return sum(tree_bytes(row_shapes[a]) * members[a] for a in row_shapes) <= budget
+    return sum(row_bytes[a] * members[a] for a in row_shapes) <= budget
 
 
 def allocate(row_shapes: PyTree, members: int, directory: str | None) -> PyTree:
