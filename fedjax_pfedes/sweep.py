@@ -145,7 +145,6 @@ class Coordinator:
         self.cond = threading.Condition()
         self.calls: dict[str, Callable] = {}
         self.shapes: dict[str, PyTree] = {}
-        self.batched_calls = 0  # compiled-program invocations (one per participant and round)
 
     def runner(self, member: int, arch: str, inner: CohortRunner) -> CohortRunner:
         """`inner` (the member's own runner, kept for evaluation) with its update routed here."""
@@ -209,13 +208,10 @@ class Coordinator:
             rows = jax.tree.map(lambda *a: jnp.stack(a), *[_row(s, i) for s in states])
             stacked = jax.tree.map(lambda *a: jnp.stack(a), *broadcasts)
             up, new_rows, m = mapped(values, stacked, rows, _row(train, i), key)
-            r = len(states)
-            states = tuple(_set_row(s, i, jax.tree.map(lambda a, k=k: a[k], new_rows))
-                           for k, s in zip(range(r), states, strict=True))
-            uploads = tuple(_set_row(u, j, jax.tree.map(lambda a, k=k: a[k], up))
-                            for k, u in zip(range(r), uploads, strict=True))
-            metrics = tuple(_set_row(x, j, jax.tree.map(lambda a, k=k: a[k], m))
-                            for k, x in zip(range(r), metrics, strict=True))
+            member = lambda tree, k: jax.tree.map(lambda a: a[k], tree)  # noqa: E731
+            states = tuple(_set_row(s, i, member(new_rows, k)) for k, s in enumerate(states))
+            uploads = tuple(_set_row(u, j, member(up, k)) for k, u in enumerate(uploads))
+            metrics = tuple(_set_row(x, j, member(m, k)) for k, x in enumerate(metrics))
             return states, uploads, metrics
 
         self.calls[arch] = step
@@ -238,21 +234,19 @@ class Coordinator:
                 ).cohort_program(arch).client_update(b, _row(s, 0), _row(t, 0), k),
                 first.broadcast, first.states, first.train, first.keys[0])
         shapes = self.shapes[arch]
-        zeros = lambda tree: jax.tree.map(  # noqa: E731
-            lambda s: jnp.zeros((bucket,) + tuple(s.shape), s.dtype), tree)
-        uploads = tuple(zeros(shapes[0]) for _ in calls)
-        metrics = tuple(zeros(shapes[2]) for _ in calls)
+        uploads = tuple(_zeros_in_slots(shapes[0], bucket) for _ in calls)
+        metrics = tuple(_zeros_in_slots(shapes[2], bucket) for _ in calls)
         n = first.train.sizes.shape[0]
         for j in np.flatnonzero(first.slots < n):
             states, uploads, metrics = step(values, broadcasts, states, first.train,
                                             jnp.int32(first.slots[j]), first.keys[j], uploads,
                                             metrics, jnp.int32(j))
-            self.batched_calls += 1
         return [(u, s, m) for u, s, m in zip(uploads, states, metrics, strict=True)]
 
 
 _row = execution._row  # noqa: SLF001 - the runners' own row helpers
 _set_row = execution._set_row  # noqa: SLF001
+_zeros_in_slots = execution._zeros_in_slots  # noqa: SLF001
 
 
 def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float],
