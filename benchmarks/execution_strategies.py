@@ -3,9 +3,10 @@
 Workloads:
   quickstart: the cohorts of configs/quickstart.py on real MNIST-5k, one round's participants.
   cifar: CIFAR-shaped inputs (32x32x3, 10 classes; synthetic pixels, the timing does not depend
-    on them), CNN-1..CNN-5, 20 participants (4 per cohort), 200 samples each.
+    on them), CNN-1..CNN-5, 20 participants (4 per cohort; --cifar_clients), 200 samples each.
 
   python -m benchmarks.execution_strategies --workload=quickstart,cifar --repeats=3
+  python -m benchmarks.execution_strategies --workload=cifar --cifar_clients=20   # 100 clients
 
 Prints a Markdown table: compile time (first call minus a steady call), steady time per round,
 client-steps per second for each strategy, and the vmap/loop throughput ratio.
@@ -30,6 +31,8 @@ from fedjax_pfedes.data.spec import InputSpec
 
 _WORKLOAD = flags.DEFINE_list("workload", ["quickstart", "cifar"], "Workloads to time.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Steady-state repetitions per measurement.")
+_CIFAR_CLIENTS = flags.DEFINE_integer("cifar_clients", 4, "cifar workload: participants per "
+                                      "cohort (5 cohorts; 20 = cifar_hetero-sized, 100 clients).")
 
 
 def _time_strategy(program, strategy, broadcast, states, train, slots, keys, repeats):
@@ -69,7 +72,7 @@ def _cohorts_cifar():
                        lr_local=0.01)
     algorithm = pfedes(cfg)
     rng = np.random.default_rng(0)
-    n, clients = 200, 4
+    n, clients = 200, _CIFAR_CLIENTS.value
     x = rng.uniform(size=(n * clients, 32, 32, 3)).astype(np.float32)
     y = rng.integers(0, 10, n * clients).astype(np.int32)
     arrays = stack_clients(x, y, np.split(np.arange(n * clients), clients))

@@ -4,6 +4,8 @@ Written as a PyTorch user would write it for speed: every model, optimizer and d
 built once before round 1 (data pre-normalized, channels-first, on the host device), each client's
 epoch is a plain Python loop of `optimizer.step()` calls with no per-step host synchronization
 (losses are accumulated as tensors), and aggregation is in-place on flat parameter buffers.
+`device` places models and data on one PyTorch device ('cuda' on a GPU machine); the round's
+closing `float(loss_sum)` synchronizes it, so round times include the device's work.
 
 - FedAvg (McMahan et al., AISTATS 2017) with the `convnet3` classifier.
 - pFedES (Yi et al., AAAI 2025) as implemented in fedjax_pfedes: private CNN-k + projection head +
@@ -108,10 +110,10 @@ def _to_tensors(x: np.ndarray, y: np.ndarray, mean, std) -> tuple[torch.Tensor, 
             torch.from_numpy(y.astype(np.int64)))
 
 
-def _batches(n: int, batch_size: int, epochs: int):
+def _batches(n: int, batch_size: int, epochs: int, device: str = "cpu"):
     """Row indices of each local step: `epochs` reshuffled passes over n rows."""
     for _ in range(epochs):
-        order = torch.randperm(n)
+        order = torch.randperm(n, device=device)
         for s in range(0, n, batch_size):
             yield order[s:s + batch_size]
 
@@ -130,18 +132,18 @@ def _load_flat(params, flat: torch.Tensor) -> None:
 
 def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_classes: int,
                rounds: int, per_round: int, batch_size: int, epochs: int, lr: float,
-               seed: int = 0) -> dict:
+               seed: int = 0, device: str = "cpu") -> dict:
     """FedAvg with `convnet3` over `clients` ([(x, y)] local train arrays). Returns per-round
     wall times, the client-steps run and the set-up time before round 1."""
     start = time.perf_counter()
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    data = [_to_tensors(x, y, mean, std) for x, y in clients]
+    data = [tuple(t.to(device) for t in _to_tensors(x, y, mean, std)) for x, y in clients]
     in_ch, spatial = data[0][0].shape[1], data[0][0].shape[2]
 
     def model():
         return nn.Sequential(ConvStack(in_ch, (16, 32, 64), (0, 1), spatial),
-                             nn.Linear(128, num_classes))
+                             nn.Linear(128, num_classes)).to(device)
 
     global_model, local = model(), model()
     local_params = list(local.parameters())
@@ -157,8 +159,8 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
         for k in chosen:
             x, y = data[k]
             _load_flat(local_params, global_flat)
-            loss_sum = torch.zeros(())
-            for idx in _batches(len(y), batch_size, epochs):
+            loss_sum = torch.zeros((), device=device)
+            for idx in _batches(len(y), batch_size, epochs, device):
                 opt.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(local(x[idx]), y[idx])
                 loss.backward()
@@ -176,19 +178,19 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
 def run_pfedes(clients: list[tuple[np.ndarray, np.ndarray]], archs: list[str], mean, std,
                num_classes: int, rounds: int, batch_size: int, epochs: int, lr: float,
                lam: float = 0.5, dim: int = 128, proxy_lr_ratio: float = 0.1,
-               server_momentum: float = 0.5, seed: int = 0) -> dict:
+               server_momentum: float = 0.5, seed: int = 0, device: str = "cpu") -> dict:
     """pFedES with every client each round: private CNN-k models, a shared `proxy_cnn`."""
     start = time.perf_counter()
     torch.manual_seed(seed)
-    data = [_to_tensors(x, y, mean, std) for x, y in clients]
+    data = [tuple(t.to(device) for t in _to_tensors(x, y, mean, std)) for x, y in clients]
     in_ch, spatial = data[0][0].shape[1], data[0][0].shape[2]
     models, opts = [], []
     for arch in archs:
         conv2, fc1 = PUBLISHED[arch]
-        m = ClientModel(PublishedCNN(in_ch, spatial, conv2, fc1), 500, num_classes, dim)
+        m = ClientModel(PublishedCNN(in_ch, spatial, conv2, fc1), 500, num_classes, dim).to(device)
         models.append(m)
         opts.append(torch.optim.SGD(m.parameters(), lr=lr))
-    proxy = Proxy(in_ch, spatial, dim)
+    proxy = Proxy(in_ch, spatial, dim).to(device)
     proxy_params = list(proxy.parameters())
     proxy_opt = torch.optim.SGD(proxy_params, lr=proxy_lr_ratio * lr)
     global_flat = _flat(proxy_params)
@@ -198,11 +200,11 @@ def run_pfedes(clients: list[tuple[np.ndarray, np.ndarray]], archs: list[str], m
         t0 = time.perf_counter()
         total = torch.zeros_like(global_flat)
         weight = 0.0
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=device)
         for k, (x, y) in enumerate(data):
             model, opt = models[k], opts[k]
             _load_flat(proxy_params, global_flat)
-            for idx in _batches(len(y), batch_size, epochs):
+            for idx in _batches(len(y), batch_size, epochs, device):
                 xb, yb = x[idx], y[idx]
                 e_proxy = proxy(xb)  # one forward pass serves both steps
                 logits, e_local = model(xb)
