@@ -37,7 +37,7 @@ def main(argv):
     root = tempfile.mkdtemp(prefix="sweep_bench_")
     common = [f"--config={_CONFIG.value}", f"--config.train.rounds={_ROUNDS.value}",
               "--config.execution.compilation_cache_dir=", "--config.checkpoint.every=0",
-              "--progress=false"]
+              "--progress=false", "--config.monitor.tensorboard=false"]
     sweep_s = {axis: _timed(["launch.sweep", *common, f"--workdir={root}/sweep_{axis}",
                              f"--member_axis={axis}",
                              f"--sweep.{_FIELD.value}={','.join(_VALUES.value)}"])

@@ -154,7 +154,10 @@ def get_config() -> ml_collections.ConfigDict:
     # False uses every sample every epoch, at the price of a few-sample step with full weight
     # (docs/baselines.md: on 159-161-sample clients it costs FedAvg ~9 points at round 20).
     config.train.drop_partial_batch = False
-    config.train.lr_local = 0.05         # local SGD learning rate
+    # Local SGD learning rate. 0.01 was the best of {0.01, 0.02, 0.05, 0.1} for pFedES here
+    # (docs/baselines.md); at 0.05 with momentum 0.9 the quick start converged on CPU but
+    # diverged at round 16 on a GPU (docs/performance.md): too close to the edge for a default.
+    config.train.lr_local = 0.01
     config.train.local_momentum = 0.9    # local SGD momentum (0 = plain SGD); never aggregated
     # Methods whose clients keep a private model (pfedes, fedproto, fml, ...; `launch.methods`
     # column "private opt."): False keeps its optimizer state (momentum) across rounds, as a
@@ -277,4 +280,13 @@ def get_config() -> ml_collections.ConfigDict:
     # compiled programs instead of compiling them ('default' = $XDG_CACHE_HOME or ~/.cache,
     # /fedjax_pfedes/jax; '' = off).
     config.execution.compilation_cache_dir = "default"
+
+    # Several processes (hosts) in one run (`jax.distributed`; README "Several hosts"): start
+    # the same command once per process with its own process_id. '' = one process; 'host:port' of
+    # process 0; 'auto' = read the cluster's environment (TPU pod slice, SLURM).
+    config.distributed = ml_collections.ConfigDict()
+    config.distributed.coordinator_address = ""
+    config.distributed.num_processes = 1
+    config.distributed.process_id = 0
+    config.distributed.cpu_collectives = "gloo"  # between CPU processes: 'gloo' | 'mpi'
     return config

@@ -9,7 +9,7 @@ import math
 
 import ml_collections
 
-from fedjax_pfedes import alignment, attacks, client_store, execution
+from fedjax_pfedes import alignment, attacks, client_store, distributed, execution
 from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.cohorts import assign_architectures
 from fedjax_pfedes.data.catalog import LOADERS
@@ -78,6 +78,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         if config.execution.strategy in ("shard", "auto"):
             execution.client_mesh(config.execution.devices)
         _check_client_states(config.execution)
+        distributed.settings(config)
+        distributed.check_supported(config)
         archs = assign_architectures(config.clients.architectures, config.data.num_clients)
         attacks.attack_config(config, config.data.num_clients)
         algorithm_registry.check_optimizer_overrides(config)

@@ -14,6 +14,7 @@ give the same numbers (up to float reassociation):
   local devices (`shard_map`): each device vmaps its share of the slots, the stacked states are
   replicated on the mesh, and uploads and metrics come back to the default device for the
   server step. The bucket is a multiple of the mesh size (`cohorts.build_cohorts` pads it).
+  Over several processes (`distributed`) the mesh spans all their devices.
 
 Which one is faster depends on the models, the bucket and the backend (on CPU vmapped per-client
 convolutions become grouped convolutions); 'auto' measures both per cohort at start-up
@@ -53,8 +54,11 @@ def auto_candidates(mesh: Mesh | None) -> tuple[str, ...]:
 
 
 def client_mesh(devices: int) -> Mesh:
-    """A one-axis mesh ('clients') over the first `devices` local devices (0 = all of them).
+    """A one-axis mesh ('clients') over the first `devices` local devices (0 = all of them);
+    in a run over several processes (`distributed`), over all devices of all processes.
     Auto axis types: the runner states its shardings itself (`shard_map`)."""
+    if jax.process_count() > 1:
+        return Mesh(np.array(jax.devices()), (CLIENT_AXIS,), axis_types=(AxisType.Auto,))
     available = jax.local_devices()
     if devices < 0 or devices > len(available):
         raise ValueError(f"config.execution.devices={devices}: this process sees "
@@ -65,8 +69,35 @@ def client_mesh(devices: int) -> Mesh:
 
 
 def replicated(tree: PyTree, mesh: Mesh) -> PyTree:
-    """`tree` replicated on every device of `mesh` (a no-op for arrays already placed so)."""
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    """`tree` replicated on every device of `mesh` (a no-op for arrays already placed so).
+
+    On a mesh over several processes each process places its own copy on its own devices
+    (`jax.make_array_from_single_device_arrays`): every process holds the same value, as all of
+    them compute it (`distributed`); arrays already global stay as they are."""
+    sharding = NamedSharding(mesh, P())
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+
+    def to_global(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x
+        x = jnp.asarray(x)
+        return jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [jax.device_put(x, d) for d in sharding.addressable_devices])
+
+    return jax.tree.map(to_global, tree)
+
+
+def local_copy(tree: PyTree) -> PyTree:
+    """This process's copy of arrays replicated on a mesh, on its first local device."""
+    device = jax.local_devices()[0]
+
+    def local(x):
+        if x.is_fully_addressable:
+            return jax.device_put(x, device)
+        return jax.device_put(x.addressable_shards[0].data, device)
+
+    return jax.tree.map(local, tree)
 
 
 def _take(tree: PyTree, idx: jax.Array) -> PyTree:
@@ -139,8 +170,11 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
     # there once, `builders.build_context`; a broadcast or this round's step caps are copied);
     # uploads and metrics go back to the default device, where the server step runs.
     on_mesh = (lambda tree: tree) if mesh is None else functools.partial(replicated, mesh=mesh)
-    home = (lambda tree: tree) if mesh is None else functools.partial(
-        jax.device_put, device=jax.local_devices()[0])
+    home = (lambda tree: tree) if mesh is None else local_copy
+    # Over several processes the slots' results must reach every process: gathered (replicated
+    # on the mesh) inside the program, then each process takes its local copy.
+    gathered = (lambda tree: tree) if mesh is None or jax.process_count() == 1 else (
+        lambda tree: jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P())))
 
     @functools.partial(jax.jit, donate_argnums=1)
     def mapped_update(broadcast, states, train, slots, keys):
@@ -150,15 +184,15 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
         rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
         uploads, new_rows, metrics = client_update(broadcast, _take(states, slots), rows, keys)
         zero_padded = lambda a: jnp.where(valid.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0)  # noqa: E731
-        return (jax.tree.map(zero_padded, uploads), _put(states, slots, new_rows),
-                jax.tree.map(zero_padded, metrics))
+        return (gathered(jax.tree.map(zero_padded, uploads)), _put(states, slots, new_rows),
+                gathered(jax.tree.map(zero_padded, metrics)))
 
     @jax.jit
     def mapped_evaluate_slots(broadcast, states, test, slots, global_x, global_y):
         valid = slots < test.sizes.shape[0]
         metrics = client_evaluate(broadcast, _take(states, slots), _take(test, slots),
                                   global_x, global_y)
-        return jax.tree.map(lambda a: jnp.where(valid, a, 0), metrics)
+        return gathered(jax.tree.map(lambda a: jnp.where(valid, a, 0), metrics))
 
     def update(broadcast, states, train, slots, keys):
         uploads, states, metrics = mapped_update(*on_mesh((broadcast, states, train)),

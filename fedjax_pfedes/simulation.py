@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,7 @@ from fedjax_pfedes import (
     checkpointing,
     client_store,
     compilation,
+    distributed,
     metrics_io,
     rounds,
 )
@@ -71,8 +73,24 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
                    ) -> dict[str, Any]:
     """Runs (or resumes) a full experiment; see `_run`. Holds `<workdir>/.lock` meanwhile, so
     two runs never write the same workdir. `adapt_context` may change the run's context before
-    round 1 (`sweep` routes the cohorts' updates through its batched program)."""
+    round 1 (`sweep` routes the cohorts' updates through its batched program).
+
+    Over several processes (`config.distributed`) every process calls this with the same config;
+    process 0 writes `workdir`, the others a temporary folder removed at the end."""
+    try:
+        distributed.initialize(config)  # before anything touches a JAX backend
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    except RuntimeError as e:  # the coordinator did not answer, or a process is missing
+        raise ConfigError(f"config.distributed: could not join the run's processes "
+                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     validate_config(config)
+    if not distributed.is_writer():
+        scratch = tempfile.mkdtemp(prefix=f"fedjax_pfedes_process{jax.process_index()}_")
+        try:
+            return _run(config, scratch, show_progress=False, adapt_context=adapt_context)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir={workdir} is a file, not a directory")
     try:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from fedjax_pfedes import execution
+from fedjax_pfedes import distributed, execution
 from fedjax_pfedes.algorithms.base import PyTree
 from fedjax_pfedes.config_validation import ConfigError
 from fedjax_pfedes.data.federated import FederatedData
@@ -265,6 +265,9 @@ def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float
     if len(values) < 1 or len(set(values)) != len(values):
         raise ConfigError(f"--sweep.{dotted}: give distinct values, got {values}")
     check_float(config, dotted)
+    if distributed.settings(config).multi_process:
+        raise ConfigError("config.distributed: launch.sweep runs in one process; run each "
+                          "member with launch.main across processes instead")
     ex = config.execution
     if ex.strategy != "loop" or ex.client_states != "device" or config.asynchronous.enabled:
         raise ConfigError("launch.sweep batches the members' local training participant by "

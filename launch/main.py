@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -40,6 +41,10 @@ def main(argv: list[str]) -> None:
     except DivergedError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3)
+    if jax.process_index() > 0:  # process 0 wrote the run's files and prints its figures
+        print(f"process {jax.process_index()} of {jax.process_count()}: done; process 0 wrote "
+              f"the results in {_WORKDIR.value}")
+        return
     final = summary["final"]
     by_arch = {k: round(v, 4) for k, v in final["personalized_accuracy_by_arch"].items()}
     print(f"round {final['round']}: mean personalized accuracy "

@@ -1,0 +1,111 @@
+"""One run over several processes (hosts) with JAX's own multi-controller runtime.
+
+Every process runs the same program (`python -m launch.main ...` once per process, SPMD): it
+loads and partitions the data itself (same seed, same result), keeps the server state and the
+sampler, and runs the same server step. What is split is the work of each round's participants:
+under `config.execution.strategy='shard'` the mesh spans the devices of all processes, so each
+process's devices train their share of the participant slots; uploads and metrics are gathered
+back to every process (`execution`). Only process 0 writes the run's files (metrics, summary,
+report inputs); the others write into a temporary folder that is removed at the end.
+
+`config.distributed`:
+  coordinator_address: '' = one process (the default); 'host:port' of process 0's
+    coordinator; 'auto' = let `jax.distributed.initialize` read the cluster's environment (Cloud
+    TPU pods, SLURM, Open MPI, ...; then num_processes / process_id are ignored).
+  num_processes, process_id: this run's process count and this process's index (0-based).
+  cpu_collectives: collectives between CPU processes ('gloo'; 'mpi' needs an MPI library);
+    ignored on GPU / TPU.
+
+Not yet across processes (each refused with one line): checkpoints (the client states are global
+arrays that orbax would have to save from every process), client states off the device,
+asynchronous rounds, 'loop' / 'vmap' / 'auto' strategies, and `launch.sweep`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import ml_collections
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    coordinator_address: str = ""
+    num_processes: int = 1
+    process_id: int = 0
+    cpu_collectives: str = "gloo"
+
+    @property
+    def multi_process(self) -> bool:
+        return self.coordinator_address == "auto" or self.num_processes > 1
+
+
+CPU_COLLECTIVES = ("gloo", "mpi")
+
+
+def settings(config: ml_collections.ConfigDict) -> Settings:
+    """`config.distributed`, checked (ValueError naming the field); one process if absent."""
+    section = config.get("distributed")
+    if section is None:
+        return Settings()
+    s = Settings(str(section.get("coordinator_address", "")),
+                 int(section.get("num_processes", 1)), int(section.get("process_id", 0)),
+                 str(section.get("cpu_collectives", "gloo")))
+    if s.coordinator_address == "auto":
+        return s
+    if s.num_processes < 1:
+        raise ValueError(f"config.distributed.num_processes must be >= 1, got {s.num_processes}")
+    if not 0 <= s.process_id < s.num_processes:
+        raise ValueError(f"config.distributed.process_id={s.process_id} is out of range for "
+                         f"config.distributed.num_processes={s.num_processes} (0.."
+                         f"{s.num_processes - 1}): give each process its own index")
+    if s.num_processes > 1 and ":" not in s.coordinator_address:
+        raise ValueError("config.distributed.coordinator_address: several processes need "
+                         "process 0's 'host:port' (or 'auto' on a TPU pod / SLURM), got "
+                         f"{s.coordinator_address!r}")
+    if s.cpu_collectives not in CPU_COLLECTIVES:
+        raise ValueError(f"config.distributed.cpu_collectives must be one of {CPU_COLLECTIVES},"
+                         f" got {s.cpu_collectives!r}")
+    return s
+
+
+def check_supported(config: ml_collections.ConfigDict) -> None:
+    """The features that do not run across processes yet: ValueError naming the field."""
+    if not settings(config).multi_process:
+        return
+    refusals = [
+        (config.execution.strategy != "shard", "config.execution.strategy must be 'shard' "
+         f"across processes (the mesh spans all processes' devices), got "
+         f"'{config.execution.strategy}'"),
+        (config.execution.devices != 0, "config.execution.devices must be 0 (all devices of "
+         f"all processes) across processes, got {config.execution.devices}"),
+        (config.execution.client_states != "device", "config.execution.client_states="
+         f"'{config.execution.client_states}' is not supported across processes yet; use "
+         "'device'"),
+        (config.checkpoint.every > 0, "config.checkpoint.every: checkpoints are not supported "
+         "across processes yet (the client states are global arrays); set it to 0"),
+        (config.asynchronous.enabled, "config.asynchronous.enabled: asynchronous rounds are not "
+         "supported across processes yet"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise ValueError(message)
+
+
+def initialize(config: ml_collections.ConfigDict) -> None:
+    """Joins this process to the run's other processes (`jax.distributed.initialize`) before
+    anything touches a JAX backend; nothing for a one-process run. Idempotent."""
+    s = settings(config)
+    if not s.multi_process or jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", s.cpu_collectives)
+    if s.coordinator_address == "auto":
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(s.coordinator_address, s.num_processes, s.process_id)
+
+
+def is_writer() -> bool:
+    """Whether this process writes the run's files (process 0, or the only process)."""
+    return jax.process_index() == 0
