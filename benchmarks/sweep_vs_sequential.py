@@ -24,12 +24,15 @@ _VALUES = flags.DEFINE_list("values", ["0.1", "0.5", "1.0", "2.0"], "Its values.
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Rounds per run.")
 
 
-def _timed(args: list[str]) -> float:
+def _timed(args: list[str], label: str) -> float:
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    # Each run's time as it finishes: a benchmark cut short still leaves what it measured.
+    print(f"{label}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    return seconds
 
 
 def main(argv):
@@ -40,13 +43,15 @@ def main(argv):
               "--progress=false", "--config.monitor.tensorboard=false"]
     sweep_s = {axis: _timed(["launch.sweep", *common, f"--workdir={root}/sweep_{axis}",
                              f"--member_axis={axis}",
-                             f"--sweep.{_FIELD.value}={','.join(_VALUES.value)}"])
+                             f"--sweep.{_FIELD.value}={','.join(_VALUES.value)}"],
+                            f"launch.sweep --member_axis={axis}")
                for axis in ("vmap", "map")}
     sequential_s, gaps = 0.0, []
     for v in _VALUES.value:
         run_dir = f"{root}/main_{v}"
         sequential_s += _timed(["launch.main", *common, f"--workdir={run_dir}",
-                                f"--config.{_FIELD.value}={v}"])
+                                f"--config.{_FIELD.value}={v}"],
+                                f"launch.main --config.{_FIELD.value}={v}")
         alone = json.load(open(os.path.join(run_dir, "summary.json")))["final"]
         for axis in sweep_s:
             member = json.load(open(os.path.join(root, f"sweep_{axis}",
