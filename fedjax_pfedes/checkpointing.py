@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.config_validation import ConfigError
+from fedjax_pfedes.config_validation import ConfigError, shipped_defaults
 from fedjax_pfedes.metrics_io import flatten, to_builtin
 
 # Fields that may differ between the checkpointed run and the resumed one: they change what is
@@ -48,14 +48,19 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     """'config.FIELD: saved -> current' for every field that differs and would corrupt a resume.
 
     train.rounds may grow (a run continued for longer) unless the run depends on the total:
-    a DP noise multiplier calibrated to a target epsilon, or FedKD's energy schedule."""
+    a DP noise multiplier calibrated to a target epsilon, or FedKD's energy schedule. A field
+    the checkpoint lacks (added to the code after it was written) is no change at its shipped
+    default (`shipped_defaults`): new fields default to the old behaviour."""
     a, b = flatten(to_builtin(saved), "."), flatten(to_builtin(current), ".")
+    default = flatten(shipped_defaults(), ".")
     known = algorithm_registry.entries()
     depends_on_total = (a.get("dp.enabled") and a.get("dp.target_epsilon", 0) > 0) or (
         a.get("algorithm") in known and known[a["algorithm"]].schedule_depends_on_rounds)
     changes = []
     for key in sorted(set(a) | set(b)):
         if a.get(key, "<missing>") == b.get(key, "<missing>"):
+            continue
+        if key not in a and key in b and key in default and default[key] == b[key]:
             continue
         if key.startswith(RESUMABLE_CHANGES) and not (key == "train.rounds" and depends_on_total):
             continue

@@ -5,6 +5,7 @@ Every error names the offending field, e.g. `config.lam must be >= 0, got -1.0`.
 
 from __future__ import annotations
 
+import json
 import math
 
 import ml_collections
@@ -32,6 +33,17 @@ STALENESS = ("constant", "polynomial", "hinge")
 def aggregation_kind(algorithm: str) -> str:
     """`Algorithm.aggregation` of a method, known before it is built (for config checks)."""
     return algorithm_registry.get(algorithm).aggregation
+
+
+def shipped_defaults() -> dict:
+    """The shipped default config (configs/quickstart.py, installed with this package) as plain
+    JSON values; {} without the `configs` package. A field an older run's config lacks was added
+    to the code later, and at this default it keeps the old behaviour (reuse and resume use it)."""
+    try:
+        from configs import quickstart
+    except ImportError:
+        return {}
+    return json.loads(json.dumps(quickstart.get_config().to_dict()))
 
 
 class ConfigError(ValueError):

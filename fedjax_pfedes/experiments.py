@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from fedjax_pfedes.config_validation import shipped_defaults
 from fedjax_pfedes.simulation import run_experiment
 
 
@@ -103,13 +104,8 @@ def _finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | Non
     with open(path) as f:
         summary = json.load(f)
     normalized = json.loads(json.dumps(config.to_dict()))
-    try:  # the shipped defaults (the `configs` package installs with this one)
-        from configs import quickstart
-        default = json.loads(json.dumps(quickstart.get_config().to_dict()))
-    except ImportError:  # then only an identical config counts
-        default = {}
     same = same_config(_without_neutral(summary.get("config")), _without_neutral(normalized),
-                       _without_neutral(default))
+                       _without_neutral(shipped_defaults()))
     return summary if same else None
 
 

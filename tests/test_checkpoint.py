@@ -147,3 +147,17 @@ def test_which_config_changes_are_resumable():
     more["train"]["rounds"] = 20
     assert config_changes(calibrated, more) == [
         "config.train.rounds: 10 in the checkpoint, 20 now"]
+
+
+def test_a_field_added_after_the_checkpoint_resumes_only_at_its_shipped_default():
+    """A checkpoint written before `distributed` existed resumes when the new fields are at
+    their defaults (they keep the old behaviour), and not when one of them is set otherwise."""
+    from configs import quickstart
+    current = json.loads(json.dumps(quickstart.get_config().to_dict()))
+    saved = json.loads(json.dumps(current))
+    del saved["distributed"]
+    del saved["data"]["shifted_samples"]
+    assert config_changes(saved, current) == []
+    current["data"]["shifted_samples"] = 1000
+    assert config_changes(saved, current) == [
+        "config.data.shifted_samples: '<missing>' in the checkpoint, 1000 now"]
