@@ -21,6 +21,7 @@ import shutil
 import threading
 from typing import Any
 
+import jax
 import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
@@ -31,7 +32,8 @@ from fedjax_pfedes.metrics_io import flatten, to_builtin
 
 # Fields that may differ between the checkpointed run and the resumed one: they change what is
 # logged or how it is computed, not the numbers (strategies agree up to float reassociation).
-RESUMABLE_CHANGES = ("train.rounds", "eval.", "checkpoint.", "monitor.", "execution.")
+RESUMABLE_CHANGES = ("train.rounds", "eval.", "checkpoint.", "monitor.", "execution.",
+                     "distributed.")
 
 
 class _QuietOrbax(pylogging.Filter):
@@ -82,14 +84,24 @@ class Checkpointer:
     its record (a kill during a copy, a truncated or edited file) is reported as corrupt, moved
     to `<workdir>/corrupt_checkpoints/` and the previous intact step is used instead."""
 
-    def __init__(self, workdir: str, every: int, max_to_keep: int):
+    def __init__(self, workdir: str, every: int, max_to_keep: int, read_only: bool = False):
+        """`read_only`: only `use_step` and `restore` (the other processes of a run over several
+        processes read process 0's checkpoints). Over several processes each process's manager
+        works alone (orbax's barriers span only it): process 0 saves process-local copies."""
         self.workdir = os.path.abspath(workdir)
         self.directory = os.path.join(self.workdir, "checkpoints")
         self.integrity_dir = os.path.join(self.workdir, "checkpoint_integrity")
         self.every = every
+        alone = {}
+        if not read_only:
+            os.makedirs(self.directory, exist_ok=True)  # orbax will not with active_processes
+        if jax.process_count() > 1:
+            alone["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+                primary_host=jax.process_index(), active_processes={jax.process_index()},
+                barrier_sync_key_prefix=f"process{jax.process_index()}")
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                                                 create=True))
+            self.directory, options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, create=False, read_only=read_only, **alone))
         self.step: int | None = None  # the step `check_config` selected
         self.verified = False  # whether that step had an integrity record
 
@@ -175,6 +187,25 @@ class Checkpointer:
             self.verified = os.path.exists(os.path.join(self.integrity_dir, f"{step}.json"))
             return meta
         return None
+
+    def use_step(self, step: int, config: ml_collections.ConfigDict) -> dict:
+        """The meta of `step`, chosen by process 0's `check_config` (a read-only checkpointer
+        of another process); ConfigError when it cannot be read from here."""
+        try:
+            with ORBAX_LOCK:
+                meta = self.manager.restore(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - any failure to read it says the same
+            raise ConfigError(
+                f"config.checkpoint: process {jax.process_index()} cannot read process 0's "
+                f"checkpoint {self.directory}/{step} ({type(e).__name__}); across hosts the "
+                "workdir must be on a filesystem every process shares, or set "
+                "--config.checkpoint.every=0") from None
+        changes = config_changes(meta["config"], config.to_dict())
+        if changes:
+            raise ConfigError(f"cannot resume from {self.directory}/{step}: " + changes[0])
+        self.step = step
+        return meta
 
     def restore(self, target_state: Any) -> tuple[int, Any]:
         """(rounds done, state) of the step `check_config` selected."""

@@ -6,7 +6,10 @@ sampler, and runs the same server step. What is split is the work of each round'
 under `config.execution.strategy='shard'` the mesh spans the devices of all processes, so each
 process's devices train their share of the participant slots; uploads and metrics are gathered
 back to every process (`execution`). Only process 0 writes the run's files (metrics, summary,
-report inputs); the others write into a temporary folder that is removed at the end.
+report inputs, checkpoints); the others write into a temporary folder that is removed at the
+end. On resume process 0 picks the checkpoint (integrity checks, corrupt steps set aside) and
+tells the others its round; every process then reads that checkpoint from process 0's workdir,
+so across hosts the workdir must be on a filesystem they all share (or not checkpoint).
 
 `config.distributed`:
   coordinator_address: '' = one process (the default); 'host:port' of process 0's
@@ -16,17 +19,19 @@ report inputs); the others write into a temporary folder that is removed at the 
   cpu_collectives: collectives between CPU processes ('gloo'; 'mpi' needs an MPI library);
     ignored on GPU / TPU.
 
-Not yet across processes (each refused with one line): checkpoints (the client states are global
-arrays that orbax would have to save from every process), client states off the device,
+Not yet across processes (each refused with one line): client states off the device,
 asynchronous rounds, 'loop' / 'vmap' / 'auto' strategies, and `launch.sweep`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +88,6 @@ def check_supported(config: ml_collections.ConfigDict) -> None:
         (config.execution.client_states != "device", "config.execution.client_states="
          f"'{config.execution.client_states}' is not supported across processes yet; use "
          "'device'"),
-        (config.checkpoint.every > 0, "config.checkpoint.every: checkpoints are not supported "
-         "across processes yet (the client states are global arrays); set it to 0"),
         (config.asynchronous.enabled, "config.asynchronous.enabled: asynchronous rounds are not "
          "supported across processes yet"),
     ]
@@ -109,3 +112,27 @@ def initialize(config: ml_collections.ConfigDict) -> None:
 def is_writer() -> bool:
     """Whether this process writes the run's files (process 0, or the only process)."""
     return jax.process_index() == 0
+
+
+def from_process_0(value: int) -> int:
+    """Process 0's `value` on every process (a collective: all processes call it); `value` as
+    it is in a one-process run."""
+    if jax.process_count() == 1:
+        return value
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def process_local(tree: Any) -> Any:
+    """What a checkpoint saves and restores over several processes: every array as this
+    process's numpy copy (orbax saves only numpy from one process of several; a state
+    replicated over all processes' devices is read from this process's shard). One process:
+    `tree` as it is."""
+    if jax.process_count() == 1:
+        return tree
+
+    def local(x):
+        if isinstance(x, jax.Array):
+            return np.asarray(x if x.is_fully_addressable else x.addressable_shards[0].data)
+        return x
+
+    return jax.tree.map(local, tree)

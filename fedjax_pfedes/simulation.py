@@ -88,7 +88,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     if not distributed.is_writer():
         scratch = tempfile.mkdtemp(prefix=f"fedjax_pfedes_process{jax.process_index()}_")
         try:
-            return _run(config, scratch, show_progress=False, adapt_context=adapt_context)
+            return _run(config, workdir, False, adapt_context, out_dir=scratch)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     if os.path.exists(workdir) and not os.path.isdir(workdir):
@@ -106,9 +106,12 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
-         adapt_context: Callable[[rounds.RunContext], None] | None = None) -> dict[str, Any]:
+         adapt_context: Callable[[rounds.RunContext], None] | None = None,
+         out_dir: str | None = None) -> dict[str, Any]:
     """Runs (or resumes) a full experiment; writes metrics.jsonl / .csv, clients.jsonl,
     rejections.jsonl, TensorBoard events, checkpoints and summary.json into `workdir`.
+    `out_dir`: where this process writes instead (the other processes of a multi-process run:
+    they write nothing into `workdir` and only read process 0's checkpoints there).
 
     Returns:
       The summary dict (final evaluation, best personalized accuracy, timings, participation
@@ -123,14 +126,24 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
         compilation.configure_cache(config.execution.compilation_cache_dir)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    writer = out_dir is None
+    out_dir = workdir if out_dir is None else out_dir
     ck = config.checkpoint
     checkpointer, first_round, meta = None, 0, None
     if ck.every > 0:
-        ckpt_dir = os.path.join(workdir, "checkpoints")
-        if not ck.resume and os.path.isdir(ckpt_dir):
-            shutil.rmtree(ckpt_dir)  # start this workdir over
-        checkpointer = checkpointing.Checkpointer(workdir, ck.every, ck.max_to_keep)
-        meta = checkpointer.check_config(config)  # before any data is loaded
+        if writer:
+            ckpt_dir = os.path.join(workdir, "checkpoints")
+            if not ck.resume and os.path.isdir(ckpt_dir):
+                shutil.rmtree(ckpt_dir)  # start this workdir over
+            checkpointer = checkpointing.Checkpointer(workdir, ck.every, ck.max_to_keep)
+            meta = checkpointer.check_config(config)  # before any data is loaded
+        # Over several processes: process 0 chose the round; the others read that checkpoint.
+        chosen = distributed.from_process_0(
+            checkpointer.step if writer and meta is not None else -1)
+        if not writer and chosen >= 0:
+            checkpointer = checkpointing.Checkpointer(workdir, ck.every, ck.max_to_keep,
+                                                      read_only=True)
+            meta = checkpointer.use_step(chosen, config)
         if meta is not None and checkpointer.step > config.train.rounds:
             raise ConfigError(
                 f"config.train.rounds={config.train.rounds} is below the round of the "
@@ -144,13 +157,14 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
             f"contents changed since it was written (fingerprint {meta['data_fingerprint'][:12]}"
             f" then, {fingerprint[:12]} now) although the config did not; use another "
             "--workdir, or --config.checkpoint.resume=False to start over")
-    write_data_profile(data, config.data.partition, workdir)
+    write_data_profile(data, config.data.partition, out_dir)
     ctx, state = build_context(config, data, (meta or {}).get("execution_strategy_by_arch"),
-                               workdir)
+                               out_dir)
     if adapt_context is not None:
         adapt_context(ctx)
     if meta is not None:
-        first_round, restored = checkpointer.restore(state.to_checkpoint())
+        first_round, restored = checkpointer.restore(
+            distributed.process_local(state.to_checkpoint()))
         if config.execution.client_states == "offload":  # back into the host / disk store
             restored["clients"] = {a: client_store.refill(state.clients[a], r)
                                    for a, r in restored["clients"].items()}
@@ -158,7 +172,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
         ctx.pipeline.round_noise_multipliers = list(meta.get("dp_round_noise_multipliers",
                                                              []))[:first_round]
         logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
-    writers = metrics_io.RunWriters(workdir, first_round, config.monitor.tensorboard,
+    writers = metrics_io.RunWriters(out_dir, first_round, config.monitor.tensorboard,
                                     config.monitor.client_report)
     rejected_total = sum(1 for _ in metrics_io.read_jsonl(writers.rejections.path))
     batch_rate = {int(cid): min(1.0, min(config.train.batch_size, c.train.capacity) / max(n, 1))
@@ -208,8 +222,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
             writers.flush()
             bar.set_postfix(pacc=f"{last['personalized_accuracy_mean']:.3f}",
                             gacc=f"{last['global_accuracy_mean']:.3f}")
-        if checkpointer is not None and checkpointer.due(r + 1, rounds_total):
-            checkpointer.save(r + 1, state.to_checkpoint(), {
+        if writer and checkpointer is not None and checkpointer.due(r + 1, rounds_total):
+            checkpointer.save(r + 1, distributed.process_local(state.to_checkpoint()), {
                 "history": list(state.history), "config": config.to_dict(),
                 "dp_round_noise_multipliers": ctx.pipeline.round_noise_multipliers[:r + 1],
                 "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
@@ -250,7 +264,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
         "wall_time_s": time.time() - start,
         "config": config.to_dict(),
     }
-    metrics_io.write_json(f"{workdir}/summary.json", summary)
+    metrics_io.write_json(f"{out_dir}/summary.json", summary)
     if diverged is not None and not config.train.allow_divergence:
         raise DivergedError(
             f"training diverged in round {diverged['round']} ({_some(diverged['metrics'])} "

@@ -1,5 +1,5 @@
 """A run over several processes (`config.distributed`, `jax.distributed`) gives the numbers of
-the same run in one process, and only process 0 writes.
+the same run in one process, only process 0 writes, and it resumes from its checkpoints.
 
 Two CPU processes on 127.0.0.1 with gloo collectives (one device each, so the 'shard' mesh has
 two devices across two processes) against one process with two simulated CPU devices (the same
@@ -28,7 +28,7 @@ from tests.fl_helpers import small_config
 def get_config():
     c = small_config("shard")
     c.train.rounds = 3
-    c.checkpoint.every = 0
+    c.checkpoint.every = 1
     c.monitor.tensorboard = False
     c.execution.compilation_cache_dir = ""
     return c
@@ -62,18 +62,25 @@ def _rows(workdir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in open(workdir / "metrics.jsonl")]
 
 
-@pytest.mark.slow  # three runs of a 3-round config, two of them at once: ~1.5 min
-def test_two_processes_give_the_one_process_numbers_and_only_process_0_writes(tmp_path):
+def _two_processes(config: pathlib.Path, workdir: pathlib.Path, *flags: str) -> list[str]:
+    common = [f"--config.distributed.coordinator_address=127.0.0.1:{_free_port()}",
+              "--config.distributed.num_processes=2", *flags]
+    procs = [_main(config, workdir, {}, *common, f"--config.distributed.process_id={i}")
+             for i in (0, 1)]
+    return [_finish(p) for p in procs]
+
+
+@pytest.mark.slow  # five runs of a 2-3-round config, four of them two at once: ~2.5 min
+def test_two_processes_give_the_one_process_numbers_only_process_0_writes_and_resume(tmp_path):
     config = tmp_path / "config.py"
     config.write_text(textwrap.dedent(CONFIG))
-    port = _free_port()
-    flags = [f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-             "--config.distributed.num_processes=2"]
     multi = tmp_path / "multi"
-    procs = [_main(config, multi, {}, *flags, f"--config.distributed.process_id={i}")
-             for i in (0, 1)]
-    outs = [_finish(p) for p in procs]
+    # Two rounds, then the same command for three: both processes resume from process 0's
+    # checkpoint of round 2 and continue as the unbroken one-process run does.
+    _two_processes(config, multi, "--config.train.rounds=2")
+    outs = _two_processes(config, multi)
     assert "round 3: mean personalized accuracy" in outs[0]
+    assert "resumed from the checkpoint of round 2" in outs[0]
     assert "process 1 of 2: done; process 0 wrote the results" in outs[1]
     single = tmp_path / "single"
     _finish(_main(config, single, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}))
@@ -85,6 +92,7 @@ def test_two_processes_give_the_one_process_numbers_and_only_process_0_writes(tm
             if isinstance(value, float) and not key.endswith("_s"):
                 assert abs(a[key] - value) <= 1e-5 * max(1.0, abs(value)), (a["round"], key)
     summary = json.loads((multi / "summary.json").read_text())
+    assert summary["resumed_from_round"] == 2
     assert summary["execution_strategy"] == "shard"
     assert summary["final"]["personalized_accuracy_mean"] > 0.3  # it did train
     # Nothing but process 0's files: no per-process leftovers in the shared workdir.
@@ -117,14 +125,12 @@ def test_bad_distributed_settings_are_refused_naming_the_field(fields, match):
 
 @pytest.mark.parametrize("field, value, match", [
     ("execution.strategy", "vmap", r"config\.execution\.strategy must be 'shard' across"),
-    ("checkpoint.every", 5, r"config\.checkpoint\.every: checkpoints are not supported across"),
     ("execution.client_states", "offload", r"config\.execution\.client_states='offload' is "
      r"not supported across processes"),
     ("asynchronous.enabled", True, r"config\.asynchronous\.enabled: asynchronous rounds"),
 ])
 def test_what_does_not_run_across_processes_yet_is_refused(field, value, match):
     config = _distributed(num_processes=2, coordinator_address="127.0.0.1:1234")
-    config.checkpoint.every = 0
     section, name = field.split(".")
     setattr(config[section], name, value)
     with pytest.raises(ConfigError, match=match):
