@@ -227,13 +227,13 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
                 int(epochs.max()), t.batch_size), cache_dir)
             c.runner = runners[c.arch][choice.strategy]
             choices[c.arch] = choice.as_dict()
-    for c in cohorts:  # 'shard' reads data and states replicated on its mesh: put them there
-        # once (samples only: the sizes stay on the default device, where rounds read them)
+    for c in cohorts:  # 'shard' reads data and states on its mesh: put them there once
+        # (samples only: the sizes stay on the default device, where rounds read them)
         if c.runner.strategy == "shard" and config.execution.client_states == "device":
-            c.train, c.test = (a.replace(x=execution.replicated(a.x, mesh),
-                                         y=execution.replicated(a.y, mesh))
+            c.train, c.test = (a.replace(x=execution.client_rows(a.x, mesh),
+                                         y=execution.client_rows(a.y, mesh))
                                for a in (c.train, c.test))
-            client_states[c.arch] = execution.replicated(client_states[c.arch], mesh)
+            client_states[c.arch] = execution.client_rows(client_states[c.arch], mesh)
     m = sampling.participants_per_round(n, t.client_fraction)
     if t.sampling == "coverage" and sampling.coverage_pool_size(m, t.coverage_candidates) >= n:
         logging.warning(

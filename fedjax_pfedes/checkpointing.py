@@ -76,6 +76,12 @@ def config_changes(saved: dict, current: dict) -> list[str]:
 ORBAX_LOCK = threading.RLock()
 
 
+def due(every: int, rounds_done: int, total_rounds: int) -> bool:
+    """Whether a run checkpointing every `every` rounds (0 = never) saves after `rounds_done`
+    (also after the last round)."""
+    return every > 0 and (rounds_done % every == 0 or rounds_done == total_rounds)
+
+
 class Checkpointer:
     """Saves / restores `(state pytree, meta dict)` every `every` rounds under `<workdir>`.
 
@@ -104,9 +110,6 @@ class Checkpointer:
                 max_to_keep=max_to_keep, create=False, read_only=read_only, **alone))
         self.step: int | None = None  # the step `check_config` selected
         self.verified = False  # whether that step had an integrity record
-
-    def due(self, rounds_done: int, total_rounds: int) -> bool:
-        return self.every > 0 and (rounds_done % self.every == 0 or rounds_done == total_rounds)
 
     def save(self, rounds_done: int, state: Any, meta: dict) -> None:
         with ORBAX_LOCK:

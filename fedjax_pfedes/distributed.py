@@ -2,14 +2,17 @@
 
 Every process runs the same program (`python -m launch.main ...` once per process, SPMD): it
 loads and partitions the data itself (same seed, same result), keeps the server state and the
-sampler, and runs the same server step. What is split is the work of each round's participants:
-under `config.execution.strategy='shard'` the mesh spans the devices of all processes, so each
-process's devices train their share of the participant slots; uploads and metrics are gathered
-back to every process (`execution`). Only process 0 writes the run's files (metrics, summary,
-report inputs, checkpoints); the others write into a temporary folder that is removed at the
-end. On resume process 0 picks the checkpoint (integrity checks, corrupt steps set aside) and
-tells the others its round; every process then reads that checkpoint from process 0's workdir,
-so across hosts the workdir must be on a filesystem they all share (or not checkpoint).
+sampler, and runs the same server step. What is split is the work of each round's participants
+and the clients: under `config.execution.strategy='shard'` the mesh spans the devices of all
+processes, so each process's devices train their share of the participant slots and hold their
+share of the clients' states and samples (when a cohort's client count is a multiple of the
+device count, `execution.row_spec`; else every device holds all of them); uploads and metrics
+are gathered back to every process (`execution`). Only process 0 writes the run's files
+(metrics, summary, report inputs, checkpoints); the others write into a temporary folder that is
+removed at the end. On resume process 0 picks the checkpoint (integrity checks, corrupt steps
+set aside) and tells the others its round; every process then reads that checkpoint from
+process 0's workdir, so across hosts the workdir must be on a filesystem they all share (or not
+checkpoint).
 
 `config.distributed`:
   coordinator_address: '' = one process (the default); 'host:port' of process 0's
@@ -123,16 +126,20 @@ def from_process_0(value: int) -> int:
 
 
 def process_local(tree: Any) -> Any:
-    """What a checkpoint saves and restores over several processes: every array as this
-    process's numpy copy (orbax saves only numpy from one process of several; a state
-    replicated over all processes' devices is read from this process's shard). One process:
-    `tree` as it is."""
+    """What a checkpoint saves and restores over several processes: every array as a whole
+    numpy copy on this process (orbax saves only numpy from one process of several). Arrays
+    split over the processes' devices are gathered: a collective, so every process calls this
+    at the same point. One process: `tree` as it is."""
     if jax.process_count() == 1:
         return tree
 
     def local(x):
-        if isinstance(x, jax.Array):
-            return np.asarray(x if x.is_fully_addressable else x.addressable_shards[0].data)
-        return x
+        if not isinstance(x, jax.Array):
+            return x
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        if x.sharding.is_fully_replicated:
+            return np.asarray(x.addressable_shards[0].data)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(local, tree)

@@ -11,9 +11,10 @@ give the same numbers (up to float reassociation):
 * 'loop': one jitted call per real participant, which reads and writes its row of the stacked
   state in place (the state buffer is donated). Padded slots cost nothing.
 * 'shard': 'vmap' with the participant slots split over a one-axis `jax.sharding.Mesh` of the
-  local devices (`shard_map`): each device vmaps its share of the slots, the stacked states are
-  replicated on the mesh, and uploads and metrics come back to the default device for the
-  server step. The bucket is a multiple of the mesh size (`cohorts.build_cohorts` pads it).
+  local devices (`shard_map`): each device vmaps its share of the slots; the stacked states and
+  samples are split over the mesh by client when the cohort's client count is a multiple of the
+  mesh size (else replicated, `row_spec`); uploads and metrics come back to the default device
+  for the server step. The bucket is a multiple of the mesh size (`cohorts.build_cohorts` pads it).
   Over several processes (`distributed`) the mesh spans all their devices.
 
 Which one is faster depends on the models, the bucket and the backend (on CPU vmapped per-client
@@ -68,24 +69,40 @@ def client_mesh(devices: int) -> Mesh:
     return Mesh(np.array(chosen), (CLIENT_AXIS,), axis_types=(AxisType.Auto,))
 
 
-def replicated(tree: PyTree, mesh: Mesh) -> PyTree:
-    """`tree` replicated on every device of `mesh` (a no-op for arrays already placed so).
+def row_spec(shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Where a stacked per-client array ([clients, ...]) lives on the mesh: split by client
+    when the count is a multiple of the mesh size (each device, and each process, holds its
+    share), else replicated. A function of the shape alone, so every round and every process
+    agree."""
+    return P(CLIENT_AXIS) if len(shape) and shape[0] % mesh.size == 0 else P()
 
-    On a mesh over several processes each process places its own copy on its own devices
-    (`jax.make_array_from_single_device_arrays`): every process holds the same value, as all of
-    them compute it (`distributed`); arrays already global stay as they are."""
-    sharding = NamedSharding(mesh, P())
+
+def _placed(x, mesh: Mesh, spec: P):
+    if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and (
+            x.sharding.mesh == mesh or not x.is_fully_addressable):
+        return x  # already on the mesh
+    sharding = NamedSharding(mesh, spec)
     if sharding.is_fully_addressable:
-        return jax.device_put(tree, sharding)
+        return jax.device_put(x, sharding)
+    # Several processes: every process holds the whole value (all of them compute it,
+    # `distributed`) and places the parts its own devices hold.
+    x = jnp.asarray(x)
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [jax.device_put(x[index], d)
+                            for d, index in sharding.addressable_devices_indices_map(
+                                x.shape).items()])
 
-    def to_global(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return x
-        x = jnp.asarray(x)
-        return jax.make_array_from_single_device_arrays(
-            x.shape, sharding, [jax.device_put(x, d) for d in sharding.addressable_devices])
 
-    return jax.tree.map(to_global, tree)
+def replicated(tree: PyTree, mesh: Mesh) -> PyTree:
+    """`tree` replicated on every device of `mesh` (arrays already on the mesh stay as they
+    are)."""
+    return jax.tree.map(lambda x: _placed(x, mesh, P()), tree)
+
+
+def client_rows(tree: PyTree, mesh: Mesh) -> PyTree:
+    """Stacked per-client arrays placed on `mesh` as `row_spec` says (arrays already on the
+    mesh stay as they are)."""
+    return jax.tree.map(lambda x: _placed(x, mesh, row_spec(np.shape(x), mesh)), tree)
 
 
 def local_copy(tree: PyTree) -> PyTree:
@@ -166,11 +183,20 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
     `map_clients(fn, in_axes)` says how (plain vmap, or vmap per device under shard_map)."""
     client_update = map_clients(program.client_update, (None, 0, 0, 0))
     client_evaluate = map_clients(program.evaluate, (None, 0, 0, None, None))
-    # 'shard': the inputs replicated on the mesh (the cohort's data and stacked states are put
-    # there once, `builders.build_context`; a broadcast or this round's step caps are copied);
-    # uploads and metrics go back to the default device, where the server step runs.
+    # 'shard': the cohort's samples and stacked states live on the mesh, split by client where
+    # `row_spec` allows (put there once, `builders.build_context`); a broadcast, the sizes and
+    # this round's slots are replicated per call; uploads and metrics go back to the default
+    # device, where the server step runs.
     on_mesh = (lambda tree: tree) if mesh is None else functools.partial(replicated, mesh=mesh)
+    rows_on_mesh = (lambda tree: tree) if mesh is None else functools.partial(client_rows,
+                                                                              mesh=mesh)
+    data_on_mesh = (lambda data: data) if mesh is None else (  # samples split, sizes replicated
+        lambda data: on_mesh(data.replace(x=rows_on_mesh(data.x), y=rows_on_mesh(data.y))))
     home = (lambda tree: tree) if mesh is None else local_copy
+    # The updated states keep their placement (split by client where `row_spec` says so).
+    kept = (lambda tree: tree) if mesh is None else (lambda tree: jax.tree.map(
+        lambda a: jax.lax.with_sharding_constraint(
+            a, NamedSharding(mesh, row_spec(a.shape, mesh))), tree))
     # Over several processes the slots' results must reach every process: gathered (replicated
     # on the mesh) inside the program, then each process takes its local copy.
     gathered = (lambda tree: tree) if mesh is None or jax.process_count() == 1 else (
@@ -184,8 +210,8 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
         rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
         uploads, new_rows, metrics = client_update(broadcast, _take(states, slots), rows, keys)
         zero_padded = lambda a: jnp.where(valid.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0)  # noqa: E731
-        return (gathered(jax.tree.map(zero_padded, uploads)), _put(states, slots, new_rows),
-                gathered(jax.tree.map(zero_padded, metrics)))
+        return (gathered(jax.tree.map(zero_padded, uploads)),
+                kept(_put(states, slots, new_rows)), gathered(jax.tree.map(zero_padded, metrics)))
 
     @jax.jit
     def mapped_evaluate_slots(broadcast, states, test, slots, global_x, global_y):
@@ -195,13 +221,14 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
         return gathered(jax.tree.map(lambda a: jnp.where(valid, a, 0), metrics))
 
     def update(broadcast, states, train, slots, keys):
-        uploads, states, metrics = mapped_update(*on_mesh((broadcast, states, train)),
+        uploads, states, metrics = mapped_update(on_mesh(broadcast), rows_on_mesh(states),
+                                                 data_on_mesh(train),
                                                  on_mesh(jnp.asarray(slots)), on_mesh(keys))
         return home(uploads), states, home(metrics)
 
     def evaluate_slots(broadcast, states, test, slots, global_x, global_y):
-        return home(mapped_evaluate_slots(*on_mesh((broadcast, states, test)),
-                                          on_mesh(jnp.asarray(slots)),
+        return home(mapped_evaluate_slots(on_mesh(broadcast), rows_on_mesh(states),
+                                          data_on_mesh(test), on_mesh(jnp.asarray(slots)),
                                           *on_mesh((global_x, global_y))))
 
     def evaluate(broadcast, states, test, global_x, global_y):

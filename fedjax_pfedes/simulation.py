@@ -222,12 +222,17 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
             writers.flush()
             bar.set_postfix(pacc=f"{last['personalized_accuracy_mean']:.3f}",
                             gacc=f"{last['global_accuracy_mean']:.3f}")
-        if writer and checkpointer is not None and checkpointer.due(r + 1, rounds_total):
-            checkpointer.save(r + 1, distributed.process_local(state.to_checkpoint()), {
-                "history": list(state.history), "config": config.to_dict(),
-                "dp_round_noise_multipliers": ctx.pipeline.round_noise_multipliers[:r + 1],
-                "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
-                "data_fingerprint": fingerprint})
+        if checkpointing.due(ck.every, r + 1, rounds_total):
+            # Every process takes the snapshot (gathering client states split over processes
+            # is a collective); process 0 saves it.
+            snapshot = distributed.process_local(state.to_checkpoint())
+            if writer:
+                checkpointer.save(r + 1, snapshot, {
+                    "history": list(state.history), "config": config.to_dict(),
+                    "dp_round_noise_multipliers": ctx.pipeline.round_noise_multipliers[:r + 1],
+                    "execution_strategy_by_arch": {c.arch: c.runner.strategy
+                                                   for c in ctx.cohorts},
+                    "data_fingerprint": fingerprint})
         if diverged is not None:
             break
     bar.close()

@@ -27,6 +27,7 @@ from tests.fl_helpers import small_config
 
 def get_config():
     c = small_config("shard")
+    c.data.num_clients = 8  # 4 per cohort: each process holds 2 clients' states and samples
     c.train.rounds = 3
     c.checkpoint.every = 1
     c.monitor.tensorboard = False

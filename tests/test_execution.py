@@ -20,7 +20,7 @@ def _setup(arch, num_clients=4):
                        batch_size=8, local_epochs=2, lr_local=0.05, local_momentum=0.5)
     alg = pfedes(cfg)
     rng = np.random.default_rng(0)
-    sizes = [13, 5, 20, 9, 11][:num_clients]
+    sizes = ([13, 5, 20, 9, 11] * 2)[:num_clients]
     x = rng.uniform(size=(sum(sizes), 8, 8, 1)).astype(np.float32)
     y = rng.integers(0, 10, sum(sizes)).astype(np.int32)
     idx = np.split(np.arange(sum(sizes)), np.cumsum(sizes)[:-1])

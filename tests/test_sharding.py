@@ -66,6 +66,51 @@ def test_shard_runner_equals_vmap_on_four_devices():
     assert result["moved"] > 1e-3  # the participants did train
 
 
+def test_a_cohort_that_fills_the_mesh_is_split_over_it_with_the_vmap_numbers():
+    """8 clients on 4 devices: states and samples are split by client (2 per device), stay so
+    after an update, and give 'vmap''s uploads, states and evaluation."""
+    result = _run_with_devices("""
+        import json, jax, jax.numpy as jnp, numpy as np
+        from fedjax_pfedes import execution
+        from tests.test_execution import _setup, _copy
+        _, program, data, states, server = _setup("convnet3", num_clients=8)
+        mesh = execution.client_mesh(0)
+        slots = np.array([6, 1, 3, 8], np.int32)  # 3 clients, one padded slot
+        keys = jax.random.split(jax.random.key(7), 4)
+        placed = data.replace(x=execution.client_rows(data.x, mesh),
+                              y=execution.client_rows(data.y, mesh))
+        split_states = execution.client_rows(_copy(states), mesh)
+        up_v, st_v, _ = execution.make_runner(program, "vmap").update(
+            server.proxy_params, _copy(states), data, slots, keys)
+        shard = execution.make_runner(program, "shard", mesh)
+        up_s, st_s, _ = shard.update(server.proxy_params, split_states, placed, slots, keys)
+        diff = lambda a, b: max(float(jnp.abs(jnp.asarray(x) - jnp.asarray(y)).max())
+                                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+        ev_v = execution.make_runner(program, "vmap").evaluate(
+            server.proxy_params, st_v, data, data.x[0], data.y[0])
+        ev_s = shard.evaluate(server.proxy_params, st_s, placed, data.x[0], data.y[0])
+        leaf = jax.tree.leaves(st_s)[0]
+        print(json.dumps({
+            "uploads": diff(up_v, up_s), "states": diff(st_v.params, st_s.params),
+            "evaluate": diff(ev_v, ev_s),
+            "split": leaf.sharding.spec == execution.P(execution.CLIENT_AXIS),
+            "rows_per_device": [s.data.shape[0] for s in leaf.addressable_shards],
+            "x_rows_per_device": [s.data.shape[0] for s in placed.x.addressable_shards]}))
+    """)
+    for key in ("uploads", "states", "evaluate"):
+        assert result[key] < 1e-4, (key, result)
+    assert result["split"]
+    assert result["rows_per_device"] == [2, 2, 2, 2]
+    assert result["x_rows_per_device"] == [2, 2, 2, 2]
+
+
+def test_row_spec_splits_only_counts_the_mesh_divides():
+    mesh = execution.client_mesh(0)
+    assert execution.row_spec((3 * mesh.size, 5), mesh) == execution.P(execution.CLIENT_AXIS)
+    if mesh.size > 1:
+        assert execution.row_spec((mesh.size + 1, 5), mesh) == execution.P()
+
+
 @pytest.mark.slow  # two end-to-end runs with 4 simulated devices: ~1 min
 def test_shard_run_matches_vmap_run_end_to_end(tmp_path):
     result = _run_with_devices(f"""
