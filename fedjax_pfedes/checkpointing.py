@@ -83,21 +83,20 @@ def due(every: int, rounds_done: int, total_rounds: int) -> bool:
 
 
 class Checkpointer:
-    """Saves / restores `(state pytree, meta dict)` every `every` rounds under `<workdir>`.
+    """Saves / restores `(state pytree, meta dict)` under `<workdir>` (when: `due`).
 
     Every save also writes an integrity record (size and SHA-256 of each file of the step) to
     `<workdir>/checkpoint_integrity/<round>.json`. On resume a step whose files do not match
     its record (a kill during a copy, a truncated or edited file) is reported as corrupt, moved
     to `<workdir>/corrupt_checkpoints/` and the previous intact step is used instead."""
 
-    def __init__(self, workdir: str, every: int, max_to_keep: int, read_only: bool = False):
+    def __init__(self, workdir: str, max_to_keep: int, read_only: bool = False):
         """`read_only`: only `use_step` and `restore` (the other processes of a run over several
         processes read process 0's checkpoints). Over several processes each process's manager
         works alone (orbax's barriers span only it): process 0 saves process-local copies."""
         self.workdir = os.path.abspath(workdir)
         self.directory = os.path.join(self.workdir, "checkpoints")
         self.integrity_dir = os.path.join(self.workdir, "checkpoint_integrity")
-        self.every = every
         alone = {}
         if not read_only:
             os.makedirs(self.directory, exist_ok=True)  # orbax will not with active_processes

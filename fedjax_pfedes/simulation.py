@@ -135,14 +135,13 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
             ckpt_dir = os.path.join(workdir, "checkpoints")
             if not ck.resume and os.path.isdir(ckpt_dir):
                 shutil.rmtree(ckpt_dir)  # start this workdir over
-            checkpointer = checkpointing.Checkpointer(workdir, ck.every, ck.max_to_keep)
+            checkpointer = checkpointing.Checkpointer(workdir, ck.max_to_keep)
             meta = checkpointer.check_config(config)  # before any data is loaded
         # Over several processes: process 0 chose the round; the others read that checkpoint.
         chosen = distributed.from_process_0(
             checkpointer.step if writer and meta is not None else -1)
         if not writer and chosen >= 0:
-            checkpointer = checkpointing.Checkpointer(workdir, ck.every, ck.max_to_keep,
-                                                      read_only=True)
+            checkpointer = checkpointing.Checkpointer(workdir, ck.max_to_keep, read_only=True)
             meta = checkpointer.use_step(chosen, config)
         if meta is not None and checkpointer.step > config.train.rounds:
             raise ConfigError(

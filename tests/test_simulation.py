@@ -100,7 +100,7 @@ def test_per_client_accuracy_recomputed_from_the_saved_client_states(loop_run):
     config = small_config("loop")
     data = build_federated_data(config)
     ctx, state = build_context(config, data)
-    checkpointer = checkpointing.Checkpointer(str(workdir), 1, 2)
+    checkpointer = checkpointing.Checkpointer(str(workdir), 2)
     assert checkpointer.check_config(config) is not None
     rounds_done, restored = checkpointer.restore(state.to_checkpoint())
     state = state.from_checkpoint(restored)
