@@ -197,6 +197,22 @@ def write_rows(store: PyTree, idx: np.ndarray, rows: PyTree) -> None:
     jax.tree.map(write, store, rows)
 
 
+def prefetch(store: PyTree, idx: np.ndarray) -> None:
+    """Asks the kernel to start reading rows `idx` of every memory-mapped leaf into the page
+    cache (`posix_fadvise(WILLNEED)`) and returns at once: a later `read_rows` of them then finds
+    them in memory instead of waiting for the disk. Other leaves are already in memory. A hint
+    only: the rows read are the same either way."""
+    if not hasattr(os, "posix_fadvise"):  # not on macOS / Windows: nothing to hint
+        return
+    for a in jax.tree.leaves(store):
+        file = _file_rows(a)
+        if file is None:
+            continue
+        fd, offset, row_bytes = file
+        for k in np.asarray(idx).reshape(-1):
+            os.posix_fadvise(fd, offset + int(k) * row_bytes, row_bytes, os.POSIX_FADV_WILLNEED)
+
+
 def release(a: np.ndarray) -> None:
     """For a memory-mapped leaf: its pages written to the file (`fsync`) and dropped from this
     process's resident memory. `initialize` and `refill` end with it, so the rounds after them
@@ -219,10 +235,12 @@ def _data_rows(data, idx: np.ndarray) -> ClientArrays:
     return jax.tree.map(lambda a: np.asarray(a)[idx], data)
 
 
-def offloaded_runner(inner: CohortRunner, bucket: int) -> CohortRunner:
+def offloaded_runner(inner: CohortRunner, bucket: int, on_disk: bool = False) -> CohortRunner:
     """`inner` run on each round's participants only: their state rows and data are gathered
     from host (or disk) into a compact [bucket] batch, and the new rows written back.
     Evaluation over all clients runs `bucket` clients per call (the same compiled shape).
+    `on_disk`: the states are memory-mapped files; the runner then has a `prefetch` (the rounds
+    hint the next round's probable participants, whose rows the kernel reads meanwhile).
 
     The returned runner takes and returns the cohort's host states (updated in place, as the
     on-device runners donate theirs) and ragged or padded host data."""
@@ -255,4 +273,5 @@ def offloaded_runner(inner: CohortRunner, bucket: int) -> CohortRunner:
                                              np.arange(test.num_clients), bucket, global_x,
                                              global_y)
 
-    return CohortRunner(inner.strategy, update, evaluate, evaluate_slots, inner.computed_steps)
+    return CohortRunner(inner.strategy, update, evaluate, evaluate_slots, inner.computed_steps,
+                        prefetch if on_disk else None)

@@ -131,7 +131,7 @@ def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, Coh
                 data.central.x_train, data.central.y_train,
                 [chosen[int(k)] for k in ids])
                 for chosen in (data.train_indices, data.test_indices))
-            runner = client_store.offloaded_runner(runner, buckets[arch])
+            runner = client_store.offloaded_runner(runner, buckets[arch], on_disk=not in_memory)
         cohorts.append(Cohort(arch=arch, client_ids=ids, train=train, test=test,
                               program=programs[arch], runner=runner, bucket=buckets[arch]))
     return cohorts, states_of

@@ -141,6 +141,9 @@ class CohortRunner:
     computed_steps(steps, bucket) -> local steps the hardware executed for a round whose real
       participants ran `steps` [participants] steps in `bucket` slots: their sum for 'loop'; for
       'vmap' every slot iterates until the longest schedule ends, bucket * max(steps).
+    prefetch(states, local_indices) -> None, or None for runners that have nothing to prefetch:
+      a hint that these clients will probably train next; a runner whose states live on disk
+      starts reading their rows while the current round computes. It never changes results.
     """
 
     strategy: str
@@ -148,6 +151,7 @@ class CohortRunner:
     evaluate: Callable[..., Metrics]
     evaluate_slots: Callable[..., Metrics]
     computed_steps: Callable[[np.ndarray, int], float]
+    prefetch: Callable[[PyTree, np.ndarray], None] | None = None
 
 
 def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None

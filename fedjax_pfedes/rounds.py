@@ -9,6 +9,7 @@ Everything random is keyed by (seed, round), so resuming from a checkpoint repea
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -284,6 +285,22 @@ def select_clients(ctx: RunContext, sampler: sampling.SamplerState, round_index:
                                                                          selected)}
 
 
+def prefetch_upcoming(ctx: RunContext, clients: dict[str, Any], sampler: sampling.SamplerState,
+                      round_index: int) -> None:
+    """Tells the cohorts whose client states live on disk which clients round `round_index` will
+    probably select, so that their rows are read while the current round computes. The guess is
+    that round's selection made now (on a copy of the sampler: the current round's outcome is not
+    recorded yet, so with reliability weights or stratified quotas it can differ). A hint only:
+    nothing computed depends on it."""
+    cohorts = [c for c in ctx.cohorts if c.runner.prefetch is not None]
+    if not cohorts or round_index >= ctx.config.train.rounds:
+        return
+    upcoming, _ = select_clients(ctx, copy.deepcopy(sampler), round_index)
+    for cohort in cohorts:
+        cohort.runner.prefetch(clients[cohort.arch],
+                               np.flatnonzero(np.isin(cohort.client_ids, upcoming)))
+
+
 def simulate_selected(ctx: RunContext, round_index: int, selected: np.ndarray
                       ) -> system.RoundTiming:
     archs = ctx.arch_of(selected)
@@ -324,6 +341,7 @@ def sync_round(ctx: RunContext, state: SimState, round_index: int
     timing = simulate_selected(ctx, round_index, selected)
     runs = timing.clients[timing.trains]
     limits = dict(zip(runs.tolist(), timing.step_limit[timing.trains].tolist(), strict=True))
+    prefetch_upcoming(ctx, state.clients, sampler, round_index + 1)
     trained, clients = train_participants(ctx, state.server, state.clients, runs,
                                           jax.random.fold_in(ctx.train_key, round_index), limits)
     server_state, memories, summary = aggregate(ctx, state.server, clients, trained,

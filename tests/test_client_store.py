@@ -154,3 +154,41 @@ def test_evaluating_a_sample_of_clients_equals_those_clients_of_a_full_evaluatio
     assert part["evaluated_clients"] == 3
     assert part["personalized_accuracy_mean"] == pytest.approx(
         np.mean([per_client[int(k)] for k in sample]), abs=1e-6)
+
+
+def test_rounds_prefetch_the_next_rounds_participants_from_disk(tmp_path, monkeypatch):
+    """With states on disk each round hints the next round's selection (exactly the clients that
+    then train, under uniform sampling) and the hint changes no row that is read."""
+    from fedjax_pfedes import rounds
+    from fedjax_pfedes.builders import build_context, build_federated_data
+
+    hinted = []
+    real_prefetch = client_store.prefetch
+
+    def spy(store, idx):
+        hinted.append(np.asarray(idx).copy())
+        before = client_store.read_rows(store, idx)
+        real_prefetch(store, idx)
+        chex.assert_trees_all_equal(client_store.read_rows(store, idx), before)
+
+    monkeypatch.setattr(client_store, "prefetch", spy)
+    config = tiny_config(rounds=3)
+    config.train.client_fraction = 0.5
+    config.execution.client_states, config.execution.client_state_budget_gb = "offload", 0.002
+    config.execution.client_state_dir = str(tmp_path / "states")
+    ctx, state = build_context(config, build_federated_data(config))
+    (cohort,) = ctx.cohorts
+    assert cohort.runner.prefetch is not None
+    assert all(isinstance(a, np.memmap) for a in jax.tree.leaves(state.clients["mlp"]))
+    trained = []
+    for r in range(3):
+        state, record, rows, _ = rounds.sync_round(ctx, state, r)
+        trained.append(sorted(row["client"] for row in rows if row["local_steps"] > 0))
+    # rounds 0 and 1 hint rounds 1 and 2; round 2 is the last and hints nothing
+    assert len(hinted) == 2
+    for r in (1, 2):
+        assert cohort.client_ids[hinted[r - 1]].tolist() == trained[r]
+    # in host memory there is nothing to prefetch
+    config.execution.client_state_budget_gb = 4.0
+    ctx, _ = build_context(config, build_federated_data(config))
+    assert ctx.cohorts[0].runner.prefetch is None
