@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import dp_accounting
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -106,6 +105,7 @@ def dp_sgd_metrics(config: ml_collections.ConfigDict, steps_taken: dict[int, int
     independently sampled steps)."""
     if not config.dp_sgd.enabled or not steps_taken:
         return {}
+    import dp_accounting  # on first use: see upload/privacy.py
     d = config.dp_sgd
     eps = []
     for cid, steps in steps_taken.items():

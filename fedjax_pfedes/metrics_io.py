@@ -13,6 +13,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -83,6 +85,28 @@ def write_csv(rows: list[dict], path: str) -> None:
         writer.writerows(flat)
 
 
+_IMPORT_LOCK = threading.Lock()  # sweep members open their writers from several threads
+
+
+def summary_writer_class() -> type:
+    """tensorboardX's SummaryWriter, imported on first use. When PyTorch is installed,
+    tensorboardX imports it at once (about 2 s of start-up on this repository's CI-class machine)
+    only to accept torch tensors; we log Python floats, so unless the program has imported torch
+    already, tensorboardX is imported with torch hidden (`import torch` fails meanwhile, as if
+    it were not installed). Importing torch later works as usual."""
+    with _IMPORT_LOCK:
+        if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+            sys.modules["torch"] = None  # type: ignore[assignment]
+            try:
+                from tensorboardX import SummaryWriter
+            finally:
+                if sys.modules.get("torch", 0) is None:
+                    del sys.modules["torch"]
+            return SummaryWriter
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+
+
 class RunWriters:
     """All per-round outputs of a run (see the module docstring)."""
 
@@ -97,9 +121,8 @@ class RunWriters:
         self.csv_path = os.path.join(workdir, "metrics.csv")
         self.tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter  # imported only when used
             # purge_step: TensorBoard drops events of rounds after the checkpoint on resume.
-            self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+            self.tb = summary_writer_class()(os.path.join(workdir, "tensorboard"),
                                     purge_step=resume_round + 1 if resume_round else None)
 
     def write_round(self, record: dict, client_rows: list[dict], rejections: list[dict]

@@ -207,3 +207,20 @@ def test_budget_stages_match_a_hand_computation():
     np.testing.assert_allclose(budget.client_stages(ctx)["compute_s"],  # ctx left as it was
                                ctx.planned_steps * np.where(slow, 0.4, 0.1))
     assert system.PAST_DEADLINE == "deadline"
+
+
+def test_tensorboard_writer_does_not_import_torch_and_torch_still_imports_after():
+    """tensorboardX imports PyTorch when it is installed (seconds of start-up); our writer hides
+    it during that import, and a later `import torch` (if installed) still works."""
+    import subprocess
+    import sys
+    code = ("import importlib.util, sys\n"
+            "from fedjax_pfedes import metrics_io\n"
+            "metrics_io.summary_writer_class()\n"
+            "assert 'tensorboardX' in sys.modules and 'torch' not in sys.modules, 'torch loaded'\n"
+            "if importlib.util.find_spec('torch') is not None:\n"
+            "    import torch\n"
+            "    assert torch.zeros(2).sum().item() == 0.0\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -26,11 +26,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
-import dp_accounting
 import jax
 import jax.numpy as jnp
-from dp_accounting import pld, rdp
+
+if TYPE_CHECKING:  # imported where used: it pulls in scipy.signal and scipy.optimize (~1.8 s
+    import dp_accounting  # at start-up here), which a run without DP never needs
 
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("fixed", "poisson", "none")
@@ -89,6 +91,7 @@ def gaussian_noise_like(tree, rng: jax.Array, std: float | jax.Array):
 def round_event(num_clients: int, clients_per_round: int, noise_multiplier: float,
                 sampling: str) -> dp_accounting.DpEvent:
     """The DP event of one round."""
+    import dp_accounting
     gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
     if sampling == "none":
         return gaussian
@@ -99,16 +102,18 @@ def round_event(num_clients: int, clients_per_round: int, noise_multiplier: floa
 
 
 def make_accountant(kind: str, sampling: str) -> dp_accounting.PrivacyAccountant:
+    import dp_accounting
     relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if sampling == "fixed"
                 else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     if kind == "rdp":
-        return rdp.RdpAccountant(neighboring_relation=relation)
-    return pld.PLDAccountant(neighboring_relation=relation)
+        return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+    return dp_accounting.pld.PLDAccountant(neighboring_relation=relation)
 
 
 def epsilon(cfg: ClientDPConfig, noise_multiplier: float, num_clients: int,
             clients_per_round: int, rounds: int) -> float:
     """epsilon at cfg.delta after `rounds` rounds (0 rounds: 0; sigma = 0: inf)."""
+    import dp_accounting
     if rounds == 0:
         return 0.0
     if noise_multiplier == 0:
@@ -125,6 +130,7 @@ def epsilon_of_rounds(cfg: ClientDPConfig, noise_multipliers, num_clients: int,
     multipliers (one per round; None = the round released nothing). Rounds are composed as
     they happened: a secure-aggregation round with fewer senders than expected carries less
     noise than configured and costs more."""
+    import dp_accounting
     released = collections.Counter(s for s in noise_multipliers if s is not None)
     if not released:
         return 0.0
@@ -140,6 +146,7 @@ def epsilon_of_rounds(cfg: ClientDPConfig, noise_multipliers, num_clients: int,
 def calibrate_noise_multiplier(cfg: ClientDPConfig, num_clients: int, clients_per_round: int,
                                rounds: int) -> float:
     """The smallest sigma (to dp_accounting's tolerance) with epsilon(rounds) <= target."""
+    import dp_accounting
     def event(sigma: float) -> dp_accounting.DpEvent:
         return dp_accounting.SelfComposedDpEvent(
             round_event(num_clients, clients_per_round, sigma, cfg.sampling), rounds)
