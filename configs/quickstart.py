@@ -265,6 +265,9 @@ def get_config() -> ml_collections.ConfigDict:
     # a mesh (each device vmaps its share): the multi-GPU / TPU strategy.
     config.execution.strategy = "loop"
     config.execution.devices = 0         # devices of the 'shard' mesh (0 = all local devices)
+    # 'loop': host threads that train participants at the same time (0 = this process's CPU
+    # cores on a CPU backend, 1 on an accelerator). Same numbers for any value.
+    config.execution.loop_threads = 0
     # Where the clients' private states and local data live: 'device' (stacked on the
     # accelerator: fastest for small populations) | 'offload' (host memory, gathered per round
     # for the participants only: populations of 10,000+ clients, README "Scale").

@@ -9,7 +9,10 @@ give the same numbers (up to float reassociation):
   padded slots read a real client's data (clipped gather) but their results are dropped on the
   scatter and carry zero aggregation weight.
 * 'loop': one jitted call per real participant, which reads and writes its row of the stacked
-  state in place (the state buffer is donated). Padded slots cost nothing.
+  state in place (the state buffer is donated). Padded slots cost nothing. With `threads` > 1
+  (`config.execution.loop_threads`) the participants are split over that many host threads,
+  each running its clients' calls one after another while the others run theirs (a CPU's cores
+  then train several clients at once), and one jitted call writes all their rows back.
 * 'shard': 'vmap' with the participant slots split over a one-axis `jax.sharding.Mesh` of the
   local devices (`shard_map`): each device vmaps its share of the slots; the stacked states and
   samples are split over the mesh by client when the cohort's client count is a multiple of the
@@ -24,8 +27,11 @@ convolutions become grouped convolutions); 'auto' measures both per cohort at st
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
+import threading
 from collections.abc import Callable
 
 import jax
@@ -154,14 +160,27 @@ class CohortRunner:
     prefetch: Callable[[PyTree, np.ndarray], None] | None = None
 
 
-def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None
-                ) -> CohortRunner:
+def default_loop_threads() -> int:
+    """`config.execution.loop_threads` = 0: the CPU cores this process may use when the
+    backend is the CPU (each thread trains its own clients), else 1 (an accelerator runs one
+    program at a time anyway)."""
+    if jax.default_backend() != "cpu":
+        return 1
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None,
+                loop_threads: int = 1) -> CohortRunner:
     """Builds the jitted update/evaluate functions of a cohort for `strategy` ('vmap' | 'loop'
-    | 'shard'; 'shard' needs the `mesh` of `client_mesh`)."""
+    | 'shard'; 'shard' needs the `mesh` of `client_mesh`). `loop_threads`: host threads of
+    'loop' (0 = `default_loop_threads()`)."""
     if strategy == "vmap":
         return _mapped_runner(program, "vmap", _vmapped)
     if strategy == "loop":
-        return _loop_runner(program)
+        return _loop_runner(program, loop_threads or default_loop_threads())
     if strategy == "shard":
         if mesh is None:
             raise ValueError("make_runner: strategy 'shard' needs a mesh (execution.client_mesh)")
@@ -248,10 +267,28 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
     return CohortRunner(name, update, evaluate, evaluate_slots, computed_steps)
 
 
-def _loop_runner(program: CohortProgram) -> CohortRunner:
+def balanced_groups(slots: np.ndarray, weights: np.ndarray, groups: int) -> list[np.ndarray]:
+    """Positions of `slots` split into `groups` lists of nearly equal total weight (longest
+    first onto the lightest list; ties in slot order), each list in ascending position order.
+    The 'loop' strategy's threads take one list each."""
+    lists: list[list[int]] = [[] for _ in range(groups)]
+    load = np.zeros(groups)
+    for j in sorted(range(len(slots)), key=lambda j: (-weights[j], j)):
+        g = int(np.argmin(load))
+        lists[g].append(j)
+        load[g] += weights[j]
+    return [np.asarray(sorted(g), np.int64) for g in lists]
+
+
+def _loop_runner(program: CohortProgram, threads: int = 1) -> CohortRunner:
     """One jitted call per participant. Each call also writes the client's upload and metrics
     into row `j` of bucket-shaped output buffers (donated, updated in place), so a round runs
-    no eager per-leaf stacking and nothing compiles after the first call."""
+    no eager per-leaf stacking and nothing compiles after the first call.
+
+    With `threads` > 1 the participants are split over host threads (`balanced_groups` by
+    sample count); each thread's calls return the client's outputs, which the calling thread
+    then writes into the bucket and the state rows (one small donated call each). Every client
+    computes the same function of the same inputs, so the numbers are those of one thread."""
 
     # Traced once: the output shapes below and the jitted call share this trace.
     client_update = jax.jit(program.client_update)
@@ -285,10 +322,36 @@ def _loop_runner(program: CohortProgram) -> CohortRunner:
                 broadcast, states, test, global_x, global_y)
         return _zeros_in_slots(shapes[key], bucket)
 
+    @jax.jit
+    def one_update(broadcast, states, train, i, key):  # the threads' calls: outputs only
+        return client_update(broadcast, _row(states, i), _row(train, i), key)
+
+    @jax.jit
+    def one_evaluate(broadcast, states, test, i, global_x, global_y):
+        return program.evaluate(broadcast, _row(states, i), _row(test, i), global_x, global_y)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def put_update(uploads, states, metrics, i, j, outputs):
+        upload, new_row, m = outputs
+        return (_set_row(uploads, j, upload), _set_row(states, i, new_row),
+                _set_row(metrics, j, m))
+
+    put_evaluate = jax.jit(_set_row, donate_argnums=0)
+
     def update(broadcast, states, train, slots, keys):
         slots = np.asarray(slots)
+        real = np.flatnonzero(slots < train.sizes.shape[0])
         uploads, metrics = update_buffers(broadcast, states, train, keys, len(slots))
-        for j in np.flatnonzero(slots < train.sizes.shape[0]):
+        if pool is not None and len(real):
+            sizes = np.asarray(train.sizes)[slots[real]].astype(np.float64)
+            outputs = pool.run("update", lambda j: one_update(
+                broadcast, states, train, jnp.int32(slots[j]), keys[j]), real, sizes)
+            for j in real:
+                uploads, states, metrics = put_update(uploads, states, metrics,
+                                                      jnp.int32(slots[j]), jnp.int32(j),
+                                                      outputs[int(j)])
+            return uploads, states, metrics
+        for j in real:
             uploads, states, metrics = one_client_update(
                 broadcast, states, train, jnp.int32(slots[j]), keys[j], uploads, metrics,
                 jnp.int32(j))
@@ -296,8 +359,16 @@ def _loop_runner(program: CohortProgram) -> CohortRunner:
 
     def evaluate_slots(broadcast, states, test, slots, global_x, global_y):
         slots = np.asarray(slots)
+        real = np.flatnonzero(slots < test.sizes.shape[0])
         out = evaluate_buffer(broadcast, states, test, global_x, global_y, len(slots))
-        for j in np.flatnonzero(slots < test.sizes.shape[0]):
+        if pool is not None and len(real):
+            sizes = np.asarray(test.sizes)[slots[real]].astype(np.float64)
+            outputs = pool.run(f"evaluate{global_x.shape}", lambda j: one_evaluate(
+                broadcast, states, test, jnp.int32(slots[j]), global_x, global_y), real, sizes)
+            for j in real:
+                out = put_evaluate(out, jnp.int32(j), outputs[int(j)])
+            return out
+        for j in real:
             out = one_client_evaluate(broadcast, states, test, jnp.int32(slots[j]), global_x,
                                       global_y, out, jnp.int32(j))
         return out
@@ -310,7 +381,46 @@ def _loop_runner(program: CohortProgram) -> CohortRunner:
         del bucket  # padded slots are never called
         return float(np.sum(steps))
 
+    pool = _ClientThreads(threads) if threads > 1 else None
     return CohortRunner("loop", update, evaluate, evaluate_slots, computed_steps)
+
+
+class _ClientThreads:
+    """Host threads for the 'loop' strategy (see `_loop_runner`): `run` calls a jitted
+    per-client function for every participant, split over the threads by `balanced_groups`.
+    The first call of each kind runs on the calling thread alone, so the threads never compile
+    the same program at once."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.lock = threading.Lock()
+        self.compiled: set[str] = set()
+
+    def run(self, kind: str, call: Callable[[int], PyTree], real: np.ndarray,
+            weights: np.ndarray) -> dict[int, PyTree]:
+        """call(j) for every slot position j in `real` (its weight the expected cost);
+        {j: output}, each output computed."""
+        out: dict[int, PyTree] = {}
+        todo = real
+        if kind not in self.compiled or len(real) == 1:
+            out[int(real[0])] = jax.block_until_ready(call(int(real[0])))
+            self.compiled.add(kind)
+            todo, weights = real[1:], weights[1:]
+        groups = [g for g in balanced_groups(todo, weights, self.threads) if len(g)]
+        if not groups:
+            return out
+
+        def work(group: np.ndarray) -> dict[int, PyTree]:
+            return {int(todo[p]): jax.block_until_ready(call(int(todo[p]))) for p in group}
+
+        with self.lock:
+            if self.pool is None:
+                self.pool = concurrent.futures.ThreadPoolExecutor(
+                    self.threads, thread_name_prefix="loop_client")
+            for done in self.pool.map(work, groups):
+                out.update(done)
+        return out
 
 
 def evaluate_in_buckets(evaluate_slots: Callable[..., Metrics], broadcast, states, test,

@@ -153,3 +153,38 @@ def test_auto_strategy_picks_the_cheaper_expected_round_and_caches_it(tmp_path):
     # Equal step counts: vmap's single batched call wins.
     even = strategy_choice.choose(trial("alg/arch2", 4.0, np.full(4, 3)), None, repeats=1)
     assert even.strategy == "vmap"
+
+
+def test_loop_threads_give_the_numbers_of_one_thread():
+    """The 'loop' strategy with its participants spread over host threads returns exactly the
+    one-thread uploads, states, metrics and evaluations (every client computes the same
+    function of the same inputs); padded slots stay zero, non-participants unchanged."""
+    _, program, data, states, server = _setup("mlp", num_clients=8)
+    slots = np.array([5, 2, 8, 0, 7, 8], np.int32)  # 4 participants, 2 padded slots (index 8)
+    keys = jax.random.split(jax.random.key(7), len(slots))
+    one = execution.make_runner(program, "loop", loop_threads=1)
+    many = execution.make_runner(program, "loop", loop_threads=3)
+    for _ in range(2):  # the second call runs every participant on the threads
+        up_1, st_1, m_1 = one.update(server.proxy_params, _copy(states), data, slots, keys)
+        up_3, st_3, m_3 = many.update(server.proxy_params, _copy(states), data, slots, keys)
+        chex.assert_trees_all_equal((up_1, st_1, m_1), (up_3, st_3, m_3))
+    assert float(np.abs(np.asarray(m_3["local_steps"])[[2, 5]]).max()) == 0.0
+    chex.assert_trees_all_equal(jax.tree.map(lambda a: a[np.array([1, 3, 4, 6])], st_3),
+                                jax.tree.map(lambda a: a[np.array([1, 3, 4, 6])], states))
+    for _ in range(2):
+        ev_1 = one.evaluate(server.proxy_params, st_1, data, data.x[0], data.y[0])
+        ev_3 = many.evaluate(server.proxy_params, st_1, data, data.x[0], data.y[0])
+        chex.assert_trees_all_equal(ev_1, ev_3)
+    part_1 = one.evaluate_slots(server.proxy_params, st_1, data, slots, data.x[0], data.y[0])
+    part_3 = many.evaluate_slots(server.proxy_params, st_1, data, slots, data.x[0], data.y[0])
+    chex.assert_trees_all_equal(part_1, part_3)
+
+
+def test_balanced_groups_split_the_weight_evenly_and_keep_every_slot_once():
+    weights = np.array([5.0, 1.0, 4.0, 3.0, 3.0, 2.0])
+    groups = execution.balanced_groups(np.arange(6), weights, 2)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(6))
+    assert [float(weights[g].sum()) for g in groups] == [9.0, 9.0]  # 5+4 and 3+3+2+1
+    assert all(list(g) == sorted(g) for g in groups)
+    assert [len(g) for g in execution.balanced_groups(np.arange(2), weights[:2], 4)] == [
+        1, 1, 0, 0]
