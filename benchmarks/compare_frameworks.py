@@ -39,7 +39,9 @@ from fedjax_pfedes.simulation import run_experiment
 _WORK = flags.DEFINE_list("work", ["fedavg", "pfedes"], "Works to run: fedavg, pfedes.")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "Rounds per run (>= 3).")
 _STRATEGIES = flags.DEFINE_list("strategies", ["auto", "loop", "vmap"],
-                                "Our execution strategies to time.")
+                                "Our execution strategies to time; loop:T = the loop on T "
+                                "host threads (plain loop: config.execution.loop_threads = 0, "
+                                "the CPU cores).")
 _CLIENTS = flags.DEFINE_integer("clients", 20, "pfedes work: clients, all of them every round "
                                 "(100 = cifar_hetero-sized).")
 _TORCH_DEVICE = flags.DEFINE_string("torch_device", "auto", "PyTorch device of the reference "
@@ -96,7 +98,12 @@ def write_cifar_shaped(path: str, clients: int = 20, per_client: int = 400) -> N
 
 
 def ours(config, strategy: str, workdir: str) -> dict:
+    """`strategy`: 'loop', 'vmap', 'auto', or 'loop:T' for the loop on T host threads
+    (config.execution.loop_threads; plain 'loop' uses the default, the CPU cores)."""
+    strategy, _, threads = strategy.partition(":")
     config.execution.strategy = strategy
+    if threads:
+        config.execution.loop_threads = int(threads)
     run_experiment(config, workdir, show_progress=False)
     rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
     steps = [r["local_steps_mean"] * r["participants"] for r in rows]

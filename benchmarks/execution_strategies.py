@@ -33,10 +33,13 @@ _WORKLOAD = flags.DEFINE_list("workload", ["quickstart", "cifar"], "Workloads to
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Steady-state repetitions per measurement.")
 _CIFAR_CLIENTS = flags.DEFINE_integer("cifar_clients", 4, "cifar workload: participants per "
                                       "cohort (5 cohorts; 20 = cifar_hetero-sized, 100 clients).")
+_LOOP_THREADS = flags.DEFINE_integer("loop_threads", 1, "Host threads of 'loop' (1: one client "
+                                     "after another, as the tables in docs were measured; 0 = the "
+                                     "CPU cores, as runs use by default).")
 
 
 def _time_strategy(program, strategy, broadcast, states, train, slots, keys, repeats):
-    runner = execution.make_runner(program, strategy)
+    runner = execution.make_runner(program, strategy, loop_threads=_LOOP_THREADS.value)
     states = jax.tree.map(jnp.array, states)
     t0 = time.perf_counter()
     uploads, states, _ = runner.update(broadcast, states, train, slots, keys)
