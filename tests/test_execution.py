@@ -88,7 +88,7 @@ def test_loop_with_no_participant_returns_zero_uploads():
     assert float(metrics["local_steps"].sum()) == 0.0
 
 
-@pytest.mark.parametrize("strategy", ["vmap", "loop"])
+@pytest.mark.parametrize("strategy", ["vmap", "loop", "loop:2"])
 def test_no_recompilation_after_the_first_round(strategy):
     _, program, data, states, server = _setup("mlp")
     traces = []
@@ -98,7 +98,8 @@ def test_no_recompilation_after_the_first_round(strategy):
         return program.client_update(*args)
 
     counted = CohortProgram(program.init_client, counted_update, program.evaluate)
-    runner = execution.make_runner(counted, strategy)
+    strategy, _, threads = strategy.partition(":")
+    runner = execution.make_runner(counted, strategy, loop_threads=int(threads or 1))
     for r, slots in enumerate([[0, 2], [3, 4], [1, 0]]):
         keys = jax.random.split(jax.random.key(r), 2)
         _, states, _ = runner.update(server.proxy_params, states, data,

@@ -68,6 +68,28 @@ def test_nan_and_wrong_model_uploads_are_rejected_and_the_rest_averaged():
     assert float(total) == 40.0
 
 
+def test_a_first_rejection_after_round_1_compiles_nothing():
+    """Rounds that reject someone run the same compiled programs as rounds that do not (the
+    issue's '0 recompiles after round 1'): a NaN upload first seen in round 2 compiles nothing."""
+    template = {"w": jnp.zeros(3), "b": jnp.zeros((2, 2))}
+    finite = jax.tree.map(lambda t: jnp.stack([t + 1.0, t + 2.0, t + 3.0]), template)
+    with_nan = jax.tree.map(lambda u: u.at[1].set(jnp.nan), finite)
+    pipe = _pipeline(norm_outlier_factor=0.0)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    for r, uploads in enumerate([finite, finite, with_nan]):
+        before = len(compiles)
+        groups, _, report = pipe.process(r, {"a": _cohort(uploads, template, [1.0, 2.0, 3.0])},
+                                         {"a": {}}, {"a": 3}, jax.random.key(r))
+        if r:
+            assert len(compiles) == before, f"round {r} compiled"
+    assert [x["client"] for x in report["rejections"]] == [1]
+    np.testing.assert_array_equal(groups["a"][0]["w"][1], template["w"])  # the template
+    np.testing.assert_array_equal(groups["a"][0]["w"][2], finite["w"][2])
+
+
 @pytest.mark.parametrize("settings", [dict(topk_fraction=0.5), dict(
     dp=privacy.ClientDPConfig(clip_norm=100.0, noise_multiplier=0.0), weighting="uniform")])
 def test_rejected_nan_uploads_leave_no_trace_when_the_pipeline_transforms(settings):

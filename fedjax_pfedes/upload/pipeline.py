@@ -25,6 +25,7 @@ methods that share one tree (pFedES, LG-FedAvg, FML, FedKD, FedMRL); see `Algori
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -162,15 +163,19 @@ def _mismatch(c: CohortUploads) -> str:
     return "model fingerprint mismatch"
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def _replicate(tree, slots: int):
     """`tree` repeated on a new leading axis of `slots`."""
     return jax.tree.map(lambda t: jnp.broadcast_to(t, (slots, *jnp.shape(t))), tree)
 
 
-def _where_rows(keep, on_true, on_false):
-    """Per slot (leading axis): `on_true` where `keep`, else `on_false`."""
-    return jax.tree.map(lambda a, b: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
-                        on_true, on_false)
+@jax.jit
+def _rows_or_template(keep, uploads, template):
+    """Per slot (leading axis): the upload where `keep` (bit for bit), else `template`. It runs
+    every round, not only in rounds that reject someone, so it compiles in round 1 (eagerly,
+    the first rejection compiled one op per leaf, 0.5 s in the middle of a run)."""
+    return jax.tree.map(lambda u, t: jnp.where(keep.reshape((-1,) + (1,) * t.ndim), u, t[None]),
+                        uploads, template)
 
 
 def _take_rows(tree, rows):
@@ -307,10 +312,9 @@ class UploadPipeline:
         if not self.active:  # the uploads as they arrived; rejected slots hold the template
             groups = {}
             for arch, c in cohorts.items():
-                uploads = arrived[arch]
-                if (np.asarray(c.valid) & ~r.valid[arch]).any():  # NaN x 0 is still NaN
-                    uploads = _where_rows(jnp.asarray(r.valid[arch]), uploads,
-                                          _replicate(c.template, len(c.valid)))
+                # rejected slots hold the template: NaN x 0 weight is still NaN
+                rejected = np.asarray(c.valid) & ~r.valid[arch]
+                uploads = _rows_or_template(jnp.asarray(~rejected), arrived[arch], c.template)
                 groups[arch] = (uploads, r.weights[arch])
             return groups, memories, report
         new_memories = dict(memories)
