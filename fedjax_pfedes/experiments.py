@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -188,8 +189,22 @@ def markdown_table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def curve_over_seeds(runs: list[dict], key: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(rounds, mean, std) of `key` over seeds, per round; a seed that stopped early (a diverged
+    run ends at the round it diverged) counts only for the rounds it reached."""
+    rounds = sorted({t for r in runs for t in r["rounds"]})
+    curves = np.full((len(runs), len(rounds)), np.nan)
+    for i, r in enumerate(runs):
+        at = dict(zip(r["rounds"], r[key], strict=True))
+        curves[i] = [at.get(t, np.nan) for t in rounds]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a round every seed lacks: NaN
+        return rounds, np.nanmean(curves, 0), np.nanstd(curves, 0)
+
+
 def accuracy_curves(results: dict[str, list[dict]], path: str, title: str) -> str:
-    """PNG: personalized (solid) and global (dashed) accuracy vs round, mean ± std over seeds."""
+    """PNG: personalized and global accuracy vs round, mean ± std over seeds
+    (`curve_over_seeds`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,10 +213,8 @@ def accuracy_curves(results: dict[str, list[dict]], path: str, title: str) -> st
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
     colors = plt.get_cmap("tab20")
     for k, (name, runs) in enumerate(results.items()):
-        rounds = runs[0]["rounds"]
         for ax, key in zip(axes, ("personalized_accuracy", "global_accuracy"), strict=True):
-            curves = np.array([r[key] for r in runs])
-            mean, std = curves.mean(0), curves.std(0)
+            rounds, mean, std = curve_over_seeds(runs, key)
             ax.plot(rounds, mean, "-o", ms=3, color=colors(k % 20), label=name)
             ax.fill_between(rounds, mean - std, mean + std, color=colors(k % 20), alpha=0.15)
     for ax, what in zip(axes, ("personalized (local test split)", "global (global test set)"),

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from configs import tabular_hetero
@@ -42,6 +43,19 @@ def test_methods_in_one_process_equal_separate_runs(tmp_path):
     table = experiments.markdown_table(results)
     assert table.count("\n") == 3 and "| pfedes | " in table and " ± " in table
     png = experiments.accuracy_curves(results, str(tmp_path / "curves.png"), "t")
+    assert open(png, "rb").read(4) == b"\x89PNG"
+
+
+def test_curves_over_seeds_keep_a_seed_that_stopped_early_for_the_rounds_it_reached(tmp_path):
+    runs = [{"rounds": [5, 10, 15], "personalized_accuracy": [0.2, 0.4, 0.6],
+             "global_accuracy": [0.1, 0.2, 0.3]},
+            {"rounds": [5, 10], "personalized_accuracy": [0.4, 0.8],  # diverged at round 10
+             "global_accuracy": [0.3, 0.4]}]
+    rounds, mean, std = experiments.curve_over_seeds(runs, "personalized_accuracy")
+    assert rounds == [5, 10, 15]
+    np.testing.assert_allclose(mean, [0.3, 0.6, 0.6])
+    np.testing.assert_allclose(std, [0.1, 0.2, 0.0])
+    png = experiments.accuracy_curves({"m": runs}, str(tmp_path / "c.png"), "t")
     assert open(png, "rb").read(4) == b"\x89PNG"
 
 
