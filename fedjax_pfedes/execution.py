@@ -447,12 +447,15 @@ def _row(tree: PyTree, i: jax.Array) -> PyTree:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _zeros(shape: tuple[int, ...], dtype) -> jax.Array:
-    return jnp.zeros(shape, dtype)
+@functools.cache
+def _zeros_program(treedef, leaves: tuple[tuple[tuple[int, ...], str], ...]) -> Callable:
+    return jax.jit(lambda: jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype)
+                                                        for shape, dtype in leaves]))
 
 
 def _zeros_in_slots(shapes: PyTree, bucket: int) -> PyTree:
-    """Zeros [bucket, *shape] for every leaf of `shapes` (jitted per shape: compiled once)."""
-    return jax.tree.map(lambda s: _zeros((bucket,) + tuple(s.shape), jnp.dtype(s.dtype)),
-                        shapes)
+    """Zeros [bucket, *shape] for every leaf of `shapes`: one compiled program per tree of
+    shapes (one per leaf shape compiled ~20 small programs in round 1 of the quick start)."""
+    leaves, treedef = jax.tree.flatten(shapes)
+    return _zeros_program(treedef, tuple(((bucket,) + tuple(s.shape), jnp.dtype(s.dtype).name)
+                                         for s in leaves))()

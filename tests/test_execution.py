@@ -189,3 +189,27 @@ def test_balanced_groups_split_the_weight_evenly_and_keep_every_slot_once():
     assert all(list(g) == sorted(g) for g in groups)
     assert [len(g) for g in execution.balanced_groups(np.arange(2), weights[:2], 4)] == [
         1, 1, 0, 0]
+
+
+def test_zero_buffers_of_a_tree_compile_one_program_and_are_independent():
+    """The slot buffers of a round (uploads, metrics) are zeros made by ONE compiled program per
+    tree of shapes, not one per leaf shape, and each leaf is its own buffer (later donated)."""
+    shapes = {"w": jax.ShapeDtypeStruct((3, 5), jnp.float32),
+              "b": jax.ShapeDtypeStruct((5,), jnp.float32),
+              "v": jax.ShapeDtypeStruct((5,), jnp.float32),
+              "n": jax.ShapeDtypeStruct((), jnp.int32)}
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    zeros = execution._zeros_in_slots(shapes, 7)
+    assert len(compiles) == 1
+    assert {k: (v.shape, v.dtype) for k, v in zeros.items()} == {
+        "w": ((7, 3, 5), jnp.float32), "b": ((7, 5), jnp.float32), "v": ((7, 5), jnp.float32),
+        "n": ((7,), jnp.int32)}
+    assert all(not np.asarray(v).any() for v in zeros.values())
+    written = jax.jit(lambda a: a.at[0].set(1.0), donate_argnums=0)(zeros["b"])
+    assert float(written.sum()) == 5.0 and not np.asarray(zeros["v"]).any()
+    before = len(compiles)
+    execution._zeros_in_slots(shapes, 7)
+    assert len(compiles) == before  # cached: the same tree of shapes compiles nothing more

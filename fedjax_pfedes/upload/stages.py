@@ -221,10 +221,16 @@ class Weighting(UploadStage):
     def server(self, r: RoundUploads) -> None:
         for arch, c in r.cohorts.items():
             ok = jnp.asarray(r.valid[arch])
-            r.sent[arch] = jax.tree.map(
-                lambda a, ok=ok: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0.0),
-                r.sent[arch])
+            r.sent[arch] = _zero_rejected_rows(ok, r.sent[arch])
             r.weights[arch] = robust.smooth_weights(c.sizes, ok, self.weighting)
+
+
+@jax.jit
+def _zero_rejected_rows(ok: jax.Array, sent: Any) -> Any:
+    """Rows of rejected clients set to 0 in every leaf: one program per cohort shape (applied
+    leaf by leaf outside jit it compiled a small program per leaf in round 1)."""
+    return jax.tree.map(lambda a: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0.0),
+                        sent)
 
 
 @dataclasses.dataclass
