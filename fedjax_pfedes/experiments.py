@@ -79,11 +79,12 @@ def same_config(old: Any, new: Any, default: Any) -> bool:
     return old == new
 
 
-# Fields that change what a run reports or keeps, never its numbers: ignored when a finished
-# run is matched for reuse.
+# Fields that change what a run reports or keeps, or how fast it runs, never its numbers:
+# ignored when a finished run is matched for reuse. (`loop_threads` gives bit-identical
+# numbers: tests/test_execution.py.)
 RESULT_NEUTRAL = (("train", "allow_divergence"), ("monitor", "tensorboard"),
                   ("checkpoint", "every"), ("checkpoint", "max_to_keep"),
-                  ("execution", "compilation_cache_dir"))
+                  ("execution", "compilation_cache_dir"), ("execution", "loop_threads"))
 
 
 def _without_neutral(config: dict | None) -> dict | None:

@@ -107,6 +107,21 @@ def test_a_finished_run_is_reused_across_fields_added_later_at_their_default():
                                        default)
 
 
+def test_a_finished_run_is_reused_whatever_its_loop_threads_but_not_another_lr(tmp_path):
+    """Host threads change how fast a run goes, never its numbers: a comparison started with
+    `--config.execution.loop_threads=1` is continued with the default and reuses its runs."""
+    import json
+
+    config = _tiny()
+    config.execution.loop_threads = 1
+    (tmp_path / "summary.json").write_text(json.dumps({"config": config.to_dict()}))
+    assert experiments._finished_run(config, str(tmp_path)) is not None
+    config.execution.loop_threads = 0
+    assert experiments._finished_run(config, str(tmp_path)) is not None
+    config.train.lr_local *= 2
+    assert experiments._finished_run(config, str(tmp_path)) is None
+
+
 def test_compare_variants_parse_fields_and_types():
     from fedjax_pfedes.config_validation import ConfigError
     from launch.compare import parse_variants
