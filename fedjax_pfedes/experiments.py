@@ -127,8 +127,8 @@ def with_overrides(base: ml_collections.ConfigDict, overrides: dict[str, Any],
 
 def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]],
              seeds: int, workdir: str, show_progress: bool = True, reuse: bool = False,
-             on_seed_done: Callable[[dict[str, list[dict]]], None] | None = None
-             ) -> dict[str, list[dict]]:
+             on_seed_done: Callable[[dict[str, list[dict]]], None] | None = None,
+             run_missing: bool = True) -> dict[str, list[dict]]:
     """Runs every variant (name -> dotted config overrides) for seeds base.seed .. +seeds-1.
 
     Seeds are the outer loop, so after the first seed every variant has one result.
@@ -137,6 +137,8 @@ def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]
       reuse: take a run whose <workdir>/<name>/seed<k>/summary.json was written with exactly
         the same config instead of running it again (resuming an interrupted grid).
       on_seed_done: called with the results so far after each seed (e.g. to write the table).
+      run_missing: False = start no run: only finished runs (reuse) are collected, so a variant
+        may have fewer records than `seeds` (a report on an unfinished grid).
 
     Returns:
       name -> one record per seed: the summary's final metrics, the personalized/global accuracy
@@ -148,8 +150,10 @@ def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]
             config = with_overrides(base, overrides)
             config.seed = base.seed + s
             run_dir = os.path.join(workdir, name, f"seed{config.seed}")
-            summary = _finished_run(config, run_dir) if reuse else None
+            summary = _finished_run(config, run_dir) if reuse or not run_missing else None
             if summary is None:
+                if not run_missing:
+                    continue
                 os.makedirs(run_dir, exist_ok=True)
                 summary = run_experiment(config, run_dir, show_progress=show_progress)
             results[name].append(run_record(config, summary, run_dir))
@@ -173,14 +177,17 @@ def mean_std(values: Sequence[float], digits: int = 4) -> str:
     return cell
 
 
-def markdown_table(results: dict[str, list[dict]]) -> str:
-    """Method | personalized acc (mean ± std over seeds) | global acc | upload | wall time."""
+def markdown_table(results: dict[str, list[dict]], seeds: int | None = None) -> str:
+    """Method | personalized acc (mean ± std over seeds) | global acc | upload | wall time.
+    With `seeds`, a method with fewer finished seeds says so in its row."""
     lines = ["| method | mean personalized accuracy | mean global accuracy | "
              "upload params / client / round | wall time s |", "|---|---|---|---|---|"]
     for name, runs in results.items():
         diverged = sum(bool(r.get("diverged")) for r in runs)
         note = f" (diverged: non-finite training loss in {diverged}/{len(runs)} seeds)" \
             if diverged else ""
+        if seeds is not None and len(runs) < seeds:
+            note += f" ({len(runs)} of {seeds} seeds)"
         lines.append(
             f"| {name} | {mean_std([r['final']['personalized_accuracy_mean'] for r in runs])}"
             f"{note} | "

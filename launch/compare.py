@@ -14,6 +14,10 @@ accuracy is kept (a diverged run counts as the worst), and the seeds run at that
 table goes into comparison.md too. The choice reads the local test splits, as tuning in FL papers
 usually does; it is the same rule for every method, so no method is compared at a rate that
 cripples it.
+
+`--report_only` starts no run: it writes the table (and the grid) from the runs already finished
+in --workdir, saying for each method how many seeds it has; a method whose grid is unfinished is
+left out and named. For looking at a comparison that is still running or was interrupted.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ _LR_GRID = flags.DEFINE_list("lr_grid", [], "Local learning rates to tune each m
                              "(seed config.seed); empty = no tuning.")
 _REUSE = flags.DEFINE_bool("reuse", True, "Reuse finished runs in the workdir made with the same "
                            "config (resume an interrupted comparison).")
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Start no run: write the table from the "
+                                 "runs already finished in the workdir.")
 
 
 def parse_variants(specs: list[str]) -> dict[str, dict]:
@@ -95,7 +101,14 @@ def tune_learning_rates(config, grid: list[float]) -> tuple[dict[str, dict], str
         field = lr_field(config, a)
         trials = {f"{a}/lr{lr:g}": {"algorithm": a, field: lr} for lr in grid}
         out = experiments.run_grid(config, trials, 1, os.path.join(_WORKDIR.value, "lr_tuning"),
-                                   _PROGRESS.value, reuse=_REUSE.value)
+                                   _PROGRESS.value, reuse=_REUSE.value,
+                                   run_missing=not _REPORT_ONLY.value)
+        missing = [name for name, r in out.items() if not r]
+        if missing:  # only with --report_only: no rate can be chosen yet
+            rows.append(f"| {a} (`{field}`) | " + " | ".join(
+                "not run yet" if not r else f"{r[0]['final']['personalized_accuracy_mean']:.4f}"
+                for r in out.values()) + " |")
+            continue
         scores = [-np.inf if r[0].get("diverged") or not np.isfinite(
             r[0]["final"]["personalized_accuracy_mean"])
             else r[0]["final"]["personalized_accuracy_mean"] for r in out.values()]
@@ -144,10 +157,15 @@ def main(argv: list[str]) -> None:
 
         def write(results):  # after every seed, so an interrupted comparison leaves a table
             done = {k: v for k, v in results.items() if v}
+            if not done:
+                raise ConfigError(f"--report_only: no finished run in {_WORKDIR.value} for these "
+                                  "methods and this config")
             seeds_done = min(len(v) for v in done.values())
-            table = experiments.markdown_table(done)
-            note = "" if seeds_done == _SEEDS.value else (
-                f" (partial: {seeds_done} of {_SEEDS.value} seeds so far)")
+            table = experiments.markdown_table(done, _SEEDS.value)
+            absent = [k for k in names if k not in done]
+            note = "" if seeds_done == _SEEDS.value and not absent else (
+                f" (partial: {seeds_done} of {_SEEDS.value} seeds so far"
+                + (f"; not finished yet: {', '.join(absent)}" if absent else "") + ")")
             with open(os.path.join(_WORKDIR.value, "comparison.md"), "w") as f:
                 f.write(header + note + "\n\n" + table + "\n")
             with open(os.path.join(_WORKDIR.value, "comparison.json"), "w") as f:
@@ -162,16 +180,18 @@ def main(argv: list[str]) -> None:
                     else parse_variants(_VARIANT.value))
         for overrides in variants.values():
             validate_config(experiments.with_overrides(config, overrides))
+        names = list(variants)  # tuning leaves out a method whose grid is unfinished
         tuning = ""
         if _LR_GRID.value:
             variants, tuning = tune_learning_rates(config, [float(v) for v in _LR_GRID.value])
             header += f" Learning rate per method tuned over {_LR_GRID.value} (seed {config.seed})."
         results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
-                                       _PROGRESS.value, reuse=_REUSE.value, on_seed_done=write)
+                                       _PROGRESS.value, reuse=_REUSE.value, on_seed_done=write,
+                                       run_missing=not _REPORT_ONLY.value)
+        table = write(results)
     except (ConfigError, DatasetUnavailableError, KeyError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    table = write(results)
     if tuning:
         with open(os.path.join(_WORKDIR.value, "comparison.md"), "a") as f:
             f.write("\nLearning-rate grid (seed " + str(config.seed) + ", final mean personalized "

@@ -92,6 +92,18 @@ def test_compare_tunes_each_methods_learning_rate_on_the_grid(tmp_path):
     text = open(tmp_path / "comparison.md").read()
     assert "Learning-rate grid" in text and "| scaffold (`train.lr_local`) |" in text
     assert text.count("**") >= 4  # one chosen rate in bold per method
+    # --report_only on the same workdir asking for more: a table of what finished, nothing run
+    report = subprocess.run(
+        [c.replace("--algorithms=fedavg,scaffold", "--algorithms=fedavg,scaffold,fedprox")
+         .replace("--seeds=2", "--seeds=3") for c in cmd] + ["--report_only"],
+        capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+    text = open(tmp_path / "comparison.md").read()
+    assert "(partial: 2 of 3 seeds so far; not finished yet: fedprox)" in text
+    assert text.count("(2 of 3 seeds)") == 2
+    assert "| fedprox (`train.lr_local`) | not run yet | not run yet |" in report.stdout
+    assert not (tmp_path / "fedavg" / "seed2").exists()
+    assert not (tmp_path / "lr_tuning" / "fedprox").exists()
 
 
 def test_a_finished_run_is_reused_across_fields_added_later_at_their_default():
@@ -105,6 +117,14 @@ def test_a_finished_run_is_reused_across_fields_added_later_at_their_default():
                                              "seed": 0}, default)
     assert not experiments.same_config({**old, "gone": 1}, {"train": {"lr": 0.05}, "seed": 0},
                                        default)
+
+
+def test_run_grid_without_running_collects_only_finished_runs(tmp_path):
+    config = _tiny()
+    out = experiments.run_grid(config, {"a": {}, "b": {"train.lr_local": 0.5}}, 2,
+                               str(tmp_path), show_progress=False, run_missing=False)
+    assert out == {"a": [], "b": []}
+    assert list(tmp_path.iterdir()) == []  # no run started, no folder made
 
 
 def test_a_finished_run_is_reused_whatever_its_loop_threads_but_not_another_lr(tmp_path):
