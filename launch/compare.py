@@ -103,8 +103,7 @@ def tune_learning_rates(config, grid: list[float]) -> tuple[dict[str, dict], str
         out = experiments.run_grid(config, trials, 1, os.path.join(_WORKDIR.value, "lr_tuning"),
                                    _PROGRESS.value, reuse=_REUSE.value,
                                    run_missing=not _REPORT_ONLY.value)
-        missing = [name for name, r in out.items() if not r]
-        if missing:  # only with --report_only: no rate can be chosen yet
+        if not all(out.values()):  # only with --report_only: no rate can be chosen yet
             rows.append(f"| {a} (`{field}`) | " + " | ".join(
                 "not run yet" if not r else f"{r[0]['final']['personalized_accuracy_mean']:.4f}"
                 for r in out.values()) + " |")
