@@ -97,7 +97,7 @@ def _without_neutral(config: dict | None) -> dict | None:
     return out
 
 
-def _finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | None:
+def finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | None:
     """The summary of a finished run in `run_dir` made with `config` (`same_config`), else
     None."""
     path = os.path.join(run_dir, "summary.json")
@@ -150,7 +150,7 @@ def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]
             config = with_overrides(base, overrides)
             config.seed = base.seed + s
             run_dir = os.path.join(workdir, name, f"seed{config.seed}")
-            summary = _finished_run(config, run_dir) if reuse or not run_missing else None
+            summary = finished_run(config, run_dir) if reuse or not run_missing else None
             if summary is None:
                 if not run_missing:
                     continue

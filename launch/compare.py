@@ -10,8 +10,12 @@ round, wall time), comparison.json and accuracy_curves.png.
 With `--lr_grid=0.01,0.02,0.05,0.1` each method is first tuned: it runs seed config.seed at every
 learning rate of the grid (its local-optimizer lr: `config.<method>.lr_local` where the method's
 section sets one, else `config.train.lr_local`), the rate with the best final mean personalized
-accuracy is kept (a diverged run counts as the worst), and the seeds run at that rate. The grid's
-table goes into comparison.md too. The choice reads the local test splits, as tuning in FL papers
+accuracy is kept (a diverged run counts as the worst), and the seeds run at that rate. A rate
+must train on every seed: when a further seed diverges at the chosen rate, that rate is dropped
+for the method (its diverged runs are kept as evidence under
+<workdir>/lr_tuning/<method>/lr<rate>/seed<k>), the next best rate of the grid is chosen and the
+method's seeds run at it. The grid's table goes into comparison.md too, with the rates dropped
+and the seeds that diverged. The choice reads the local test splits, as tuning in FL papers
 usually does; it is the same rule for every method, so no method is compared at a rate that
 cripples it.
 
@@ -89,18 +93,75 @@ def lr_field(config, algorithm: str) -> str:
         else "train.lr_local"
 
 
+def diverged_seeds(tuning_dir: str, method: str, lr: float, seed: int) -> list[int]:
+    """Further seeds (not `seed`, the tuning seed) of `method` that diverged at `lr`: the runs
+    `set_aside_diverged` kept under <tuning_dir>/<method>/lr<lr>/seed<k>."""
+    folder = os.path.join(tuning_dir, method, f"lr{lr:g}")
+    found = []
+    for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, entry, "summary.json")
+        if entry.startswith("seed") and entry != f"seed{seed}" and os.path.exists(path):
+            with open(path) as f:
+                if json.load(f).get("diverged"):
+                    found.append(int(entry[len("seed"):]))
+    return found
+
+
+def choose_rate(grid: list[float], scores: list[float], dropped: dict[float, list[int]]
+                ) -> float:
+    """The rate of `grid` with the best tuning-seed score (-inf: diverged) among those not
+    `dropped` (a further seed diverged there); the best of all when every rate is dropped."""
+    kept = [s if lr not in dropped else -np.inf for lr, s in zip(grid, scores, strict=True)]
+    return grid[int(np.argmax(kept if np.isfinite(max(kept)) else scores))]
+
+
+def set_aside_diverged(results: dict[str, list[dict]], tuned: dict[str, dict],
+                       workdir: str, tuning_seed: int) -> list[str]:
+    """Moves each tuned method's diverged runs at its chosen rate (seeds other than the tuning
+    seed) to <workdir>/lr_tuning/<method>/lr<rate>/seed<k>, which drops that rate at the next
+    `tune_learning_rates`. Returns what moved ('scaffold lr 0.05 seed 1'), empty when nothing
+    diverged or the rate was dropped already (every rate diverges: nothing better to choose)."""
+    moved = []
+    tuning_dir = os.path.join(workdir, "lr_tuning")
+    for method, records in results.items():
+        if method not in tuned:
+            continue
+        lr = next(v for k, v in tuned[method].items() if k.endswith("lr_local"))
+        if diverged_seeds(tuning_dir, method, lr, tuning_seed):
+            continue  # chosen although dropped: every rate of the grid was dropped
+        for record in records:
+            if record["seed"] != tuning_seed and record["diverged"]:
+                dst = os.path.join(tuning_dir, method, f"lr{lr:g}", f"seed{record['seed']}")
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.move(record["run_dir"], dst)
+                moved.append(f"{method} lr {lr:g} seed {record['seed']}")
+    return moved
+
+
+def grid_cell(score: float, chosen: bool, diverged_on: list[int]) -> str:
+    """One rate's cell of the grid table: the tuning seed's score (bold when chosen), and the
+    further seeds that diverged at it (the rate was dropped)."""
+    text = (f"**{score:.4f}**" if chosen else f"{score:.4f}") if np.isfinite(score) \
+        else "diverged"
+    if diverged_on:
+        text += f" (diverged on seed {', '.join(map(str, diverged_on))})"
+    return text
+
+
 def tune_learning_rates(config, grid: list[float]) -> tuple[dict[str, dict], str]:
     """Runs seed config.seed of every method at every rate of `grid` (in
-    <workdir>/lr_tuning/<method>/lr<rate>); returns the variants at each method's best rate and
-    the grid as a Markdown table. The best run is copied to <workdir>/<method>/seed<seed>, so the
-    comparison reuses it."""
+    <workdir>/lr_tuning/<method>/lr<rate>); returns the variants at each method's best rate
+    (`choose_rate`: rates where a further seed diverged are dropped) and the grid as a Markdown
+    table. The best run is copied to <workdir>/<method>/seed<seed>, so the comparison reuses
+    it."""
     if not grid or any(not lr > 0 for lr in grid):
         raise ConfigError(f"--lr_grid: rates must be > 0, got {grid}")
     tuned, rows = {}, []
+    tuning_dir = os.path.join(_WORKDIR.value, "lr_tuning")
     for a in _ALGORITHMS.value:
         field = lr_field(config, a)
         trials = {f"{a}/lr{lr:g}": {"algorithm": a, field: lr} for lr in grid}
-        out = experiments.run_grid(config, trials, 1, os.path.join(_WORKDIR.value, "lr_tuning"),
+        out = experiments.run_grid(config, trials, 1, tuning_dir,
                                    _PROGRESS.value, reuse=_REUSE.value,
                                    run_missing=not _REPORT_ONLY.value)
         if not all(out.values()):  # only with --report_only: no rate can be chosen yet
@@ -111,15 +172,18 @@ def tune_learning_rates(config, grid: list[float]) -> tuple[dict[str, dict], str
         scores = [-np.inf if r[0].get("diverged") or not np.isfinite(
             r[0]["final"]["personalized_accuracy_mean"])
             else r[0]["final"]["personalized_accuracy_mean"] for r in out.values()]
-        best = grid[int(np.argmax(scores))]
+        dropped = {lr: seeds for lr in grid
+                   if (seeds := diverged_seeds(tuning_dir, a, lr, config.seed))}
+        best = choose_rate(grid, scores, dropped)
         tuned[a] = {"algorithm": a, field: best}
-        src = os.path.join(_WORKDIR.value, "lr_tuning", a, f"lr{best:g}", f"seed{config.seed}")
+        src = os.path.join(tuning_dir, a, f"lr{best:g}", f"seed{config.seed}")
         dst = os.path.join(_WORKDIR.value, a, f"seed{config.seed}")
-        if not os.path.exists(os.path.join(dst, "summary.json")):
+        at_best = experiments.with_overrides(config, tuned[a])
+        if experiments.finished_run(at_best, dst) is None:
             shutil.rmtree(dst, ignore_errors=True)
             shutil.copytree(src, dst)
         rows.append(f"| {a} (`{field}`) | " + " | ".join(
-            (f"**{v:.4f}**" if lr == best else f"{v:.4f}") if np.isfinite(v) else "diverged"
+            grid_cell(v, lr == best, dropped.get(lr, []))
             for lr, v in zip(grid, scores, strict=True)) + " |")
     head = ("| method | " + " | ".join(f"lr {lr:g}" for lr in grid) + " |\n|---|"
             + "---|" * len(grid))
@@ -182,11 +246,21 @@ def main(argv: list[str]) -> None:
         names = list(variants)  # tuning leaves out a method whose grid is unfinished
         tuning = ""
         if _LR_GRID.value:
-            variants, tuning = tune_learning_rates(config, [float(v) for v in _LR_GRID.value])
-            header += f" Learning rate per method tuned over {_LR_GRID.value} (seed {config.seed})."
-        results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
-                                       _PROGRESS.value, reuse=_REUSE.value, on_seed_done=write,
-                                       run_missing=not _REPORT_ONLY.value)
+            header += (f" Learning rate per method tuned over {_LR_GRID.value} (seed "
+                       f"{config.seed}; a rate that diverges on any seed is dropped).")
+        while True:  # until no chosen rate diverges on a further seed (each pass drops one)
+            if _LR_GRID.value:
+                variants, tuning = tune_learning_rates(config,
+                                                       [float(v) for v in _LR_GRID.value])
+            results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
+                                           _PROGRESS.value, reuse=_REUSE.value,
+                                           on_seed_done=write,
+                                           run_missing=not _REPORT_ONLY.value)
+            moved = [] if not _LR_GRID.value or _REPORT_ONLY.value else set_aside_diverged(
+                results, variants, _WORKDIR.value, config.seed)
+            if not moved:
+                break
+            print("diverged at the chosen rate, choosing the next best: " + "; ".join(moved))
         table = write(results)
     except (ConfigError, DatasetUnavailableError, KeyError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

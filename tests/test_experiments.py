@@ -135,11 +135,11 @@ def test_a_finished_run_is_reused_whatever_its_loop_threads_but_not_another_lr(t
     config = _tiny()
     config.execution.loop_threads = 1
     (tmp_path / "summary.json").write_text(json.dumps({"config": config.to_dict()}))
-    assert experiments._finished_run(config, str(tmp_path)) is not None
+    assert experiments.finished_run(config, str(tmp_path)) is not None
     config.execution.loop_threads = 0
-    assert experiments._finished_run(config, str(tmp_path)) is not None
+    assert experiments.finished_run(config, str(tmp_path)) is not None
     config.train.lr_local *= 2
-    assert experiments._finished_run(config, str(tmp_path)) is None
+    assert experiments.finished_run(config, str(tmp_path)) is None
 
 
 def test_compare_variants_parse_fields_and_types():
@@ -157,3 +157,40 @@ def test_compare_variants_parse_fields_and_types():
         parse_variants(["broken"])
     with pytest.raises(ConfigError, match="'lam' is not FIELD=VALUE"):
         parse_variants(["x:lam"])
+
+
+def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp_path):
+    """SCAFFOLD at its seed-0 best rate diverged on seeds 1 and 2 of the quick-start comparison:
+    such a rate must not stand for the method."""
+    import json
+
+    from launch.compare import choose_rate, diverged_seeds, set_aside_diverged
+
+    grid, scores = [0.01, 0.02, 0.05], [0.70, 0.74, 0.82]
+    assert choose_rate(grid, scores, {}) == 0.05
+    assert choose_rate(grid, scores, {0.05: [1, 2]}) == 0.02
+    assert choose_rate(grid, [0.70, -np.inf, 0.82], {0.05: [1]}) == 0.01  # diverged on seed 0
+    every = {0.01: [1], 0.02: [1], 0.05: [2]}
+    assert choose_rate(grid, scores, every) == 0.05  # all dropped: the best of the tuning seed
+
+    def run(folder, diverged):
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps({"diverged": diverged}))
+        return str(folder)
+
+    records = [{"seed": s, "diverged": d, "run_dir": run(tmp_path / "scaffold" / f"seed{s}", d)}
+               for s, d in ((0, False), (1, True), (2, False))]
+    kept = [{"seed": 0, "diverged": False, "run_dir": run(tmp_path / "fedavg" / "seed0", False)}]
+    tuned = {"scaffold": {"algorithm": "scaffold", "train.lr_local": 0.05},
+             "fedavg": {"algorithm": "fedavg", "train.lr_local": 0.02}}
+    moved = set_aside_diverged({"scaffold": records, "fedavg": kept}, tuned, str(tmp_path), 0)
+    assert moved == ["scaffold lr 0.05 seed 1"]
+    assert not (tmp_path / "scaffold" / "seed1").exists()  # rerun at the next rate
+    assert (tmp_path / "scaffold" / "seed2").exists() and (tmp_path / "fedavg" / "seed0").exists()
+    tuning = str(tmp_path / "lr_tuning")
+    assert diverged_seeds(tuning, "scaffold", 0.05, 0) == [1]
+    assert diverged_seeds(tuning, "scaffold", 0.02, 0) == []
+    # A rate chosen although dropped (every rate was): nothing better to move to, no loop.
+    run(tmp_path / "scaffold" / "seed1", True)
+    again = [{"seed": 1, "diverged": True, "run_dir": str(tmp_path / "scaffold" / "seed1")}]
+    assert set_aside_diverged({"scaffold": again}, tuned, str(tmp_path), 0) == []
