@@ -7,6 +7,7 @@ against independent references); `python -m pytest tests` runs everything (CI).
 """
 
 import inspect
+import os
 import re
 
 import pytest
@@ -44,6 +45,12 @@ def _is_slow(item: pytest.Item) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: end-to-end runs (excluded by -m 'not slow')")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # `-n`: each worker its own persistent compilation cache (runs it starts too):
+        # JAX writes cache entries non-atomically, so two processes must not share a folder.
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                ".cache")
+        os.environ["XDG_CACHE_HOME"] = os.path.join(base, f"fedjax_pfedes_tests_{worker}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
