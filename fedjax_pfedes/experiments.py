@@ -41,10 +41,23 @@ CURVES = ("train_ce_loss_mean", "train_align_loss_mean", "train_proxy_align_loss
           "align_loss_after_aggregation", "proxy_update_norm_mean")
 
 
+def read_rounds(run_dir: str) -> list[dict]:
+    """Every round's record of the run in `run_dir` (its metrics.jsonl)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def training_diverged(every_round: list[dict]) -> bool:
+    """Non-finite training losses in any round: the run diverged (its accuracy is then that of
+    NaN logits, not of a model)."""
+    return any(not np.isfinite(v) for r in every_round for k, v in r.items()
+               if k.startswith("train_") and k.endswith("_loss_mean"))
+
+
 def run_record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -> dict:
     """What tables and figures read of a finished run: its final metrics, the evaluated
     accuracy curve, every round's losses, upload size, wall time, divergence."""
-    every_round = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    every_round = read_rounds(run_dir)
     rows = [r for r in every_round if "personalized_accuracy_mean" in r]  # evaluated rounds
     return {
         "seed": config.seed, "final": summary["final"], "run_dir": run_dir,
@@ -56,10 +69,7 @@ def run_record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -
         "majority_class_accuracy_mean": summary["majority_class_accuracy_mean"],
         # Every round's training and monitoring losses (None where a round lacks one).
         "curves": {k: [r.get(k) for r in every_round] for k in CURVES},
-        # Non-finite training losses in any round: the run diverged (its accuracy is
-        # then that of NaN logits, not of a model).
-        "diverged": any(not np.isfinite(v) for r in every_round for k, v in r.items()
-                        if k.startswith("train_") and k.endswith("_loss_mean")),
+        "diverged": training_diverged(every_round),
     }
 
 

@@ -99,11 +99,11 @@ def diverged_seeds(tuning_dir: str, method: str, lr: float, seed: int) -> list[i
     folder = os.path.join(tuning_dir, method, f"lr{lr:g}")
     found = []
     for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        path = os.path.join(folder, entry, "summary.json")
-        if entry.startswith("seed") and entry != f"seed{seed}" and os.path.exists(path):
-            with open(path) as f:
-                if json.load(f).get("diverged"):
-                    found.append(int(entry[len("seed"):]))
+        run_dir = os.path.join(folder, entry)
+        if (entry.startswith("seed") and entry != f"seed{seed}"
+                and os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+                and experiments.training_diverged(experiments.read_rounds(run_dir))):
+            found.append(int(entry[len("seed"):]))
     return found
 
 
@@ -115,22 +115,24 @@ def choose_rate(grid: list[float], scores: list[float], dropped: dict[float, lis
     return grid[int(np.argmax(kept if np.isfinite(max(kept)) else scores))]
 
 
-def set_aside_diverged(results: dict[str, list[dict]], tuned: dict[str, dict],
-                       workdir: str, tuning_seed: int) -> list[str]:
+def set_aside_diverged(config, results: dict[str, list[dict]], tuned: dict[str, dict],
+                       workdir: str) -> list[str]:
     """Moves each tuned method's diverged runs at its chosen rate (seeds other than the tuning
-    seed) to <workdir>/lr_tuning/<method>/lr<rate>/seed<k>, which drops that rate at the next
-    `tune_learning_rates`. Returns what moved ('scaffold lr 0.05 seed 1'), empty when nothing
-    diverged or the rate was dropped already (every rate diverges: nothing better to choose)."""
+    seed, config.seed) to <workdir>/lr_tuning/<method>/lr<rate>/seed<k>, which drops that rate
+    at the next `tune_learning_rates` (`diverged_seeds` reads them with the same
+    `experiments.training_diverged` as the records). Returns what moved ('scaffold lr 0.05
+    seed 1'), empty when nothing diverged or the rate was dropped already (every rate diverges:
+    nothing better to choose)."""
     moved = []
     tuning_dir = os.path.join(workdir, "lr_tuning")
     for method, records in results.items():
         if method not in tuned:
             continue
-        lr = next(v for k, v in tuned[method].items() if k.endswith("lr_local"))
-        if diverged_seeds(tuning_dir, method, lr, tuning_seed):
+        lr = tuned[method][lr_field(config, method)]
+        if diverged_seeds(tuning_dir, method, lr, config.seed):
             continue  # chosen although dropped: every rate of the grid was dropped
         for record in records:
-            if record["seed"] != tuning_seed and record["diverged"]:
+            if record["seed"] != config.seed and record["diverged"]:
                 dst = os.path.join(tuning_dir, method, f"lr{lr:g}", f"seed{record['seed']}")
                 shutil.rmtree(dst, ignore_errors=True)
                 shutil.move(record["run_dir"], dst)
@@ -257,7 +259,7 @@ def main(argv: list[str]) -> None:
                                            on_seed_done=write,
                                            run_missing=not _REPORT_ONLY.value)
             moved = [] if not _LR_GRID.value or _REPORT_ONLY.value else set_aside_diverged(
-                results, variants, _WORKDIR.value, config.seed)
+                config, results, variants, _WORKDIR.value)
             if not moved:
                 break
             print("diverged at the chosen rate, choosing the next best: " + "; ".join(moved))

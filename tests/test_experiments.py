@@ -175,7 +175,10 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
 
     def run(folder, diverged):
         folder.mkdir(parents=True)
-        (folder / "summary.json").write_text(json.dumps({"diverged": diverged}))
+        rounds = [{"round": 1, "train_ce_loss_mean": 0.9},
+                  {"round": 2, "train_ce_loss_mean": float("nan") if diverged else 0.7}]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+        assert experiments.training_diverged(experiments.read_rounds(str(folder))) == diverged
         return str(folder)
 
     records = [{"seed": s, "diverged": d, "run_dir": run(tmp_path / "scaffold" / f"seed{s}", d)}
@@ -183,7 +186,9 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
     kept = [{"seed": 0, "diverged": False, "run_dir": run(tmp_path / "fedavg" / "seed0", False)}]
     tuned = {"scaffold": {"algorithm": "scaffold", "train.lr_local": 0.05},
              "fedavg": {"algorithm": "fedavg", "train.lr_local": 0.02}}
-    moved = set_aside_diverged({"scaffold": records, "fedavg": kept}, tuned, str(tmp_path), 0)
+    config = _tiny()  # seed 0 tunes; train.lr_local is both methods' rate field
+    moved = set_aside_diverged(config, {"scaffold": records, "fedavg": kept}, tuned,
+                               str(tmp_path))
     assert moved == ["scaffold lr 0.05 seed 1"]
     assert not (tmp_path / "scaffold" / "seed1").exists()  # rerun at the next rate
     assert (tmp_path / "scaffold" / "seed2").exists() and (tmp_path / "fedavg" / "seed0").exists()
@@ -193,4 +198,4 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
     # A rate chosen although dropped (every rate was): nothing better to move to, no loop.
     run(tmp_path / "scaffold" / "seed1", True)
     again = [{"seed": 1, "diverged": True, "run_dir": str(tmp_path / "scaffold" / "seed1")}]
-    assert set_aside_diverged({"scaffold": again}, tuned, str(tmp_path), 0) == []
+    assert set_aside_diverged(config, {"scaffold": again}, tuned, str(tmp_path)) == []
