@@ -13,7 +13,6 @@ import tempfile
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
@@ -263,8 +262,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         download_bytes={c.arch: float(tree_size(algorithm.broadcast(server_state, c.arch))[1])
                         for c in cohorts},
         step_limits=uses_step_limits(config), train_key=train_key, upload_key=upload_key,
-        monitor_x=jnp.asarray(data.central.x_test[:1]),
-        monitor_y=jnp.asarray(data.central.y_test[:1]), attack=attack)
+        attack=attack)
     return ctx, initial_state(ctx, server_state, client_states)
 
 

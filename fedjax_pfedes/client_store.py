@@ -263,12 +263,12 @@ def offloaded_runner(inner: CohortRunner, bucket: int, on_disk: bool = False) ->
                                                      jax.device_get(new_states)))
         return uploads, states, metrics
 
-    def evaluate_slots(broadcast, states, test, slots, global_x, global_y):
+    def evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None):
         _, _, local, device_states, device_test = compact(to_host(states), test, slots)
         return inner.evaluate_slots(broadcast, device_states, device_test, local, global_x,
                                     global_y)
 
-    def evaluate(broadcast, states, test, global_x, global_y):
+    def evaluate(broadcast, states, test, global_x=None, global_y=None):
         return execution.evaluate_in_buckets(evaluate_slots, broadcast, states, test,
                                              np.arange(test.num_clients), bucket, global_x,
                                              global_y)

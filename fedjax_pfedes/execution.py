@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fedjax_pfedes.algorithms.base import CohortProgram, Metrics, PyTree
+from fedjax_pfedes.algorithms.base import CohortProgram, Metrics, PyTree, global_accuracy
 
 STRATEGIES = ("vmap", "loop", "shard")
 CLIENT_AXIS = "clients"  # the mesh axis the participant slots are split over
@@ -140,10 +140,14 @@ class CohortRunner:
       indices of this round's participants, padded with `num_clients` (out of range); `keys`
       [bucket] are the participants' RNG keys. Returned uploads and metrics are stacked over the
       bucket (zeros in padded slots); states of non-participants are unchanged.
-    evaluate(broadcast, states, test, global_x, global_y) -> metrics stacked over all clients.
-    evaluate_slots(broadcast, states, test, slots, global_x, global_y) -> metrics of the clients
-      in `slots` only, stacked over the bucket (zeros in padded slots); the per-round monitoring
-      (loss before / after aggregation) uses it.
+    evaluate(broadcast, states, test, global_x=None, global_y=None) -> metrics stacked over all
+      clients: the program's local-test metrics, and 'global_accuracy' (`base.global_accuracy`)
+      when a global test set is given.
+    evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None) -> the same for
+      the clients in `slots` only, stacked over the bucket (zeros in padded slots); the
+      per-round monitoring (loss before / after aggregation) uses it without a global set.
+      The local metrics and the global accuracy are separate compiled programs, so the
+      monitoring's program is the evaluation's, compiled once.
     computed_steps(steps, bucket) -> local steps the hardware executed for a round whose real
       participants ran `steps` [participants] steps in `bucket` slots: their sum for 'loop'; for
       'vmap' every slot iterates until the longest schedule ends, bucket * max(steps).
@@ -205,7 +209,8 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
     """'vmap' and 'shard': one jitted call maps the client function over all slots;
     `map_clients(fn, in_axes)` says how (plain vmap, or vmap per device under shard_map)."""
     client_update = map_clients(program.client_update, (None, 0, 0, 0))
-    client_evaluate = map_clients(program.evaluate, (None, 0, 0, None, None))
+    client_evaluate = map_clients(program.evaluate, (None, 0, 0))
+    client_global = map_clients(functools.partial(global_accuracy, program), (None, 0, None, None))
     # 'shard': the cohort's samples and stacked states live on the mesh, split by client where
     # `row_spec` allows (put there once, `builders.build_context`); a broadcast, the sizes and
     # this round's slots are replicated per call; uploads and metrics go back to the default
@@ -237,11 +242,16 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
                 kept(_put(states, slots, new_rows)), gathered(jax.tree.map(zero_padded, metrics)))
 
     @jax.jit
-    def mapped_evaluate_slots(broadcast, states, test, slots, global_x, global_y):
+    def mapped_evaluate_slots(broadcast, states, test, slots):
         valid = slots < test.sizes.shape[0]
-        metrics = client_evaluate(broadcast, _take(states, slots), _take(test, slots),
-                                  global_x, global_y)
+        metrics = client_evaluate(broadcast, _take(states, slots), _take(test, slots))
         return gathered(jax.tree.map(lambda a: jnp.where(valid, a, 0), metrics))
+
+    @jax.jit
+    def mapped_global_slots(broadcast, states, sizes, slots, global_x, global_y):
+        valid = slots < sizes.shape[0]
+        accuracy = client_global(broadcast, _take(states, slots), global_x, global_y)
+        return gathered(jnp.where(valid, accuracy, 0))
 
     def update(broadcast, states, train, slots, keys):
         uploads, states, metrics = mapped_update(on_mesh(broadcast), rows_on_mesh(states),
@@ -249,12 +259,16 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
                                                  on_mesh(jnp.asarray(slots)), on_mesh(keys))
         return home(uploads), states, home(metrics)
 
-    def evaluate_slots(broadcast, states, test, slots, global_x, global_y):
-        return home(mapped_evaluate_slots(on_mesh(broadcast), rows_on_mesh(states),
-                                          data_on_mesh(test), on_mesh(jnp.asarray(slots)),
-                                          *on_mesh((global_x, global_y))))
+    def evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None):
+        broadcast, states, slots = on_mesh(broadcast), rows_on_mesh(states), on_mesh(
+            jnp.asarray(slots))
+        metrics = home(mapped_evaluate_slots(broadcast, states, data_on_mesh(test), slots))
+        if global_x is None:
+            return metrics
+        return {**metrics, "global_accuracy": home(mapped_global_slots(
+            broadcast, states, on_mesh(test.sizes), slots, *on_mesh((global_x, global_y))))}
 
-    def evaluate(broadcast, states, test, global_x, global_y):
+    def evaluate(broadcast, states, test, global_x=None, global_y=None):
         n = test.sizes.shape[0]
         multiple = 1 if mesh is None else mesh.size  # shard_map splits the slots evenly
         every = np.arange(-(-n // multiple) * multiple, dtype=np.int32)  # padded: out of range
@@ -281,9 +295,12 @@ def balanced_groups(slots: np.ndarray, weights: np.ndarray, groups: int) -> list
 
 
 def _loop_runner(program: CohortProgram, threads: int = 1) -> CohortRunner:
-    """One jitted call per participant. Each call also writes the client's upload and metrics
-    into row `j` of bucket-shaped output buffers (donated, updated in place), so a round runs
-    no eager per-leaf stacking and nothing compiles after the first call.
+    """One jitted call per participant. Each training call also writes the client's upload and
+    metrics into row `j` of bucket-shaped output buffers (donated, updated in place), so a round
+    runs no eager per-leaf stacking and nothing compiles after the first call. Evaluation calls
+    return one client's metrics (and, given a global test set, its `global_accuracy` from a
+    second program), written into the bucket by a small donated call: the monitoring of a
+    round's participants and the evaluation of every client then share one compiled program.
 
     With `threads` > 1 the participants are split over host threads (`balanced_groups` by
     sample count); each thread's calls return the client's outputs, which the calling thread
@@ -299,11 +316,6 @@ def _loop_runner(program: CohortProgram, threads: int = 1) -> CohortRunner:
         return (_set_row(uploads, j, upload), _set_row(states, i, new_row),
                 _set_row(metrics, j, m))
 
-    @functools.partial(jax.jit, donate_argnums=6)
-    def one_client_evaluate(broadcast, states, test, i, global_x, global_y, out, j):
-        return _set_row(out, j, program.evaluate(broadcast, _row(states, i), _row(test, i),
-                                                 global_x, global_y))
-
     shapes: dict[str, PyTree] = {}  # output shapes, traced once (they never change)
 
     def update_buffers(broadcast, states, train, keys, bucket):
@@ -314,21 +326,22 @@ def _loop_runner(program: CohortProgram, threads: int = 1) -> CohortRunner:
         uploads, _, metrics = shapes["update"]
         return _zeros_in_slots((uploads, metrics), bucket)
 
-    def evaluate_buffer(broadcast, states, test, global_x, global_y, bucket):
-        key = f"evaluate{global_x.shape}"
-        if key not in shapes:
-            shapes[key] = jax.eval_shape(
-                lambda b, s, t, gx, gy: program.evaluate(b, _row(s, 0), _row(t, 0), gx, gy),
-                broadcast, states, test, global_x, global_y)
-        return _zeros_in_slots(shapes[key], bucket)
-
     @jax.jit
     def one_update(broadcast, states, train, i, key):  # the threads' calls: outputs only
         return client_update(broadcast, _row(states, i), _row(train, i), key)
 
     @jax.jit
-    def one_evaluate(broadcast, states, test, i, global_x, global_y):
-        return program.evaluate(broadcast, _row(states, i), _row(test, i), global_x, global_y)
+    def one_evaluate(broadcast, states, test, i):
+        return program.evaluate(broadcast, _row(states, i), _row(test, i))
+
+    def evaluate_buffer(broadcast, states, test, bucket):
+        if "evaluate" not in shapes:  # the same trace as one_evaluate's first call
+            shapes["evaluate"] = one_evaluate.eval_shape(broadcast, states, test, jnp.int32(0))
+        return _zeros_in_slots(shapes["evaluate"], bucket)
+
+    @jax.jit
+    def one_global(broadcast, states, i, global_x, global_y):
+        return global_accuracy(program, broadcast, _row(states, i), global_x, global_y)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def put_update(uploads, states, metrics, i, j, outputs):
@@ -357,23 +370,32 @@ def _loop_runner(program: CohortProgram, threads: int = 1) -> CohortRunner:
                 jnp.int32(j))
         return uploads, states, metrics
 
-    def evaluate_slots(broadcast, states, test, slots, global_x, global_y):
+    def evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None):
         slots = np.asarray(slots)
         real = np.flatnonzero(slots < test.sizes.shape[0])
-        out = evaluate_buffer(broadcast, states, test, global_x, global_y, len(slots))
-        if pool is not None and len(real):
-            sizes = np.asarray(test.sizes)[slots[real]].astype(np.float64)
-            outputs = pool.run(f"evaluate{global_x.shape}", lambda j: one_evaluate(
-                broadcast, states, test, jnp.int32(slots[j]), global_x, global_y), real, sizes)
-            for j in real:
-                out = put_evaluate(out, jnp.int32(j), outputs[int(j)])
-            return out
+        out = evaluate_buffer(broadcast, states, test, len(slots))
+        accuracy = None if global_x is None else _zeros_in_slots(
+            jax.ShapeDtypeStruct((), jnp.float32), len(slots))
+        if not len(real):
+            return out if accuracy is None else {**out, "global_accuracy": accuracy}
+        # Unlike training, the per-client programs here take no bucket-shaped buffer, so the
+        # monitoring (a round's participants) and the evaluation of every client share them.
+        run = (lambda kind, call, weights: pool.run(kind, call, real, weights)) if pool else (
+            lambda kind, call, weights: {int(j): call(int(j)) for j in real})
+        sizes = np.asarray(test.sizes)[slots[real]].astype(np.float64)
+        outputs = run("evaluate", lambda j: one_evaluate(broadcast, states, test,
+                                                         jnp.int32(slots[j])), sizes)
         for j in real:
-            out = one_client_evaluate(broadcast, states, test, jnp.int32(slots[j]), global_x,
-                                      global_y, out, jnp.int32(j))
-        return out
+            out = put_evaluate(out, jnp.int32(j), outputs[int(j)])
+        if accuracy is None:
+            return out
+        scores = run(f"global{global_x.shape}", lambda j: one_global(  # equal work per client
+            broadcast, states, jnp.int32(slots[j]), global_x, global_y), np.ones(len(real)))
+        for j in real:
+            accuracy = put_evaluate(accuracy, jnp.int32(j), scores[int(j)])
+        return {**out, "global_accuracy": accuracy}
 
-    def evaluate(broadcast, states, test, global_x, global_y):
+    def evaluate(broadcast, states, test, global_x=None, global_y=None):
         every = np.arange(test.sizes.shape[0], dtype=np.int32)
         return evaluate_slots(broadcast, states, test, every, global_x, global_y)
 
@@ -424,7 +446,7 @@ class _ClientThreads:
 
 
 def evaluate_in_buckets(evaluate_slots: Callable[..., Metrics], broadcast, states, test,
-                        members: np.ndarray, bucket: int, global_x, global_y
+                        members: np.ndarray, bucket: int, global_x=None, global_y=None
                         ) -> dict[str, np.ndarray]:
     """Metrics of the cohort members `members` (local indices), host-side, computed `bucket`
     slots per `evaluate_slots` call (one compiled shape; the last call padded out of range)."""

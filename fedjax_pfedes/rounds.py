@@ -60,8 +60,6 @@ class RunContext:
     step_limits: bool            # whether local steps are capped per client (ClientArrays)
     train_key: jax.Array
     upload_key: jax.Array
-    monitor_x: jax.Array         # one global test sample: evaluate_slots needs a global set
-    monitor_y: jax.Array
     attack: attacks.AttackConfig = attacks.AttackConfig()  # simulated malicious clients
 
     @property
@@ -158,9 +156,7 @@ def participants_loss(ctx: RunContext, server_state, clients: dict[str, Any],
         if not valid.any():
             continue
         m = cohort.runner.evaluate_slots(ctx.algorithm.broadcast(server_state, cohort.arch),
-                                         clients[cohort.arch], cohort.test, slots,
-                                         ctx.monitor_x,
-                                         ctx.monitor_y)
+                                         clients[cohort.arch], cohort.test, slots)
         for key in ("test_ce_loss", "test_align_loss"):
             if key in m:
                 losses.setdefault(key, []).append(np.asarray(m[key])[valid])

@@ -1,6 +1,8 @@
 """vmap and loop execution give the same numbers; padding and non-participants have no effect;
 nothing compiles again after the first round."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,6 @@ import numpy as np
 import pytest
 
 from fedjax_pfedes import execution
-from fedjax_pfedes.algorithms.base import CohortProgram
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
 from fedjax_pfedes.data.federated import stack_clients
 from fedjax_pfedes.data.spec import InputSpec
@@ -97,7 +98,7 @@ def test_no_recompilation_after_the_first_round(strategy):
         traces.append(1)
         return program.client_update(*args)
 
-    counted = CohortProgram(program.init_client, counted_update, program.evaluate)
+    counted = dataclasses.replace(program, client_update=counted_update)
     strategy, _, threads = strategy.partition(":")
     runner = execution.make_runner(counted, strategy, loop_threads=int(threads or 1))
     for r, slots in enumerate([[0, 2], [3, 4], [1, 0]]):
@@ -179,6 +180,43 @@ def test_loop_threads_give_the_numbers_of_one_thread():
     part_1 = one.evaluate_slots(server.proxy_params, st_1, data, slots, data.x[0], data.y[0])
     part_3 = many.evaluate_slots(server.proxy_params, st_1, data, slots, data.x[0], data.y[0])
     chex.assert_trees_all_equal(part_1, part_3)
+
+
+@pytest.mark.parametrize("strategy", ["loop", "loop:2", "vmap"])
+def test_global_accuracy_is_its_own_program_and_scores_each_client_by_numpy(strategy):
+    """Evaluation = the program's local-test metrics + `global_accuracy` from a separate
+    program: the monitoring (no global set) and a full evaluation share the local program (the
+    loop traces it once), and each client's global accuracy is numpy's argmax of its model's
+    logits on the global set against the labels; padded slots stay zero."""
+    _, program, data, states, server = _setup("convnet3", num_clients=5)
+    traces = []
+
+    def counted_evaluate(*args):
+        traces.append(1)
+        return program.evaluate(*args)
+
+    counted = dataclasses.replace(program, evaluate=counted_evaluate)
+    name, _, threads = strategy.partition(":")
+    runner = execution.make_runner(counted, name, loop_threads=int(threads or 1))
+    rng = np.random.default_rng(3)
+    global_x = jnp.asarray(rng.uniform(size=(23, 8, 8, 1)).astype(np.float32))
+    global_y = jnp.asarray(rng.integers(0, 10, 23).astype(np.int32))
+    slots = np.array([3, 1, 5], np.int32)  # a round's participants, one padded slot
+    monitoring = runner.evaluate_slots(server.proxy_params, states, data, slots)
+    assert "global_accuracy" not in monitoring
+    traced = len(traces)
+    full = runner.evaluate(server.proxy_params, states, data, global_x, global_y)
+    if name == "loop":
+        assert traced == 1 and len(traces) == 1  # the local program is shared
+    for key, value in monitoring.items():  # vmap: other batch shapes, other float sums
+        np.testing.assert_allclose(np.asarray(value)[:2], np.asarray(full[key])[slots[:2]],
+                                   rtol=0 if name == "loop" else 1e-5)
+        assert float(np.asarray(value)[2]) == 0.0
+    for i in range(5):  # the whole set in one batch, not one sample at a time
+        logits = program.predict(server.proxy_params, jax.tree.map(lambda a, i=i: a[i], states),
+                                 global_x)
+        expected = np.mean(np.argmax(np.asarray(logits), -1) == np.asarray(global_y))
+        np.testing.assert_allclose(float(full["global_accuracy"][i]), expected, atol=1e-6)
 
 
 def test_balanced_groups_split_the_weight_evenly_and_keep_every_slot_once():

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fedjax_pfedes import local_training
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.local_training import LocalSchedule
 
@@ -60,13 +61,52 @@ class CohortProgram:
       init_client: rng -> ClientState of one client.
       client_update: (broadcast, client_state, train_arrays, rng) -> (upload, client_state,
         metrics). `train_arrays` is one client's padded `ClientArrays`.
-      evaluate: (broadcast, client_state, test_arrays, global_x, global_y) -> metrics of one
-        client on its local test split and on the global test set.
+      evaluate: (broadcast, client_state, test_arrays) -> metrics of one client on its local
+        test split ('personalized_accuracy', 'test_ce_loss', and what the method adds).
+      predict: (broadcast, client_state, x) -> class scores [n, classes] of the model the client
+        predicts with (the same one `evaluate` scores; argmax is its prediction). The engine
+        scores it on the global test set (`global_accuracy`) in a program of its own, so the
+        per-round monitoring, which needs the local metrics only, never compiles the global part.
     """
 
     init_client: Callable[[jax.Array], PyTree]
     client_update: Callable[[PyTree, PyTree, PyTree, jax.Array], tuple[PyTree, PyTree, Metrics]]
-    evaluate: Callable[[PyTree, PyTree, PyTree, jax.Array, jax.Array], Metrics]
+    evaluate: Callable[[PyTree, PyTree, PyTree], Metrics]
+    predict: Callable[[PyTree, PyTree, jax.Array], jax.Array]
+
+
+def classifier_metrics(logits: jax.Array, test: PyTree) -> Metrics:
+    """Accuracy and CE of class scores `logits` [n, classes] on one client's padded local test
+    split `test` (the samples past `test.sizes` are masked)."""
+    mask = jnp.arange(test.y.shape[0]) < test.sizes
+    correct = (jnp.argmax(logits, -1) == test.y).astype(jnp.float32)
+    return {"personalized_accuracy": local_training.masked_mean(correct, mask),
+            "test_ce_loss": local_training.cross_entropy(logits, test.y, mask)}
+
+
+def classifier_program(init_client: Callable, client_update: Callable,
+                       predict: Callable[[PyTree, PyTree, jax.Array], jax.Array]
+                       ) -> CohortProgram:
+    """The `CohortProgram` of a method whose clients are scored by the classifier `predict`
+    alone: its `evaluate` is `classifier_metrics` of `predict` on the local test split."""
+
+    def evaluate(broadcast, client_state, test):
+        return classifier_metrics(predict(broadcast, client_state, test.x), test)
+
+    return CohortProgram(init_client, client_update, evaluate, predict)
+
+
+GLOBAL_BATCH = 512  # global test samples per vectorized chunk of `global_accuracy`
+
+
+def global_accuracy(program: CohortProgram, broadcast: PyTree, client_state: PyTree,
+                    global_x: jax.Array, global_y: jax.Array) -> jax.Array:
+    """Accuracy of one client's `program.predict` on the global test set: every sample scored
+    on its own (a batch of one, vectorized over chunks of `GLOBAL_BATCH` by `lax.map`), so
+    the result does not depend on how the set is chunked."""
+    scores = jax.lax.map(lambda xb: program.predict(broadcast, client_state, xb[None])[0],
+                         global_x, batch_size=GLOBAL_BATCH)
+    return jnp.mean(jnp.argmax(scores, -1) == global_y)
 
 
 @dataclasses.dataclass(frozen=True)

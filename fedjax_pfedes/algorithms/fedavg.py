@@ -26,7 +26,12 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
+from fedjax_pfedes.algorithms.base import (
+    Algorithm,
+    CohortProgram,
+    LocalTrainingConfig,
+    classifier_program,
+)
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.models import registry
 
@@ -166,29 +171,15 @@ def fedavg(cfg: FedAvgConfig) -> Algorithm:
                        "local_steps": n_active, "update_norm": optax.tree.norm(delta)}
             return params, ClientState(state.rounds + 1), metrics
 
-        def evaluate(global_params, state: ClientState, test, global_x, global_y):
+        def predict(global_params, state: ClientState, x):
             del state
-            return evaluate_classifier(model.apply, global_params, test, global_x, global_y)
+            return model.apply(global_params, x)
 
-        return CohortProgram(init_client, client_update, evaluate)
+        return classifier_program(init_client, client_update, predict)
 
     return Algorithm(cfg.name, init_server, broadcast, broadcast, server_update, cohort_program,
                      aggregation="per_cohort")
 
-
-def evaluate_classifier(logits_fn, params, test, global_x, global_y) -> dict[str, jax.Array]:
-    """Accuracy and CE of `logits_fn(params, x)` on one client's local test split and on the
-    global test set (shared by the methods whose clients predict with a classifier)."""
-    logits = logits_fn(params, test.x)
-    mask = jnp.arange(test.y.shape[0]) < test.sizes
-    correct = (jnp.argmax(logits, -1) == test.y).astype(jnp.float32)
-    global_logits = jax.lax.map(lambda xb: logits_fn(params, xb[None])[0], global_x,
-                                batch_size=512)
-    return {
-        "personalized_accuracy": local_training.masked_mean(correct, mask),
-        "global_accuracy": jnp.mean(jnp.argmax(global_logits, -1) == global_y),
-        "test_ce_loss": local_training.cross_entropy(logits, test.y, mask),
-    }
 
 # Server optimizer of each FedAvg-family name.
 SERVER_OPTIMIZER_OF = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",

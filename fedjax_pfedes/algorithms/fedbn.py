@@ -23,8 +23,8 @@ import optax
 from flax import struct, traverse_util
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, evaluate_classifier, fedavg_config
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
+from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
@@ -146,13 +146,11 @@ def fedbn(cfg: FedAvgConfig) -> Algorithm:
             return upload, ClientState(_path_keys(new_local), batch_stats,
                                        state.rounds + 1), metrics
 
-        def evaluate(shared, state: ClientState, test, global_x, global_y):
+        def predict(shared, state: ClientState, x):
             params = join_params(_tuple_keys(shared), _tuple_keys(state.local))
-            variables = variables_of(params, state.batch_stats)
+            return model.apply(variables_of(params, state.batch_stats), x)
 
-            return evaluate_classifier(model.apply, variables, test, global_x, global_y)
-
-        return CohortProgram(init_client, client_update, evaluate)
+        return classifier_program(init_client, client_update, predict)
 
     return Algorithm("fedbn", init_server, broadcast, broadcast, server_update, cohort_program,
                      aggregation="per_cohort")

@@ -26,8 +26,12 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
-from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
+from fedjax_pfedes.algorithms.base import (
+    Algorithm,
+    CohortProgram,
+    LocalTrainingConfig,
+    classifier_program,
+)
 from fedjax_pfedes.algorithms.fedproto import class_prototypes
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.models import registry
@@ -135,11 +139,11 @@ def feddistill(cfg: FedDistillConfig) -> Algorithm:
             return ({"logits": class_logits, "counts": counts},
                     ClientState(params, opt_state), metrics)
 
-        def evaluate(global_logits, state: ClientState, test, global_x, global_y):
+        def predict(global_logits, state: ClientState, x):
             del global_logits
-            return evaluate_classifier(model.apply, state.params, test, global_x, global_y)
+            return model.apply(state.params, x)
 
-        return CohortProgram(init_client, client_update, evaluate)
+        return classifier_program(init_client, client_update, predict)
 
     return Algorithm("feddistill", init_server, broadcast, upload_template, server_update,
                      cohort_program, aggregation="custom")

@@ -31,8 +31,7 @@ from flax import linen as nn
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
@@ -161,12 +160,11 @@ def fedkd(cfg: HeteroConfig) -> Algorithm:
                        "upload_encoded_params": sent}
             return compressed, ClientState(mentor, w_h, opt_private), metrics
 
-        def evaluate(received, state: ClientState, test, global_x, global_y):
+        def predict(received, state: ClientState, x):
             del received
-            return evaluate_classifier(lambda p, x: model.apply(p, x)[0], state.mentor, test,
-                                       global_x, global_y)
+            return model.apply(state.mentor, x)[0]
 
-        return CohortProgram(init_client, client_update, evaluate)
+        return classifier_program(init_client, client_update, predict)
 
     return Algorithm("fedkd", init_server, broadcast, upload_template, server_update,
                      cohort_program)

@@ -25,8 +25,7 @@ from flax import linen as nn
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.data.spec import InputSpec
@@ -140,12 +139,10 @@ def fedmrl(cfg: HeteroConfig) -> Algorithm:
                                                                    shared))}
             return upload, ClientState(params, opt_state), metrics
 
-        def evaluate(shared, state: ClientState, test, global_x, global_y):
-            return evaluate_classifier(lambda p, x: model.apply(p, x)[0],
-                                       with_shared(state.params, shared), test, global_x,
-                                       global_y)
+        def predict(shared, state: ClientState, x):
+            return model.apply(with_shared(state.params, shared), x)[0]
 
-        return CohortProgram(init_client, client_update, evaluate)
+        return classifier_program(init_client, client_update, predict)
 
     return Algorithm("fedmrl", init_server, broadcast, broadcast, server_update, cohort_program)
 

@@ -21,13 +21,12 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.fedavg import (
     ClientState,
     FedAvgConfig,
     check_section,
     cohort_models,
-    evaluate_classifier,
     fedavg_config,
     init_cohort_models,
 )
@@ -106,11 +105,11 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
             return ({"normalized_update": normalized, "solver_norm": a},
                     ClientState(state.rounds + 1), metrics)
 
-        def evaluate(x, state: ClientState, test, global_x, global_y):
+        def predict(global_params, state: ClientState, x):
             del state
-            return evaluate_classifier(model.apply, x, test, global_x, global_y)
+            return model.apply(global_params, x)
 
-        return CohortProgram(init_client, client_update, evaluate)
+        return classifier_program(init_client, client_update, predict)
 
     return Algorithm("fednova", init_server, broadcast, upload_template, server_update,
                      cohort_program, aggregation="per_cohort")

@@ -21,7 +21,7 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
@@ -121,20 +121,12 @@ def fedproto(cfg: HeteroConfig) -> Algorithm:
             return ({"prototypes": local_protos, "counts": counts},
                     ClientState(params, opt_state), metrics)
 
-        def evaluate(global_protos, state: ClientState, test, global_x, global_y):
-            protos, available = global_protos["prototypes"], global_protos["available"]
-            _, e = model.apply(state.params, test.x)
-            mask = jnp.arange(test.y.shape[0]) < test.sizes
-            logits = prototype_logits(e, protos, available)
-            correct = (jnp.argmax(logits, -1) == test.y).astype(jnp.float32)
-            global_e = jax.lax.map(lambda xb: model.apply(state.params, xb[None])[1][0],
-                                   global_x, batch_size=512)
-            global_pred = nearest_prototype(global_e, protos, available)
-            return {"personalized_accuracy": local_training.masked_mean(correct, mask),
-                    "global_accuracy": jnp.mean(global_pred == global_y),
-                    "test_ce_loss": local_training.cross_entropy(logits, test.y, mask)}
+        def predict(global_protos, state: ClientState, x):
+            """Negative squared distances of x's embeddings to the global prototypes."""
+            _, e = model.apply(state.params, x)
+            return prototype_logits(e, global_protos["prototypes"], global_protos["available"])
 
-        return CohortProgram(init_client, client_update, evaluate)
+        return classifier_program(init_client, client_update, predict)
 
     return Algorithm("fedproto", init_server, broadcast, upload_template, server_update,
                      cohort_program, aggregation="custom")

@@ -23,8 +23,7 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
@@ -107,11 +106,11 @@ def fml(cfg: HeteroConfig) -> Algorithm:
                                                                    meme))}
             return new_meme, ClientState(private, opt_p), metrics
 
-        def evaluate(meme, state: ClientState, test, global_x, global_y):
+        def predict(meme, state: ClientState, x):
             del meme
-            return evaluate_classifier(model.apply, state.params, test, global_x, global_y)
+            return model.apply(state.params, x)
 
-        return CohortProgram(init_client, client_update, evaluate)
+        return classifier_program(init_client, client_update, predict)
 
     return Algorithm("fml", init_server, broadcast, broadcast, server_update, cohort_program)
 

@@ -19,8 +19,12 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
-from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
+from fedjax_pfedes.algorithms.base import (
+    Algorithm,
+    CohortProgram,
+    LocalTrainingConfig,
+    classifier_program,
+)
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.models import registry
 
@@ -101,11 +105,10 @@ def global_head_program(arch: str, cfg: HeteroConfig, make_upload) -> CohortProg
                    "local_steps": n_active, **extra}
         return upload, ClientState(params, opt_state), metrics
 
-    def evaluate(global_head, state: ClientState, test, global_x, global_y):
-        return evaluate_classifier(logits_fn, with_head(state.params, global_head), test,
-                                   global_x, global_y)
+    def predict(global_head, state: ClientState, x):
+        return logits_fn(with_head(state.params, global_head), x)
 
-    return CohortProgram(init_client, client_update, evaluate)
+    return classifier_program(init_client, client_update, predict)
 
 
 def lg_fedavg(cfg: HeteroConfig) -> Algorithm:

@@ -28,7 +28,12 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, alignment, local_training, proxy_init
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
+from fedjax_pfedes.algorithms.base import (
+    Algorithm,
+    CohortProgram,
+    LocalTrainingConfig,
+    classifier_metrics,
+)
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.models import registry
 
@@ -245,21 +250,18 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
             }
             return local_proxy, ClientState(params, opt_state, steps), metrics
 
-        def evaluate(global_proxy, state: ClientState, test, global_x, global_y):
+        def evaluate(global_proxy, state: ClientState, test):
             logits, e_local = model.apply(state.params, test.x)
             mask = jnp.arange(test.y.shape[0]) < test.sizes
             e_proxy = proxy.apply(global_proxy, test.x)
-            correct = (jnp.argmax(logits, -1) == test.y).astype(jnp.float32)
-            global_logits = jax.lax.map(lambda xb: model.apply(state.params, xb[None])[0][0],
-                                        global_x, batch_size=512)
-            return {
-                "personalized_accuracy": local_training.masked_mean(correct, mask),
-                "global_accuracy": jnp.mean(jnp.argmax(global_logits, -1) == global_y),
-                "test_ce_loss": local_training.cross_entropy(logits, test.y, mask),
-                "test_align_loss": align(e_local, e_proxy, mask),
-            }
+            return {**classifier_metrics(logits, test),
+                    "test_align_loss": align(e_local, e_proxy, mask)}
 
-        return CohortProgram(init_client, client_update, evaluate)
+        def predict(global_proxy, state: ClientState, x):
+            del global_proxy  # inference uses the private model alone
+            return model.apply(state.params, x)[0]
+
+        return CohortProgram(init_client, client_update, evaluate, predict)
 
     # With DP-SGD each local step releases two noisy gradients of its batch (private model and
     # E_proxy), both accounted.

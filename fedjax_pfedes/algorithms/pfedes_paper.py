@@ -32,8 +32,12 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, LocalTrainingConfig
-from fedjax_pfedes.algorithms.fedavg import evaluate_classifier
+from fedjax_pfedes.algorithms.base import (
+    Algorithm,
+    CohortProgram,
+    LocalTrainingConfig,
+    classifier_program,
+)
 from fedjax_pfedes.algorithms.registry import (
     OPTIMIZER_OVERRIDES,
     AlgorithmEntry,
@@ -178,11 +182,11 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
                        "local_steps": steps, "update_norm": optax.tree.norm(delta)}
             return local_g, ClientState(params, opt_state), metrics
 
-        def evaluate(global_g, state: ClientState, test, global_x, global_y):
+        def predict(global_g, state: ClientState, x):
             del global_g  # inference uses F_k(x) alone
-            return evaluate_classifier(model.apply, state.params, test, global_x, global_y)
+            return model.apply(state.params, x)
 
-        return CohortProgram(init_client, client_update, evaluate)
+        return classifier_program(init_client, client_update, predict)
 
     return Algorithm("pfedes_paper", init_server, broadcast, broadcast, server_update,
                      cohort_program)

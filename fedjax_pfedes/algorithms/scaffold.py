@@ -28,12 +28,11 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.fedavg import (
     FedAvgConfig,
     check_section,
     cohort_models,
-    evaluate_classifier,
     fedavg_config,
     init_cohort_models,
 )
@@ -138,12 +137,11 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
             return ({"params": y, "control_delta": control_delta},
                     ClientState(new_control, state.rounds + 1), metrics)
 
-        def evaluate(received, state: ClientState, test, global_x, global_y):
+        def predict(received, state: ClientState, x):
             del state
-            return evaluate_classifier(model.apply, received["params"], test, global_x,
-                                       global_y)
+            return model.apply(received["params"], x)
 
-        return CohortProgram(init_client, client_update, evaluate)
+        return classifier_program(init_client, client_update, predict)
 
     return Algorithm("scaffold", init_server, broadcast, upload_template, server_update,
                      cohort_program, aggregation="per_cohort")

@@ -14,8 +14,8 @@ import optax
 from flax import struct
 
 from fedjax_pfedes import local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, evaluate_classifier, fedavg_config
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
+from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import registry
 
@@ -65,11 +65,11 @@ def standalone(cfg: FedAvgConfig) -> Algorithm:
                        "local_steps": n_active}
             return {}, ClientState(params, opt_state), metrics
 
-        def evaluate(broadcast, state: ClientState, test, global_x, global_y):
+        def predict(broadcast, state: ClientState, x):
             del broadcast
-            return evaluate_classifier(model.apply, state.params, test, global_x, global_y)
+            return model.apply(state.params, x)
 
-        return CohortProgram(init_client, client_update, evaluate)
+        return classifier_program(init_client, client_update, predict)
 
     return Algorithm("standalone", init_server, nothing, nothing, server_update, cohort_program,
                      aggregation="none")
