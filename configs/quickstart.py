@@ -268,6 +268,10 @@ def get_config() -> ml_collections.ConfigDict:
     # 'loop': host threads that train participants at the same time (0 = this process's CPU
     # cores on a CPU backend, 1 on an accelerator). Same numbers for any value.
     config.execution.loop_threads = 0
+    # Kernels of the clients' programs on a CPU backend: 'xla' (XLA:CPU's choice: YNNPACK for
+    # convolutions and matrix products) | 'eigen' (YNNPACK off: XLA's Eigen kernels; faster
+    # for the CNNs on an AVX2 CPU, docs/performance.md). Equal up to float reassociation.
+    config.execution.cpu_kernels = "xla"
     # Where the clients' private states and local data live: 'device' (stacked on the
     # accelerator: fastest for small populations) | 'offload' (host memory, gathered per round
     # for the participants only: populations of 10,000+ clients, README "Scale").

@@ -173,7 +173,8 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     candidates = execution.auto_candidates(mesh) if requested == "auto" else (requested,)
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
     threads = config.execution.loop_threads
-    runners = {a: {s: execution.make_runner(p, s, mesh, threads) for s in candidates}
+    kernels = config.execution.cpu_kernels
+    runners = {a: {s: execution.make_runner(p, s, mesh, threads, kernels) for s in candidates}
                for a, p in programs.items()}
     t = config.train
     n = data.num_clients

@@ -185,6 +185,8 @@ def _check_client_states(ex: ml_collections.ConfigDict) -> None:
     _require(isinstance(ex.loop_threads, int) and ex.loop_threads >= 0,
              "config.execution.loop_threads must be an integer >= 0 (0 = the CPU cores), got "
              f"{ex.loop_threads!r}")
+    _require(ex.cpu_kernels in execution.CPU_KERNELS, "config.execution.cpu_kernels: unknown "
+             f"'{ex.cpu_kernels}'; known: {list(execution.CPU_KERNELS)}")
     _require(ex.client_states in client_store.PLACEMENTS, f"config.execution.client_states: "
              f"unknown '{ex.client_states}'; known: {list(client_store.PLACEMENTS)}")
     if ex.client_states == "offload":

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from fedjax_pfedes.algorithms.base import CohortProgram, Metrics, PyTree, global_accuracy
 
 STRATEGIES = ("vmap", "loop", "shard")
+CPU_KERNELS = ("xla", "eigen")
 CLIENT_AXIS = "clients"  # the mesh axis the participant slots are split over
 
 
@@ -53,6 +54,20 @@ def resolve_strategy(name: str) -> str:
         return name
     raise ValueError(f"config.execution.strategy: unknown strategy '{name}'; "
                      f"known: ['auto', 'loop', 'vmap', 'shard']")
+
+
+def kernel_options(cpu_kernels: str) -> dict[str, str]:
+    """XLA compiler options of the client programs (local update, evaluation) for
+    `config.execution.cpu_kernels`: 'xla' (none: XLA:CPU's own choice, which in jaxlib 0.10
+    hands convolutions and matrix products to YNNPACK fusions) or 'eigen' (YNNPACK fusions off:
+    XLA's Eigen-based kernels). Which is faster depends on the CPU and the layers
+    (docs/performance.md); the two agree up to float reassociation. Empty off the CPU backend."""
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"config.execution.cpu_kernels must be one of {list(CPU_KERNELS)}, "
+                         f"got {cpu_kernels!r}")
+    if cpu_kernels == "xla" or jax.default_backend() != "cpu":
+        return {}
+    return {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def auto_candidates(mesh: Mesh | None) -> tuple[str, ...]:
@@ -177,18 +192,20 @@ def default_loop_threads() -> int:
 
 
 def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None,
-                loop_threads: int = 1) -> CohortRunner:
+                loop_threads: int = 1, cpu_kernels: str = "xla") -> CohortRunner:
     """Builds the jitted update/evaluate functions of a cohort for `strategy` ('vmap' | 'loop'
     | 'shard'; 'shard' needs the `mesh` of `client_mesh`). `loop_threads`: host threads of
-    'loop' (0 = `default_loop_threads()`)."""
+    'loop' (0 = `default_loop_threads()`). `cpu_kernels`: see `kernel_options`."""
+    jit = functools.partial(jax.jit, compiler_options=kernel_options(cpu_kernels) or None)
     if strategy == "vmap":
-        return _mapped_runner(program, "vmap", _vmapped)
+        return _mapped_runner(program, "vmap", _vmapped, jit=jit)
     if strategy == "loop":
-        return _loop_runner(program, loop_threads or default_loop_threads())
+        return _loop_runner(program, loop_threads or default_loop_threads(), jit=jit)
     if strategy == "shard":
         if mesh is None:
             raise ValueError("make_runner: strategy 'shard' needs a mesh (execution.client_mesh)")
-        return _mapped_runner(program, "shard", functools.partial(_sharded, mesh=mesh), mesh)
+        return _mapped_runner(program, "shard", functools.partial(_sharded, mesh=mesh), mesh,
+                              jit=jit)
     raise ValueError(f"make_runner: strategy must be 'loop', 'vmap' or 'shard' ('auto' is "
                      f"resolved per cohort by strategy_choice), got '{strategy}'")
 
@@ -205,9 +222,10 @@ def _sharded(fn: Callable, in_axes: tuple, mesh: Mesh) -> Callable:
 
 
 def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
-                   mesh: Mesh | None = None) -> CohortRunner:
+                   mesh: Mesh | None = None, jit: Callable = jax.jit) -> CohortRunner:
     """'vmap' and 'shard': one jitted call maps the client function over all slots;
-    `map_clients(fn, in_axes)` says how (plain vmap, or vmap per device under shard_map)."""
+    `map_clients(fn, in_axes)` says how (plain vmap, or vmap per device under shard_map).
+    `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`)."""
     client_update = map_clients(program.client_update, (None, 0, 0, 0))
     client_evaluate = map_clients(program.evaluate, (None, 0, 0))
     client_global = map_clients(functools.partial(global_accuracy, program), (None, 0, None, None))
@@ -230,7 +248,7 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
     gathered = (lambda tree: tree) if mesh is None or jax.process_count() == 1 else (
         lambda tree: jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P())))
 
-    @functools.partial(jax.jit, donate_argnums=1)
+    @functools.partial(jit, donate_argnums=1)
     def mapped_update(broadcast, states, train, slots, keys):
         valid = slots < train.sizes.shape[0]
         rows = _take(train, slots)
@@ -241,13 +259,13 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
         return (gathered(jax.tree.map(zero_padded, uploads)),
                 kept(_put(states, slots, new_rows)), gathered(jax.tree.map(zero_padded, metrics)))
 
-    @jax.jit
+    @jit
     def mapped_evaluate_slots(broadcast, states, test, slots):
         valid = slots < test.sizes.shape[0]
         metrics = client_evaluate(broadcast, _take(states, slots), _take(test, slots))
         return gathered(jax.tree.map(lambda a: jnp.where(valid, a, 0), metrics))
 
-    @jax.jit
+    @jit
     def mapped_global_slots(broadcast, states, sizes, slots, global_x, global_y):
         valid = slots < sizes.shape[0]
         accuracy = client_global(broadcast, _take(states, slots), global_x, global_y)
@@ -294,7 +312,8 @@ def balanced_groups(slots: np.ndarray, weights: np.ndarray, groups: int) -> list
     return [np.asarray(sorted(g), np.int64) for g in lists]
 
 
-def _loop_runner(program: CohortProgram, threads: int = 1) -> CohortRunner:
+def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.jit
+                 ) -> CohortRunner:
     """One jitted call per participant. Each training call also writes the client's upload and
     metrics into row `j` of bucket-shaped output buffers (donated, updated in place), so a round
     runs no eager per-leaf stacking and nothing compiles after the first call. Evaluation calls
@@ -305,12 +324,13 @@ def _loop_runner(program: CohortProgram, threads: int = 1) -> CohortRunner:
     With `threads` > 1 the participants are split over host threads (`balanced_groups` by
     sample count); each thread's calls return the client's outputs, which the calling thread
     then writes into the bucket and the state rows (one small donated call each). Every client
-    computes the same function of the same inputs, so the numbers are those of one thread."""
+    computes the same function of the same inputs, so the numbers are those of one thread.
+    `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`)."""
 
     # Traced once: the output shapes below and the jitted call share this trace.
     client_update = jax.jit(program.client_update)
 
-    @functools.partial(jax.jit, donate_argnums=(1, 5, 6))
+    @functools.partial(jit, donate_argnums=(1, 5, 6))
     def one_client_update(broadcast, states, train, i, key, uploads, metrics, j):
         upload, new_row, m = client_update(broadcast, _row(states, i), _row(train, i), key)
         return (_set_row(uploads, j, upload), _set_row(states, i, new_row),
@@ -326,11 +346,11 @@ def _loop_runner(program: CohortProgram, threads: int = 1) -> CohortRunner:
         uploads, _, metrics = shapes["update"]
         return _zeros_in_slots((uploads, metrics), bucket)
 
-    @jax.jit
+    @jit
     def one_update(broadcast, states, train, i, key):  # the threads' calls: outputs only
         return client_update(broadcast, _row(states, i), _row(train, i), key)
 
-    @jax.jit
+    @jit
     def one_evaluate(broadcast, states, test, i):
         return program.evaluate(broadcast, _row(states, i), _row(test, i))
 
@@ -339,7 +359,7 @@ def _loop_runner(program: CohortProgram, threads: int = 1) -> CohortRunner:
             shapes["evaluate"] = one_evaluate.eval_shape(broadcast, states, test, jnp.int32(0))
         return _zeros_in_slots(shapes["evaluate"], bucket)
 
-    @jax.jit
+    @jit
     def one_global(broadcast, states, i, global_x, global_y):
         return global_accuracy(program, broadcast, _row(states, i), global_x, global_y)
 

@@ -203,7 +203,8 @@ class Coordinator:
             def mapped(values, broadcasts, rows, train_row, key):
                 return jax.lax.map(lambda m: one(*m, train_row, key), (values, broadcasts, rows))
 
-        @functools.partial(jax.jit, donate_argnums=(2, 6, 7))
+        @functools.partial(jax.jit, donate_argnums=(2, 6, 7), compiler_options=(
+            execution.kernel_options(config.execution.cpu_kernels) or None))
         def step(values, broadcasts, states, train, i, key, uploads, metrics, j):
             rows = jax.tree.map(lambda *a: jnp.stack(a), *[_row(s, i) for s in states])
             stacked = jax.tree.map(lambda *a: jnp.stack(a), *broadcasts)

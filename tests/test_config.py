@@ -40,6 +40,7 @@ def test_shipped_configs_are_valid():
     ({"proxy_arch": "resnet"}, "config.proxy_arch"),
     ({"server_momentum": 1.0}, "config.server_momentum"),
     ({"execution__strategy": "pmap"}, "config.execution.strategy"),
+    ({"execution__cpu_kernels": "onednn"}, "config.execution.cpu_kernels"),
     ({"data__name": "imagenet"}, "config.data.name"),
     ({"clients__architectures": "vit:3,mlp:3"}, "config.clients.architectures"),
     ({"algorithm": "fedsgd"}, "config.algorithm"),

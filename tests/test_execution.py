@@ -219,6 +219,29 @@ def test_global_accuracy_is_its_own_program_and_scores_each_client_by_numpy(stra
         np.testing.assert_allclose(float(full["global_accuracy"][i]), expected, atol=1e-6)
 
 
+def test_eigen_cpu_kernels_compile_without_ynnpack_and_give_the_same_round():
+    """`cpu_kernels='eigen'` compiles the client programs without YNNPACK fusions (XLA's
+    default hands the convolutions to them) and computes the same round up to float
+    reassociation; a name it does not know is refused naming the field."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("YNNPACK fusions are an XLA:CPU feature")
+    _, program, data, states, server = _setup("convnet3")
+    slots = np.array([2, 0, 4, 4], np.int32)
+    keys = jax.random.split(jax.random.key(7), 4)
+    assert execution.kernel_options("xla") == {}
+    options = execution.kernel_options("eigen")
+    args = (server.proxy_params, jax.tree.map(lambda a: a[0], states),
+            jax.tree.map(lambda a: a[0], data), keys[0])
+    texts = {name: jax.jit(program.client_update, compiler_options=opts or None).lower(
+        *args).compile().as_text() for name, opts in (("xla", {}), ("eigen", options))}
+    assert "__ynn_fusion" in texts["xla"] and "__ynn_fusion" not in texts["eigen"]
+    results = {k: execution.make_runner(program, "loop", cpu_kernels=k).update(
+        server.proxy_params, _copy(states), data, slots, keys) for k in ("xla", "eigen")}
+    chex.assert_trees_all_close(results["xla"], results["eigen"], rtol=2e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="config.execution.cpu_kernels"):
+        execution.kernel_options("onednn")
+
+
 def test_balanced_groups_split_the_weight_evenly_and_keep_every_slot_once():
     weights = np.array([5.0, 1.0, 4.0, 3.0, 3.0, 2.0])
     groups = execution.balanced_groups(np.arange(6), weights, 2)
