@@ -2,12 +2,14 @@
 
   python -m benchmarks.local_step                       # cnn1, convnet3, vit; ~1 min on 2 cores
   python -m benchmarks.local_step --torch               # adds the same layers in PyTorch
+  python -m benchmarks.local_step --cpu_kernels=xla,eigen   # also the rolled loop on Eigen
 
 For each backbone, 10 SGD steps of sum(F(x)^2) run as a `lax.scan` fully unrolled and rolled,
 once with `flax.linen.Conv` (autodiff's backward convolutions) and once with
 `fedjax_pfedes.models.layers.Conv` (backward written as canonical convolutions). Prints ms per
 step (best of 3) and the compile time of the 10-step program. This is the measurement behind the
-rolled local-training loop (docs/performance.md).
+rolled local-training loop (docs/performance.md). `--cpu_kernels` times the rolled `layers.Conv`
+loop compiled with each `config.execution.cpu_kernels` choice (`execution.kernel_options`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import linen as nn
 
+from fedjax_pfedes import execution
 from fedjax_pfedes.models import backbones, layers
 
 _TORCH = flags.DEFINE_bool("torch", False, "Also time the same layers in PyTorch.")
+_KERNELS = flags.DEFINE_list("cpu_kernels", ["xla"], "config.execution.cpu_kernels choices the "
+                             "rolled layers.Conv loop is timed with (xla, eigen).")
 _STEPS = 10
 
 WORKS = {  # backbone, input batch
@@ -57,15 +62,21 @@ def _jax_rows(name: str, build, shape) -> list[str]:
             return jax.tree.map(lambda a, b: a - 1e-3 * b, p, g), None
 
         xs = jnp.ones((_STEPS, *shape))
-        for unroll in (_STEPS, 1):
+        variants = [(_STEPS, "xla"), (1, "xla")]
+        if conv is layers.Conv:  # the engine's loop, with each kernel choice asked for
+            variants = [(_STEPS, "xla")] + [(1, k) for k in _KERNELS.value]
+        for unroll, kernels in variants:
             f = jax.jit(lambda p, xs, unroll=unroll, step=step:
-                        jax.lax.scan(step, p, xs, unroll=unroll)[0])
+                        jax.lax.scan(step, p, xs, unroll=unroll)[0],
+                        compiler_options=execution.kernel_options(kernels) or None)
             t0 = time.perf_counter()
             jax.block_until_ready(f(params, xs))
             compile_s = time.perf_counter() - t0
             ms = _best_ms(f, params, xs) / _STEPS
             loop = "unrolled scan" if unroll == _STEPS else "rolled scan"
-            rows.append(f"| {name} | XLA {conv_name}, {loop} | {ms:.1f} | {compile_s:.1f} |")
+            suffix = "" if kernels == "xla" else f", {kernels} kernels"
+            rows.append(f"| {name} | XLA {conv_name}, {loop}{suffix} | {ms:.1f} | "
+                        f"{compile_s:.1f} |")
     backbones.Conv = layers.Conv
     return rows
 

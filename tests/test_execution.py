@@ -36,6 +36,22 @@ def _copy(tree):
     return jax.tree.map(jnp.array, tree)
 
 
+def _counting_runner(program, field: str, strategy: str):
+    """(runner of `program` whose function `field` counts its traces, the list of traces);
+    `strategy` 'loop:T' is the loop on T host threads."""
+    traces = []
+    original = getattr(program, field)
+
+    def counted(*args):
+        traces.append(1)
+        return original(*args)
+
+    name, _, threads = strategy.partition(":")
+    runner = execution.make_runner(dataclasses.replace(program, **{field: counted}), name,
+                                   loop_threads=int(threads or 1))
+    return runner, traces
+
+
 @pytest.mark.slow  # compiles both strategies: ~25 s
 @pytest.mark.parametrize("arch", ["mlp", "convnet3"])
 def test_vmap_and_loop_give_the_same_round(arch):
@@ -92,15 +108,7 @@ def test_loop_with_no_participant_returns_zero_uploads():
 @pytest.mark.parametrize("strategy", ["vmap", "loop", "loop:2"])
 def test_no_recompilation_after_the_first_round(strategy):
     _, program, data, states, server = _setup("mlp")
-    traces = []
-
-    def counted_update(*args):
-        traces.append(1)
-        return program.client_update(*args)
-
-    counted = dataclasses.replace(program, client_update=counted_update)
-    strategy, _, threads = strategy.partition(":")
-    runner = execution.make_runner(counted, strategy, loop_threads=int(threads or 1))
+    runner, traces = _counting_runner(program, "client_update", strategy)
     for r, slots in enumerate([[0, 2], [3, 4], [1, 0]]):
         keys = jax.random.split(jax.random.key(r), 2)
         _, states, _ = runner.update(server.proxy_params, states, data,
@@ -189,15 +197,8 @@ def test_global_accuracy_is_its_own_program_and_scores_each_client_by_numpy(stra
     loop traces it once), and each client's global accuracy is numpy's argmax of its model's
     logits on the global set against the labels; padded slots stay zero."""
     _, program, data, states, server = _setup("convnet3", num_clients=5)
-    traces = []
-
-    def counted_evaluate(*args):
-        traces.append(1)
-        return program.evaluate(*args)
-
-    counted = dataclasses.replace(program, evaluate=counted_evaluate)
-    name, _, threads = strategy.partition(":")
-    runner = execution.make_runner(counted, name, loop_threads=int(threads or 1))
+    runner, traces = _counting_runner(program, "evaluate", strategy)
+    name = strategy.partition(":")[0]
     rng = np.random.default_rng(3)
     global_x = jnp.asarray(rng.uniform(size=(23, 8, 8, 1)).astype(np.float32))
     global_y = jnp.asarray(rng.integers(0, 10, 23).astype(np.int32))
