@@ -14,8 +14,11 @@ import os
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-# Compilations shorter than this are not written (loading has a cost of its own).
-MIN_COMPILE_TIME_S = 0.5
+# Every compiled program is written, however quick its compilation (JAX's own default skips
+# those under 1 s). A run compiles dozens of small programs (row writes, upload checks,
+# buffers): on the quick start 66 of its 84 took under 0.5 s and together ~4 s, while loading
+# one from the cache takes ~20 ms (docs/performance.md, "Second runs").
+MIN_COMPILE_TIME_S = 0.0
 
 
 def default_cache_dir() -> str:

@@ -234,12 +234,16 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, schedule: LocalSch
         out = (data.x[rows], data.y[rows], schedule.sample_mask[position])
         return out + (keys[position],) if step_keys else out
 
-    stats_shape = jax.eval_shape(lambda c: train_step(c, batch_of(jnp.int32(0)))[1], carry)
+    # A nested jit traces the step once: the stats' shape and the loop body share that trace
+    # (tracing a model's forward and backward is most of a first call's Python time). XLA
+    # inlines the call, so the compiled loop is the same.
+    step = jax.jit(train_step)
+    stats_shape = jax.eval_shape(lambda c: step(c, batch_of(jnp.int32(0)))[1], carry)
     sums = jnp.zeros(stats_shape.shape, stats_shape.dtype)
 
     def body(t, state):
         carry, sums = state
-        carry, stats = train_step(carry, batch_of(t))
+        carry, stats = step(carry, batch_of(t))
         return carry, sums + stats
 
     carry, sums = jax.lax.fori_loop(0, total, body, (carry, sums))
