@@ -4,6 +4,7 @@
   python -m benchmarks.compare_frameworks                     # both works, 2 CPU cores: ~5 min
   python -m benchmarks.compare_frameworks --work=fedavg --rounds=12
   python -m benchmarks.compare_frameworks --strategies=loop,loop+eigen   # XLA vs Eigen kernels
+  python -m benchmarks.compare_frameworks --strategies=loop,loop+auto    # kernels timed per cohort
   python -m benchmarks.compare_frameworks --work=pfedes --clients=100   # GPU: 100 clients
 
 Works (same model, data, steps and hyper-parameters on both sides):
@@ -42,8 +43,8 @@ _ROUNDS = flags.DEFINE_integer("rounds", 8, "Rounds per run (>= 3).")
 _STRATEGIES = flags.DEFINE_list("strategies", ["auto", "loop", "vmap"],
                                 "Our execution strategies to time; loop:T = the loop on T "
                                 "host threads (plain loop: config.execution.loop_threads = 0, "
-                                "the CPU cores); a '+eigen' suffix (loop+eigen) runs it with "
-                                "config.execution.cpu_kernels='eigen'.")
+                                "the CPU cores); a '+eigen' or '+auto' suffix (loop+eigen) "
+                                "sets config.execution.cpu_kernels.")
 _CLIENTS = flags.DEFINE_integer("clients", 20, "pfedes work: clients, all of them every round "
                                 "(100 = cifar_hetero-sized).")
 _TORCH_DEVICE = flags.DEFINE_string("torch_device", "auto", "PyTorch device of the reference "
@@ -101,8 +102,8 @@ def write_cifar_shaped(path: str, clients: int = 20, per_client: int = 400) -> N
 
 def ours(config, strategy: str, workdir: str) -> dict:
     """`strategy`: 'loop', 'vmap', 'auto', or 'loop:T' for the loop on T host threads
-    (config.execution.loop_threads; plain 'loop' uses the default, the CPU cores); with a
-    '+eigen' suffix, config.execution.cpu_kernels = 'eigen'."""
+    (config.execution.loop_threads; plain 'loop' uses the default, the CPU cores); a suffix
+    '+eigen' or '+auto' sets config.execution.cpu_kernels."""
     strategy, _, kernels = strategy.partition("+")
     config.execution.cpu_kernels = kernels or "xla"
     strategy, _, threads = strategy.partition(":")

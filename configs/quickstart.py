@@ -270,7 +270,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.execution.loop_threads = 0
     # Kernels of the clients' programs on a CPU backend: 'xla' (XLA:CPU's choice: YNNPACK for
     # convolutions and matrix products) | 'eigen' (YNNPACK off: XLA's Eigen kernels; faster
-    # for the CNNs on an AVX2 CPU, docs/performance.md). Equal up to float reassociation.
+    # for the CNNs on an AVX2 CPU, docs/performance.md) | 'auto' (both timed per cohort at
+    # start-up, like strategy 'auto'). Equal up to float reassociation.
     config.execution.cpu_kernels = "xla"
     # Where the clients' private states and local data live: 'device' (stacked on the
     # accelerator: fastest for small populations) | 'offload' (host memory, gathered per round

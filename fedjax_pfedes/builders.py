@@ -161,21 +161,25 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
                   ) -> tuple[rounds.RunContext, SimState]:
     """Everything static of a run, and the run's state at round 0.
 
-    `strategies` (arch -> 'loop' | 'vmap') fixes the cohorts' execution strategies under
-    `config.execution.strategy='auto'` (a resumed run keeps its original choice, so its numbers
-    continue bit for bit); otherwise 'auto' measures them (`strategy_choice`). `workdir`: the
-    run's folder (offloaded client states that exceed their memory budget go under it)."""
+    `strategies` (arch -> runner name, e.g. 'loop' | 'vmap' | 'loop/eigen') fixes the cohorts'
+    runners where `config.execution.strategy` or `config.execution.cpu_kernels` is 'auto' (a
+    resumed run keeps its original choice, so its numbers continue bit for bit); otherwise
+    'auto' measures them (`strategy_choice`). `workdir`: the run's folder (offloaded client
+    states that exceed their memory budget go under it)."""
     algorithm = build_algorithm(config, data)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
     requested = execution.resolve_strategy(config.execution.strategy)
     mesh = (execution.client_mesh(config.execution.devices)
             if requested in ("shard", "auto") else None)
     candidates = execution.auto_candidates(mesh) if requested == "auto" else (requested,)
+    kernel_set = execution.kernel_candidates(config.execution.cpu_kernels)
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
     threads = config.execution.loop_threads
-    kernels = config.execution.cpu_kernels
-    runners = {a: {s: execution.make_runner(p, s, mesh, threads, kernels) for s in candidates}
+    # arch -> runner name -> runner: every (strategy, kernels) pair 'auto' may pick.
+    runners = {a: {r.name: r for r in (execution.make_runner(p, s, mesh, threads, k)
+                                       for s in candidates for k in kernel_set)}
                for a, p in programs.items()}
+    measured = len(candidates) * len(kernel_set) > 1
     t = config.train
     n = data.num_clients
     if config.asynchronous.enabled:
@@ -189,7 +193,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     upload_key = jax.random.fold_in(root, 7)  # compression / DP noise / secure-agg stream
     try:
         cohorts, client_states = build_cohorts(
-            data, archs, programs, {a: r[candidates[0]] for a, r in runners.items()},
+            data, archs, programs, {a: next(iter(r.values())) for a, r in runners.items()},
             slots_per_round, client_key, mesh.size if "shard" in candidates else 1,
             offload_spec(config, workdir))
     except client_store.BudgetError as e:
@@ -213,11 +217,18 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     # Clients that train per round, on average (FedBuff: the buffer's worth of arrivals).
     launches_per_round = (config.asynchronous.buffer_size if config.asynchronous.enabled
                           else t.client_fraction * n)
-    if requested == "auto" and strategies and all(c.arch in strategies for c in cohorts):
+    if measured and strategies and all(strategies.get(c.arch) in runners[c.arch]
+                                       for c in cohorts):
         for c in cohorts:
             c.runner = runners[c.arch][strategies[c.arch]]
             choices[c.arch] = {"strategy": strategies[c.arch], "from_checkpoint": True}
-    elif requested == "auto":
+    elif measured:
+        if strategies:
+            logging.warning(
+                "the checkpoint's execution runners %s are not among this run's candidates %s "
+                "(another backend or config.execution settings?): measuring anew, so the "
+                "resumed rounds may differ from the original run's in the last float bits",
+                strategies, sorted(next(iter(runners.values()))))
         cache_dir = compilation.configure_cache(config.execution.compilation_cache_dir)
         for c in cohorts:
             choice = strategy_choice.choose(strategy_choice.Trial(

@@ -274,4 +274,4 @@ def offloaded_runner(inner: CohortRunner, bucket: int, on_disk: bool = False) ->
                                              global_y)
 
     return CohortRunner(inner.strategy, update, evaluate, evaluate_slots, inner.computed_steps,
-                        prefetch if on_disk else None)
+                        prefetch if on_disk else None, inner.kernels)

@@ -185,8 +185,8 @@ def _check_client_states(ex: ml_collections.ConfigDict) -> None:
     _require(isinstance(ex.loop_threads, int) and ex.loop_threads >= 0,
              "config.execution.loop_threads must be an integer >= 0 (0 = the CPU cores), got "
              f"{ex.loop_threads!r}")
-    _require(ex.cpu_kernels in execution.CPU_KERNELS, "config.execution.cpu_kernels: unknown "
-             f"'{ex.cpu_kernels}'; known: {list(execution.CPU_KERNELS)}")
+    _require(ex.cpu_kernels in execution.KERNEL_SETTINGS, "config.execution.cpu_kernels: "
+             f"unknown '{ex.cpu_kernels}'; known: {list(execution.KERNEL_SETTINGS)}")
     _require(ex.client_states in client_store.PLACEMENTS, f"config.execution.client_states: "
              f"unknown '{ex.client_states}'; known: {list(client_store.PLACEMENTS)}")
     if ex.client_states == "offload":
@@ -194,6 +194,8 @@ def _check_client_states(ex: ml_collections.ConfigDict) -> None:
                  f"be > 0, got {ex.client_state_budget_gb}")
         _require(ex.strategy != "auto", "config.execution.client_states='offload' needs an "
                  "explicit config.execution.strategy ('loop', 'vmap' or 'shard'), not 'auto'")
+        _require(ex.cpu_kernels != "auto", "config.execution.client_states='offload' needs "
+                 "explicit config.execution.cpu_kernels ('xla' or 'eigen'), not 'auto'")
 
 
 def _validate_runtime(config: ml_collections.ConfigDict) -> None:

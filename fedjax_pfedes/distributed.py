@@ -86,6 +86,8 @@ def check_supported(config: ml_collections.ConfigDict) -> None:
         (config.execution.strategy != "shard", "config.execution.strategy must be 'shard' "
          f"across processes (the mesh spans all processes' devices), got "
          f"'{config.execution.strategy}'"),
+        (config.execution.cpu_kernels == "auto", "config.execution.cpu_kernels='auto' is not "
+         "supported across processes (each would time its own); use 'xla' or 'eigen'"),
         (config.execution.devices != 0, "config.execution.devices must be 0 (all devices of "
          f"all processes) across processes, got {config.execution.devices}"),
         (config.execution.client_states != "device", "config.execution.client_states="

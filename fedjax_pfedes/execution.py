@@ -23,6 +23,11 @@ give the same numbers (up to float reassociation):
 Which one is faster depends on the models, the bucket and the backend (on CPU vmapped per-client
 convolutions become grouped convolutions); 'auto' measures both per cohort at start-up
 (`strategy_choice`), see benchmarks/execution_strategies.py for the side-by-side numbers.
+
+On a CPU backend the client programs can also be compiled with two kernel libraries
+(`config.execution.cpu_kernels`, `kernel_options`): which is faster depends on the CPU and the
+layers, so 'auto' times both per cohort too. A runner's `name` says both choices: the strategy,
+and '/eigen' when the Eigen kernels were chosen ('loop', 'loop/eigen', 'vmap', ...).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from fedjax_pfedes.algorithms.base import CohortProgram, Metrics, PyTree, global
 
 STRATEGIES = ("vmap", "loop", "shard")
 CPU_KERNELS = ("xla", "eigen")
+KERNEL_SETTINGS = CPU_KERNELS + ("auto",)  # what config.execution.cpu_kernels accepts
 CLIENT_AXIS = "clients"  # the mesh axis the participant slots are split over
 
 
@@ -68,6 +74,18 @@ def kernel_options(cpu_kernels: str) -> dict[str, str]:
     if cpu_kernels == "xla" or jax.default_backend() != "cpu":
         return {}
     return {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def kernel_candidates(cpu_kernels: str) -> tuple[str, ...]:
+    """The kernel choices a run compiles for `config.execution.cpu_kernels`: the one given, or
+    for 'auto' both of `CPU_KERNELS` on a CPU backend (timed per cohort, `strategy_choice`) and
+    'xla' elsewhere (the option only exists for XLA:CPU)."""
+    if cpu_kernels == "auto":
+        return CPU_KERNELS if jax.default_backend() == "cpu" else ("xla",)
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"config.execution.cpu_kernels must be one of {list(KERNEL_SETTINGS)}, "
+                         f"got {cpu_kernels!r}")
+    return (cpu_kernels,)
 
 
 def auto_candidates(mesh: Mesh | None) -> tuple[str, ...]:
@@ -169,6 +187,7 @@ class CohortRunner:
     prefetch(states, local_indices) -> None, or None for runners that have nothing to prefetch:
       a hint that these clients will probably train next; a runner whose states live on disk
       starts reading their rows while the current round computes. It never changes results.
+    kernels: the CPU kernels its programs were compiled with ('xla' or 'eigen', `kernel_options`).
     """
 
     strategy: str
@@ -177,6 +196,13 @@ class CohortRunner:
     evaluate_slots: Callable[..., Metrics]
     computed_steps: Callable[[np.ndarray, int], float]
     prefetch: Callable[[PyTree, np.ndarray], None] | None = None
+    kernels: str = "xla"
+
+    @property
+    def name(self) -> str:
+        """The strategy, with '/eigen' when the client programs use XLA's Eigen kernels: what
+        summary.json and a checkpoint record, and how `strategy_choice` tells runners apart."""
+        return self.strategy if self.kernels == "xla" else f"{self.strategy}/{self.kernels}"
 
 
 def default_loop_threads() -> int:
@@ -196,16 +222,22 @@ def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None,
     """Builds the jitted update/evaluate functions of a cohort for `strategy` ('vmap' | 'loop'
     | 'shard'; 'shard' needs the `mesh` of `client_mesh`). `loop_threads`: host threads of
     'loop' (0 = `default_loop_threads()`). `cpu_kernels`: see `kernel_options`."""
-    jit = functools.partial(jax.jit, compiler_options=kernel_options(cpu_kernels) or None)
+    options = kernel_options(cpu_kernels)
+    jit = functools.partial(jax.jit, compiler_options=options or None)
+    # Off the CPU backend the option does not exist: the runner's kernels are XLA's own.
+    with_kernels = functools.partial(dataclasses.replace,
+                                     kernels=cpu_kernels if options else "xla")
     if strategy == "vmap":
-        return _mapped_runner(program, "vmap", _vmapped, jit=jit)
+        return with_kernels(_mapped_runner(program, "vmap", _vmapped, jit=jit))
     if strategy == "loop":
-        return _loop_runner(program, loop_threads or default_loop_threads(), jit=jit)
+        return with_kernels(_loop_runner(program, loop_threads or default_loop_threads(),
+                                         jit=jit))
     if strategy == "shard":
         if mesh is None:
             raise ValueError("make_runner: strategy 'shard' needs a mesh (execution.client_mesh)")
-        return _mapped_runner(program, "shard", functools.partial(_sharded, mesh=mesh), mesh,
-                              jit=jit)
+        return with_kernels(_mapped_runner(program, "shard", functools.partial(_sharded,
+                                                                               mesh=mesh),
+                                           mesh, jit=jit))
     raise ValueError(f"make_runner: strategy must be 'loop', 'vmap' or 'shard' ('auto' is "
                      f"resolved per cohort by strategy_choice), got '{strategy}'")
 

@@ -178,7 +178,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
                   for c in ctx.cohorts
                   for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
     eval_sample = evaluation_sample(config, ctx.num_clients)
-    chosen = sorted({c.runner.strategy for c in ctx.cohorts})
+    chosen = sorted({c.runner.name for c in ctx.cohorts})
     strategy = chosen[0] if len(chosen) == 1 else "+".join(chosen)
     last = state.history[-1] if state.history else {}
     rounds_total = config.train.rounds
@@ -229,7 +229,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
                 checkpointer.save(r + 1, snapshot, {
                     "history": list(state.history), "config": config.to_dict(),
                     "dp_round_noise_multipliers": ctx.pipeline.round_noise_multipliers[:r + 1],
-                    "execution_strategy_by_arch": {c.arch: c.runner.strategy
+                    "execution_strategy_by_arch": {c.arch: c.runner.name
                                                    for c in ctx.cohorts},
                     "data_fingerprint": fingerprint})
         if diverged is not None:
@@ -257,7 +257,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
         "norm_outlier_rejection": ctx.pipeline.outlier_note,
         "local_optimizer": local_optimizer_note(config),
         "execution_strategy": strategy,
-        "execution_strategy_by_arch": {c.arch: c.runner.strategy for c in ctx.cohorts},
+        "execution_strategy_by_arch": {c.arch: c.runner.name for c in ctx.cohorts},
         **({"strategy_choice": ctx.strategy_choices} if ctx.strategy_choices else {}),
         "platform": jax.default_backend(),
         "clients_per_arch": {c.arch: len(c.client_ids) for c in ctx.cohorts},

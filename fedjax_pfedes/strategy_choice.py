@@ -1,6 +1,8 @@
-"""`config.execution.strategy='auto'`: pick each cohort's execution strategy by timing it.
+"""`config.execution.strategy='auto'` (and `cpu_kernels='auto'`): pick each cohort's execution
+strategy and CPU kernels by timing them.
 
-For every cohort, both strategies ('loop' and 'vmap') run the cohort's local update on a full
+For every cohort, every candidate runner (the strategies 'loop' and 'vmap', each with the
+kernel choices `execution.kernel_candidates` gives) runs the cohort's local update on a full
 bucket of participants with every client cut to one batch of rows (one local step per epoch), on the
 backend the run uses. The compiled programs are the run's own (sizes are data, not shapes), so the
 winner's compilation is reused by the rounds. From the per-call times the expected cost of a real
@@ -10,7 +12,8 @@ timings and the choice go into summary.json.
 
 Decisions are cached in `strategy_choices.json` next to the compilation cache (keyed by backend,
 device kind, algorithm, architecture, shapes and bucket), so later runs on the same machine skip
-the measurement. No platform rule is built in.
+the measurement; the key includes the candidates, so adding one measures anew. No platform
+rule is built in.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ class Choice:
     """The strategy picked for one cohort and the evidence.
 
     Attributes:
-      strategy: 'loop', 'vmap' or 'shard'.
+      strategy: the chosen runner's name (`CohortRunner.name`): 'loop', 'vmap' or 'shard',
+        with '/eigen' when it uses the Eigen CPU kernels.
       seconds_per_call: measured seconds of one update call with one step per client per epoch.
       expected_round_s: those scaled to the cohort's planned steps per round, per strategy.
       cached: True when read from the decision cache instead of measured.
@@ -51,13 +55,14 @@ class Choice:
         return dataclasses.asdict(self)
 
 
-def _signature(name: str, broadcast, states, train, bucket: int, epochs: int) -> str:
+def _signature(name: str, candidates: list[str], broadcast, states, train, bucket: int,
+               epochs: int) -> str:
     device = jax.devices()[0]
     shapes = [(jax.tree_util.keystr(p), tuple(np.shape(x)), str(jnp.result_type(x)))
               for tree in (broadcast, states, train)
               for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
     text = json.dumps([jax.__version__, device.platform, device.device_kind, len(jax.devices()),
-                       name, bucket, epochs, shapes])
+                       name, candidates, bucket, epochs, shapes])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -119,11 +124,12 @@ def cached_choice(trial: Trial, cache_dir: str | None) -> Choice | None:
 
 
 def _key(t: Trial) -> str:
-    return _signature(t.name, t.broadcast, t.states, t.train, t.bucket, t.epochs)
+    return _signature(t.name, sorted(t.runners), t.broadcast, t.states, t.train, t.bucket,
+                      t.epochs)
 
 
 def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
-    """Times the trial's runners (strategy -> runner) on one cohort; returns the cheaper one.
+    """Times the trial's runners (name -> runner) on one cohort; returns the cheapest.
 
     `trial` fields: name (algorithm/architecture, part of the cache key); runners; broadcast;
     states and train (the cohort's stacked private states and padded train arrays); bucket
@@ -142,15 +148,13 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
     per_call = {s: _time_update(r, trial.broadcast, trial.states, one_step, slots, keys, repeats)
                 for s, r in runners.items()}
     # A call ran `epochs` steps of every slot. The loop pays per participant and step; vmap
-    # pays per iteration of the whole bucket, until the longest schedule ends.
+    # (and shard: vmap per device) pays per iteration of the whole bucket, until the longest
+    # schedule ends.
     mean_steps, max_steps = float(np.mean(planned_steps)), float(np.max(planned_steps))
-    expected = {
-        "loop": per_call.get("loop", 0.0) / (epochs * bucket) * mean_steps
-        * expected_participants,
-        "vmap": per_call.get("vmap", 0.0) / epochs * max_steps,
-        "shard": per_call.get("shard", 0.0) / epochs * max_steps,  # vmap per device
-    }
-    expected = {s: expected[s] for s in per_call}
+    calls_per_round = {"loop": mean_steps * expected_participants / (epochs * bucket),
+                       "vmap": max_steps / epochs, "shard": max_steps / epochs}
+    expected = {name: seconds * calls_per_round[runners[name].strategy]
+                for name, seconds in per_call.items()}
     choice = Choice(min(expected, key=expected.get), per_call, expected)
     if cache_dir:  # re-read: another run may have added its decisions meanwhile
         path = os.path.join(cache_dir, CACHE_FILE)

@@ -275,6 +275,10 @@ def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float
                           "participant: it needs config.execution.strategy='loop', "
                           "config.execution.client_states='device' and synchronous rounds "
                           "(config.asynchronous.enabled=False)")
+    if ex.cpu_kernels == "auto":
+        raise ConfigError("config.execution.cpu_kernels='auto': launch.sweep compiles one "
+                          "program for all members, so it does not time kernel choices; give "
+                          "'xla' or 'eigen' (launch.main with 'auto' shows which is faster)")
     members = {}
     for v in values:
         member = with_overrides(config, {dotted: v})

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
         measured = measure_step_times(ctx, state)
         ctx = with_step_times(ctx, measured)
         step = ", ".join(f"{a} {v * 1e3:.1f} ms" for a, v in measured.items())
-        print(f"measured step time on this machine ({ctx.cohorts[0].runner.strategy} "
+        print(f"measured step time on this machine ({ctx.cohorts[0].runner.name} "
               f"strategy, {jax.default_backend()}): {step}; x speed class")
     else:
         print(f"simulated step time {s.step_time_s:g} s x speed class")

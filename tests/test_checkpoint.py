@@ -9,6 +9,7 @@ import sys
 import time
 
 import fl_helpers
+import jax
 import pytest
 
 from fedjax_pfedes.checkpointing import config_changes
@@ -110,17 +111,26 @@ def test_resume_false_starts_the_workdir_over(checkpointed):
     assert [r["round"] for r in rows] == [1, 2]
 
 
-def test_auto_strategy_is_measured_once_and_kept_on_resume(tmp_path):
+@pytest.mark.parametrize("strategy,kernels,candidates", [
+    ("auto", "xla", {"loop", "vmap"}),
+    ("loop", "auto", {"loop", "loop/eigen"}),  # the CPU kernels, timed like the strategies
+])
+def test_auto_strategy_is_measured_once_and_kept_on_resume(tmp_path, strategy, kernels,
+                                                           candidates):
+    if kernels == "auto" and jax.default_backend() != "cpu":
+        pytest.skip("the kernel choice exists on the CPU backend only")
     config = _small(rounds=2)
-    config.execution.strategy = "auto"
+    config.execution.strategy = strategy
+    config.execution.cpu_kernels = kernels
     config.execution.compilation_cache_dir = str(tmp_path / "cache")
     first = run_experiment(config, str(tmp_path / "run"), show_progress=False)
     choice = first["strategy_choice"]["mlp"]
-    assert set(choice["seconds_per_call"]) == {"loop", "vmap"} and not choice["cached"]
+    assert set(choice["seconds_per_call"]) == candidates and not choice["cached"]
     assert choice["strategy"] == min(choice["expected_round_s"], key=choice["expected_round_s"].get)
     assert first["execution_strategy_by_arch"] == {"mlp": choice["strategy"]}
     longer = _small(rounds=3)
-    longer.execution.strategy = "auto"
+    longer.execution.strategy = strategy
+    longer.execution.cpu_kernels = kernels
     longer.execution.compilation_cache_dir = str(tmp_path / "cache")
     resumed = run_experiment(longer, str(tmp_path / "run"), show_progress=False)
     assert resumed["resumed_from_round"] == 2

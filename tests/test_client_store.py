@@ -89,6 +89,10 @@ def test_offload_config_is_validated():
     config.execution.strategy = "auto"
     with pytest.raises(ConfigError, match="needs an explicit config.execution.strategy"):
         validate_config(config)
+    config.execution.strategy = "loop"
+    config.execution.cpu_kernels = "auto"
+    with pytest.raises(ConfigError, match="needs explicit config.execution.cpu_kernels"):
+        validate_config(config)
 
 
 def _metrics(workdir):

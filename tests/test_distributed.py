@@ -129,6 +129,8 @@ def test_bad_distributed_settings_are_refused_naming_the_field(fields, match):
     ("execution.client_states", "offload", r"config\.execution\.client_states='offload' is "
      r"not supported across processes"),
     ("asynchronous.enabled", True, r"config\.asynchronous\.enabled: asynchronous rounds"),
+    ("execution.cpu_kernels", "auto", r"config\.execution\.cpu_kernels='auto' is not "
+     r"supported across processes"),
 ])
 def test_what_does_not_run_across_processes_yet_is_refused(field, value, match):
     config = _distributed(num_processes=2, coordinator_address="127.0.0.1:1234")

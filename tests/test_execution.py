@@ -123,7 +123,7 @@ def test_unknown_strategy_names_the_field():
         execution.resolve_strategy("pmap")
 
 
-def _fake_runner(name, seconds_per_step):
+def _fake_runner(name, seconds_per_step, kernels="xla"):
     """A runner whose update sleeps `seconds_per_step` per local step it would run."""
     import time
 
@@ -133,7 +133,7 @@ def _fake_runner(name, seconds_per_step):
         time.sleep(seconds_per_step * float(steps))
         return None, states, {}
 
-    return execution.CohortRunner(name, update, None, None, None)
+    return execution.CohortRunner(name, update, None, None, None, kernels=kernels)
 
 
 def test_auto_strategy_picks_the_cheaper_expected_round_and_caches_it(tmp_path):
@@ -163,6 +163,45 @@ def test_auto_strategy_picks_the_cheaper_expected_round_and_caches_it(tmp_path):
     # Equal step counts: vmap's single batched call wins.
     even = strategy_choice.choose(trial("alg/arch2", 4.0, np.full(4, 3)), None, repeats=1)
     assert even.strategy == "vmap"
+
+
+def test_auto_kernels_are_candidates_of_their_own_and_keyed_apart_in_the_cache(tmp_path):
+    """With `cpu_kernels='auto'` every strategy comes twice (XLA's and Eigen's kernels): each
+    variant is timed and priced by its strategy's rule, the name says the kernels, and the
+    decision cache keeps decisions over other candidate sets apart."""
+    from fedjax_pfedes import strategy_choice
+    from fedjax_pfedes.data.federated import ClientArrays
+    train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
+                         jnp.array([8, 8, 8, 8], jnp.int32))
+    states = {"w": jnp.zeros((4, 3))}
+    eigen = _fake_runner("loop", 0.005, kernels="eigen")
+    assert eigen.name == "loop/eigen" and _fake_runner("loop", 0.01).name == "loop"
+    both = {"loop": _fake_runner("loop", 0.01), "loop/eigen": eigen,
+            "vmap": _fake_runner("vmap", 0.03)}
+    planned = np.array([2, 2, 2, 10])
+
+    def trial(runners):
+        return strategy_choice.Trial("alg/arch", runners, {}, states, train, bucket=4,
+                                     expected_participants=2.0, planned_steps=planned,
+                                     epochs=1, batch_size=1)
+
+    choice = strategy_choice.choose(trial(both), str(tmp_path), repeats=1)
+    assert choice.strategy == "loop/eigen" and not choice.cached
+    # Both loop variants are priced by the loop's rule: per-client step x mean steps x
+    # participants (here 4 x 2: the call ran one step for each of the 4 slots).
+    for name in ("loop", "loop/eigen"):
+        assert choice.expected_round_s[name] == pytest.approx(
+            choice.seconds_per_call[name] / 4 * 4.0 * 2.0)
+    # Another candidate set is measured anew; the same one is read back.
+    without = strategy_choice.choose(trial({k: both[k] for k in ("loop", "vmap")}),
+                                     str(tmp_path), repeats=1)
+    assert without.strategy == "loop" and not without.cached
+    assert strategy_choice.choose(trial(both), str(tmp_path), repeats=1).cached
+    assert execution.kernel_candidates("eigen") == ("eigen",)
+    expected = ("xla", "eigen") if jax.default_backend() == "cpu" else ("xla",)
+    assert execution.kernel_candidates("auto") == expected
+    with pytest.raises(ValueError, match="config.execution.cpu_kernels"):
+        execution.kernel_candidates("onednn")
 
 
 def test_loop_threads_give_the_numbers_of_one_thread():

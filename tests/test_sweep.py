@@ -36,6 +36,14 @@ def test_fields_members_cannot_differ_in_are_refused_naming_them(field, message)
         sweep.check_float(tiny_config(), field)
 
 
+def test_auto_cpu_kernels_are_refused_by_the_sweep(tmp_path):
+    config = tiny_config()
+    config.execution.cpu_kernels = "auto"
+    with pytest.raises(ConfigError, match=r"config\.execution\.cpu_kernels='auto': "
+                                          r"launch\.sweep compiles one program"):
+        sweep.run_sweep(config, "lam", [0.5, 1.0], str(tmp_path))
+
+
 def test_traced_fields_pass_the_trace_check_and_a_shape_field_fails_it(monkeypatch):
     import dataclasses
 
