@@ -234,10 +234,10 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, schedule: LocalSch
         out = (data.x[rows], data.y[rows], schedule.sample_mask[position])
         return out + (keys[position],) if step_keys else out
 
-    # A nested jit traces the step once: the stats' shape and the loop body share that trace
-    # (tracing a model's forward and backward is most of a first call's Python time). XLA
-    # inlines the call, so the compiled loop is the same.
-    step = jax.jit(train_step)
+    # The step is traced once: the stats' shape and the loop body share the trace of a nested
+    # jit (tracing a model's forward and backward is a first call's Python time); `inline`
+    # copies its equations into the loop, so the lowered program is the one a direct call gives.
+    step = jax.jit(train_step, inline=True)
     stats_shape = jax.eval_shape(lambda c: step(c, batch_of(jnp.int32(0)))[1], carry)
     sums = jnp.zeros(stats_shape.shape, stats_shape.dtype)
 

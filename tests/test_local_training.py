@@ -138,6 +138,27 @@ def test_rolled_loop_matches_a_numpy_sgd_loop(drop, steps_per_epoch):
     np.testing.assert_allclose(sums[0], sum(losses), rtol=1e-5)
 
 
+def test_the_local_step_is_traced_once_and_lowers_as_before():
+    """The rolled loop needs the step's stats shape before the loop: both come from one trace
+    of the step (tracing a model is most of a first call's Python time), and the lowered
+    program has no extra function: the step is inlined as if called directly."""
+    traces = []
+
+    def logits(p, x):
+        traces.append(1)
+        return x @ p
+
+    step = local_training.cross_entropy_step(logits, optax.sgd(0.1))
+    data = ClientArrays(jnp.ones((40, 5)), jnp.zeros((40,), jnp.int32), jnp.int32(37))
+    params = jnp.zeros((5, 3))
+    run = jax.jit(lambda p, d, k: local_training.run_local_epochs(
+        step, (p, optax.sgd(0.1).init(p)), d, k, local_training.LocalSchedule(8, 2)))
+    lowered = run.lower(params, data, jax.random.key(0))
+    assert len(traces) == 1
+    assert "@train_step" not in lowered.as_text()  # no function of its own: inlined
+    assert float(run(params, data, jax.random.key(0))[2]) == 10.0  # 2 epochs x ceil(37/8)
+
+
 def test_step_keys_follow_the_schedule_positions():
     """DP-SGD keys: the rolled loop hands step t the key of its padded-schedule position."""
     data = _clients([9, 20], capacity=20)
