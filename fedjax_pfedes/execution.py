@@ -69,8 +69,9 @@ def kernel_options(cpu_kernels: str) -> dict[str, str]:
     XLA's Eigen-based kernels). Which is faster depends on the CPU and the layers
     (docs/performance.md); the two agree up to float reassociation. Empty off the CPU backend."""
     if cpu_kernels not in CPU_KERNELS:
-        raise ValueError(f"config.execution.cpu_kernels must be one of {list(CPU_KERNELS)}, "
-                         f"got {cpu_kernels!r}")
+        raise ValueError(f"config.execution.cpu_kernels must be one of {list(CPU_KERNELS)} "
+                         f"('auto' picks one per cohort, `kernel_candidates`), got "
+                         f"{cpu_kernels!r}")
     if cpu_kernels == "xla" or jax.default_backend() != "cpu":
         return {}
     return {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -82,9 +83,7 @@ def kernel_candidates(cpu_kernels: str) -> tuple[str, ...]:
     'xla' elsewhere (the option only exists for XLA:CPU)."""
     if cpu_kernels == "auto":
         return CPU_KERNELS if jax.default_backend() == "cpu" else ("xla",)
-    if cpu_kernels not in CPU_KERNELS:
-        raise ValueError(f"config.execution.cpu_kernels must be one of {list(KERNEL_SETTINGS)}, "
-                         f"got {cpu_kernels!r}")
+    kernel_options(cpu_kernels)  # refuses a name it does not know
     return (cpu_kernels,)
 
 

@@ -42,7 +42,7 @@ class Choice:
       strategy: the chosen runner's name (`CohortRunner.name`): 'loop', 'vmap' or 'shard',
         with '/eigen' when it uses the Eigen CPU kernels.
       seconds_per_call: measured seconds of one update call with one step per client per epoch.
-      expected_round_s: those scaled to the cohort's planned steps per round, per strategy.
+      expected_round_s: those scaled to the cohort's planned steps per round, per runner name.
       cached: True when read from the decision cache instead of measured.
     """
 

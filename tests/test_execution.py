@@ -187,8 +187,8 @@ def test_auto_kernels_are_candidates_of_their_own_and_keyed_apart_in_the_cache(t
 
     choice = strategy_choice.choose(trial(both), str(tmp_path), repeats=1)
     assert choice.strategy == "loop/eigen" and not choice.cached
-    # Both loop variants are priced by the loop's rule: per-client step x mean steps x
-    # participants (here 4 x 2: the call ran one step for each of the 4 slots).
+    # Both loop variants are priced by the loop's rule: the call's 4 slots ran one step each;
+    # a round runs 4 mean planned steps for each of 2 expected participants.
     for name in ("loop", "loop/eigen"):
         assert choice.expected_round_s[name] == pytest.approx(
             choice.seconds_per_call[name] / 4 * 4.0 * 2.0)
