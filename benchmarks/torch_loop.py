@@ -130,6 +130,45 @@ def _load_flat(params, flat: torch.Tensor) -> None:
             start += p.numel()
 
 
+def fedavg_step(model: nn.Module, opt, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    """One local SGD step of FedAvg on a batch; returns the (detached) loss."""
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(xb), yb)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def pfedes_step(model: nn.Module, opt, proxy: nn.Module, proxy_opt, xb: torch.Tensor,
+                yb: torch.Tensor, lam: float) -> torch.Tensor:
+    """One pFedES local step: SGD on CE + lam * MSE(e_local, stopgrad(e_proxy)) for the private
+    model, then SGD on MSE(e_proxy, stopgrad(e_local)) for the proxy; one proxy forward pass
+    serves both. Returns the private loss (detached)."""
+    e_proxy = proxy(xb)
+    logits, e_local = model(xb)
+    loss = F.cross_entropy(logits, yb) + lam * F.mse_loss(e_local, e_proxy.detach())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    proxy_loss = F.mse_loss(e_proxy, e_local.detach())
+    proxy_opt.zero_grad(set_to_none=True)
+    proxy_loss.backward()
+    proxy_opt.step()
+    return loss.detach()
+
+
+def fedavg_model(in_ch: int, spatial: int, num_classes: int) -> nn.Module:
+    """`convnet3` with its classifier: ConvStack(16, 32, 64; pool after the first two) + Linear."""
+    return nn.Sequential(ConvStack(in_ch, (16, 32, 64), (0, 1), spatial),
+                         nn.Linear(128, num_classes))
+
+
+def pfedes_model(arch: str, in_ch: int, spatial: int, num_classes: int, dim: int) -> nn.Module:
+    """CNN-k (`arch` in PUBLISHED) with its classifier and projection head."""
+    conv2, fc1 = PUBLISHED[arch]
+    return ClientModel(PublishedCNN(in_ch, spatial, conv2, fc1), 500, num_classes, dim)
+
+
 def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_classes: int,
                rounds: int, per_round: int, batch_size: int, epochs: int, lr: float,
                seed: int = 0, device: str = "cpu") -> dict:
@@ -142,8 +181,7 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
     in_ch, spatial = data[0][0].shape[1], data[0][0].shape[2]
 
     def model():
-        return nn.Sequential(ConvStack(in_ch, (16, 32, 64), (0, 1), spatial),
-                             nn.Linear(128, num_classes)).to(device)
+        return fedavg_model(in_ch, spatial, num_classes).to(device)
 
     global_model, local = model(), model()
     local_params = list(local.parameters())
@@ -161,11 +199,7 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
             _load_flat(local_params, global_flat)
             loss_sum = torch.zeros((), device=device)
             for idx in _batches(len(y), batch_size, epochs, device):
-                opt.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(local(x[idx]), y[idx])
-                loss.backward()
-                opt.step()
-                loss_sum += loss.detach()
+                loss_sum += fedavg_step(local, opt, x[idx], y[idx])
                 steps += 1
             total += len(y) * _flat(local_params)
             weight += len(y)
@@ -186,8 +220,7 @@ def run_pfedes(clients: list[tuple[np.ndarray, np.ndarray]], archs: list[str], m
     in_ch, spatial = data[0][0].shape[1], data[0][0].shape[2]
     models, opts = [], []
     for arch in archs:
-        conv2, fc1 = PUBLISHED[arch]
-        m = ClientModel(PublishedCNN(in_ch, spatial, conv2, fc1), 500, num_classes, dim).to(device)
+        m = pfedes_model(arch, in_ch, spatial, num_classes, dim).to(device)
         models.append(m)
         opts.append(torch.optim.SGD(m.parameters(), lr=lr))
     proxy = Proxy(in_ch, spatial, dim).to(device)
@@ -205,18 +238,7 @@ def run_pfedes(clients: list[tuple[np.ndarray, np.ndarray]], archs: list[str], m
             model, opt = models[k], opts[k]
             _load_flat(proxy_params, global_flat)
             for idx in _batches(len(y), batch_size, epochs, device):
-                xb, yb = x[idx], y[idx]
-                e_proxy = proxy(xb)  # one forward pass serves both steps
-                logits, e_local = model(xb)
-                loss = F.cross_entropy(logits, yb) + lam * F.mse_loss(e_local, e_proxy.detach())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                proxy_loss = F.mse_loss(e_proxy, e_local.detach())
-                proxy_opt.zero_grad(set_to_none=True)
-                proxy_loss.backward()
-                proxy_opt.step()
-                loss_sum += loss.detach()
+                loss_sum += pfedes_step(model, opt, proxy, proxy_opt, x[idx], y[idx], lam)
                 steps += 1
             total += len(y) * _flat(proxy_params)
             weight += len(y)

@@ -247,7 +247,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Per-round monitoring (README "Monitoring").
     config.monitor = ml_collections.ConfigDict()
-    config.monitor.aggregation_loss = True  # participants' local-test loss before/after step
+    # Participants' local-test loss before/after the server step; under pFedES also each
+    # client's alignment loss at the start and end of its update (finding F4's jump).
+    config.monitor.aggregation_loss = True
     config.monitor.client_report = True  # <workdir>/clients.jsonl: one line per participant
     config.monitor.tensorboard = True    # <workdir>/tensorboard event files
 

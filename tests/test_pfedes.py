@@ -435,3 +435,29 @@ def test_alignment_loss_at_start_and_end_of_a_participation():
     np.testing.assert_allclose(m["align_loss_at_start"], start, rtol=1e-6)
     np.testing.assert_allclose(m["align_loss_at_end"], end, rtol=1e-6)
     assert float(m["align_loss_at_end"]) < float(m["align_loss_at_start"])
+
+    # Without the diagnostics (config.monitor.aggregation_loss = False) the update computes
+    # the same upload, state and training metrics, and neither extra forward pass.
+    quiet = pfedes(PFedESConfig(num_classes=3, input_spec=spec, proxy_dim=4, batch_size=4,
+                                lr_local=0.1, proxy_arch="proxy_mlp", local_epochs=2,
+                                align_diagnostics=False)).cohort_program("mlp_small")
+    upload_q, state_q, m_q = quiet.client_update(proxy_params, state, data, jax.random.key(2))
+    assert set(m) - set(m_q) == {"align_loss_at_start", "align_loss_at_end"}
+    chex.assert_trees_all_equal((upload_q, state_q, m_q),
+                                (upload, new_state, {k: m[k] for k in m_q}))
+
+
+def test_the_alignment_diagnostics_follow_the_aggregation_loss_monitor(monkeypatch):
+    import collections
+
+    import fedjax_pfedes.algorithms.pfedes as module
+    from fedjax_pfedes.algorithms.registry import BuildInputs, get
+    from tests.fl_helpers import tiny_config
+
+    built = []
+    monkeypatch.setattr(module, "pfedes", built.append)
+    for monitor in (True, False):
+        config = tiny_config()
+        config.monitor.aggregation_loss = monitor
+        get("pfedes").build(BuildInputs(config, 3, SPEC, 1, collections.Counter()))
+    assert [cfg.align_diagnostics for cfg in built] == [True, False]

@@ -57,6 +57,10 @@ class PFedESConfig(LocalTrainingConfig):
     `proxy_init`: path of a saved E_proxy (`launch.pretrain_proxy`) to start from instead of a
     random initialization ('' = random).
 
+    `align_diagnostics`: report `align_loss_at_start` / `align_loss_at_end` (two extra forward
+    passes of the private model and of E_proxy on a batch of rows per client and round, about
+    2/3 of one local step's arithmetic; `config.monitor.aggregation_loss` switches them).
+
     `proxy_momentum`: heavy-ball momentum of E_proxy's local SGD (trace reset every round, as
     E_proxy arrives fresh from the server). With local momentum m and none on E_proxy, E_proxy's
     effective step is proxy_lr_ratio x (1 - m) of the local one (0.01x at m = 0.9, not the
@@ -78,6 +82,7 @@ class PFedESConfig(LocalTrainingConfig):
     proxy_momentum: float = 0.0
     proxy_init: str = ""
     proxy_scales: tuple[float, ...] = (1.0,)
+    align_diagnostics: bool = True
 
 
 @struct.dataclass
@@ -232,22 +237,24 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
                                                 step_keys=cfg.dp_sgd is not None)
             n_steps = jnp.maximum(n_active, 1.0)
             delta = jax.tree.map(jnp.subtract, local_proxy, global_proxy)
-            # The alignment loss on the client's first batch of rows, right after receiving the
-            # aggregated E_proxy and at the end of its local training: across two participations
-            # of a client, start minus the previous end is the jump aggregation causes (F4).
-            rows = min(cfg.batch_size, data.y.shape[0])
-            x0, mask0 = data.x[:rows], jnp.arange(rows) < data.sizes
-            start = align(model.apply(state.params, x0)[1], proxy.apply(global_proxy, x0), mask0)
-            end = align(model.apply(params, x0)[1], proxy.apply(local_proxy, x0), mask0)
             metrics = {
                 "train_ce_loss": sums[0] / n_steps,
                 "train_align_loss": sums[1] / n_steps,
                 "train_proxy_align_loss": sums[2] / n_steps,
                 "local_steps": n_active,
                 "proxy_update_norm": optax.tree.norm(delta),
-                "align_loss_at_start": start,
-                "align_loss_at_end": end,
             }
+            if cfg.align_diagnostics:
+                # The alignment loss on the client's first batch of rows, right after receiving
+                # the aggregated E_proxy and at the end of its local training: across two
+                # participations of a client, start minus the previous end is the jump
+                # aggregation causes (F4).
+                rows = min(cfg.batch_size, data.y.shape[0])
+                x0, mask0 = data.x[:rows], jnp.arange(rows) < data.sizes
+                metrics["align_loss_at_start"] = align(
+                    model.apply(state.params, x0)[1], proxy.apply(global_proxy, x0), mask0)
+                metrics["align_loss_at_end"] = align(
+                    model.apply(params, x0)[1], proxy.apply(local_proxy, x0), mask0)
             return local_proxy, ClientState(params, opt_state, steps), metrics
 
         def evaluate(global_proxy, state: ClientState, test):
@@ -278,7 +285,8 @@ def _build(inputs: BuildInputs) -> Algorithm:
         server_momentum=c.server_momentum, dp_sgd=inputs.dp_sgd(),
         stop_gradient_proxy=c.stop_gradient_proxy, stop_gradient_local=c.stop_gradient_local,
         proxy_momentum=c.proxy_momentum, proxy_init=c.proxy_init,
-        proxy_scales=parse_scales(c.proxy_scales)))
+        proxy_scales=parse_scales(c.proxy_scales),
+        align_diagnostics=c.monitor.aggregation_loss))
 
 
 def parse_scales(text: str) -> tuple[float, ...]:

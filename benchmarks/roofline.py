@@ -1,0 +1,184 @@
+"""How close the local step runs to what this machine can compute: FLOPs against time.
+
+  python -m benchmarks.roofline                       # ~2 min on 2 CPU cores
+  python -m benchmarks.roofline --cpu_kernels=xla,eigen --no_torch
+
+For the two works of `benchmarks.compare_frameworks` (FedAvg `convnet3` on MNIST-5k, batch 32;
+pFedES CNN-1..5 with `proxy_cnn` on CIFAR-shaped inputs, batch 64), per architecture:
+
+- FLOPs of one client's local step, counted twice, independently: by XLA's cost analysis of
+  our compiled local update (the rolled loop's body counts once; the client update runs 5 steps,
+  outside the loop only a few norms) and by PyTorch's `FlopCounterMode` on the PyTorch step of
+  `benchmarks.torch_loop` (matrix products and convolutions only, forward and backward);
+- the time of one step: our client update compiled for one client and timed alone (best of
+  `--repeats`, divided by its 5 steps), and the PyTorch step on the same shapes;
+- the GFLOP/s that gives, and its share of this machine's rate on a large float32 matrix
+  product (2048 x 2048, all threads): the best the CPU does on the friendliest operation, an
+  upper bound for small convolutions.
+
+Then what the targets of the speed issue ask of the machine: FedAvg <= 0.2 s/round (50 client
+steps, minus the round's own work) and pFedES >= 2x the PyTorch loop's client-steps/s, as the
+GFLOP/s they need and the share of the matrix-product rate that is. No timed assertion anywhere:
+this prints numbers for docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from benchmarks.compare_frameworks import fedavg_config, pfedes_config, write_cifar_shaped
+from fedjax_pfedes import execution
+from fedjax_pfedes.builders import build_algorithm, build_federated_data
+from fedjax_pfedes.cohorts import assign_architectures
+
+_KERNELS = flags.DEFINE_list("cpu_kernels", ["xla", "eigen"], "config.execution.cpu_kernels "
+                             "choices our update is timed with.")
+_TORCH = flags.DEFINE_bool("torch", True, "Also count and time the PyTorch step (bench extra).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per program (best is kept).")
+
+FEDAVG_STEPS_PER_ROUND = 50    # 10 participants x 160 samples / batch 32
+FEDAVG_TARGET_S = 0.2          # the issue's FedAvg target, s/round
+PFEDES_TARGET_RATIO = 2.0      # the issue's pFedES target, x the PyTorch loop's client-steps/s
+
+
+def _best_s(f, repeats: int) -> float:
+    f()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_gflops(repeats: int) -> dict[str, float]:
+    """GFLOP/s of a 2048 x 2048 float32 matrix product: XLA (jit) and, if present, PyTorch."""
+    n = 2048
+    a = jax.random.normal(jax.random.key(0), (n, n))
+    product = jax.jit(jnp.matmul)
+    out = {"XLA": 2 * n ** 3 / _best_s(lambda: product(a, a).block_until_ready(), repeats) / 1e9}
+    if _TORCH.value:
+        import torch
+        t = torch.randn(n, n)
+        out["PyTorch"] = 2 * n ** 3 / _best_s(lambda: t @ t, repeats) / 1e9
+    return out
+
+
+def our_steps(config, kernels: str, repeats: int) -> dict[str, tuple[float, float]]:
+    """{arch: (XLA-counted FLOPs of one local step, seconds per step)} of our client update for
+    the work's first client of each architecture, compiled with `kernels`."""
+    data = build_federated_data(config)
+    algorithm = build_algorithm(config, data)
+    archs = assign_architectures(config.clients.architectures, data.num_clients)
+    server = algorithm.init_server(jax.random.key(0), tuple(dict.fromkeys(archs)))
+    options = execution.kernel_options(kernels) or None
+    out = {}
+    for arch in dict.fromkeys(archs):
+        program = algorithm.cohort_program(arch)
+        first = archs.index(arch)
+        train = jax.tree.map(lambda a: a[0], data.client_arrays([first], "train"))
+        args = (algorithm.broadcast(server, arch), program.init_client(jax.random.key(1)),
+                train, jax.random.key(2))
+        compiled = jax.jit(program.client_update, compiler_options=options).lower(*args).compile()
+        steps = int(np.ceil(int(train.sizes) / config.train.batch_size)) * \
+            config.train.local_epochs
+        seconds = _best_s(lambda c=compiled, a=args: jax.block_until_ready(c(*a)), repeats)
+        flops = compiled.cost_analysis()["flops"]  # the loop body counts once: one step
+        out[arch] = (flops, seconds / steps)
+    return out
+
+
+def torch_steps(work: str, archs: list[str], repeats: int) -> dict[str, tuple[float, float]]:
+    """{arch: (FlopCounterMode FLOPs of one step, seconds per step)} of benchmarks.torch_loop."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks import torch_loop
+    torch.manual_seed(0)
+    out = {}
+    for arch in archs:
+        if work == "fedavg":
+            x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+            model = torch_loop.fedavg_model(1, 28, 10)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+            def step(model=model, opt=opt, x=x, y=y):
+                torch_loop.fedavg_step(model, opt, x, y)
+        else:
+            x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+            model = torch_loop.pfedes_model(arch, 3, 32, 10, 128)
+            proxy = torch_loop.Proxy(3, 32, 128)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            proxy_opt = torch.optim.SGD(proxy.parameters(), lr=0.001)
+
+            def step(model=model, opt=opt, proxy=proxy, proxy_opt=proxy_opt, x=x, y=y):
+                torch_loop.pfedes_step(model, opt, proxy, proxy_opt, x, y, 0.5)
+        with FlopCounterMode(display=False) as counter:
+            step()
+        seconds = min(_best_s(step, repeats) for _ in range(3))
+        out[arch] = (counter.get_total_flops(), seconds)
+    return out
+
+
+def main(argv):
+    del argv
+    repeats = _REPEATS.value
+    peak = matmul_gflops(repeats)
+    best_peak = max(peak.values())
+    print(f"JAX {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPU cores; "
+          "2048 x 2048 float32 matrix product: "
+          + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peak.items()))
+    print("| work | architecture | engine | GFLOP/step (XLA count) | GFLOP/step (PyTorch count) "
+          "| ms/step | GFLOP/s | share of the matrix-product rate |")
+    print("|---|---|---|---|---|---|---|---|")
+    needs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        npz = os.path.join(tmp, "cifar_shaped.npz")
+        write_cifar_shaped(npz)
+        works = {"fedavg": fedavg_config(3), "pfedes": pfedes_config(3, npz)}
+        for work, config in works.items():
+            archs = list(dict.fromkeys(a.strip() for a in
+                                       config.clients.architectures.split(",")))
+            theirs = torch_steps(work, archs, repeats) if _TORCH.value else {}
+            ours = {k: our_steps(config, k, repeats) for k in _KERNELS.value}
+            for arch in archs:
+                torch_flops = theirs[arch][0] if theirs else float("nan")
+                for kernels, result in ours.items():
+                    flops, seconds = result[arch]
+                    rate = flops / seconds / 1e9
+                    print(f"| {work} | {arch} | ours, {kernels} kernels | {flops / 1e9:.3f} | "
+                          f"{torch_flops / 1e9:.3f} | {seconds * 1e3:.1f} | {rate:.1f} | "
+                          f"{rate / best_peak:.0%} |")
+                if theirs:
+                    t_flops, t_seconds = theirs[arch]
+                    print(f"| {work} | {arch} | PyTorch | | {t_flops / 1e9:.3f} | "
+                          f"{t_seconds * 1e3:.1f} | {t_flops / t_seconds / 1e9:.1f} | "
+                          f"{t_flops / t_seconds / 1e9 / best_peak:.0%} |")
+            mean_flops = np.mean([ours[_KERNELS.value[0]][a][0] for a in archs])
+            if work == "fedavg":
+                need = mean_flops * FEDAVG_STEPS_PER_ROUND / FEDAVG_TARGET_S / 1e9
+                needs.append(f"FedAvg <= {FEDAVG_TARGET_S} s/round: {FEDAVG_STEPS_PER_ROUND} "
+                             f"steps of {mean_flops / 1e9:.3f} GFLOP in {FEDAVG_TARGET_S} s = "
+                             f"{need:.0f} GFLOP/s ({need / best_peak:.0%} of the matrix-product "
+                             "rate), with no time left for the round's own work")
+            elif theirs:
+                torch_s = np.mean([theirs[a][1] for a in archs])
+                need = mean_flops * PFEDES_TARGET_RATIO / torch_s / 1e9
+                needs.append(f"pFedES >= {PFEDES_TARGET_RATIO:g}x PyTorch: a step in "
+                             f"{torch_s / PFEDES_TARGET_RATIO * 1e3:.1f} ms (PyTorch "
+                             f"{torch_s * 1e3:.1f} ms) = {need:.0f} GFLOP/s "
+                             f"({need / best_peak:.0%} of the matrix-product rate)")
+    print("\nWhat the targets need, on this machine:")
+    for line in needs:
+        print(f"- {line}")
+
+
+if __name__ == "__main__":
+    app.run(main)
