@@ -2,6 +2,7 @@
 
   python -m benchmarks.roofline                       # ~2 min on 2 CPU cores
   python -m benchmarks.roofline --cpu_kernels=xla,eigen --no_torch
+  python -m benchmarks.roofline --run=runs/quickstart    # a finished run's training FLOPs
 
 For the two works of `benchmarks.compare_frameworks` (FedAvg `convnet3` on MNIST-5k, batch 32;
 pFedES CNN-1..5 with `proxy_cnn` on CIFAR-shaped inputs, batch 64), per architecture:
@@ -20,16 +21,23 @@ Then what the targets of the speed issue ask of the machine: FedAvg <= 0.2 s/rou
 steps, minus the round's own work) and pFedES >= 2x the PyTorch loop's client-steps/s, as the
 GFLOP/s they need and the share of the matrix-product rate that is. No timed assertion anywhere:
 this prints numbers for docs/performance.md.
+
+`--run=DIR` instead reads a finished run's workdir (summary.json's config, clients.jsonl's local
+steps per trained client) and prints the FLOPs of all its local steps (XLA's count of each
+architecture's step, without the pFedES monitoring passes and without evaluation), the time
+they would take at this machine's matrix-product rate, and the run's own summed round times.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import app, flags
 
@@ -42,6 +50,7 @@ _KERNELS = flags.DEFINE_list("cpu_kernels", ["xla", "eigen"], "config.execution.
                              "choices our update is timed with.")
 _TORCH = flags.DEFINE_bool("torch", True, "Also count and time the PyTorch step (bench extra).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per program (best is kept).")
+_RUN = flags.DEFINE_string("run", "", "A finished run's workdir: count its local steps' FLOPs.")
 
 FEDAVG_STEPS_PER_ROUND = 50    # 10 participants x 160 samples / batch 32
 FEDAVG_TARGET_S = 0.2          # the issue's FedAvg target, s/round
@@ -127,6 +136,49 @@ def torch_steps(work: str, archs: list[str], repeats: int) -> dict[str, tuple[fl
     return out
 
 
+def step_flops(config) -> dict[str, float]:
+    """{arch: XLA-counted FLOPs of one local step} for the run `config` describes."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.monitor.aggregation_loss = False  # no pFedES diagnostics outside the loop
+    data = build_federated_data(config)
+    algorithm = build_algorithm(config, data)
+    archs = assign_architectures(config.clients.architectures, data.num_clients)
+    server = algorithm.init_server(jax.random.key(0), tuple(dict.fromkeys(archs)))
+    out = {}
+    for arch in dict.fromkeys(archs):
+        program = algorithm.cohort_program(arch)
+        train = jax.tree.map(lambda a: a[0], data.client_arrays([archs.index(arch)], "train"))
+        args = (algorithm.broadcast(server, arch), program.init_client(jax.random.key(1)),
+                train, jax.random.key(2))
+        out[arch] = jax.jit(program.client_update).lower(*args).compile().cost_analysis()["flops"]
+    return out
+
+
+def run_report(run_dir: str, peak: float) -> None:
+    """Prints the local steps' FLOPs of the finished run in `run_dir` against `peak` GFLOP/s."""
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            config = ml_collections.ConfigDict(json.load(f)["config"])
+        with open(os.path.join(run_dir, "clients.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            rounds = [json.loads(line) for line in f]
+    except (OSError, KeyError, ValueError) as e:
+        raise app.UsageError(f"--run={run_dir}: not a finished run's workdir ({e})") from None
+    flops = step_flops(config)
+    trained = [r for r in rows if r["status"] != "failed" and r.get("local_steps")]
+    total = sum(flops[r["arch"]] * r["local_steps"] for r in trained)
+    steps = sum(r["local_steps"] for r in trained)
+    wall = sum(r["round_time_s"] for r in rounds)
+    print(f"{run_dir}: {len(rounds)} rounds, {steps} local steps "
+          + ", ".join(f"{a} {f / 1e9:.3f} GFLOP/step" for a, f in flops.items()))
+    print(f"- local steps: {total / 1e9:.0f} GFLOP; at this machine's matrix-product rate "
+          f"({peak:.0f} GFLOP/s) {total / peak / 1e9:.1f} s, at 40 % of it "
+          f"{total / peak / 1e9 / 0.4:.1f} s")
+    print(f"- the run's rounds took {wall:.1f} s together ({total / wall / 1e9:.1f} GFLOP/s "
+          "counting the local steps alone; the rounds also evaluate, monitor and compile)")
+
+
 def main(argv):
     del argv
     repeats = _REPEATS.value
@@ -135,6 +187,9 @@ def main(argv):
     print(f"JAX {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPU cores; "
           "2048 x 2048 float32 matrix product: "
           + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peak.items()))
+    if _RUN.value:
+        run_report(_RUN.value, best_peak)
+        return
     print("| work | architecture | engine | GFLOP/step (XLA count) | GFLOP/step (PyTorch count) "
           "| ms/step | GFLOP/s | share of the matrix-product rate |")
     print("|---|---|---|---|---|---|---|---|")
