@@ -1,7 +1,7 @@
 """How close the local step runs to what this machine can compute: FLOPs against time.
 
   python -m benchmarks.roofline                       # ~2 min on 2 CPU cores
-  python -m benchmarks.roofline --cpu_kernels=xla,eigen --no_torch
+  python -m benchmarks.roofline --cpu_kernels=xla,eigen --notorch
   python -m benchmarks.roofline --run=runs/quickstart    # a finished run's training FLOPs
 
 For the two works of `benchmarks.compare_frameworks` (FedAvg `convnet3` on MNIST-5k, batch 32;
@@ -41,10 +41,9 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
+from benchmarks import cohort_inputs
 from benchmarks.compare_frameworks import fedavg_config, pfedes_config, write_cifar_shaped
 from fedjax_pfedes import execution
-from fedjax_pfedes.builders import build_algorithm, build_federated_data
-from fedjax_pfedes.cohorts import assign_architectures
 
 _KERNELS = flags.DEFINE_list("cpu_kernels", ["xla", "eigen"], "config.execution.cpu_kernels "
                              "choices our update is timed with.")
@@ -83,18 +82,10 @@ def matmul_gflops(repeats: int) -> dict[str, float]:
 def our_steps(config, kernels: str, repeats: int) -> dict[str, tuple[float, float]]:
     """{arch: (XLA-counted FLOPs of one local step, seconds per step)} of our client update for
     the work's first client of each architecture, compiled with `kernels`."""
-    data = build_federated_data(config)
-    algorithm = build_algorithm(config, data)
-    archs = assign_architectures(config.clients.architectures, data.num_clients)
-    server = algorithm.init_server(jax.random.key(0), tuple(dict.fromkeys(archs)))
     options = execution.kernel_options(kernels) or None
     out = {}
-    for arch in dict.fromkeys(archs):
-        program = algorithm.cohort_program(arch)
-        first = archs.index(arch)
-        train = jax.tree.map(lambda a: a[0], data.client_arrays([first], "train"))
-        args = (algorithm.broadcast(server, arch), program.init_client(jax.random.key(1)),
-                train, jax.random.key(2))
+    for arch, program, args in cohort_inputs.first_clients(config)[1]:
+        train = args[2]
         compiled = jax.jit(program.client_update, compiler_options=options).lower(*args).compile()
         steps = int(np.ceil(int(train.sizes) / config.train.batch_size)) * \
             config.train.local_epochs
@@ -140,16 +131,8 @@ def step_flops(config) -> dict[str, float]:
     """{arch: XLA-counted FLOPs of one local step} for the run `config` describes."""
     config = ml_collections.ConfigDict(config.to_dict())
     config.monitor.aggregation_loss = False  # no pFedES diagnostics outside the loop
-    data = build_federated_data(config)
-    algorithm = build_algorithm(config, data)
-    archs = assign_architectures(config.clients.architectures, data.num_clients)
-    server = algorithm.init_server(jax.random.key(0), tuple(dict.fromkeys(archs)))
     out = {}
-    for arch in dict.fromkeys(archs):
-        program = algorithm.cohort_program(arch)
-        train = jax.tree.map(lambda a: a[0], data.client_arrays([archs.index(arch)], "train"))
-        args = (algorithm.broadcast(server, arch), program.init_client(jax.random.key(1)),
-                train, jax.random.key(2))
+    for arch, program, args in cohort_inputs.first_clients(config)[1]:
         out[arch] = jax.jit(program.client_update).lower(*args).compile().cost_analysis()["flops"]
     return out
 
@@ -204,12 +187,12 @@ def main(argv):
             theirs = torch_steps(work, archs, repeats) if _TORCH.value else {}
             ours = {k: our_steps(config, k, repeats) for k in _KERNELS.value}
             for arch in archs:
-                torch_flops = theirs[arch][0] if theirs else float("nan")
+                torch_count = f"{theirs[arch][0] / 1e9:.3f}" if theirs else ""
                 for kernels, result in ours.items():
                     flops, seconds = result[arch]
                     rate = flops / seconds / 1e9
                     print(f"| {work} | {arch} | ours, {kernels} kernels | {flops / 1e9:.3f} | "
-                          f"{torch_flops / 1e9:.3f} | {seconds * 1e3:.1f} | {rate:.1f} | "
+                          f"{torch_count} | {seconds * 1e3:.1f} | {rate:.1f} | "
                           f"{rate / best_peak:.0%} |")
                 if theirs:
                     t_flops, t_seconds = theirs[arch]

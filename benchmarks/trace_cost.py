@@ -19,9 +19,8 @@ import time
 import jax
 from absl import app, flags
 
+from benchmarks import cohort_inputs
 from configs import quickstart
-from fedjax_pfedes.builders import build_algorithm, build_federated_data
-from fedjax_pfedes.cohorts import assign_architectures
 
 _ALGORITHM = flags.DEFINE_string("algorithm", "pfedes", "config.algorithm")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Traces per architecture (best is printed).")
@@ -31,19 +30,11 @@ def main(argv: list[str]) -> None:
     del argv
     config = quickstart.get_config()
     config.algorithm = _ALGORITHM.value
-    data = build_federated_data(config)
-    algorithm = build_algorithm(config, data)
-    archs = assign_architectures(config.clients.architectures, data.num_clients)
-    server = algorithm.init_server(jax.random.key(0), tuple(dict.fromkeys(archs)))
+    algorithm, cohorts = cohort_inputs.first_clients(config)
     print(f"{config.algorithm}, JAX {jax.__version__}\n| architecture | trace s | lower s | "
           "lowered module |\n|---|---|---|---|")
     total = [0.0, 0.0]
-    for arch in dict.fromkeys(archs):
-        program = algorithm.cohort_program(arch)
-        first = archs.index(arch)
-        train = jax.tree.map(lambda a: a[0], data.client_arrays([first], "train"))
-        args = (algorithm.broadcast(server, arch), program.init_client(jax.random.key(1)),
-                train, jax.random.key(2))
+    for arch, _, args in cohorts:
         best = [float("inf"), float("inf")]
         for _ in range(_REPEATS.value):
             # A fresh program each time: JAX caches traces by function, nested jits included.
