@@ -17,10 +17,10 @@ pFedES CNN-1..5 with `proxy_cnn` on CIFAR-shaped inputs, batch 64), per architec
   product (2048 x 2048, all threads): the best the CPU does on the friendliest operation, an
   upper bound for small convolutions.
 
-Then what the targets of the speed issue ask of the machine: FedAvg <= 0.2 s/round (50 client
-steps, minus the round's own work) and pFedES >= 2x the PyTorch loop's client-steps/s, as the
-GFLOP/s they need and the share of the matrix-product rate that is. No timed assertion anywhere:
-this prints numbers for docs/performance.md.
+Then what the targets of the speed issue ask of the machine: FedAvg <= 0.2 s/round (its 50
+client steps, minus the round's own work) and pFedES >= 2x the PyTorch loop's client-steps/s,
+as the GFLOP/s they need and the share of the matrix-product rate that is. No timed assertion
+anywhere: this prints numbers for docs/performance.md.
 
 `--run=DIR` instead reads a finished run's workdir (summary.json's config, clients.jsonl's local
 steps per trained client) and prints the FLOPs of all its local steps (XLA's count of each
@@ -44,6 +44,7 @@ from absl import app, flags
 from benchmarks import cohort_inputs
 from benchmarks.compare_frameworks import fedavg_config, pfedes_config, write_cifar_shaped
 from fedjax_pfedes import execution
+from fedjax_pfedes.builders import build_federated_data
 
 _KERNELS = flags.DEFINE_list("cpu_kernels", ["xla", "eigen"], "config.execution.cpu_kernels "
                              "choices our update is timed with.")
@@ -51,7 +52,6 @@ _TORCH = flags.DEFINE_bool("torch", True, "Also count and time the PyTorch step 
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per program (best is kept).")
 _RUN = flags.DEFINE_string("run", "", "A finished run's workdir: count its local steps' FLOPs.")
 
-FEDAVG_STEPS_PER_ROUND = 50    # 10 participants x 160 samples / batch 32
 FEDAVG_TARGET_S = 0.2          # the issue's FedAvg target, s/round
 PFEDES_TARGET_RATIO = 2.0      # the issue's pFedES target, x the PyTorch loop's client-steps/s
 
@@ -80,47 +80,58 @@ def matmul_gflops(repeats: int) -> dict[str, float]:
     return out
 
 
-def our_steps(config, kernels: str, repeats: int) -> dict[str, tuple[float, float]]:
-    """{arch: (XLA-counted FLOPs of one local step, seconds per step)} of our client update for
-    the work's first client of each architecture, compiled with `kernels`."""
+def compiled_updates(config, kernels: str = "xla"):
+    """(arch, compiled client update, its arguments) for the first client of each architecture
+    of `config`'s run, compiled with `kernels` (`config.execution.cpu_kernels` choices)."""
     options = execution.kernel_options(kernels) or None
-    out = {}
     for arch, program, args in cohort_inputs.first_clients(config)[1]:
-        train = args[2]
-        compiled = jax.jit(program.client_update, compiler_options=options).lower(*args).compile()
-        steps = int(np.ceil(int(train.sizes) / config.train.batch_size)) * \
-            config.train.local_epochs
+        yield arch, jax.jit(program.client_update, compiler_options=options).lower(
+            *args).compile(), args
+
+
+def our_steps(config, kernels: str, repeats: int) -> dict[str, tuple[float, float, float]]:
+    """{arch: (XLA-counted FLOPs of one local step, seconds per step, steps of the update)} of
+    our client update for the work's first client of each architecture, compiled with
+    `kernels`."""
+    out = {}
+    for arch, compiled, args in compiled_updates(config, kernels):
+        steps = float(compiled(*args)[2]["local_steps"])  # the update's own count
         seconds = _best_s(lambda c=compiled, a=args: jax.block_until_ready(c(*a)), repeats)
         flops = compiled.cost_analysis()["flops"]  # the loop body counts once: one step
-        out[arch] = (flops, seconds / steps)
+        out[arch] = (flops, seconds / steps, steps)
     return out
 
 
-def torch_steps(work: str, archs: list[str], repeats: int) -> dict[str, tuple[float, float]]:
-    """{arch: (FlopCounterMode FLOPs of one step, seconds per step)} of benchmarks.torch_loop."""
+def torch_steps(config, archs: list[str], repeats: int) -> dict[str, tuple[float, float]]:
+    """{arch: (FlopCounterMode FLOPs of one step, seconds per step)} of benchmarks.torch_loop's
+    step of `config`'s algorithm (fedavg or pfedes) on a batch of its input shape."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from benchmarks import torch_loop
     torch.manual_seed(0)
+    data = build_federated_data(config)
+    height, width, channels = data.central.input_spec.shape
+    batch, lr = config.train.batch_size, config.train.lr_local
+    x = torch.randn(batch, channels, height, width)
+    y = torch.randint(0, data.central.num_classes, (batch,))
     out = {}
     for arch in archs:
-        if work == "fedavg":
-            x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
-            model = torch_loop.fedavg_model(1, 28, 10)
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        if config.algorithm == "fedavg":
+            model = torch_loop.fedavg_model(channels, height, data.central.num_classes)
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
 
-            def step(model=model, opt=opt, x=x, y=y):
+            def step(model=model, opt=opt):
                 torch_loop.fedavg_step(model, opt, x, y)
         else:
-            x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
-            model = torch_loop.pfedes_model(arch, 3, 32, 10, 128)
-            proxy = torch_loop.Proxy(3, 32, 128)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            proxy_opt = torch.optim.SGD(proxy.parameters(), lr=0.001)
+            model = torch_loop.pfedes_model(arch, channels, height, data.central.num_classes,
+                                            config.proxy_dim)
+            proxy = torch_loop.Proxy(channels, height, config.proxy_dim)
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            proxy_opt = torch.optim.SGD(proxy.parameters(), lr=config.proxy_lr_ratio * lr)
 
-            def step(model=model, opt=opt, proxy=proxy, proxy_opt=proxy_opt, x=x, y=y):
-                torch_loop.pfedes_step(model, opt, proxy, proxy_opt, x, y, 0.5)
+            def step(model=model, opt=opt, proxy=proxy, proxy_opt=proxy_opt):
+                torch_loop.pfedes_step(model, opt, proxy, proxy_opt, x, y, config.lam)
         with FlopCounterMode(display=False) as counter:
             step()
         seconds = min(_best_s(step, repeats) for _ in range(3))
@@ -132,10 +143,8 @@ def step_flops(config) -> dict[str, float]:
     """{arch: XLA-counted FLOPs of one local step} for the run `config` describes."""
     config = ml_collections.ConfigDict(config.to_dict())
     config.monitor.aggregation_loss = False  # no pFedES diagnostics outside the loop
-    out = {}
-    for arch, program, args in cohort_inputs.first_clients(config)[1]:
-        out[arch] = jax.jit(program.client_update).lower(*args).compile().cost_analysis()["flops"]
-    return out
+    return {arch: compiled.cost_analysis()["flops"]
+            for arch, compiled, _ in compiled_updates(config)}
 
 
 def run_report(run_dir: str, peak: float) -> None:
@@ -185,12 +194,12 @@ def main(argv):
         for work, config in works.items():
             archs = list(dict.fromkeys(a.strip() for a in
                                        config.clients.architectures.split(",")))
-            theirs = torch_steps(work, archs, repeats) if _TORCH.value else {}
+            theirs = torch_steps(config, archs, repeats) if _TORCH.value else {}
             ours = {k: our_steps(config, k, repeats) for k in _KERNELS.value}
             for arch in archs:
                 torch_count = f"{theirs[arch][0] / 1e9:.3f}" if theirs else ""
                 for kernels, result in ours.items():
-                    flops, seconds = result[arch]
+                    flops, seconds, _ = result[arch]
                     rate = flops / seconds / 1e9
                     print(f"| {work} | {arch} | ours, {kernels} kernels | {flops / 1e9:.3f} | "
                           f"{torch_count} | {seconds * 1e3:.1f} | {rate:.1f} | "
@@ -202,8 +211,11 @@ def main(argv):
                           f"{t_flops / t_seconds / 1e9 / best_peak:.0%} |")
             mean_flops = np.mean([ours[_KERNELS.value[0]][a][0] for a in archs])
             if work == "fedavg":
-                need = mean_flops * FEDAVG_STEPS_PER_ROUND / FEDAVG_TARGET_S / 1e9
-                needs.append(f"FedAvg <= {FEDAVG_TARGET_S} s/round: {FEDAVG_STEPS_PER_ROUND} "
+                participants = round(config.train.client_fraction * config.data.num_clients)
+                steps_per_round = participants * np.mean(
+                    [ours[_KERNELS.value[0]][a][2] for a in archs])  # IID: equal clients
+                need = mean_flops * steps_per_round / FEDAVG_TARGET_S / 1e9
+                needs.append(f"FedAvg <= {FEDAVG_TARGET_S} s/round: {steps_per_round:.0f} "
                              f"steps of {mean_flops / 1e9:.3f} GFLOP in {FEDAVG_TARGET_S} s = "
                              f"{need:.0f} GFLOP/s ({need / best_peak:.0%} of the matrix-product "
                              "rate), with no time left for the round's own work")
