@@ -437,7 +437,7 @@ def test_alignment_loss_at_start_and_end_of_a_participation():
     assert float(m["align_loss_at_end"]) < float(m["align_loss_at_start"])
 
     # Without the diagnostics (config.monitor.aggregation_loss = False) the update computes
-    # the same upload, state and training metrics, and neither extra forward pass.
+    # the same upload, state and training metrics, and reports neither diagnostic.
     quiet = pfedes(PFedESConfig(num_classes=3, input_spec=spec, proxy_dim=4, batch_size=4,
                                 lr_local=0.1, proxy_arch="proxy_mlp", local_epochs=2,
                                 align_diagnostics=False)).cohort_program("mlp_small")
