@@ -93,6 +93,38 @@ def privacy_metrics(pipeline: UploadPipeline, rounds_done: int) -> dict[str, flo
             "dp_noise_multiplier": pipeline.noise_multiplier, "dp_clip_norm": dp.clip_norm}
 
 
+def privacy_statement(dp: privacy.ClientDPConfig | None, config: ml_collections.ConfigDict
+                      ) -> dict[str, Any]:
+    """What the run's privacy figures protect, for summary.json: per guarantee its unit, the
+    neighbouring relation its epsilon is stated under and the sensitivity that relation gives.
+
+    Args:
+      dp: the client-level DP settings in force (None without client-level DP).
+      config: the experiment config (for DP-SGD).
+
+    Returns:
+      {} without DP; else `dp_*` (client level) and `dp_sgd_*` (sample level) fields.
+    """
+    out: dict[str, Any] = {}
+    if dp is not None:
+        out.update({
+            "dp_accounting_sampling": dp.sampling,
+            "dp_unit": "client (user-level: one client's whole local dataset)",
+            "dp_neighbouring_relation": privacy.relation_of(dp.sampling),
+            "dp_l2_sensitivity": privacy.sensitivity_factor(dp.sampling) * dp.clip_norm,
+            **({"dp_sampling_rate": dp.sampling_rate} if dp.sampling == "poisson" else {}),
+        })
+    if config.dp_sgd.enabled:
+        out.update({
+            "dp_sgd_unit": "example (one training sample of one client)",
+            "dp_sgd_neighbouring_relation": "add_or_remove_one",
+            "dp_sgd_accounting": "each local step a Poisson-sampled batch of rate B / n_k (the "
+                                 "usual approximation of shuffled batches, as Opacus and TF "
+                                 "Privacy report it; client sizes n_k treated as public)",
+        })
+    return out
+
+
 def dp_sgd_metrics(config: ml_collections.ConfigDict, steps_taken: dict[int, int],
                    batch_rate: dict[int, float], releases_per_step: int = 1
                    ) -> dict[str, float]:

@@ -40,6 +40,7 @@ from fedjax_pfedes.evaluation import (
     majority_class_accuracy,
     non_finite_metrics,
     privacy_metrics,
+    privacy_statement,
 )
 from fedjax_pfedes.workdir import WorkdirLock, data_fingerprint
 
@@ -252,8 +253,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
         "majority_class_accuracy_mean": majority_class_accuracy(data),
         "best_personalized_accuracy": best["personalized_accuracy_mean"],
         "best_round": best["round"],
-        **({"dp_accounting_sampling": ctx.pipeline.cfg.dp.sampling}
-           if ctx.pipeline.cfg.dp is not None else {}),
+        **privacy_statement(ctx.pipeline.cfg.dp, config),
         "norm_outlier_rejection": ctx.pipeline.outlier_note,
         "local_optimizer": local_optimizer_note(config),
         "execution_strategy": strategy,

@@ -65,9 +65,10 @@ def main(argv: list[str]) -> None:
         uploads += (f", {final['upload_bytes_per_client']:,.0f} bytes per client per round "
                     "(encoded)")
     if "dp_epsilon" in final:
-        uploads += (f"; client-level DP: epsilon {final['dp_epsilon']:.2f} at delta "
-                    f"{final['dp_delta']:g} (noise multiplier {final['dp_noise_multiplier']:.3f}, "
-                    f"clip {final['dp_clip_norm']:g})")
+        relation = summary.get("dp_neighbouring_relation", "").replace("_", "-")
+        uploads += (f"; client-level DP ({relation} neighbours): epsilon "
+                    f"{final['dp_epsilon']:.2f} at delta {final['dp_delta']:g} (noise multiplier "
+                    f"{final['dp_noise_multiplier']:.3f}, clip {final['dp_clip_norm']:g})")
     if "secagg_senders" in final or "secagg_failures" in final:
         uploads += (f"; secure aggregation: {final.get('secagg_senders', 0)} senders, "
                     f"{final.get('secagg_dropped_after_upload', 0)} dropped after upload, "

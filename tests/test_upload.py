@@ -274,19 +274,24 @@ def test_epsilon_in_the_metrics_equals_dp_accounting_for_the_same_events(tmp_pat
     config = _client_dp_config(3, 1)
     summary = run_experiment(config, str(tmp_path), show_progress=False)
     n, m = 10, 5  # tabular_hetero: 10 clients, C = 0.5
+    # Fixed-size sampling is amplified under replace-one neighbours, where one clipped update
+    # swapped for another moves the sum by 2C: the Gaussian's multiplier is sigma / 2.
     accountant = rdp.RdpAccountant(
         neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
     accountant.compose(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.SampledWithoutReplacementDpEvent(n, m, dp_accounting.GaussianDpEvent(1.1)),
-        3))
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            n, m, dp_accounting.GaussianDpEvent(1.1 / 2)), 3))
     assert summary["final"]["dp_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5),
                                                            rel=1e-9)
+    assert summary["dp_neighbouring_relation"] == "replace_one"
+    assert summary["dp_l2_sensitivity"] == pytest.approx(2 * config.dp.clip_norm)
 
 
 @pytest.mark.slow  # PLD calibration: ~20 s
 def test_noise_calibrated_from_a_target_epsilon_spends_it():
     cfg = privacy.ClientDPConfig(clip_norm=1.0, target_epsilon=5.0, delta=1e-5,
-                                 accountant="pld", sampling="poisson")
+                                 accountant="pld", sampling="poisson",
+                                 sampling_rate=0.1)
     sigma = privacy.calibrate_noise_multiplier(cfg, 100, 10, 50)
     assert privacy.epsilon(cfg, sigma, 100, 10, 50) == pytest.approx(5.0, rel=1e-2)
     assert privacy.epsilon(cfg, sigma * 1.2, 100, 10, 50) < 5.0
@@ -426,9 +431,9 @@ def test_secure_aggregation_with_dp_accounts_the_noise_the_senders_really_added(
                                             pytest.approx(1.2 * math.sqrt(3 / 4)), None]
     accountant = rdp.RdpAccountant(
         neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-    for sigma in (1.2, 1.2 * math.sqrt(3 / 4)):
+    for sigma in (1.2, 1.2 * math.sqrt(3 / 4)):  # replace-one: sensitivity 2C
         accountant.compose(dp_accounting.SampledWithoutReplacementDpEvent(
-            20, 4, dp_accounting.GaussianDpEvent(sigma)))
+            20, 4, dp_accounting.GaussianDpEvent(sigma / 2)))
     got = privacy.epsilon_of_rounds(dp, pipe.round_noise_multipliers, 20, 4)
     assert got == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
     assert got > privacy.epsilon(dp, 1.2, 20, 4, 2)  # nominal accounting under-reports
@@ -682,26 +687,32 @@ def test_robust_aggregation_of_fewer_than_three_uploads_is_skipped_and_reported(
     assert "robust_aggregation_skipped" not in report and float(groups["a"][1].sum()) > 0
 
 
-@pytest.mark.parametrize("change", [{"train.sampling": "stratified"},
+@pytest.mark.parametrize("change", [{"train.sampling": "stratified", "train.strata": 1},
                                     {"system.availability": "0.9,0.5"},
                                     {"system.dropout": 0.2},
-                                    {"train.min_samples": 40}])
+                                    {"train.min_samples": 40, "train.below_min": "one_epoch"}])
 def test_client_dp_claims_no_amplification_when_selection_is_not_uniform(tmp_path, change):
-    """Stratified quotas, availability < 1, failure-decayed weights and skipped clients are not
-    a uniformly random draw: epsilon is the plain Gaussian mechanism composed per round."""
+    """Stratified quotas over public strata, availability < 1 and failure-decayed weights are
+    not a uniformly random draw (but do not read the clients' data): epsilon is the plain
+    Gaussian mechanism composed per round, at the replace-one sensitivity 2C."""
     config = _client_dp_config(3, 3)
-    (field, value), = change.items()
-    section, name = field.split(".")
-    config[section][name] = value
+    for field, value in change.items():
+        section, name = field.split(".")
+        config[section][name] = value
     summary = run_experiment(config, str(tmp_path), show_progress=False)
     accountant = rdp.RdpAccountant()
-    accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.1), 3))
-    assert summary["dp_accounting_sampling"] == "none"
+    accountant.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(1.1 / 2), 3))
+    expected = ("none" if "train.min_samples" not in change else "fixed")
+    assert summary["dp_accounting_sampling"] == expected
+    assert summary["dp_neighbouring_relation"] == "replace_one"
+    if expected == "fixed":  # one-epoch small clients: still a uniform draw
+        return
     assert summary["final"]["dp_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5),
                                                            rel=1e-9)
     amplified = rdp.RdpAccountant(
         neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
     amplified.compose(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.SampledWithoutReplacementDpEvent(10, 5, dp_accounting.GaussianDpEvent(1.1)),
-        3))
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            10, 5, dp_accounting.GaussianDpEvent(1.1 / 2)), 3))
     assert summary["final"]["dp_epsilon"] > amplified.get_epsilon(1e-5)

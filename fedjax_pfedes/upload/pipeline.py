@@ -74,19 +74,48 @@ def uniformly_random_selection(config) -> bool:
     return t.sampling in ("uniform", "poisson") and reliable and not skips
 
 
+def check_selection_is_data_independent(config) -> None:
+    """Raises ValueError naming the field when client-level DP meets a selection rule that
+    reads the clients' private data: then one client's data changes who ELSE takes part, and no
+    per-client sensitivity bound (amplified or not) holds. Strata from sample counts, skipping
+    clients below a minimum size, and deadlines whose misses (set by a client's local steps,
+    i.e. its sample count) decay its sampling weight are such rules; coverage sampling is
+    refused by the config checks for the same reason."""
+    t, s = config.train, config.system
+    if t.sampling == "stratified" and t.strata > 1:
+        raise ValueError(
+            f"config.train.strata={t.strata} buckets clients by sample count, which client-level "
+            "DP treats as private (one client's size would change who else is selected); with "
+            "config.dp.enabled set config.train.strata=1 (strata from the public availability "
+            "classes only) or use config.train.sampling='uniform' / 'poisson'")
+    if t.min_samples > 0 and t.below_min == "skip":
+        raise ValueError(
+            f"config.train.min_samples={t.min_samples} with below_min='skip' selects clients by "
+            "their private sample count; with config.dp.enabled set config.train.min_samples=0 "
+            "or config.train.below_min='one_epoch'")
+    if float(s.deadline_s) > 0 and float(s.failure_decay) < 1:
+        raise ValueError(
+            f"config.system.deadline_s={s.deadline_s} with failure_decay={s.failure_decay}: a "
+            "client misses the deadline by its local steps (its private sample count), and the "
+            "decayed weight then changes who else is selected; with config.dp.enabled set "
+            "config.system.failure_decay=1.0 or config.system.deadline_s=0")
+
+
 def pipeline_config(config) -> PipelineConfig:
     """`PipelineConfig` from an experiment config's `upload`, `dp`, `secagg`, `train` and
     `system` fields (ValueError naming the field for a bad value)."""
     u, d, s = config.upload, config.dp, config.secagg
     dp = None
     if d.enabled:
+        check_selection_is_data_independent(config)
         sampling = "poisson" if config.train.sampling == "poisson" else "fixed"
         if not uniformly_random_selection(config):
             sampling = "none"  # no amplification by subsampling is claimed
         dp = privacy.ClientDPConfig(
             clip_norm=d.clip_norm, noise_multiplier=d.noise_multiplier,
             target_epsilon=d.target_epsilon, delta=d.delta, accountant=d.accountant,
-            sampling=sampling)
+            sampling=sampling,
+            sampling_rate=float(config.train.client_fraction) if sampling == "poisson" else 0.0)
     return PipelineConfig(
         reject_nonfinite=u.reject_nonfinite, norm_outlier_factor=u.norm_outlier_factor,
         weighting=u.weighting, aggregator=u.aggregator, trim_fraction=u.trim_fraction,

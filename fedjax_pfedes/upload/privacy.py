@@ -4,21 +4,34 @@ DP-FedAvg (McMahan et al., "Learning Differentially Private Recurrent Language M
 2018): every participant's update (its upload minus the broadcast reference) is clipped to L2 norm
 <= C; the server adds N(0, (sigma C)^2) to the sum of the clipped updates (each with weight 1) and
 divides by the EXPECTED number of participants (the fixed-denominator estimator, so the
-denominator reveals nothing about who took part). One round is a sampled Gaussian mechanism with
-sensitivity C; the accountant composes the rounds with `dp_accounting` (Google's library):
+denominator reveals nothing about who took part). The unit of privacy is the client (user-level):
+one client's whole dataset may change. The accountant composes the rounds with `dp_accounting`
+(Google's library) under the neighbouring relation the selection allows:
 
-- sampling 'poisson': each client takes part independently with probability q = C_frac
-  (PoissonSampledDpEvent; add-or-remove-one neighbours); RDP or PLD accounting.
-- sampling 'fixed': exactly m of N clients, uniformly without replacement
-  (SampledWithoutReplacementDpEvent; replace-one neighbours); RDP accounting only
-  (dp_accounting's PLD accountant does not support it).
-- sampling 'none': selection is not uniformly random (stratified quotas, availability < 1,
-  drop-outs or deadlines with failure-decayed weights, clients skipped below a minimum size), so
-  no amplification by subsampling is claimed: every round is accounted as the plain Gaussian
-  mechanism (add-or-remove-one neighbours), an upper bound whatever the sampler did.
+- sampling 'poisson': each client takes part independently with probability q, the sampler's own
+  rate (config.train.client_fraction), not round(qN)/N. Neighbours: add-or-remove one client;
+  the clipped sum moves by <= C, so the Gaussian's multiplier is sigma. PoissonSampledDpEvent,
+  RDP or PLD.
+- sampling 'fixed': exactly m of N clients, uniformly without replacement. Amplification for this
+  sampler is proved for replace-one neighbours (Wang, Balle and Kasiviswanathan, "Subsampled
+  Renyi Differential Privacy and Analytical Moments Accountant", AISTATS 2019, Theorem 27; the
+  bound dp_accounting's SampledWithoutReplacementDpEvent computes), where N is public and one
+  client's data is replaced by another's. Replacing one clipped update moves the sum by up to
+  2C, so the multiplier handed to the accountant is sigma / 2 (dp_accounting defines it as the
+  noise std over the l2-sensitivity under the relation; google/differential-privacy issue 378).
+  RDP only: dp_accounting's PLD accountant has no sampling without replacement.
+- sampling 'none': the selection is not uniformly random (stratified quotas over public strata,
+  availability < 1, drop-outs), so no amplification is claimed. Such a selection does not depend
+  on the clients' data (the config checks refuse those that would: sample-count strata,
+  coverage sampling, minimum-size skipping, deadlines with failure-decayed weights), so with the
+  population fixed, replacing one client's data changes its own clipped update only: every
+  round is the plain Gaussian mechanism at sensitivity 2C (multiplier sigma / 2), replace-one.
+  Add-or-remove is not claimed here: adding a client to a fixed-size draw changes who else is
+  drawn.
 
-The guarantee is per client (user-level): a client's whole dataset may change. Architecture
-cohorts are disjoint, so per-cohort aggregation gives every client the same guarantee.
+`relation_of` names the relation and `sensitivity_factor` its sensitivity in units of C; the
+summary writes both, so every reported epsilon says what it protects. Architecture cohorts are
+disjoint, so per-cohort aggregation gives every client the same guarantee.
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ class ClientDPConfig:
     delta: float = 1e-5
     accountant: str = "rdp"
     sampling: str = "fixed"
+    sampling_rate: float = 0.0  # 'poisson': the rate the sampler draws at (client_fraction)
 
     def __post_init__(self):
         if self.clip_norm <= 0:
@@ -67,6 +81,9 @@ class ClientDPConfig:
         if self.sampling not in SAMPLINGS:
             raise ValueError(f"config.dp.sampling must be one of {SAMPLINGS}, got "
                              f"'{self.sampling}'")
+        if self.sampling == "poisson" and not 0 < self.sampling_rate <= 1:
+            raise ValueError("Poisson sampling needs its rate in (0, 1] "
+                             f"(config.train.client_fraction), got {self.sampling_rate}")
         if self.accountant == "pld" and self.sampling == "fixed":
             raise ValueError("config.dp.accountant='pld' needs config.dp.sampling='poisson' "
                              "(dp_accounting's PLD accountant has no fixed-size sampling); "
@@ -88,20 +105,40 @@ def gaussian_noise_like(tree, rng: jax.Array, std: float | jax.Array):
                                         for a, k in zip(leaves, keys, strict=True)])
 
 
-def round_event(num_clients: int, clients_per_round: int, noise_multiplier: float,
-                sampling: str) -> dp_accounting.DpEvent:
-    """The DP event of one round."""
+RELATIONS = {"fixed": "replace_one", "poisson": "add_or_remove_one", "none": "replace_one"}
+
+
+def relation_of(sampling: str) -> str:
+    """The client-level neighbouring relation a sampling's epsilon is stated under."""
+    return RELATIONS[sampling]
+
+
+def sensitivity_factor(sampling: str) -> float:
+    """The L2 sensitivity of the clipped sum in units of the clip norm C under the sampling's
+    relation: 2 for replace-one (one clipped update swapped for another), 1 for add-or-remove."""
+    return 2.0 if relation_of(sampling) == "replace_one" else 1.0
+
+
+def round_event(cfg: ClientDPConfig, num_clients: int, clients_per_round: int,
+                noise_multiplier: float) -> dp_accounting.DpEvent:
+    """The DP event of one round whose aggregate carried noise std `noise_multiplier` x C.
+
+    The Gaussian's multiplier is std over the sensitivity under `relation_of(cfg.sampling)`."""
     import dp_accounting
-    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
-    if sampling == "none":
+    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity_factor(cfg.sampling))
+    if cfg.sampling == "none":
         return gaussian
-    if sampling == "poisson":
-        return dp_accounting.PoissonSampledDpEvent(clients_per_round / num_clients, gaussian)
+    if cfg.sampling == "poisson":
+        return dp_accounting.PoissonSampledDpEvent(cfg.sampling_rate, gaussian)
     return dp_accounting.SampledWithoutReplacementDpEvent(num_clients, clients_per_round,
                                                           gaussian)
 
 
 def make_accountant(kind: str, sampling: str) -> dp_accounting.PrivacyAccountant:
+    """An RDP or PLD accountant. dp_accounting's relation argument selects which sampled events
+    it accepts (sampling without replacement needs REPLACE_ONE); the sensitivity is already in
+    the events' multipliers (`round_event`), so a plain Gaussian is accounted with the
+    add-or-remove accountant whatever the relation (the PLD accountant would double it again)."""
     import dp_accounting
     relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if sampling == "fixed"
                 else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
@@ -120,7 +157,7 @@ def epsilon(cfg: ClientDPConfig, noise_multiplier: float, num_clients: int,
         return math.inf
     accountant = make_accountant(cfg.accountant, cfg.sampling)
     accountant.compose(dp_accounting.SelfComposedDpEvent(
-        round_event(num_clients, clients_per_round, noise_multiplier, cfg.sampling), rounds))
+        round_event(cfg, num_clients, clients_per_round, noise_multiplier), rounds))
     return float(accountant.get_epsilon(cfg.delta))
 
 
@@ -139,21 +176,72 @@ def epsilon_of_rounds(cfg: ClientDPConfig, noise_multipliers, num_clients: int,
     accountant = make_accountant(cfg.accountant, cfg.sampling)
     for sigma, count in sorted(released.items()):
         accountant.compose(dp_accounting.SelfComposedDpEvent(
-            round_event(num_clients, clients_per_round, sigma, cfg.sampling), count))
+            round_event(cfg, num_clients, clients_per_round, sigma), count))
     return float(accountant.get_epsilon(cfg.delta))
+
+
+# The noise multipliers calibration searches between: below the lower end the noise protects
+# nothing a user would call private, above the upper end it drowns any update (std 1000 C on a
+# sum of updates of norm <= C each).
+CALIBRATION_RANGE = (1e-3, 1e3)
 
 
 def calibrate_noise_multiplier(cfg: ClientDPConfig, num_clients: int, clients_per_round: int,
                                rounds: int) -> float:
-    """The smallest sigma (to dp_accounting's tolerance) with epsilon(rounds) <= target."""
+    """The smallest sigma (to dp_accounting's tolerance) with epsilon(rounds) <= target.
+
+    Args:
+      cfg: the DP settings (`target_epsilon` > 0, the sampling and its relation).
+      num_clients: N, the population.
+      clients_per_round: m, participants per round (fixed-size sampling).
+      rounds: rounds the budget must last.
+
+    Returns:
+      The noise multiplier sigma (noise std sigma x C on the clipped sum).
+
+    Raises:
+      ValueError naming config.dp.target_epsilon when the target lies outside what sigma in
+      `CALIBRATION_RANGE` can give (a target so large that no noise is needed, or so small that
+      the noise would drown every update).
+    """
     import dp_accounting
+
     def event(sigma: float) -> dp_accounting.DpEvent:
         return dp_accounting.SelfComposedDpEvent(
-            round_event(num_clients, clients_per_round, sigma, cfg.sampling), rounds)
+            round_event(cfg, num_clients, clients_per_round, sigma), rounds)
 
-    return float(dp_accounting.calibrate_dp_mechanism(
-        lambda: make_accountant(cfg.accountant, cfg.sampling), event, cfg.target_epsilon,
-        cfg.delta, dp_accounting.LowerEndpointAndGuess(0.1, 1.0)))
+    low, high = CALIBRATION_RANGE
+    target = cfg.target_epsilon
+    rdp = dataclasses.replace(cfg, accountant="rdp")  # fast at any sigma; PLD is not
+    eps_low = epsilon(rdp, low, num_clients, clients_per_round, rounds)  # >= PLD's
+    if eps_low <= target:
+        raise ValueError(
+            f"config.dp.target_epsilon={target:g} is reached already with noise multiplier "
+            f"{low:g} (epsilon {eps_low:.3g} over {rounds} rounds): such a budget protects "
+            "nothing; choose a smaller target or set config.dp.noise_multiplier directly")
+    eps_high = epsilon(cfg, high, num_clients, clients_per_round, rounds)
+    if eps_high > target:
+        raise ValueError(
+            f"config.dp.target_epsilon={target:g} needs a noise multiplier above {high:g} "
+            f"(noise std > {high:g} x config.dp.clip_norm on the sum; epsilon at {high:g}: "
+            f"{eps_high:.3g}): the noise would drown every update; raise the target, or sample "
+            "more clients per round / run fewer rounds")
+
+    def search(c: ClientDPConfig, lower: float, upper: float) -> float:
+        return float(dp_accounting.calibrate_dp_mechanism(
+            lambda: make_accountant(c.accountant, c.sampling), event, target, c.delta,
+            dp_accounting.ExplicitBracketInterval(lower, upper)))
+
+    sigma_rdp = search(rdp, low, high)
+    if cfg.accountant == "rdp":
+        return sigma_rdp
+    # PLD is tighter than RDP: its sigma lies below RDP's. Search just below it (PLD at small
+    # sigma takes minutes); where even a quarter of it suffices, RDP's sigma is kept (valid,
+    # since PLD's epsilon at it is below the target).
+    try:
+        return search(cfg, max(low, sigma_rdp / 4), sigma_rdp)
+    except (ValueError, dp_accounting.mechanism_calibration.NoBracketIntervalFoundError):
+        return sigma_rdp
 
 
 def resolve_noise_multiplier(cfg: ClientDPConfig, num_clients: int, clients_per_round: int,
