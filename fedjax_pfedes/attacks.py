@@ -14,7 +14,9 @@ place of its upload u with reference (broadcast) t:
 - 'nan': NaN everywhere (a crashing or buggy client rather than an adversary).
 
 It lets a user measure what the upload pipeline's defences (`config.upload.*`) contain; see
-docs/threat_model.md.
+docs/threat_model.md. An attacker runs its own code, so none of the pipeline's client-side
+stages act on what it sends (`rogue_slots`): without secure aggregation the server still checks
+and (under DP) clips every upload it receives, under secure aggregation nothing does.
 """
 
 from __future__ import annotations
@@ -83,6 +85,16 @@ def malicious_upload(upload, template, key: jax.Array, cfg: AttackConfig):
             raise ValueError(f"config.attack.kind must be one of {KINDS}, got '{cfg.kind}'")
         out.append(x.astype(u.dtype))
     return jax.tree.unflatten(treedef, out)
+
+
+def rogue_slots(client_ids: np.ndarray, cfg: AttackConfig) -> np.ndarray | None:
+    """[slots] whether each slot's client attacks (None when nobody does). An attacker runs its
+    own code: the upload pipeline skips its client-side stages (clipping, compression, the
+    range check before masking, its share of the DP noise), and only what the server enforces
+    on what it receives applies to it."""
+    if not cfg.active:
+        return None
+    return np.isin(np.asarray(client_ids), cfg.clients)
 
 
 def apply(stacked, template, client_ids: np.ndarray, key: jax.Array, cfg: AttackConfig):

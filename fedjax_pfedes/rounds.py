@@ -122,7 +122,8 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         stacked = attacks.apply(stacked, template, ids,
                                 jax.random.fold_in(round_key, ATTACK_STREAM), ctx.attack)
         sizes = jnp.take(cohort.train.sizes, jnp.asarray(slots), mode="clip")
-        uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, slots)
+        uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, slots,
+                                             attacks.rogue_slots(ids, ctx.attack))
         if not valid.any():
             continue
         norms = (np.asarray(validation.upload_norms(stacked, template))

@@ -172,8 +172,9 @@ def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> N
 @dataclasses.dataclass
 class CohortUploads:
     """One cohort's round: stacked uploads [slots, ...], the template, sample counts [slots],
-    which slots are real [slots], their global client ids [slots] (-1 = padding), and the rows
-    of the cohort's clients they occupy [slots]."""
+    which slots are real [slots], their global client ids [slots] (-1 = padding), the rows
+    of the cohort's clients they occupy [slots], and which slots run their own code instead of
+    the client halves of the chain [slots] (malicious clients; None = none)."""
 
     uploads: Any
     template: Any
@@ -181,6 +182,7 @@ class CohortUploads:
     valid: np.ndarray
     client_ids: np.ndarray
     slots: np.ndarray
+    skips_client_code: np.ndarray | None = None
 
 
 def _mismatch(c: CohortUploads) -> str:
@@ -196,6 +198,13 @@ def _mismatch(c: CohortUploads) -> str:
 def _replicate(tree, slots: int):
     """`tree` repeated on a new leading axis of `slots`."""
     return jax.tree.map(lambda t: jnp.broadcast_to(t, (slots, *jnp.shape(t))), tree)
+
+
+@jax.jit
+def _select_rows(pick, a, b):
+    """Per slot (leading axis): the row of `a` where `pick`, else the row of `b`."""
+    return jax.tree.map(lambda x, y: jnp.where(pick.reshape((-1,) + (1,) * (x.ndim - 1)), x, y),
+                        a, b)
 
 
 @jax.jit
@@ -268,6 +277,7 @@ class UploadPipeline:
         self.stages = (build_stages(cfg, self.noise_multiplier) if stages_override is None
                        else list(stages_override))
         self._client_side = jax.jit(jax.vmap(self._one_client, in_axes=(0, None, 0, 0)))
+        self._rogue_side = jax.jit(jax.vmap(self._one_rogue_client, in_axes=(0, None, 0)))
         self.rejections: list[tuple[int, int, str]] = []
         # Per round: the smallest noise multiplier any released aggregate carried (None: nothing
         # was released). Under secure aggregation the clients add the noise, so fewer senders
@@ -292,6 +302,18 @@ class UploadPipeline:
             if stage.name in memory:
                 memory[stage.name] = own
         return delta, memory, info
+
+    def _one_rogue_client(self, upload, template, key):
+        """What the server receives from a client that runs its own code: its raw update, with
+        only the stages the server enforces on what it sees applied (`server_enforced`)."""
+        delta = _sub(upload, template)
+        info: dict[str, jax.Array] = {}
+        for stage in self.stages:
+            if stage.server_enforced(self.cfg.secagg):
+                delta, _, info = stage.client(delta, None, key, info)
+            else:
+                delta, info = stage.skipped(delta, info)
+        return delta, info
 
     def init_memory(self, template, num_members: int) -> dict[str, Any]:
         """A cohort's per-client stage states: {stage name: state stacked over the members}
@@ -335,6 +357,13 @@ class UploadPipeline:
             r.sent[arch], new_rows[arch], info = self._client_side(uploads, c.template,
                                                                    memory_rows, keys)
             r.info[arch] = {name: np.asarray(v) for name, v in info.items()}
+            rogue = ok & (c.skips_client_code if c.skips_client_code is not None else False)
+            if rogue.any():
+                raw, rogue_info = self._rogue_side(uploads, c.template, keys)
+                r.sent[arch] = _select_rows(jnp.asarray(rogue), raw, r.sent[arch])
+                for name, v in rogue_info.items():
+                    r.info[arch][name] = np.where(rogue, np.asarray(v), r.info[arch][name])
+            r.info[arch]["skips_client_code"] = rogue
             r.valid[arch] = ok
         for stage in self.stages:  # checks, weights, aggregation: in chain order
             stage.server(r)

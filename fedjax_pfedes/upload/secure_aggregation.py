@@ -68,6 +68,15 @@ class RingEncoding:
         scaled = np.round(np.asarray(x, np.float64) * 2.0 ** self.fraction_bits).astype(np.int64)
         return scaled.view(np.uint64) & self.mask
 
+    def encode_unchecked(self, x: np.ndarray) -> np.ndarray:
+        """What a client that skips its own range check puts on the wire: its values in fixed
+        point taken modulo 2^ring_bits, so a value beyond the range wraps around (the sum then
+        carries an arbitrary ring element: secure aggregation cannot tell). Non-finite values
+        have no fixed-point form; a rogue client's NaN lands as 0 and +-Inf as the extreme."""
+        scaled = np.asarray(x, np.float64) * 2.0 ** self.fraction_bits
+        scaled = np.clip(np.nan_to_num(scaled, nan=0.0), -2.0 ** 62, 2.0 ** 62)
+        return np.round(scaled).astype(np.int64).view(np.uint64) & self.mask
+
     def decode(self, v: np.ndarray) -> np.ndarray:
         v = np.asarray(v, np.uint64) & self.mask
         signed = v.view(np.int64) if self.ring_bits == 64 else np.where(
@@ -172,10 +181,11 @@ class SecureAggregationClient:
     def receive_shares(self, sender: int, shares: tuple[tuple[int, int], tuple[int, int]]):
         self._received[sender] = shares
 
-    def masked_input(self, vector: np.ndarray) -> np.ndarray:
-        """y_u: the fixed-point vector plus self mask plus signed pairwise masks."""
+    def masked_input(self, vector: np.ndarray, checked: bool = True) -> np.ndarray:
+        """y_u: the fixed-point vector plus self mask plus signed pairwise masks (`checked`
+        False: a client that skipped its range check, `RingEncoding.encode_unchecked`)."""
         enc = self.encoding
-        y = enc.encode(vector)
+        y = enc.encode(vector) if checked else enc.encode_unchecked(vector)
         y = (y + prg(self._self_seed, y.shape[0], enc)) & enc.mask
         for v, public in self._publics.items():
             if v != self.id:
@@ -247,7 +257,8 @@ class SecureSumResult:
 
 def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEncoding,
                seed: int, drop_before_upload: frozenset[int] = frozenset(),
-               drop_after_upload: frozenset[int] = frozenset()) -> SecureSumResult:
+               drop_after_upload: frozenset[int] = frozenset(),
+               unchecked: frozenset[int] = frozenset()) -> SecureSumResult:
     """Runs the four rounds for the clients in `vectors` and returns the unmasked sum.
 
     Args:
@@ -256,11 +267,15 @@ def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEnc
       seed: seeds the clients' key and mask randomness (reproducible simulation).
       drop_before_upload: clients that share keys, then go offline before sending y.
       drop_after_upload: clients that send y, then go offline before unmasking.
+      unchecked: clients that run their own code and skip the range check (the server cannot
+        see their vectors, so nothing rejects them).
     """
     ids = sorted(vectors)
     n = len(ids)
     bound = encoding.max_abs(max(n, 1))
     for u in ids:
+        if u in unchecked:
+            continue
         worst = float(np.max(np.abs(vectors[u]))) if vectors[u].size else 0.0
         if not np.isfinite(worst) or worst > bound:
             raise ValueError(f"secure aggregation: client {u} has |value| {worst:.3g} beyond "
@@ -276,7 +291,7 @@ def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEnc
             clients[v].receive_shares(u, shares)
     senders = [u for u in ids if u not in drop_before_upload]
     for u in senders:
-        server.receive_masked(u, clients[u].masked_input(vectors[u]))
+        server.receive_masked(u, clients[u].masked_input(vectors[u], u not in unchecked))
     dropped = set(ids) - set(senders)
     live = [u for u in senders if u not in drop_after_upload]
     responses = {u: clients[u].unmask_shares(set(senders), dropped) for u in live}

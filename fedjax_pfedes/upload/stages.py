@@ -84,10 +84,22 @@ class RoundUploads:
 
 
 class UploadStage:
-    """A stage that does nothing; subclasses override the halves they need."""
+    """A stage that does nothing; subclasses override the halves they need.
+
+    A malicious client runs its own code: it skips every client half, except those the server
+    enforces on what it receives (`server_enforced`: checks and clipping the server can apply
+    because it sees individual uploads, i.e. without secure aggregation). `skipped` is what the
+    server sees of a stage a client skipped (by default: the update as it is)."""
 
     name = "identity"
     transforms = False
+
+    def server_enforced(self, secagg: bool) -> bool:
+        del secagg
+        return False
+
+    def skipped(self, delta, info):
+        return delta, info
 
     def init_state(self, template, members: int):
         del template, members
@@ -117,6 +129,12 @@ class FiniteCheck(UploadStage):
         finite = validation.finite_mask(jax.tree.map(lambda a: a[None], delta))[0]
         return delta, memory, {**info, "finite": finite}
 
+    def server_enforced(self, secagg: bool) -> bool:
+        return not secagg  # the server checks what it sees; under secure aggregation it sees none
+
+    def skipped(self, delta, info):
+        return delta, {**info, "finite": jnp.bool_(True)}  # a rogue client passes itself
+
     def server(self, r: RoundUploads) -> None:
         if not self.reject:
             return
@@ -144,6 +162,12 @@ class NormOutlierCheck(UploadStage):
     def client(self, delta, memory, key, info):
         norm = validation.update_norms(jax.tree.map(lambda a: a[None], delta))[0]
         return delta, memory, {**info, "norm": norm}
+
+    def server_enforced(self, secagg: bool) -> bool:
+        return not secagg
+
+    def skipped(self, delta, info):
+        return self.client(delta, None, None, info)[::2]
 
     def server(self, r: RoundUploads) -> None:
         if self.factor <= 0:
@@ -202,6 +226,11 @@ class Clip(UploadStage):
     def client(self, delta, memory, key, info):
         delta, _ = privacy.clip_update(delta, self.clip_norm)
         return delta, memory, info
+
+    def server_enforced(self, secagg: bool) -> bool:
+        # Central DP: the trusted server clips what it receives. Distributed DP (secure
+        # aggregation): clipping is the client's own code, which a rogue client skips.
+        return not secagg
 
 
 # --- server-side weights and aggregation --------------------------------------------------------
@@ -346,9 +375,14 @@ class SecureAggregation(UploadStage):
         rng = np.random.default_rng([int(jax.random.randint(key, (), 0, 2 ** 31 - 1)),
                                      r.round_index])
         bound = self.encoding.max_abs(int(ok.sum()))
-        vectors = {}
+        rogue = np.concatenate([r.info[a]["skips_client_code"] for a in scope])
+        vectors, unchecked = {}, set()
         for j in np.flatnonzero(ok):
             x = flat[j] * (1.0 if self.dp else w[j])
+            if rogue[j]:  # its own code: no noise share, no range check, masked as it is
+                vectors[int(ids[j])] = np.append(x, w[j])
+                unchecked.add(int(ids[j]))
+                continue
             if noise_std > 0:
                 x = x + rng.normal(0.0, noise_std, x.shape)
             x = np.append(x, w[j])
@@ -371,15 +405,18 @@ class SecureAggregation(UploadStage):
         report.setdefault("secagg_bytes", []).append((senders, sa_protocol.bytes_per_sender(
             next(iter(vectors.values())).shape[0], senders, self.encoding)))
         if self.dp:
-            # Every sender's noise is in the sum (also of those lost before unmasking): total
-            # variance senders x std^2 = (sigma C)^2 x senders / expected.
-            realized = self.noise_multiplier * math.sqrt(senders / max(denominator, 1.0))
+            # Every honest sender's noise is in the sum (also of those lost before unmasking):
+            # total variance senders x std^2 = (sigma C)^2 x senders / expected. A client that
+            # runs its own code adds none.
+            honest = senders - len(unchecked)
+            realized = self.noise_multiplier * math.sqrt(honest / max(denominator, 1.0))
             report["dp_realized_noise_multiplier"] = min(
                 report.get("dp_realized_noise_multiplier", math.inf), realized)
         try:
             result = sa_protocol.secure_sum(vectors, threshold, self.encoding,
                                             int(rng.integers(0, 2 ** 62)),
-                                            drop_after_upload=drop)
+                                            drop_after_upload=drop,
+                                            unchecked=frozenset(unchecked))
         except sa_protocol.SecureAggregationError as e:
             report.setdefault("secagg_failures", []).append(str(e))
             r.reject(np.array(sorted(vectors)), "secure aggregation failed")
