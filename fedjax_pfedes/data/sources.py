@@ -46,6 +46,40 @@ def integer_labels(y: np.ndarray, where: str, array: str) -> np.ndarray:
     return y.astype(np.int64)
 
 
+# More classes than this is a label-encoding mistake (a hash, a 2**40 id), not a task: a
+# classifier head (and a label histogram per client) of that size would not fit in memory.
+MAX_CLASSES = 100_000
+# Input dimensions per example by modality: [H, W, C] images, [L] token ids, [F] features.
+INPUT_RANK = {"image": 3, "text": 1, "tabular": 1}
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_inputs(x, where: str, array: str, modality: str) -> np.ndarray:
+    """`x` as a numeric array, refusing what training would silently mangle or crash on: a
+    dtype that is not a real number (strings, objects, complex values, whose imaginary part a
+    cast drops), a rank other than [N, *modality's example shape], an empty array, and float
+    values beyond float32's range (they pass a finiteness check and overflow in the model)."""
+    x = np.asarray(x)
+    if x.dtype == bool or not (np.issubdtype(x.dtype, np.integer)
+                               or np.issubdtype(x.dtype, np.floating)):
+        raise DataError(f"{where}: {array} must hold real numbers, got dtype {x.dtype}")
+    rank = INPUT_RANK.get(modality)
+    if rank is not None and x.ndim != rank + 1:
+        shape = {"image": "[N, H, W, C] (or [N, H, W])", "text": "[N, L] token ids",
+                 "tabular": "[N, F] features"}[modality]
+        raise DataError(f"{where}: {modality} {array} must have shape {shape}, got "
+                        f"{x.shape}")
+    if len(x) == 0:
+        raise DataError(f"{where}: {array} is empty (it needs at least one example)")
+    if np.issubdtype(x.dtype, np.floating) and x.dtype.itemsize > 4:
+        big = np.flatnonzero(np.nan_to_num(np.abs(x.reshape(len(x), -1)), nan=0.0,
+                                           posinf=0.0).max(axis=1) > FLOAT32_MAX)
+        if len(big):
+            raise DataError(f"{where}: {array}[{big[0]}] holds values beyond float32's range "
+                            f"(|x| > {FLOAT32_MAX:.3g}); rescale the inputs")
+    return x
+
+
 def _first_nonfinite_row(x: np.ndarray) -> int | None:
     if not np.issubdtype(x.dtype, np.floating) or x.size == 0:
         return None
@@ -135,14 +169,15 @@ def make_dataset(name: str, modality: str, x_train: np.ndarray, y_train: np.ndar
     where = source or f"dataset '{name}'"
     if modality not in MODALITIES:
         raise DataError(f"{where}: modality must be one of {MODALITIES}, got '{modality}'")
-    if num_classes < 2:
-        raise DataError(f"{where}: num_classes must be >= 2, got {num_classes}")
-    labels = {}
+    if not 2 <= num_classes <= MAX_CLASSES:
+        raise DataError(f"{where}: num_classes must be in [2, {MAX_CLASSES}], got {num_classes}")
+    labels, inputs = {}, {}
     for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
         y = labels[split] = integer_labels(y, where, f"y_{split}")
         if np.ndim(x) < 2:
             raise DataError(f"{where}: x_{split} must hold one example per row, got shape "
                             f"{np.shape(x)}")
+        x = inputs[split] = check_inputs(x, where, f"x_{split}", modality)
         if len(x) != len(y):
             raise DataError(f"{where}: x_{split} has {len(x)} rows but y_{split} has {len(y)}")
         outside = np.flatnonzero((y < 0) | (y >= num_classes))
@@ -153,6 +188,7 @@ def make_dataset(name: str, modality: str, x_train: np.ndarray, y_train: np.ndar
         if row is not None:
             raise DataError(f"{where}: x_{split}[{row}] holds a non-finite value (NaN or Inf)")
     y_train, y_test = labels["train"], labels["test"]
+    x_train, x_test = inputs["train"], inputs["test"]
     if len(np.unique(y_train)) < 2:
         raise DataError(f"{where}: y_train holds {len(np.unique(y_train))} distinct class(es); "
                         "classification needs at least 2 (every accuracy would be 1.0)")
@@ -313,16 +349,27 @@ def load_npz(options: LoadOptions) -> CentralDataset:
     y_train = integer_labels(arrays["y_train"], where, "y_train")
     y_test = integer_labels(arrays["y_test"], where, "y_test")
     if "num_classes" in arrays:  # stated: classes without samples are allowed
-        num_classes = int(arrays["num_classes"])
+        num_classes = _stated_int(arrays["num_classes"], where, "num_classes")
     else:
         num_classes = _inferred_classes(y_train, y_test, where)
     vocab_size = 0
     if modality == "text":
-        vocab_size = int(arrays["vocab_size"]) if "vocab_size" in arrays else int(
-            max(x_train.max(), x_test.max()) + 1)
+        x_train = check_inputs(x_train, where, "x_train", modality)
+        x_test = check_inputs(x_test, where, "x_test", modality)
+        vocab_size = (_stated_int(arrays["vocab_size"], where, "vocab_size")
+                      if "vocab_size" in arrays else int(max(x_train.max(), x_test.max()) + 1))
     name = os.path.splitext(os.path.basename(path))[0]
     return make_dataset(name, modality, x_train, y_train, x_test, y_test, num_classes, options,
                         vocab_size, arrays.get("groups_train"), source=where)
+
+
+def _stated_int(value: np.ndarray, where: str, array: str) -> int:
+    """A count stored in the file (num_classes, vocab_size): one integer, not 10.9."""
+    v = np.asarray(value)
+    if v.ndim != 0 or not (np.issubdtype(v.dtype, np.integer) or (
+            np.issubdtype(v.dtype, np.floating) and np.isfinite(v) and v == np.round(v))):
+        raise DataError(f"{where}: {array} must be one integer, got {v.tolist()!r}")
+    return int(v)
 
 
 def _inferred_classes(y_train: np.ndarray, y_test: np.ndarray, where: str) -> int:
@@ -336,6 +383,12 @@ def _inferred_classes(y_train: np.ndarray, y_test: np.ndarray, where: str) -> in
         at = f"y_train[{i}]" if i is not None else f"y_test[{int(np.argmin(y_test))}]"
         raise DataError(f"{where}: {at} = {both.min()} is a negative label")
     k = int(both.max()) + 1
+    if k > MAX_CLASSES:
+        top = int(both.max())
+        at = (f"y_train[{int(np.argmax(y_train))}]" if (y_train == top).any()
+              else f"y_test[{int(np.argmax(y_test))}]")
+        raise DataError(f"{where}: {at} = {top} would make {k} classes (at most {MAX_CLASSES}); "
+                        "use labels 0..K-1")
     if k < 2:
         raise DataError(f"{where}: every label is 0; classification needs at least 2 classes "
                         "(every accuracy would be 1.0)")

@@ -8,8 +8,8 @@ the updates are measured from), the sample counts and which slots are real. The 
 2. forms each client's update u_i = upload_i - template and, on the client side (vmapped),
    compresses it (top-k with error feedback kept per client, then bf16 or QSGD values) and, with
    DP, clips it to L2 <= C;
-3. rejects non-finite updates and norm outliers (> `norm_outlier_factor` x the median norm of
-   the uploads aggregated together; see `outlier_rule` for where it is off), logged with the
+3. rejects non-finite updates and norm outliers (norm per local sample > `norm_outlier_factor`
+   x the median of the uploads aggregated together; see `outlier_rule` for where it is off), logged with the
    client id and reason; the weights of the rest are used as they are, i.e. renormalized; under
    secure aggregation the checks run on the client, and values beyond the fixed-point range are
    rejected before masking;
@@ -273,6 +273,9 @@ class UploadPipeline:
         if cfg.dp is not None:
             self.noise_multiplier = privacy.resolve_noise_multiplier(
                 cfg.dp, num_clients, clients_per_round, rounds)
+        if cfg.secagg:
+            check_secagg_range(cfg, self.noise_multiplier, clients_per_round, expected_participants,
+                               num_clients)
         self.outlier_note = outlier_rule(cfg)[1]
         self.stages = (build_stages(cfg, self.noise_multiplier) if stages_override is None
                        else list(stages_override))
@@ -422,6 +425,42 @@ class UploadPipeline:
         return [list(cohorts)]
 
 
+# What the fixed-point range must hold per sender at the least: weights are sent relative to the
+# round's mean (`stages.SecureAggregation`), so a client of 8x the mean weight, or an update
+# value of 8 at the mean weight, still fits.
+SECAGG_HEADROOM = 8.0
+
+
+def check_secagg_range(cfg: PipelineConfig, noise_multiplier: float, clients_per_round: int,
+                       expected_participants: float, num_clients: int) -> None:
+    """Raises ValueError naming the field when `config.secagg.ring_bits` / `fraction_bits`
+    leave too little range for a round's senders to send anything (every upload would be
+    rejected before masking), with the largest `fraction_bits` that works; and when
+    `config.secagg.min_senders` exceeds the most senders a round can have."""
+    poisson = cfg.dp is not None and cfg.dp.sampling == "poisson"
+    most = num_clients if poisson else clients_per_round
+    if cfg.secagg_min_senders > most:
+        raise ValueError(
+            f"config.secagg.min_senders={cfg.secagg_min_senders} exceeds the {most} senders a "
+            f"round can have ({'clients' if poisson else 'participants per round'}): no round "
+            "would ever be summed")
+    need = SECAGG_HEADROOM
+    if cfg.dp is not None:  # a clipped value plus 6 std of the sender's noise share
+        share = noise_multiplier * cfg.dp.clip_norm / np.sqrt(max(expected_participants, 1.0))
+        need = max(need, cfg.dp.clip_norm + 6 * share)
+    enc = cfg.encoding
+    senders = max(1, int(np.ceil(expected_participants if poisson else clients_per_round)))
+    if enc.max_abs(senders) < need:
+        best = enc.largest_fraction_bits(senders, need)
+        fix = (f"the largest that works is fraction_bits={best}" if best > 0 else
+               "no fraction_bits works at this ring size; use ring_bits=64")
+        raise ValueError(
+            f"config.secagg.ring_bits={enc.ring_bits} with fraction_bits={enc.fraction_bits} "
+            f"lets each of {senders} senders send |values| <= {enc.max_abs(senders):.3g}, below "
+            f"the {need:.3g} a round needs: every upload would be rejected before masking; "
+            f"{fix}")
+
+
 def outlier_rule(cfg: PipelineConfig) -> tuple[float, str]:
     """(the norm-outlier factor in force, why) — the median rule is off where it cannot hold:
     under client-level DP (whether one client is counted would depend on the others' data, which
@@ -436,5 +475,6 @@ def outlier_rule(cfg: PipelineConfig) -> tuple[float, str]:
     if cfg.secagg:
         return 0.0, ("off under config.secagg.enabled: the server sees no individual norm; "
                      "values are range-checked before masking instead")
-    return cfg.norm_outlier_factor, (f"updates with norm > {cfg.norm_outlier_factor:g} x the "
-                                     "round's median are rejected")
+    return cfg.norm_outlier_factor, (f"updates with norm per local sample > "
+                                     f"{cfg.norm_outlier_factor:g} x the round's median are "
+                                     "rejected")

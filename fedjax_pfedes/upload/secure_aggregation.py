@@ -26,6 +26,7 @@ protocol reveals; the plain vectors exist only inside `SecureAggregationClient`.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes, serialization
@@ -63,6 +64,12 @@ class RingEncoding:
     def max_abs(self, num_summands: int) -> float:
         """Largest |value| a client may send so a sum of `num_summands` cannot wrap around."""
         return (2.0 ** (self.ring_bits - 1) - 1) / 2.0 ** self.fraction_bits / num_summands
+
+    def largest_fraction_bits(self, num_summands: int, max_value: float) -> int:
+        """The most fractional bits with which `num_summands` values of |x| <= `max_value` sum
+        without wrapping around (0 when none do)."""
+        room = (2.0 ** (self.ring_bits - 1) - 1) / (num_summands * max_value)
+        return max(0, math.floor(math.log2(room))) if room >= 1 else 0
 
     def encode(self, x: np.ndarray) -> np.ndarray:
         scaled = np.round(np.asarray(x, np.float64) * 2.0 ** self.fraction_bits).astype(np.int64)
