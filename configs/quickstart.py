@@ -167,6 +167,9 @@ def get_config() -> ml_collections.ConfigDict:
     # A loss that goes NaN/Inf stops the run with diverged: true in summary.json and exit
     # status 3; True keeps exit status 0 (e.g. inside a sweep that expects some to diverge).
     config.train.allow_divergence = False
+    # A run in which no participant's update ever reached the server (every client offline,
+    # dropped or late) stops with an error (exit 2); True accepts it.
+    config.train.allow_untrained = False
 
     # The upload pipeline (README "Uploads: validation, compression, privacy").
     config.upload = ml_collections.ConfigDict()

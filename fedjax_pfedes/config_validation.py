@@ -28,6 +28,9 @@ from fedjax_pfedes.system import system_config
 from fedjax_pfedes.upload.pipeline import check_compatible, pipeline_config
 
 STALENESS = ("constant", "polynomial", "hinge")
+# Largest representation width of the proxy / projection: a classifier over 2**16 features per
+# class is already far beyond any model here (2**31 ran XLA out of memory).
+MAX_PROXY_DIM = 65536
 
 
 def aggregation_kind(algorithm: str) -> str:
@@ -73,8 +76,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         entry = algorithm_registry.get(config.algorithm)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _require(isinstance(config.seed, int) and 0 <= config.seed < 2 ** 32,
+             f"config.seed must be an integer in [0, 2**32), got {config.seed!r}")
     _require(config.lam >= 0, f"config.lam must be >= 0, got {config.lam}")
-    _require(config.proxy_dim > 0, f"config.proxy_dim must be > 0, got {config.proxy_dim}")
+    _require(0 < config.proxy_dim <= MAX_PROXY_DIM,
+             f"config.proxy_dim must be in [1, {MAX_PROXY_DIM}], got {config.proxy_dim}")
     _require(config.proxy_lr_ratio > 0,
              f"config.proxy_lr_ratio must be > 0, got {config.proxy_lr_ratio}")
     _require(0 <= config.server_momentum < 1,
@@ -178,6 +184,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(config.eval.every >= 1, f"config.eval.every must be >= 1, got {config.eval.every}")
     _require(config.eval.clients >= 0, "config.eval.clients must be >= 0 (0 = every client), "
              f"got {config.eval.clients}")
+    _require(config.eval.global_test_samples >= 0, "config.eval.global_test_samples must be "
+             f">= 0 (0 = the whole global test set), got {config.eval.global_test_samples}")
     _validate_runtime(config)
 
 

@@ -92,7 +92,8 @@ def same_config(old: Any, new: Any, default: Any) -> bool:
 # Fields that change what a run reports or keeps, or how fast it runs, never its numbers:
 # ignored when a finished run is matched for reuse. (`loop_threads` gives bit-identical
 # numbers: tests/test_execution.py.)
-RESULT_NEUTRAL = (("train", "allow_divergence"), ("monitor", "tensorboard"),
+RESULT_NEUTRAL = (("train", "allow_divergence"), ("train", "allow_untrained"),
+                  ("monitor", "tensorboard"),
                   ("checkpoint", "every"), ("checkpoint", "max_to_keep"),
                   ("execution", "compilation_cache_dir"), ("execution", "loop_threads"))
 
@@ -119,6 +120,20 @@ def finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | None
     same = same_config(_without_neutral(summary.get("config")), _without_neutral(normalized),
                        _without_neutral(shipped_defaults()))
     return summary if same else None
+
+
+def unknown_fields(base: ml_collections.ConfigDict, overrides: dict[str, Any]) -> list[str]:
+    """The dotted fields of `overrides` that `base` does not have (an override would add them
+    silently and run the base config)."""
+    out = []
+    for dotted in overrides:
+        node = base
+        for part in dotted.split("."):
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                out.append(dotted)
+                break
+            node = node[part]
+    return out
 
 
 def with_overrides(base: ml_collections.ConfigDict, overrides: dict[str, Any],

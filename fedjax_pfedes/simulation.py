@@ -45,6 +45,11 @@ from fedjax_pfedes.evaluation import (
 from fedjax_pfedes.workdir import WorkdirLock, data_fingerprint
 
 
+class NothingTrainedError(ConfigError):
+    """No participant's update reached the server in any round (and
+    `config.train.allow_untrained` is False): every figure describes the initial models."""
+
+
 class DivergedError(RuntimeError):
     """Training went non-finite (and `config.train.allow_divergence` is False); the summary with
     `diverged: true` has been written."""
@@ -265,13 +270,26 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
                           "completed": state.sampler.completed.tolist()},
         "simulated_time_s": state.clock_s,
         "resumed_from_round": first_round,
+        "clients_trained": int((state.sampler.completed > 0).sum()),
         "wall_time_s": time.time() - start,
         "config": config.to_dict(),
     }
     metrics_io.write_json(f"{out_dir}/summary.json", summary)
     if diverged is not None and not config.train.allow_divergence:
+        dp = ctx.pipeline.cfg.dp
+        cause = ("Lower the learning rate or lambda" if dp is None else
+                 f"Client-level DP adds noise of std {ctx.pipeline.noise_multiplier:.3g} x "
+                 f"{dp.clip_norm:g} on the sum: lower config.dp.noise_multiplier / raise "
+                 "config.dp.target_epsilon or config.dp.clip_norm, or lower the learning rate")
         raise DivergedError(
             f"training diverged in round {diverged['round']} ({_some(diverged['metrics'])} "
-            f"non-finite); summary in {workdir}/summary.json. Lower the learning rate or lambda, "
+            f"non-finite); summary in {workdir}/summary.json. {cause}, "
             "or set --config.train.allow_divergence=True to accept it")
+    if not int(state.sampler.completed.sum()) and not config.train.get("allow_untrained",
+                                                                        False):
+        raise NothingTrainedError(
+            f"no participant's update reached the server in any of the {rounds_total} rounds "
+            "(config.system availability, dropout or deadline_s leave no client able to train): "
+            f"every figure in {workdir}/summary.json describes the initial models; set "
+            "--config.train.allow_untrained=True to accept that")
     return summary

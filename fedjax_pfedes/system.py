@@ -20,6 +20,7 @@ host, deterministically from (seed, round), so a resumed run sees the same event
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import ml_collections
 import numpy as np
@@ -27,6 +28,10 @@ import numpy as np
 DEADLINE_POLICIES = ("drop", "partial")
 
 # Per-client outcome of a round (values of `RoundTiming.status`).
+# Largest per-round log-normal sigma of a client's step time: beyond it simulated times overflow
+# float64 and the clock and summary.json would hold Infinity.
+MAX_TIME_JITTER = 5.0
+
 DELIVERED, PARTIAL, DROPPED_OUT, PAST_DEADLINE = "delivered", "partial", "dropped_out", "deadline"
 
 
@@ -37,6 +42,8 @@ def _floats(text: str, field: str) -> tuple[float, ...]:
         raise ValueError(f"{field}: expected numbers separated by commas, got '{text}'") from None
     if not values:
         raise ValueError(f"{field} is empty")
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{field}: values must be finite, got '{text}'")
     return values
 
 
@@ -97,6 +104,10 @@ def system_config(config: ml_collections.ConfigDict) -> SystemConfig:
     if cfg.step_time_s <= 0 or cfg.time_jitter < 0 or cfg.deadline_s < 0:
         raise ValueError("config.system.step_time_s must be > 0, time_jitter and deadline_s "
                          ">= 0")
+    if cfg.time_jitter > MAX_TIME_JITTER:
+        raise ValueError(f"config.system.time_jitter must be in [0, {MAX_TIME_JITTER:g}] (a "
+                         "log-normal sigma: exp(3 sigma) is already a 3e6x slow-down at 5), got "
+                         f"{cfg.time_jitter:g}")
     if cfg.deadline_policy not in DEADLINE_POLICIES:
         raise ValueError(f"config.system.deadline_policy: unknown '{cfg.deadline_policy}'; "
                          f"known: {list(DEADLINE_POLICIES)}")

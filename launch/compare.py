@@ -30,7 +30,6 @@ import ast
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 from absl import app, flags
@@ -41,8 +40,10 @@ from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.builders import load_options
 from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
 from fedjax_pfedes.data.catalog import load_dataset
-from fedjax_pfedes.data.sources import DatasetUnavailableError
+from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
+from fedjax_pfedes.workdir import RunLockedError
 from launch import cli
+from launch.cli import fail, loaded_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _ALGORITHMS = flags.DEFINE_list("algorithms", ["pfedes", "standalone", "fedavg"],
@@ -192,9 +193,24 @@ def tune_learning_rates(config, grid: list[float]) -> tuple[dict[str, dict], str
     return tuned, head + "\n" + "\n".join(rows)
 
 
+def _check_flags(argv: list[str]) -> list[float]:
+    """One line and exit 2 for what the flags alone get wrong; returns the --lr_grid rates."""
+    if len(argv) > 1:
+        fail(f"unexpected arguments {argv[1:]}: flags are --name=value")
+    if not _ALGORITHMS.value and not _VARIANT.value:
+        fail("--algorithms is empty: name the methods to compare, e.g. "
+             "--algorithms=pfedes,fedavg")
+    if os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
+        fail(f"--workdir={_WORKDIR.value} is a file, not a directory")
+    try:
+        return [float(v) for v in _LR_GRID.value]
+    except ValueError:
+        fail(f"--lr_grid: '{','.join(_LR_GRID.value)}' is not a comma-separated list of numbers")
+
+
 def main(argv: list[str]) -> None:
-    del argv
-    config = _CONFIG.value
+    grid = _check_flags(argv)
+    config = loaded_config(_CONFIG)
     try:
         known = algorithm_registry.names()
         unknown = [a for a in _ALGORITHMS.value if a not in known]
@@ -243,7 +259,10 @@ def main(argv: list[str]) -> None:
 
         variants = ({a: {"algorithm": a} for a in _ALGORITHMS.value} if not _VARIANT.value
                     else parse_variants(_VARIANT.value))
-        for overrides in variants.values():
+        for name, overrides in variants.items():
+            unknown = experiments.unknown_fields(config, overrides)
+            if unknown:
+                raise ConfigError(f"--variant={name}: unknown config field(s) {unknown}")
             validate_config(experiments.with_overrides(config, overrides))
         names = list(variants)  # tuning leaves out a method whose grid is unfinished
         tuning = ""
@@ -252,8 +271,7 @@ def main(argv: list[str]) -> None:
                        f"{config.seed}; a rate that diverges on any seed is dropped).")
         while True:  # until no chosen rate diverges on a further seed (each pass drops one)
             if _LR_GRID.value:
-                variants, tuning = tune_learning_rates(config,
-                                                       [float(v) for v in _LR_GRID.value])
+                variants, tuning = tune_learning_rates(config, grid)
             results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
                                            _PROGRESS.value, reuse=_REUSE.value,
                                            on_seed_done=write,
@@ -264,9 +282,9 @@ def main(argv: list[str]) -> None:
                 break
             print("diverged at the chosen rate, choosing the next best: " + "; ".join(moved))
         table = write(results)
-    except (ConfigError, DatasetUnavailableError, KeyError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (ConfigError, DatasetUnavailableError, DataError, RunLockedError, KeyError,
+            TypeError) as e:
+        fail(str(e))
     if tuning:
         with open(os.path.join(_WORKDIR.value, "comparison.md"), "a") as f:
             f.write("\nLearning-rate grid (seed " + str(config.seed) + ", final mean personalized "
@@ -276,5 +294,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    flags.mark_flags_as_required(["config"])
     app.run(main, flags_parser=cli.parse_flags)

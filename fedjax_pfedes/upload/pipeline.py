@@ -9,10 +9,11 @@ the updates are measured from), the sample counts and which slots are real. The 
    compresses it (top-k with error feedback kept per client, then bf16 or QSGD values) and, with
    DP, clips it to L2 <= C;
 3. rejects non-finite updates and norm outliers (norm per local sample > `norm_outlier_factor`
-   x the median of the uploads aggregated together; see `outlier_rule` for where it is off), logged with the
-   client id and reason; the weights of the rest are used as they are, i.e. renormalized; under
-   secure aggregation the checks run on the client, and values beyond the fixed-point range are
-   rejected before masking;
+   x the median of the uploads aggregated together; see `outlier_rule` for where it is off),
+   logged with the client id and reason; the weights of the rest are used as they are, i.e.
+   renormalized; under secure aggregation the checks run on the client, and values beyond the
+   fixed-point range are rejected before masking (a malicious client skips all client halves:
+   `UploadStage.server_enforced`);
 4. aggregates: either leaves the (decoded) uploads to the algorithm's own weighted mean, or
    computes the aggregate itself — coordinate-wise median / trimmed mean, the DP-FedAvg noisy
    fixed-denominator mean, or the secure-aggregation sum — and hands every real slot

@@ -385,10 +385,11 @@ class SecureAggregation(UploadStage):
                                      r.round_index])
         bound = self.encoding.max_abs(int(ok.sum()))
         rogue = np.concatenate([r.info[a]["skips_client_code"] for a in scope])
-        # Weights are sent relative to the round's mean weight (a public scale the server
-        # broadcasts): the weighted mean is unchanged, and a sample count of thousands fits a
-        # 32-bit ring as well as a weight of 1 does.
-        w = w / max(float(w[ok].mean()), 1e-12)
+        # Weights are sent divided by a public scale the server broadcasts, the power of two
+        # at or below the round's mean weight: the weighted mean is unchanged, a sample count of
+        # thousands fits a 32-bit ring as well as a weight of 1 does, and integer counts stay
+        # exact in fixed point (a division by 2^k only shifts bits).
+        w = w / 2.0 ** math.floor(math.log2(max(float(w[ok].mean()), 2.0 ** -20)))
         vectors, unchecked = {}, set()
         for j in np.flatnonzero(ok):
             x = flat[j] * (1.0 if self.dp else w[j])

@@ -1,0 +1,195 @@
+"""Bad inputs a second hostile test found silent, crashing or misleading (rows C33-C41, D23-D30,
+L10-L16, R12-R14 of docs/threat_model.md): each gets a one-line error naming the field, file or
+value (exit 2 from the command line), or the correct behaviour."""
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from fl_helpers import tiny_config
+
+from fedjax_pfedes.config_validation import ConfigError, validate_config
+from fedjax_pfedes.data.sources import DataError, LoadOptions, load_npz
+from fedjax_pfedes.simulation import NothingTrainedError, run_experiment
+from fedjax_pfedes.workdir import RunLockedError, WorkdirLock
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- D: data files ---------------------------------------------------------------------------
+
+def _arrays(**changes):
+    rng = np.random.default_rng(0)
+    a = dict(x_train=rng.random((60, 8, 8, 1)).astype(np.float32), y_train=np.arange(60) % 4,
+             x_test=rng.random((20, 8, 8, 1)).astype(np.float32), y_test=np.arange(20) % 4)
+    a.update(changes)
+    return a
+
+
+X = _arrays()["x_train"]
+DATA_CASES = {
+    "D23": (_arrays(x_train=X.astype(np.complex64) + 1j), r"x_train must hold real numbers, "
+            r"got dtype complex64"),
+    "D24": (_arrays(x_train=np.full((60, 8, 8, 1), "a")), r"x_train must hold real numbers"),
+    "D25": (_arrays(x_train=X[..., None], x_test=_arrays()["x_test"][..., None]),  # 5-D
+            r"tabular x_train must have shape \[N, F\] features, got \(60, 8, 8, 1, 1\)"),
+    "D26": (_arrays(x_train=np.where(np.arange(60)[:, None, None, None] == 4, 1e300,
+                                     X.astype(np.float64))),
+            r"x_train\[4\] holds values beyond float32's range"),
+    "D27": (_arrays(x_test=np.zeros((0, 8, 8, 1), np.float32), y_test=np.zeros(0, int),
+                    num_classes=np.array(4)), r"x_test is empty"),
+    "D28": (_arrays(num_classes=np.array(10.9)), r"num_classes must be one integer, got 10.9"),
+    "D29": (_arrays(y_train=np.where(np.arange(60) == 2, 2 ** 40, np.arange(60) % 4)),
+            r"y_train\[2\] = 1099511627776 would make .* classes \(at most 100000\)"),
+    "D30": (_arrays(num_classes=np.array(2 ** 40)), r"num_classes must be in \[2, 100000\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_bad_arrays_are_refused_in_one_line_naming_the_file(case, tmp_path):
+    arrays, message = DATA_CASES[case]
+    path = tmp_path / f"{case}.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(DataError, match=message) as e:
+        load_npz(LoadOptions(path=str(path)))
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+# --- C: config fields ------------------------------------------------------------------------
+
+CONFIG_CASES = {
+    "C33": ({"eval.global_test_samples": -5}, r"config.eval.global_test_samples must be >= 0"),
+    "C34": ({"seed": -1}, r"config.seed must be an integer in \[0, 2\*\*32\), got -1"),
+    "C35": ({"seed": 2 ** 64}, r"config.seed must be an integer in \[0, 2\*\*32\)"),
+    "C36": ({"proxy_dim": 2 ** 31}, r"config.proxy_dim must be in \[1, 65536\]"),
+    "C37": ({"system.time_jitter": 1000.0}, r"config.system.time_jitter must be in \[0, 5\]"),
+    "C38": ({"system.speed_classes": "1,inf"}, r"config.system.speed_classes: values must be "
+            "finite"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_bad_config_values_are_refused_naming_the_field(case):
+    changes, message = CONFIG_CASES[case]
+    config = tiny_config()
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = config
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    with pytest.raises(ConfigError, match=message) as e:
+        validate_config(config)
+    assert "\n" not in str(e.value)
+
+
+def _secagg_config(**secagg):
+    config = tiny_config(rounds=2, num_clients=8)
+    config.secagg.enabled = True
+    for k, v in secagg.items():
+        config.secagg[k] = v
+    return config
+
+
+def test_C39_a_32_bit_ring_trains_with_sample_count_weights(tmp_path):
+    """Weights are sent relative to the round's mean: sample counts of ~100 no longer exceed
+    the 32-bit ring's range (every upload was rejected before)."""
+    summary = run_experiment(_secagg_config(ring_bits=32), str(tmp_path), show_progress=False)
+    assert summary["final"]["uploads_rejected_total"] == 0
+    assert summary["final"]["secagg_senders"] == 4
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("fraction_bits", 61, r"config.secagg.ring_bits=64 with fraction_bits=61 .* the largest "
+                          r"that works is fraction_bits=\d+"),
+    ("min_senders", 1000, r"config.secagg.min_senders=1000 exceeds the 4 senders"),
+])
+def test_C40_C41_secure_aggregation_settings_that_could_never_sum_are_refused(
+        tmp_path, field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        run_experiment(_secagg_config(**{field: value}), str(tmp_path), show_progress=False)
+
+
+# --- R: runs -----------------------------------------------------------------------------------
+
+def test_R12_a_lock_being_created_is_never_taken_over(tmp_path):
+    """An empty lock file that is fresh belongs to a run creating it (an older version wrote the
+    holder after creating the file): refused, not deleted under that run."""
+    (tmp_path / ".lock").write_text("")
+    with pytest.raises(RunLockedError, match="being locked by another run"):
+        WorkdirLock(str(tmp_path)).acquire()
+    assert (tmp_path / ".lock").exists()
+    old = os.path.getmtime(tmp_path / ".lock") - 3600
+    os.utime(tmp_path / ".lock", (old, old))  # an hour-old unreadable lock: stale
+    lock = WorkdirLock(str(tmp_path))
+    lock.acquire()
+    assert (tmp_path / ".lock").read_text().split()[1] == str(os.getpid())
+    lock.release()
+    assert not os.listdir(tmp_path)  # no private or set-aside files left
+
+
+def test_R13_an_unwritable_workdir_is_one_line(tmp_path, monkeypatch):
+    """(Root ignores file modes, so the refusal is simulated where the lock file is made.)"""
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "link", refuse)
+    with pytest.raises(RunLockedError, match=r"workdir .* is not writable \(Permission denied\)"):
+        WorkdirLock(str(tmp_path)).acquire()
+
+
+def test_R14_a_run_in_which_nobody_ever_trained_stops_with_an_error(tmp_path):
+    config = tiny_config(rounds=2, num_clients=6)
+    config.system.dropout = 0.99
+    config.system.availability = "0.000000001"
+    with pytest.raises(NothingTrainedError, match="no participant's update reached the server"):
+        run_experiment(config, str(tmp_path / "a"), show_progress=False)
+    config.train.allow_untrained = True
+    summary = run_experiment(config, str(tmp_path / "b"), show_progress=False)
+    assert summary["clients_trained"] == 0
+
+
+# --- L: the comparison command line ------------------------------------------------------------
+
+COMPARE_CASES = {
+    "L10": (["--config=configs/quickstart.py", "--variant=v:nosuch=1"],
+            r"--variant=v: unknown config field\(s\) \['nosuch'\]"),
+    "L11": (["--config=configs/quickstart.py", "stray"], r"unexpected arguments \['stray'\]"),
+    "L12": (["--config=configs/quickstart.py", "--lr_grid=abc"],
+            r"--lr_grid: 'abc' is not a comma-separated list of numbers"),
+    "L13": ([], r"--config is required"),
+    "L14": (["--config=configs/quickstart.py", "--workdir={file}"], r"is a file, not a directory"),
+    "L15": (["--config=configs/quickstart.py", "--algorithms="], r"--algorithms is empty"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPARE_CASES))
+def test_compare_command_line_errors_are_one_line_with_exit_status_2(case, tmp_path):
+    args, message = COMPARE_CASES[case]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    args = [a.format(file=a_file) for a in args]
+    if not any(a.startswith("--workdir") for a in args):
+        args.append(f"--workdir={tmp_path / 'cmp'}")
+    proc = subprocess.run([sys.executable, "-m", "launch.compare", *args, "--progress=false",
+                           "--seeds=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.search(message, errors[0]), errors[0]
+    assert "report_only" not in errors[0]
+
+
+def test_L16_an_absurd_target_epsilon_is_one_line_from_launch_main(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.main", "--config=configs/private_quickstart.py",
+         "--config.dp.target_epsilon=1e9", "--config.train.rounds=1",
+         f"--workdir={tmp_path / 'run'}", "--progress=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "config.dp.target_epsilon=1e+09" in errors[0]
+    assert "protects nothing" in errors[0] and "math domain" not in proc.stderr
