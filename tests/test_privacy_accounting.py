@@ -132,3 +132,31 @@ def test_P16_deadline_without_failure_decay_is_accounted_without_amplification(t
         dp_accounting.GaussianDpEvent(1.3 / 2), 3))
     assert summary["final"]["dp_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5),
                                                            rel=1e-9)
+
+
+def test_P17_secure_aggregation_with_drop_outs_composes_the_noise_of_the_honest_senders(
+        tmp_path):
+    """Fixed-size selection with drop-outs before upload (no amplification) and senders lost
+    after uploading: each round's noise is what its senders added, sigma sqrt(senders / 4);
+    epsilon is the plain Gaussian at sensitivity 2C composed over exactly those rounds, with
+    the senders read from metrics.jsonl."""
+    config = _dp_config(4, 8, 0.5)
+    config.eval.every = 4
+    config.system.dropout = 0.3
+    config.secagg.enabled = True
+    config.secagg.dropout_after_upload = 0.3
+    config.secagg.min_senders = 2
+    summary = run_experiment(config, str(tmp_path), show_progress=False)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    accountant = rdp.RdpAccountant()
+    released = []
+    for r in rows:
+        senders = r.get("secagg_senders", 0)
+        if senders >= 2:
+            sigma = 1.3 * (senders / 4) ** 0.5
+            released.append(sigma)
+            accountant.compose(dp_accounting.GaussianDpEvent(sigma / 2))
+    assert len(set(released)) > 1 or any(r.get("secagg_senders", 0) < 4 for r in rows), rows
+    assert summary["dp_accounting_sampling"] == "none"
+    assert summary["final"]["dp_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5),
+                                                           rel=1e-9)

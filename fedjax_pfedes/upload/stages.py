@@ -418,14 +418,6 @@ class SecureAggregation(UploadStage):
         senders = len(vectors)  # clients that drop after uploading have sent their vector
         report.setdefault("secagg_bytes", []).append((senders, sa_protocol.bytes_per_sender(
             next(iter(vectors.values())).shape[0], senders, self.encoding)))
-        if self.dp:
-            # Every honest sender's noise is in the sum (also of those lost before unmasking):
-            # total variance senders x std^2 = (sigma C)^2 x senders / expected. A client that
-            # runs its own code adds none.
-            honest = senders - len(unchecked)
-            realized = self.noise_multiplier * math.sqrt(honest / max(denominator, 1.0))
-            report["dp_realized_noise_multiplier"] = min(
-                report.get("dp_realized_noise_multiplier", math.inf), realized)
         try:
             result = sa_protocol.secure_sum(vectors, threshold, self.encoding,
                                             int(rng.integers(0, 2 ** 62)),
@@ -435,6 +427,14 @@ class SecureAggregation(UploadStage):
             report.setdefault("secagg_failures", []).append(str(e))
             r.reject(np.array(sorted(vectors)), "secure aggregation failed")
             return None  # the round's update is lost; the server keeps its state
+        if self.dp:
+            # Released (a failed unmasking releases nothing): every honest sender's noise is in
+            # the sum, also of those lost before unmasking: total variance senders x std^2 =
+            # (sigma C)^2 x senders / expected. A client that runs its own code adds none.
+            honest = senders - len(unchecked)
+            realized = self.noise_multiplier * math.sqrt(honest / max(denominator, 1.0))
+            report["dp_realized_noise_multiplier"] = min(
+                report.get("dp_realized_noise_multiplier", math.inf), realized)
         report["secagg_senders"] = report.get("secagg_senders", 0) + len(result.senders)
         report["secagg_dropped_after_upload"] = (report.get("secagg_dropped_after_upload", 0)
                                                  + len(drop))
