@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfedes import rounds, sampling, system
+from fedjax_pfedes import attacks, rounds, sampling, system
 from fedjax_pfedes.config_validation import STALENESS
 from fedjax_pfedes.sim_state import SimState
 from fedjax_pfedes.upload import validation
@@ -165,7 +165,8 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
         deltas = jax.tree.map(lambda buf, take=take: buf[take], in_flight.deltas[cohort.arch])
         stacked = rebase(deltas, template, jnp.asarray(f))
         sizes = jnp.take(cohort.train.sizes, jnp.asarray(local), mode="clip")
-        uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, local)
+        uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, local,
+                                             attacks.rogue_slots(ids, ctx.attack))
     norms = _stored_norms(in_flight, ctx, slots, arrivals)
     arrived = rounds.Trained(uploads, {
         int(c): {"train_ce_loss": float(in_flight.train_loss[s]),

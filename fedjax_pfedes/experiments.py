@@ -222,6 +222,51 @@ def markdown_table(results: dict[str, list[dict]], seeds: int | None = None) -> 
     return "\n".join(lines)
 
 
+def paired_difference(runs: list[dict], reference: list[dict], metric: str,
+                      confidence: float = 0.95) -> dict[str, float]:
+    """Mean of the per-seed differences runs - reference of `final[metric]`, paired by seed
+    (same seed: same data split, clients and sampling), with a Student-t confidence interval.
+
+    Args:
+      runs, reference: the two arms' results (`run_grid` rows), matched on their `seed`.
+      metric: a key of each run's `final` record, e.g. 'personalized_accuracy_mean'.
+      confidence: the interval's coverage.
+
+    Returns:
+      {'n', 'mean', 'low', 'high'}: seeds paired and the interval; a diverged seed counts
+      (its metric as recorded), it is never dropped. With one pair the interval is unbounded.
+    """
+    from scipy import stats
+    ref = {r["seed"]: r["final"][metric] for r in reference}
+    d = np.array([r["final"][metric] - ref[r["seed"]] for r in runs if r["seed"] in ref],
+                 np.float64)
+    if len(d) == 0:
+        return {"n": 0, "mean": float("nan"), "low": float("nan"), "high": float("nan")}
+    mean = float(d.mean())
+    if len(d) < 2:
+        return {"n": 1, "mean": mean, "low": -float("inf"), "high": float("inf")}
+    half = float(stats.t.ppf(0.5 + confidence / 2, len(d) - 1) * d.std(ddof=1)
+                 / np.sqrt(len(d)))
+    return {"n": int(len(d)), "mean": mean, "low": mean - half, "high": mean + half}
+
+
+def paired_table(results: dict[str, list[dict]], pairs: dict[str, str]) -> str:
+    """Markdown: per arm, its paired difference from its reference arm (`pairs`: arm ->
+    reference) in personalized and global accuracy, mean [95% CI] over the paired seeds, and
+    whether the interval excludes 0."""
+    lines = ["| arm | against | seeds | Δ personalized accuracy [95% CI] | "
+             "Δ global accuracy [95% CI] |", "|---|---|---|---|---|"]
+    for arm, ref in pairs.items():
+        cells = []
+        for metric in ("personalized_accuracy_mean", "global_accuracy_mean"):
+            p = paired_difference(results[arm], results[ref], metric)
+            verdict = "" if p["low"] <= 0 <= p["high"] else " (excludes 0)"
+            cells.append(f"{p['mean']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}]{verdict}")
+        n = paired_difference(results[arm], results[ref], "personalized_accuracy_mean")["n"]
+        lines.append(f"| {arm} | {ref} | {n} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def curve_over_seeds(runs: list[dict], key: str) -> tuple[list[int], np.ndarray, np.ndarray]:
     """(rounds, mean, std) of `key` over seeds, per round; a seed that stopped early (a diverged
     run ends at the round it diverged) counts only for the rounds it reached."""

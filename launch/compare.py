@@ -59,6 +59,9 @@ _LR_GRID = flags.DEFINE_list("lr_grid", [], "Local learning rates to tune each m
                              "(seed config.seed); empty = no tuning.")
 _REUSE = flags.DEFINE_bool("reuse", True, "Reuse finished runs in the workdir made with the same "
                            "config (resume an interrupted comparison).")
+_PAIRED = flags.DEFINE_list(
+    "paired_with", [], "ARM=REFERENCE,... : add to comparison.md each arm's paired difference "
+    "(same seeds) from its reference arm, mean and 95% CI, e.g. --paired_with=fedavg=standalone")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Start no run: write the table from the "
                                  "runs already finished in the workdir.")
 
@@ -243,6 +246,11 @@ def main(argv: list[str]) -> None:
                                   "methods and this config")
             seeds_done = min(len(v) for v in done.values())
             table = experiments.markdown_table(done, _SEEDS.value)
+            pairs = {a: b for a, b in paired.items() if a in done and b in done}
+            if pairs:
+                table += ("\n\nPaired differences (same seed: same data, clients and "
+                          "sampling; Student-t 95% CI over the seeds, diverged seeds kept):\n\n"
+                          + experiments.paired_table(done, pairs))
             absent = [k for k in names if k not in done]
             note = "" if seeds_done == _SEEDS.value and not absent else (
                 f" (partial: {seeds_done} of {_SEEDS.value} seeds so far"
@@ -265,6 +273,13 @@ def main(argv: list[str]) -> None:
                 raise ConfigError(f"--variant={name}: unknown config field(s) {unknown}")
             validate_config(experiments.with_overrides(config, overrides))
         names = list(variants)  # tuning leaves out a method whose grid is unfinished
+        paired = {}
+        for item in _PAIRED.value:
+            arm, eq, ref = item.partition("=")
+            if not eq or arm not in variants or ref not in variants:
+                raise ConfigError(f"--paired_with: '{item}' must be ARM=REFERENCE with both "
+                                  f"among {names}")
+            paired[arm] = ref
         tuning = ""
         if _LR_GRID.value:
             header += (f" Learning rate per method tuned over {_LR_GRID.value} (seed "

@@ -199,3 +199,26 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
     run(tmp_path / "scaffold" / "seed1", True)
     again = [{"seed": 1, "diverged": True, "run_dir": str(tmp_path / "scaffold" / "seed1")}]
     assert set_aside_diverged(config, {"scaffold": again}, tuned, str(tmp_path)) == []
+
+
+def test_paired_difference_pairs_by_seed_with_a_student_t_interval():
+    """Hand count: differences 0.1, 0.2, 0.3 (paired by seed, listed out of order): mean 0.2,
+    sd 0.1, t(0.975, 2) = 4.302653 -> half-width 0.248414."""
+    from fedjax_pfedes import experiments
+
+    def rows(values):
+        return [{"seed": s, "final": {"m": v, "personalized_accuracy_mean": v,
+                                      "global_accuracy_mean": v}} for s, v in values]
+
+    arm = rows([(2, 0.7), (0, 0.5), (1, 0.6), (9, 1.0)])  # seed 9 has no reference: unpaired
+    ref = rows([(0, 0.4), (1, 0.4), (2, 0.4)])
+    p = experiments.paired_difference(arm, ref, "m")
+    assert p["n"] == 3 and p["mean"] == pytest.approx(0.2)
+    assert p["high"] - p["mean"] == pytest.approx(4.302653 * 0.1 / 3 ** 0.5, rel=1e-6)
+    table = experiments.paired_table({"a": arm, "r": ref}, {"a": "r"})
+    assert "+0.2000 [-0.0484, +0.4484] |" in table and "excludes" not in table  # n = 3 is few
+    tight = rows([(0, 0.59), (1, 0.6), (2, 0.61)])
+    assert "(excludes 0)" in experiments.paired_table({"a": tight, "r": ref}, {"a": "r"})
+    flat = experiments.paired_difference(rows([(0, 0.5), (1, 0.3)]), rows([(0, 0.4), (1, 0.4)]),
+                                         "m")
+    assert flat["low"] < 0 < flat["high"]
