@@ -4,11 +4,12 @@ round, uniform weights (so DP and the plain runs aggregate alike), 20 rounds. Th
 fields are off here; the study's variants switch them on:
 
   python -m launch.compare --config=configs/attack_digits.py --seeds=5 \\
-    --workdir=runs/attack_digits --variant=honest: \\
+    --workdir=runs/attack_digits --variant=honest: '--variant=dp_honest:dp.enabled=True' \\
     --variant='defaults:attack.kind=constant;attack.clients=3,' \\
     --variant='dp:attack.kind=constant;attack.clients=3,;dp.enabled=True' \\
     --variant='secagg:attack.kind=constant;attack.clients=3,;secagg.enabled=True' \\
-    --variant='secagg_dp:attack.kind=constant;attack.clients=3,;secagg.enabled=True;dp.enabled=True'
+    --variant='secagg_dp:attack.kind=constant;attack.clients=3,;secagg.enabled=True;dp.enabled=True' \\
+    --paired_with=defaults=honest,secagg=honest,dp=dp_honest,secagg_dp=dp_honest
 """
 
 import ml_collections
