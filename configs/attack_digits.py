@@ -8,7 +8,8 @@ fields are off here; the study's variants switch them on:
     --variant='defaults:attack.kind=constant;attack.clients=3,' \\
     --variant='dp:attack.kind=constant;attack.clients=3,;dp.enabled=True' \\
     --variant='secagg:attack.kind=constant;attack.clients=3,;secagg.enabled=True' \\
-    --variant='secagg_dp:attack.kind=constant;attack.clients=3,;secagg.enabled=True;dp.enabled=True' \\
+    --variant='secagg_dp:attack.kind=constant;attack.clients=3,;secagg.enabled=True;'\\
+'dp.enabled=True' \\
     --paired_with=defaults=honest,secagg=honest,dp=dp_honest,secagg_dp=dp_honest
 """
 

@@ -6,9 +6,10 @@ feedback + client-level DP (DP-FedAvg, RDP accounting) + secure aggregation with
 Only E_proxy's update leaves a client (private backbones, heads and projections never do); it is
 top-k sparsified (10%, error feedback), clipped to L2 <= 0.05 (pFedES's proxy updates are
 ~0.015-0.03 on this population, runs/quickstart/metrics.jsonl), noised so that the 20 rounds spend
-epsilon = 8 at delta = 1e-5, and summed under secure aggregation where 10% of the senders drop
-before unmasking. With 20 clients the DP noise is large next to the signal: client-level DP is
-made for populations of thousands (README "Uploads").
+epsilon = 8 at delta = 1e-5 (client level, replace-one neighbours), and summed under secure
+aggregation where 10% of the senders drop before unmasking. With 20 clients the DP noise is
+large next to the signal: client-level DP is made for populations of thousands (README
+"Uploads").
 """
 
 import ml_collections
