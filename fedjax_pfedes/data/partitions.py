@@ -63,8 +63,13 @@ def pathological_partition(labels: np.ndarray, num_clients: int, classes_per_cli
     """Each client holds `classes_per_client` classes, as in the published pFedES split.
 
     Yi et al., "pFedES: Generalized Proxy Feature Extractor Sharing for Model Heterogeneous
-    Personalized Federated Learning", AAAI 2025. Classes are dealt round-robin over a random class
-    order so every class has (nearly) the same number of holders; each (client, class) pair draws a
+    Personalized Federated Learning", AAAI 2025 (and its public code): every client draws its
+    class set uniformly at random, independently of the other clients and of the architecture
+    it runs (over 100 clients with 2 of 10 classes that gives ~40 distinct pairs, where dealing
+    classes round-robin gave 5, the same pair for every client of one architecture cohort).
+    Where the draw leaves a class without a holder, the most widely held class of a random
+    client is swapped for it, so every class is held by >= 1 client whenever
+    num_clients x classes_per_client >= the number of classes. Each (client, class) pair draws a
     share ~ U(share_low, share_high) and a class's samples are divided among its holders in
     proportion to those shares. Samples of classes that no client holds are left unassigned.
     """
@@ -76,12 +81,17 @@ def pathological_partition(labels: np.ndarray, num_clients: int, classes_per_cli
     if not 0 < share_low <= share_high:
         raise ValueError(f"class shares need 0 < low <= high, got ({share_low}, {share_high})")
     rng = np.random.default_rng(seed)
-    order = rng.permutation(classes)
     holds = np.zeros((num_clients, len(classes)), bool)
     for k in range(num_clients):
-        for j in range(classes_per_client):
-            holds[k, np.searchsorted(classes, order[(k * classes_per_client + j) % len(classes)])] \
-                = True
+        holds[k, rng.choice(len(classes), classes_per_client, replace=False)] = True
+    for missing in rng.permutation(np.flatnonzero(~holds.any(axis=0))):
+        count = holds.sum(axis=0)
+        if count.max() < 2:
+            break  # too few clients to hold every class
+        # a random client holding a class held most often gives it up for the missing one
+        crowded = int(rng.choice(np.flatnonzero(count == count.max())))
+        donor = int(rng.choice(np.flatnonzero(holds[:, crowded])))
+        holds[donor, crowded], holds[donor, missing] = False, True
     shares = np.where(holds, rng.uniform(share_low, share_high, holds.shape), 0.0)
     parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for ci, c in enumerate(classes):
