@@ -54,7 +54,9 @@ def private_run(tmp_path_factory):
     config.system.speed_classes = "1,6"
     config.system.deadline_s = 0.6
     config.system.deadline_policy = "partial"
+    config.system.failure_decay = 1.0  # DP: a deadline miss must not steer who else is drawn
     config.train.sampling = "stratified"
+    config.train.strata = 1  # DP: strata from the public availability classes only
     return workdir, run_experiment(config, str(workdir), show_progress=False)
 
 
