@@ -426,9 +426,9 @@ class UploadPipeline:
         return [list(cohorts)]
 
 
-# What the fixed-point range must hold per sender at the least: weights are sent relative to the
-# round's mean (`stages.SecureAggregation`), so a client of 8x the mean weight, or an update
-# value of 8 at the mean weight, still fits.
+# What the fixed-point range must hold per sender at the least: weights are sent divided by the
+# power of two at or below the round's mean weight (`stages.SecureAggregation`), so a client of
+# 4x the mean weight, or an update value of 4 at twice the mean weight, still fits.
 SECAGG_HEADROOM = 8.0
 
 

@@ -172,8 +172,9 @@ class NormOutlierCheck(UploadStage):
     def server_enforced(self, secagg: bool) -> bool:
         return not secagg
 
-    def skipped(self, delta, info):
-        return self.client(delta, None, None, info)[::2]
+    def skipped(self, delta, info):  # the norm of what was sent (the rule reads it or not)
+        delta, _, info = self.client(delta, None, None, info)
+        return delta, info
 
     def server(self, r: RoundUploads) -> None:
         if self.factor <= 0:
