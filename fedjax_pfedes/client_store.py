@@ -197,6 +197,30 @@ def write_rows(store: PyTree, idx: np.ndarray, rows: PyTree) -> None:
     jax.tree.map(write, store, rows)
 
 
+def replace_rows(store: PyTree, idx: np.ndarray, rows: PyTree) -> PyTree:
+    """`store` with rows `idx` of every leaf set to `rows`: device arrays are replaced by new
+    ones with the same sharding, host and memory-mapped leaves are written in place.
+
+    Args:
+      store: a client-state store (leaves stacked over the cohort's clients).
+      idx: [k] local row indices.
+      rows: the same tree with leaves [k, ...].
+
+    Returns:
+      The store to use from now on (the same object for host stores).
+    """
+    if all(not isinstance(a, jax.Array) for a in jax.tree.leaves(store)):
+        write_rows(store, idx, rows)
+        return store
+
+    def put(a, r):
+        if isinstance(a, jax.Array):
+            return jax.device_put(a.at[np.asarray(idx)].set(np.asarray(r, a.dtype)), a.sharding)
+        write_rows(a, idx, r)
+        return a
+    return jax.tree.map(put, store, rows)
+
+
 def prefetch(store: PyTree, idx: np.ndarray) -> None:
     """Asks the kernel to start reading rows `idx` of every memory-mapped leaf into the page
     cache (`posix_fadvise(WILLNEED)`) and returns at once: a later `read_rows` of them then finds

@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fedjax_pfedes import attacks, sampling, system
+from fedjax_pfedes import attacks, client_store, sampling, system
 from fedjax_pfedes.cohorts import Cohort
 from fedjax_pfedes.sim_state import SimState
 from fedjax_pfedes.upload import validation
@@ -212,6 +212,31 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
     return server_state, memories, summary
 
 
+def participant_states(ctx: RunContext, clients: dict[str, Any], ids: np.ndarray
+                       ) -> dict[str, tuple[np.ndarray, np.ndarray, Any]]:
+    """{arch: (global ids, local rows, host copy of those rows' states)} of the clients `ids`,
+    taken before they train (`Algorithm.state_needs_acceptance`)."""
+    out = {}
+    for cohort in ctx.cohorts:
+        local = np.flatnonzero(np.isin(cohort.client_ids, ids))
+        if len(local):
+            out[cohort.arch] = (cohort.client_ids[local], local,
+                                client_store.read_rows(clients[cohort.arch], local))
+    return out
+
+
+def restore_states(ctx: RunContext, clients: dict[str, Any], before: dict, rejected: np.ndarray
+                   ) -> dict[str, Any]:
+    """`clients` with the states of the `rejected` clients set back to `before`."""
+    clients = dict(clients)
+    for arch, (ids, local, rows) in before.items():
+        keep = np.isin(ids, rejected)
+        if keep.any():
+            clients[arch] = client_store.replace_rows(
+                clients[arch], local[keep], jax.tree.map(lambda r: r[keep], rows))
+    return clients
+
+
 def client_means(client_metrics: dict[int, dict[str, float]]) -> dict[str, float]:
     """`<metric>_mean` over clients, the local-loss variance and the update-norm distribution."""
     if not client_metrics:
@@ -339,12 +364,16 @@ def sync_round(ctx: RunContext, state: SimState, round_index: int
     runs = timing.clients[timing.trains]
     limits = dict(zip(runs.tolist(), timing.step_limit[timing.trains].tolist(), strict=True))
     prefetch_upcoming(ctx, state.clients, sampler, round_index + 1)
+    before = (participant_states(ctx, state.clients, runs)
+              if ctx.algorithm.state_needs_acceptance else None)
     trained, clients = train_participants(ctx, state.server, state.clients, runs,
                                           jax.random.fold_in(ctx.train_key, round_index), limits)
     server_state, memories, summary = aggregate(ctx, state.server, clients, trained,
                                                 state.memories, round_index)
     rejections = summary.pop("rejections")
     rejected = {r["client"] for r in rejections}
+    if before is not None and rejected:
+        clients = restore_states(ctx, clients, before, np.array(sorted(rejected), np.int64))
     sampler.record(selected, runs)
     accepted = len(set(trained.client_metrics) - rejected)
     record = {**counts, **outcome_counts(timing, accepted), **client_means(trained.client_metrics),

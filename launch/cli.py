@@ -77,7 +77,27 @@ def parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - the config file's own code raised: report, no trace
+        unknown = unknown_override(argv, e)
+        if unknown:
+            fail(unknown)
         fail(f"{config_file_problem(_flag_value(argv, 'config'))} ({type(e).__name__}: {e})")
+
+
+def unknown_override(argv: list[str], error: Exception) -> str | None:
+    """The `--config.<path>=...` flag of `argv` whose last part is the key `error` (an
+    AttributeError or KeyError of ml_collections) names, as a one-line error; None otherwise."""
+    if not isinstance(error, (AttributeError, KeyError)) or not error.args:
+        return None
+    key = str(error.args[0]).split("\n")[0].strip("'\" ")
+    for a in argv:
+        if a.startswith("--config."):
+            path = a[len("--config."):].split("=", 1)[0]
+            parts = path.split(".")
+            if parts[-1] == key:
+                parent = ".".join(["config", *parts[:-1]])
+                return (f"unknown config field: --config.{path} ({parent} has no field "
+                        f"'{key}'; configs/quickstart.py lists the fields)")
+    return None
 
 
 def renamed_field(argv: list[str]) -> str | None:

@@ -382,3 +382,31 @@ def test_batch_norm_backbones_are_refused_outside_fedbn():
         validate_config(config)
     config.algorithm = "fedbn"
     validate_config(config)
+
+
+def test_scaffold_client_keeps_its_control_variate_when_its_upload_is_rejected():
+    """The server drops a rejected client's control delta, so the client must keep c_i: else
+    c stops being the mean of the clients' controls (checked here: c = (1/N) sum_i c_i)."""
+    from fedjax_pfedes import client_store, rounds
+    from fedjax_pfedes.builders import build_context, build_federated_data
+
+    config = fl_helpers.tiny_config(rounds=2, num_clients=4)
+    config.algorithm = "scaffold"
+    config.train.client_fraction = 1.0
+    config.attack.clients, config.attack.kind = "0", "nan"  # rejected by the finiteness check
+    ctx, state = build_context(config, build_federated_data(config))
+    (cohort,) = ctx.cohorts
+    everyone = np.arange(len(cohort.client_ids))
+    initial = client_store.read_rows(state.clients[cohort.arch], everyone)
+    for r in range(2):
+        state, _, rows, rejections = rounds.sync_round(ctx, state, r)
+        assert [x["client"] for x in rejections] == [0]
+        assert {x["client"] for x in rows if x["accepted"]} == {1, 2, 3}
+    controls = client_store.read_rows(state.clients[cohort.arch], everyone).control
+    jax.tree.map(lambda c, c0: np.testing.assert_array_equal(c[0], c0[0]), controls,
+                 initial.control)
+    moved = jax.tree.map(lambda c: float(np.abs(c[1:]).max()), controls)
+    assert max(jax.tree.leaves(moved)) > 0  # the accepted clients' controls did change
+    server_c = state.server.control[cohort.arch]
+    jax.tree.map(lambda c, s: np.testing.assert_allclose(np.asarray(c).mean(0), s, rtol=1e-5,
+                                                         atol=1e-7), controls, server_c)

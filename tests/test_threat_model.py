@@ -123,6 +123,9 @@ CLI_CASES = {
             r"config.lam must be finite, got inf"),
     "L09": (["--config=configs/quickstart.py", "--config.baseline.fml_alpha=0.3"],
             r"--config.baseline.fml_alpha is now --config.fml.alpha"),
+    "L17": (["--config=configs/quickstart.py", "--config.clients.num_clients=6"],
+            r"unknown config field: --config.clients.num_clients \(config.clients has no field "
+            r"'num_clients'"),
 }
 
 

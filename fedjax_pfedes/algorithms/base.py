@@ -134,6 +134,9 @@ class Algorithm:
       dp_sgd_releases_per_step: with sample-level DP-SGD, how many noisy gradients of the same
         batch a local step releases (pFedES: the private model's and E_proxy's, 2); the
         accountant composes them inside each sampled step.
+      state_needs_acceptance: a client whose upload the server rejects keeps its state from
+        before the round (SCAFFOLD: its control variate c_i must stay the one the server's c
+        was built from, else c drifts from the mean of the clients' controls).
     """
 
     name: str
@@ -144,6 +147,7 @@ class Algorithm:
     cohort_program: Callable[[str], CohortProgram]
     aggregation: str = "shared"
     dp_sgd_releases_per_step: int = 1
+    state_needs_acceptance: bool = False
 
 
 def with_fresh_local_optimizer(program: CohortProgram) -> CohortProgram:

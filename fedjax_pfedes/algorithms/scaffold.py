@@ -144,7 +144,7 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
         return classifier_program(init_client, client_update, predict)
 
     return Algorithm("scaffold", init_server, broadcast, upload_template, server_update,
-                     cohort_program, aggregation="per_cohort")
+                     cohort_program, aggregation="per_cohort", state_needs_acceptance=True)
 
 register(AlgorithmEntry(
     "scaffold", lambda inputs: scaffold(fedavg_config(inputs, "scaffold"),
