@@ -233,7 +233,7 @@ def restore_states(ctx: RunContext, clients: dict[str, Any], before: dict, rejec
         keep = np.isin(ids, rejected)
         if keep.any():
             clients[arch] = client_store.replace_rows(
-                clients[arch], local[keep], jax.tree.map(lambda r: r[keep], rows))
+                clients[arch], local[keep], jax.tree.map(lambda r, k=keep: r[k], rows))
     return clients
 
 
