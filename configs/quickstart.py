@@ -23,7 +23,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.proxy_dim = 128               # d: dimension of the common feature space
     config.proxy_arch = "proxy_cnn"      # E_proxy body: image 'proxy_cnn' | 'proxy_mlp',
     #                                      tabular 'proxy_mlp', text 'proxy_text'
-    config.proxy_lr_ratio = 0.1          # lr_proxy = ratio * lr_local
+    # E_proxy's step relative to the private model's. proxy_lr_rule 'effective': a ratio of
+    # effective (momentum-adjusted) steps, lr_proxy = ratio * lr_local * (1 - proxy_momentum)
+    # / (1 - train.local_momentum) (= lr_local at the defaults); 'raw': lr_proxy = ratio *
+    # lr_local, which with local momentum 0.9 made E_proxy's effective step 1% of the private one.
+    config.proxy_lr_ratio = 0.1
+    config.proxy_lr_rule = "effective"
     config.projection_layernorm = False  # LayerNorm after the projection head's ReLU
     config.warmup_steps = 0              # first W local steps of a client: backbone frozen
     config.server_momentum = 0.5         # beta: new = beta * old + (1 - beta) * average
@@ -31,9 +36,8 @@ def get_config() -> ml_collections.ConfigDict:
     # constant in the local step / the private embedding is a constant in E_proxy's step.
     config.stop_gradient_proxy = True
     config.stop_gradient_local = True
-    # Heavy-ball momentum of E_proxy's local SGD (0 = plain SGD, the design). With
-    # train.local_momentum = m and none here, E_proxy's effective step is proxy_lr_ratio x (1 - m)
-    # of the local one; proxy_momentum = m keeps the ratio.
+    # Heavy-ball momentum of E_proxy's local SGD (0 = plain SGD, the design; its trace restarts
+    # every round, as E_proxy arrives fresh from the server).
     config.proxy_momentum = 0.0
     # Start E_proxy from a saved one instead of a random initialization ('' = random), e.g. one
     # pretrained on the public share of the data: python -m launch.pretrain_proxy (README).

@@ -263,7 +263,9 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         raise ConfigError(str(e)) from None
     ctx = rounds.RunContext(
         config=config, algorithm=algorithm, cohorts=cohorts,
-        server_step=jax.jit(algorithm.server_update), pipeline=pipeline, system=sys_cfg,
+        server_step=jax.jit(algorithm.server_update),
+        server_metrics=(jax.jit(algorithm.server_metrics) if algorithm.server_metrics else None),
+        pipeline=pipeline, system=sys_cfg,
         profiles=profiles, client_arch=archs, sizes=sizes, epochs=epochs,
         planned_steps=planned, strategy_choices=choices,
         statically_eligible=eligible,

@@ -61,6 +61,7 @@ class RunContext:
     train_key: jax.Array
     upload_key: jax.Array
     attack: attacks.AttackConfig = attacks.AttackConfig()  # simulated malicious clients
+    server_metrics: Any = None  # jitted Algorithm.server_metrics, or None
 
     @property
     def num_clients(self) -> int:
@@ -179,10 +180,14 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
     trained_ids = np.array(sorted(trained.client_metrics), np.int64)
     monitor = ctx.config.monitor.aggregation_loss and len(trained_ids) > 0
     before = participants_loss(ctx, server_state, clients, trained_ids) if monitor else {}
+    previous = server_state
     server_state = ctx.server_step(server_state, groups)
+    changes = (ctx.server_metrics(previous, server_state)
+               if ctx.server_metrics is not None else {})
     after = participants_loss(ctx, server_state, clients, trained_ids) if monitor else {}
     summary: dict[str, Any] = {"uploads_rejected": report["rejected"],
-                               "rejections": report["rejections"]}
+                               "rejections": report["rejections"],
+                               **{k: float(v) for k, v in jax.device_get(changes).items()}}
     if trained.traffic:
         counts = np.array(trained.traffic, np.float64)
         per_client = counts[:, 1:].T @ counts[:, 0] / counts[:, 0].sum()

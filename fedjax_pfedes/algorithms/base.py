@@ -134,6 +134,9 @@ class Algorithm:
       dp_sgd_releases_per_step: with sample-level DP-SGD, how many noisy gradients of the same
         batch a local step releases (pFedES: the private model's and E_proxy's, 2); the
         accountant composes them inside each sampled step.
+      server_metrics: (ServerState before, ServerState after the server step) -> {name: scalar}
+        added to the round's record (pFedES: `proxy_relative_change`); None = nothing. Pure and
+        jittable.
       state_needs_acceptance: a client whose upload the server rejects keeps its state from
         before the round (SCAFFOLD: its control variate c_i must stay the one the server's c
         was built from, else c drifts from the mean of the clients' controls).
@@ -148,6 +151,7 @@ class Algorithm:
     aggregation: str = "shared"
     dp_sgd_releases_per_step: int = 1
     state_needs_acceptance: bool = False
+    server_metrics: Callable[[PyTree, PyTree], dict[str, jax.Array]] | None = None
 
 
 def with_fresh_local_optimizer(program: CohortProgram) -> CohortProgram:

@@ -62,9 +62,17 @@ class PFedESConfig(LocalTrainingConfig):
     2/3 of one local step's arithmetic; `config.monitor.aggregation_loss` switches them).
 
     `proxy_momentum`: heavy-ball momentum of E_proxy's local SGD (trace reset every round, as
-    E_proxy arrives fresh from the server). With local momentum m and none on E_proxy, E_proxy's
-    effective step is proxy_lr_ratio x (1 - m) of the local one (0.01x at m = 0.9, not the
-    design's 0.1x); proxy_momentum = m restores the ratio.
+    E_proxy arrives fresh from the server).
+
+    `proxy_lr_rule`: what `proxy_lr_ratio` is a ratio of. The design states E_proxy's step as
+    0.1x the private model's. With heavy-ball momentum m an SGD step of learning rate lr moves
+    the parameters by lr / (1 - m) per unit gradient once its trace has built up (the effective
+    step; Polyak 1964, also Goh, "Why momentum really works", Distill 2017). 'effective' (the
+    default): E_proxy's effective step is proxy_lr_ratio x the private model's, i.e. its
+    learning rate is `proxy_lr_ratio * lr_local * (1 - proxy_momentum) / (1 - local_momentum)`
+    (= lr_local at m = 0.9 and ratio 0.1). 'raw': `proxy_lr_ratio * lr_local` whatever the
+    momenta, the rule before this option existed: with m = 0.9 on the private model and none on
+    E_proxy its effective step is 0.01x the private one and E_proxy hardly moves.
     """
 
     lam: float = 0.5
@@ -80,9 +88,38 @@ class PFedESConfig(LocalTrainingConfig):
     stop_gradient_proxy: bool = True
     stop_gradient_local: bool = True
     proxy_momentum: float = 0.0
+    proxy_lr_rule: str = "effective"
     proxy_init: str = ""
     proxy_scales: tuple[float, ...] = (1.0,)
     align_diagnostics: bool = True
+
+
+PROXY_LR_RULES = ("effective", "raw")
+
+
+def proxy_learning_rate(cfg: PFedESConfig) -> float:
+    """E_proxy's local SGD learning rate under `cfg.proxy_lr_rule` (see `PFedESConfig`).
+
+    Args:
+      cfg: the method's hyper-parameters.
+
+    Returns:
+      The learning rate of E_proxy's local steps.
+    """
+    if cfg.proxy_lr_rule == "raw":
+        return cfg.proxy_lr_ratio * cfg.lr_local
+    if cfg.proxy_lr_rule == "effective":
+        return (cfg.proxy_lr_ratio * cfg.lr_local * (1.0 - cfg.proxy_momentum)
+                / (1.0 - cfg.local_momentum))
+    raise ValueError(f"config.proxy_lr_rule must be one of {list(PROXY_LR_RULES)}, got "
+                     f"'{cfg.proxy_lr_rule}'")
+
+
+def relative_change(old: dict, new: dict) -> jax.Array:
+    """||new - old|| / ||old|| over all leaves (0 when old is all zeros)."""
+    norm = optax.tree.norm(old)
+    return jnp.where(norm > 0, optax.tree.norm(jax.tree.map(jnp.subtract, new, old))
+                     / jnp.maximum(norm, 1e-30), 0.0)
 
 
 @struct.dataclass
@@ -115,7 +152,7 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
     align = alignment.multi_scale(alignment.get_alignment(cfg.align, cfg.contrastive_temperature),
                                   cfg.proxy_scales)
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
-    lr_proxy = cfg.proxy_lr_ratio * cfg.lr_local
+    lr_proxy = proxy_learning_rate(cfg)
     dummy_x = cfg.input_spec.dummy_batch()
 
     pretrained = (proxy_init.load(cfg.proxy_init, proxy.init(jax.random.key(0), dummy_x))
@@ -272,8 +309,12 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
 
     # With DP-SGD each local step releases two noisy gradients of its batch (private model and
     # E_proxy), both accounted.
+    def server_metrics(old: ServerState, new: ServerState) -> dict[str, jax.Array]:
+        # How far the server step moved E_proxy this round, relative to its size.
+        return {"proxy_relative_change": relative_change(old.proxy_params, new.proxy_params)}
+
     return Algorithm("pfedes", init_server, broadcast, broadcast, server_update, cohort_program,
-                     dp_sgd_releases_per_step=2)
+                     dp_sgd_releases_per_step=2, server_metrics=server_metrics)
 
 def _build(inputs: BuildInputs) -> Algorithm:
     c = inputs.config
@@ -284,7 +325,7 @@ def _build(inputs: BuildInputs) -> Algorithm:
         projection_layernorm=c.projection_layernorm, warmup_steps=c.warmup_steps,
         server_momentum=c.server_momentum, dp_sgd=inputs.dp_sgd(),
         stop_gradient_proxy=c.stop_gradient_proxy, stop_gradient_local=c.stop_gradient_local,
-        proxy_momentum=c.proxy_momentum, proxy_init=c.proxy_init,
+        proxy_momentum=c.proxy_momentum, proxy_lr_rule=c.proxy_lr_rule, proxy_init=c.proxy_init,
         proxy_scales=parse_scales(c.proxy_scales),
         align_diagnostics=c.monitor.aggregation_loss))
 
@@ -351,6 +392,9 @@ def _check(config) -> None:
         check_proxy_init(config)
     if not 0 <= config.proxy_momentum < 1:
         raise ValueError(f"config.proxy_momentum must be in [0, 1), got {config.proxy_momentum}")
+    if config.proxy_lr_rule not in PROXY_LR_RULES:
+        raise ValueError(f"config.proxy_lr_rule must be one of {list(PROXY_LR_RULES)}, got "
+                         f"'{config.proxy_lr_rule}'")
     if config.dp_sgd.enabled and not (config.stop_gradient_proxy and config.stop_gradient_local):
         raise ValueError("config.dp_sgd.enabled needs config.stop_gradient_proxy and "
                          "config.stop_gradient_local (the accountant counts one release per "
