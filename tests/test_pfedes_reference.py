@@ -10,11 +10,11 @@ steps a round (3 epochs of one batch holding all of a client's rows: the shuffle
 masked mean), 2 rounds, every client participates.
 """
 
+import fl_helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import fl_helpers
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
 
 LAM, LR, M, M_PROXY, RATIO, BETA = 0.7, 0.05, 0.9, 0.5, 0.1, 0.5
