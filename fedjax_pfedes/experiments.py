@@ -32,6 +32,13 @@ def heterogeneous_architectures(num_clients: int, ratio: float, majority: str,
     counts = {majority: num_clients - minority}
     for k in range(minority):
         counts[others[k % len(others)]] = counts.get(others[k % len(others)], 0) + 1
+    if max(counts.values()) > counts[majority]:
+        need = -(-minority // max(counts[majority], 1))  # ceil: others at most the majority's
+        raise ValueError(f"heterogeneity ratio {ratio:g} of {num_clients} clients: with "
+                         f"{len(others)} other architecture(s) one of them outnumbers "
+                         f"'{majority}', so the share differing from the majority would be "
+                         f"{1 - max(counts.values()) / num_clients:g}; it needs >= {need} "
+                         "other architectures")
     return ",".join(f"{arch}:{n}" for arch, n in counts.items() if n > 0)
 
 

@@ -1,9 +1,9 @@
 """Runs the design's findings F1-F7 as experiments and writes their report with verdicts.
 
-  python -m launch.findings --config=configs/quickstart.py --finding=all --seeds=3 \
+  python -m launch.findings --config=configs/quickstart.py --finding=all --seeds=5 \
       --workdir=runs/findings --output=docs/findings.md
   python -m launch.findings --config=configs/quickstart.py --config.data.name=digits \
-      --finding=F3,F4 --seeds=3
+      --finding=F3,F4 --seeds=5
 
 Every finding's variants (fedjax_pfedes/findings.py) run for `--seeds` seeds on the same data
 (seeds config.seed, +1, ...); variants shared between findings run once, and finished runs in
@@ -33,7 +33,7 @@ from launch.cli import fail, loaded_config
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base experiment config (pFedES).",
                                           lock_config=True)
 _FINDING = flags.DEFINE_string("finding", "all", "F1..F7, a comma-separated list, or 'all'.")
-_SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per variant.")
+_SEEDS = flags.DEFINE_integer("seeds", 5, "Seeds per variant (the paired CI needs >= 2).")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/findings", "Where the runs go.")
 _OUTPUT = flags.DEFINE_string("output", "docs/findings.md", "The Markdown report.")
 _FIGURES = flags.DEFINE_string("figures", "docs/figures", "Where the figures go.")

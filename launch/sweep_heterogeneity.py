@@ -31,7 +31,9 @@ _RATIOS = flags.DEFINE_list("ratios", ["0", "0.2", "0.4", "0.6", "0.8"],
                             "Heterogeneity ratios (share of clients off the majority model).")
 _ALGORITHMS = flags.DEFINE_list("algorithms", ["pfedes", "fedavg", "standalone"], "Methods.")
 _MAJORITY = flags.DEFINE_string("majority", "convnet3", "The majority architecture.")
-_OTHERS = flags.DEFINE_list("others", ["convnet5", "vit"], "Architectures of the minority.")
+_OTHERS = flags.DEFINE_list("others", ["convnet5", "vit", "mlp", "cnn_small"],
+                            "Architectures of the minority (ratio 0.8 needs 4: none may outnumber "
+                            "the majority).")
 _SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per cell.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/heterogeneity", "Where runs and tables go.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")

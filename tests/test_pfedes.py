@@ -277,22 +277,25 @@ def test_infonce_equals_a_numpy_formula_over_the_real_rows(temperature):
 @pytest.mark.parametrize("stop_proxy,stop_local", [(False, True), (True, False), (False, False)])
 def test_removing_a_stop_gradient_lets_that_loss_reach_the_other_side(stop_proxy, stop_local):
     """Finding F5's switches: one local step against hand-written gradients of
-    L_local(p, q) = CE + lam * mse(e_local(p), e_proxy(q)) and L_proxy(p, q) =
-    mse(e_proxy(q), e_local(p)), with each stop-gradient in place or not."""
-    cfg = _cfg(align="mse", stop_gradient_proxy=stop_proxy, stop_gradient_local=stop_local)
+    L_local(p, q) = CE + lam * A(e_local(p), e_proxy(q)) and L_proxy(p, q) =
+    A(e_proxy(q), e_local(p)) with A = InfoNCE, each stop-gradient in place or not; and the
+    coupled step is no rescaling of the design's: the private update is off the line of design
+    updates over every lam', E_proxy's is not parallel to the design's."""
+    from fedjax_pfedes import alignment
+
+    cfg = _cfg(align="contrastive", stop_gradient_proxy=stop_proxy, stop_gradient_local=stop_local)
     upload, new_client, _, client, server, model, proxy, data = _one_step(cfg, 0)
     x, y = jnp.asarray(data.x), jnp.asarray(data.y)
+    mask = jnp.ones(x.shape[0], bool)
+    infonce = alignment.get_alignment("contrastive", cfg.contrastive_temperature)
 
-    def mse(a, b):
-        return jnp.mean(jnp.mean((a - b) ** 2, -1))
-
-    def local_loss(p, q):
+    def local_loss(p, q, lam=cfg.lam):
         logits, e = model.apply(p, x)
         ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
-        return ce + cfg.lam * mse(e, proxy.apply(q, x))
+        return ce + lam * infonce(e, proxy.apply(q, x), mask)
 
     def proxy_loss(p, q):
-        return mse(proxy.apply(q, x), model.apply(p, x)[1])
+        return infonce(proxy.apply(q, x), model.apply(p, x)[1], mask)
 
     p0, q0 = client.params, server.proxy_params
     g_p = jax.grad(local_loss)(p0, q0)
@@ -305,12 +308,42 @@ def test_removing_a_stop_gradient_lets_that_loss_reach_the_other_side(stop_proxy
     want_q = jax.tree.map(lambda a, g: a - cfg.proxy_lr_ratio * cfg.lr_local * g, q0, g_q)
     chex.assert_trees_all_close(new_client.params, want_p, rtol=2e-5, atol=1e-6)
     chex.assert_trees_all_close(upload, want_q, rtol=2e-5, atol=1e-6)
-    # and the result differs from the design's decoupled step
-    _, program_sg, _, _ = _setup(_cfg(align="mse"))
-    upload_sg, client_sg, _ = program_sg.client_update(q0, client, data, jax.random.key(0))
-    moved = [not np.allclose(jax.tree.leaves(a)[0], jax.tree.leaves(b)[0])
-             for a, b in ((upload, upload_sg), (new_client.params, client_sg.params))]
-    assert moved == [not stop_proxy, not stop_local]
+
+    def flat(tree):
+        return np.concatenate([np.ravel(v) for v in jax.tree.leaves(tree)]).astype(np.float64)
+
+    # the design's gradients: the private one is affine in lam', E_proxy's fixed up to a scale
+    design_p0 = flat(jax.grad(local_loss)(p0, q0, 0.0))
+    design_p1 = flat(jax.grad(local_loss)(p0, q0, 1.0)) - design_p0
+    design_q = flat(jax.grad(proxy_loss, argnums=1)(p0, q0))
+    got_p, got_q = flat(g_p), flat(g_q)
+    best_lam = np.dot(got_p - design_p0, design_p1) / np.dot(design_p1, design_p1)
+    off_line = (np.linalg.norm(got_p - design_p0 - best_lam * design_p1)
+                / np.linalg.norm(got_p))
+    cosine = np.dot(got_q, design_q) / (np.linalg.norm(got_q) * np.linalg.norm(design_q))
+    assert (off_line > 1e-3) == (not stop_local), off_line  # float noise is ~1e-7
+    assert (cosine < 1 - 1e-4) == (not stop_proxy), cosine
+
+
+@pytest.mark.parametrize("align", ["mse", "cosine"])
+@pytest.mark.parametrize("field", ["stop_gradient_proxy", "stop_gradient_local"])
+def test_a_removed_stop_gradient_with_a_symmetric_loss_is_refused_as_a_rescaling(align, field):
+    """With align(a, b) = align(b, a) the coupled step is the design's with lam + 1 (private
+    side) or a (1 + lam)x E_proxy step: shown here for one step, then refused by the config."""
+    from configs import quickstart
+    from fedjax_pfedes.config_validation import ConfigError, validate_config
+
+    coupled = _one_step(_cfg(align=align, **{field: False}), 0)
+    if field == "stop_gradient_local":
+        same = _one_step(_cfg(align=align, lam=0.7 + 1.0), 0)
+        chex.assert_trees_all_close(coupled[1].params, same[1].params, rtol=2e-5, atol=1e-6)
+    else:
+        same = _one_step(_cfg(align=align, proxy_lr_ratio=0.1 * 1.7), 0)
+        chex.assert_trees_all_close(coupled[0], same[0], rtol=2e-5, atol=1e-6)
+    config = quickstart.get_config()
+    config.align, config[field] = align, False
+    with pytest.raises(ConfigError, match=f"config.{field}=False with config.align='{align}'"):
+        validate_config(config)
 
 
 def test_proxy_momentum_matches_heavy_ball_on_e_proxy_over_three_steps():

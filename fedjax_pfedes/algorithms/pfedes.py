@@ -45,9 +45,15 @@ class PFedESConfig(LocalTrainingConfig):
     `stop_gradient_proxy` / `stop_gradient_local` (both True in the design, docs/design.md):
     whether E_proxy's output is a constant target in the local step, and whether the private
     embedding is a constant target in E_proxy's step. Turned off, the gradient of that step's
-    loss also reaches the other side's parameters (finding F5 asks what that does): E_proxy then
-    also descends lam * align(e_local, E_proxy(x)) at its own learning rate, and the private
-    model also descends align(E_proxy(x), e_local) at the local one.
+    loss also reaches the other side's parameters in the same step, as autodiff without a
+    `detach` does (finding F5 asks what that does): E_proxy then also descends
+    lam * align(e_local, E_proxy(x)) at its own learning rate, and the private model also
+    descends align(E_proxy(x), e_local) at the local one. For a symmetric alignment loss
+    (align(a, b) = align(b, a): 'mse', 'cosine') that is no new dynamics, only a rescaling:
+    without `stop_gradient_local` the private model descends CE + (lam + 1) align, without
+    `stop_gradient_proxy` E_proxy's step is (1 + lam) times larger. Those combinations are
+    refused (`SYMMETRIC_ALIGNMENTS`); InfoNCE ('contrastive') is asymmetric (row-wise softmax
+    over the other side's batch), and there the coupled step is a different update.
 
     `proxy_scales`: alignment weight of each E_proxy scale (the design's multi-scale extension):
     (1.0,) is the single-scale algorithm; with S weights E_proxy also emits features of its S - 1
@@ -95,6 +101,10 @@ class PFedESConfig(LocalTrainingConfig):
 
 
 PROXY_LR_RULES = ("effective", "raw")
+
+# Alignment losses with align(a, b) = align(b, a): removing a stop-gradient only rescales lam or
+# E_proxy's learning rate (see PFedESConfig), so `_check` refuses that combination.
+SYMMETRIC_ALIGNMENTS = ("mse", "cosine")
 
 
 def proxy_learning_rate(cfg: PFedESConfig) -> float:
@@ -392,6 +402,15 @@ def _check(config) -> None:
         check_proxy_init(config)
     if not 0 <= config.proxy_momentum < 1:
         raise ValueError(f"config.proxy_momentum must be in [0, 1), got {config.proxy_momentum}")
+    coupled = [f for f in ("stop_gradient_proxy", "stop_gradient_local") if not config[f]]
+    if coupled and config.align in SYMMETRIC_ALIGNMENTS:
+        same = ("config.lam + 1" if coupled == ["stop_gradient_local"]
+                else "E_proxy's step x (1 + config.lam)" if coupled == ["stop_gradient_proxy"]
+                else "config.lam + 1 and E_proxy's step x (1 + config.lam)")
+        raise ValueError(f"config.{coupled[0]}=False with config.align='{config.align}' (a "
+                         f"symmetric loss) is the design's step with {same}, not a new "
+                         "dynamics; use config.align='contrastive', or change lam / "
+                         "proxy_lr_ratio")
     if config.proxy_lr_rule not in PROXY_LR_RULES:
         raise ValueError(f"config.proxy_lr_rule must be one of {list(PROXY_LR_RULES)}, got "
                          f"'{config.proxy_lr_rule}'")
