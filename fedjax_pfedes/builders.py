@@ -8,6 +8,7 @@ round 0 (`build_context`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import tempfile
 from typing import Any
@@ -111,7 +112,8 @@ def build_pipeline(config: ml_collections.ConfigDict, algorithm, num_clients: in
     m = sampling.participants_per_round(num_clients, t.client_fraction)
     expected = t.client_fraction * num_clients if t.sampling == "poisson" else m
     try:
-        return UploadPipeline(pipeline_config(config), algorithm.aggregation, algorithm.name,
+        cfg = dataclasses.replace(pipeline_config(config), norm_keys=algorithm.norm_keys)
+        return UploadPipeline(cfg, algorithm.aggregation, algorithm.name,
                               num_clients, expected, m, t.rounds)
     except ValueError as e:
         raise ConfigError(str(e)) from None

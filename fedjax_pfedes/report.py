@@ -119,6 +119,10 @@ def write_report(workdir: str) -> dict[str, str]:
             rows, {"loss_before_aggregation": "before the server step",
                    "loss_after_aggregation": "after the server step"},
             "participants' local-test CE around aggregation", "CE", f"{out}/aggregation_loss.png"),
+        "proxy_change": _line_plot(
+            rows, {"proxy_relative_change": "||E_t - E_(t-1)|| / ||E_(t-1)||"},
+            "how far the server step moved E_proxy (pFedES)", "relative change",
+            f"{out}/proxy_change.png"),
         "update_norms": update_norm_plot(rows, clients, f"{out}/update_norms.png"),
         "participation": participation_plot(summary, clients, f"{out}/participation.png"),
         "participants": _line_plot(rows, {"online_clients": "online",

@@ -127,7 +127,7 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
                                              attacks.rogue_slots(ids, ctx.attack))
         if not valid.any():
             continue
-        norms = (np.asarray(validation.upload_norms(stacked, template))
+        norms = (np.asarray(validation.upload_norms(stacked, template, ctx.algorithm.norm_keys))
                  if jax.tree.leaves(template) else np.zeros(len(slots)))
         host = {k: np.asarray(v) for k, v in metrics.items()}
         if "local_steps" in host:

@@ -160,14 +160,16 @@ def test_csv_and_tensorboard_hold_the_jsonl_numbers(private_run):
 def test_report_writes_the_plots_and_a_markdown_summary(private_run, async_run):
     workdir, _ = private_run
     plots = write_report(str(workdir))
-    assert set(plots) == {"accuracy", "losses", "aggregation_loss", "update_norms",
-                          "participation", "participants", "privacy"}
+    assert set(plots) == {"accuracy", "losses", "aggregation_loss", "proxy_change",
+                          "update_norms", "participation", "participants", "privacy"}
     for path in plots.values():
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     md = open(workdir / "report.md").read()
     for name in plots:
         assert f"](report/{name}.png)" in md
     assert "privacy" not in write_report(str(async_run[0]))  # no DP: no privacy plot
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    assert all(r["proxy_relative_change"] >= 0 for r in rows)  # pFedES logs it every round
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         write_report(str(workdir / "nothing_here"))
 

@@ -724,3 +724,26 @@ def test_client_dp_claims_no_amplification_when_selection_is_not_uniform(tmp_pat
         dp_accounting.SampledWithoutReplacementDpEvent(
             10, 5, dp_accounting.GaussianDpEvent(1.1 / 2)), 3))
     assert summary["final"]["dp_epsilon"] > amplified.get_epsilon(1e-5)
+
+
+def test_the_norm_rule_measures_only_the_uploads_model_part():
+    """FedNova uploads a solver scalar and FedProto class counts beside the model: with
+    `norm_keys` the rule measures the model part, so a large scalar is no outlier."""
+    template = {"model": jnp.zeros(3), "scalar": jnp.zeros(())}
+    ups = {"model": jnp.full((4, 3), 0.1), "scalar": jnp.array([1.0, 1.0, 1.0, 500.0])}
+
+    def rejected(keys):
+        pipe = _pipeline(norm_outlier_factor=10.0, norm_keys=keys)
+        _, _, report = pipe.process(0, {"a": _cohort(ups, template, [1, 1, 1, 1])}, {"a": {}},
+                                    {"a": 4}, jax.random.key(0))
+        return [r["client"] for r in report["rejections"]]
+
+    assert rejected(()) == [3]           # the scalar dominates the whole upload's norm
+    assert rejected(("model",)) == []    # the model parts are identical
+    from fedjax_pfedes.algorithms.fednova import fednova
+    from fedjax_pfedes.algorithms.fedproto import fedproto
+    from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig
+    assert fednova(fl_helpers.fedavg_config()).norm_keys == ("normalized_update",)
+    assert fedproto(HeteroConfig(num_classes=3, input_spec=fl_helpers.SPEC, dim=4, lr_local=0.1,
+                                 batch_size=4, shared_arch="mlp_small")).norm_keys == \
+        ("prototypes",)

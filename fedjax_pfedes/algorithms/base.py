@@ -137,6 +137,9 @@ class Algorithm:
       server_metrics: (ServerState before, ServerState after the server step) -> {name: scalar}
         added to the round's record (pFedES: `proxy_relative_change`); None = nothing. Pure and
         jittable.
+      norm_keys: the top-level upload entries that are the model update, measured by the norm
+        rule and the update-norm monitoring (FedNova: its normalized update, not the solver
+        scalar; FedProto: its prototypes, not the class counts); () = the whole upload.
       state_needs_acceptance: a client whose upload the server rejects keeps its state from
         before the round (SCAFFOLD: its control variate c_i must stay the one the server's c
         was built from, else c drifts from the mean of the clients' controls).
@@ -151,6 +154,7 @@ class Algorithm:
     aggregation: str = "shared"
     dp_sgd_releases_per_step: int = 1
     state_needs_acceptance: bool = False
+    norm_keys: tuple[str, ...] = ()
     server_metrics: Callable[[PyTree, PyTree], dict[str, jax.Array]] | None = None
 
 

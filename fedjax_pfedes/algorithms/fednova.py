@@ -112,7 +112,7 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
         return classifier_program(init_client, client_update, predict)
 
     return Algorithm("fednova", init_server, broadcast, upload_template, server_update,
-                     cohort_program, aggregation="per_cohort")
+                     cohort_program, aggregation="per_cohort", norm_keys=("normalized_update",))
 
 register(AlgorithmEntry(
     "fednova", lambda inputs: fednova(fedavg_config(inputs, "fednova")), aggregation="per_cohort",

@@ -129,7 +129,7 @@ def fedproto(cfg: HeteroConfig) -> Algorithm:
         return classifier_program(init_client, client_update, predict)
 
     return Algorithm("fedproto", init_server, broadcast, upload_template, server_update,
-                     cohort_program, aggregation="custom")
+                     cohort_program, aggregation="custom", norm_keys=("prototypes",))
 
 register(AlgorithmEntry(
     "fedproto", lambda inputs: fedproto(hetero_config(inputs)), aggregation="custom",

@@ -50,6 +50,7 @@ class PipelineConfig:
 
     reject_nonfinite: bool = True
     norm_outlier_factor: float = NORM_OUTLIER_FACTOR  # 0 = off
+    norm_keys: tuple[str, ...] = ()  # the uploads' model part the norm rule measures (() = all)
     weighting: str = "samples"
     aggregator: str = "mean"
     trim_fraction: float = 0.1
@@ -239,7 +240,7 @@ def build_stages(cfg: PipelineConfig, noise_multiplier: float) -> list[stages.Up
         stages.FiniteCheck(cfg.reject_nonfinite, "non-finite values (client-side check)"
                            if cfg.secagg else "non-finite values"),
         stages.Compression(cfg.compression),
-        stages.NormOutlierCheck(factor),
+        stages.NormOutlierCheck(factor, cfg.norm_keys),
     ]
     if cfg.dp is not None:
         chain.append(stages.Clip(cfg.dp.clip_norm))

@@ -160,13 +160,17 @@ class NormOutlierCheck(UploadStage):
     its sample count: under quantity skew (LogNormal sizes, sigma 2) raw norms of one round
     differ 20x and a raw-norm rule rejected the largest honest clients; per sample they stay
     within a few x (docs/threat_model.md), while a boosted poisoning update is still orders
-    of magnitude off. With equal sample counts it is the raw-norm rule."""
+    of magnitude off. With equal sample counts it is the raw-norm rule. With `keys` only the
+    upload's model part is measured (FedNova's solver scalar, FedProto's class counts are
+    not an update)."""
 
     factor: float = 0.0
+    keys: tuple[str, ...] = ()  # the upload's model part (`Algorithm.norm_keys`; () = all)
     name = "norm_outlier_check"
 
     def client(self, delta, memory, key, info):
-        norm = validation.update_norms(jax.tree.map(lambda a: a[None], delta))[0]
+        norm = validation.update_norms(jax.tree.map(
+            lambda a: a[None], validation.model_part(delta, self.keys)))[0]
         return delta, memory, {**info, "norm": norm}
 
     def server_enforced(self, secagg: bool) -> bool:

@@ -3,6 +3,7 @@ outliers. A failed check rejects the client (weight 0) instead of stopping the r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import jax
@@ -42,11 +43,19 @@ def update_norms(deltas) -> jax.Array:
     return jnp.sqrt(sq)
 
 
-@jax.jit
-def upload_norms(stacked, template) -> jax.Array:
-    """[slots] L2 norm of each slot's upload minus `template` (one compiled call)."""
+def model_part(tree, keys: tuple[str, ...]):
+    """The top-level entries `keys` of an upload (its model part, `Algorithm.norm_keys`); the
+    whole tree when `keys` is empty."""
+    return {k: tree[k] for k in keys} if keys else tree
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def upload_norms(stacked, template, keys: tuple[str, ...] = ()) -> jax.Array:
+    """[slots] L2 norm of each slot's upload minus `template` (one compiled call), over the
+    entries `keys` only when given (`model_part`)."""
     return update_norms(jax.tree.map(
-        lambda u, t: u.astype(jnp.float32) - t.astype(jnp.float32)[None], stacked, template))
+        lambda u, t: u.astype(jnp.float32) - t.astype(jnp.float32)[None],
+        model_part(stacked, keys), model_part(template, keys)))
 
 
 def norm_outliers(norms: jax.Array, valid: jax.Array, factor: float) -> jax.Array:
