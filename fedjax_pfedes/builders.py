@@ -77,7 +77,8 @@ def build_federated_data(config: ml_collections.ConfigDict) -> FederatedData:
             local_test_fraction=d.local_test_fraction, dirichlet_alpha=d.dirichlet_alpha,
             min_samples_per_client=d.min_samples_per_client,
             classes_per_client=d.classes_per_client, class_share_low=d.class_share_low,
-            class_share_high=d.class_share_high, quantity_sigma=d.quantity_sigma)
+            class_share_high=d.class_share_high, quantity_sigma=d.quantity_sigma,
+            validation=d.validation_split)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

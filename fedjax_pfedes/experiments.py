@@ -77,6 +77,7 @@ def run_record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -
         # Every round's training and monitoring losses (None where a round lacks one).
         "curves": {k: [r.get(k) for r in every_round] for k in CURVES},
         "diverged": training_diverged(every_round),
+        "uploads_rejected_total": summary["final"].get("uploads_rejected_total"),
     }
 
 
@@ -209,11 +210,23 @@ def mean_std(values: Sequence[float], digits: int = 4) -> str:
     return cell
 
 
+def rejected_per_seed(runs: list[dict]) -> str:
+    """Uploads the server rejected over a whole run, per seed ('0' when none in any; '?' for
+    runs recorded before the count was kept): a comparison must show when a method's honest
+    uploads are filtered (the norm rule is on by default)."""
+    counts = [r.get("uploads_rejected_total") for r in runs]
+    if any(c is None for c in counts):
+        return "?"
+    return "0" if not any(counts) else "/".join(str(int(c)) for c in counts)
+
+
 def markdown_table(results: dict[str, list[dict]], seeds: int | None = None) -> str:
-    """Method | personalized acc (mean ± std over seeds) | global acc | upload | wall time.
+    """Method | personalized acc (mean ± std over seeds) | global acc | upload | uploads
+    rejected per seed | wall time.
     With `seeds`, a method with fewer finished seeds says so in its row."""
     lines = ["| method | mean personalized accuracy | mean global accuracy | "
-             "upload params / client / round | wall time s |", "|---|---|---|---|---|"]
+             "upload params / client / round | uploads rejected | wall time s |",
+             "|---|---|---|---|---|---|"]
     for name, runs in results.items():
         diverged = sum(bool(r.get("diverged")) for r in runs)
         note = f" (diverged: non-finite training loss in {diverged}/{len(runs)} seeds)" \
@@ -225,6 +238,7 @@ def markdown_table(results: dict[str, list[dict]], seeds: int | None = None) -> 
             f"{note} | "
             f"{mean_std([r['final']['global_accuracy_mean'] for r in runs])} | "
             f"{int(np.mean([r['upload_params_per_client'] for r in runs])):,} | "
+            f"{rejected_per_seed(runs)} | "
             f"{np.mean([r['wall_time_s'] for r in runs]):.0f} |")
     return "\n".join(lines)
 

@@ -7,17 +7,20 @@ Runs every method for each seed (config.seed, +1, ...), then writes <workdir>/co
 (mean personalized accuracy ± std over seeds, global accuracy, upload parameters per client per
 round, wall time), comparison.json and accuracy_curves.png.
 
-With `--lr_grid=0.01,0.02,0.05,0.1` each method is first tuned: it runs seed config.seed at every
-learning rate of the grid (its local-optimizer lr: `config.<method>.lr_local` where the method's
-section sets one, else `config.train.lr_local`), the rate with the best final mean personalized
-accuracy is kept (a diverged run counts as the worst), and the seeds run at that rate. A rate
-must train on every seed: when a further seed diverges at the chosen rate, that rate is dropped
-for the method (its diverged runs are kept as evidence under
+With `--lr_grid=0.01,0.02,0.05,0.1` each method is first tuned on **validation data of a seed
+that is not reported**: seed config.seed + 1000 runs at every rate of the grid with
+`data.validation_split=True` (each client's local test split set aside unseen, the client
+evaluated on a validation split held out of its training rows), the rate with the best final
+mean personalized validation accuracy is kept (a diverged run counts as the worst), and the
+reported seeds (config.seed, ...) run at that rate on their test splits. The grid is in units
+of the *effective* step of `config.train.local_momentum`: a method whose own local momentum m
+differs (SCAFFOLD and FedMRL run plain SGD) runs at grid x (1 - m) / (1 - train momentum), so
+every method moves its parameters by the same effective step per unit gradient. A rate must
+train on every seed: when a reported seed diverges at the chosen rate, that rate is dropped for
+the method (its diverged runs are kept as evidence under
 <workdir>/lr_tuning/<method>/lr<rate>/seed<k>), the next best rate of the grid is chosen and the
 method's seeds run at it. The grid's table goes into comparison.md too, with the rates dropped
-and the seeds that diverged. The choice reads the local test splits, as tuning in FL papers
-usually does; it is the same rule for every method, so no method is compared at a rate that
-cripples it.
+and the seeds that diverged.
 
 `--report_only` starts no run: it writes the table (and the grid) from the runs already finished
 in --workdir, saying for each method how many seeds it has; a method whose grid is unfinished is
@@ -97,6 +100,31 @@ def lr_field(config, algorithm: str) -> str:
         else "train.lr_local"
 
 
+def method_momentum(config, algorithm: str) -> float:
+    """The local heavy-ball momentum `algorithm` trains with: its section's `local_momentum`
+    when set (>= 0), else `config.train.local_momentum`."""
+    section = config.get(algorithm)
+    m = section.get("local_momentum", -1) if section is not None else -1
+    return float(m) if m >= 0 else float(config.train.local_momentum)
+
+
+def grid_rate(config, algorithm: str, lr: float) -> float:
+    """The learning rate of `algorithm` at grid point `lr` (an effective step at
+    `config.train.local_momentum`): lr x (1 - its momentum) / (1 - train momentum)."""
+    scale = (1.0 - method_momentum(config, algorithm)) / (1.0 - config.train.local_momentum)
+    return float(f"{lr * scale:.6g}")
+
+
+TUNING_SEED_OFFSET = 1000  # --seeds must stay below it
+
+
+def tuning_seed(config) -> int:
+    """The seed learning rates are tuned on, config.seed + 1000: never a reported seed
+    (config.seed .. config.seed + --seeds - 1), and the same whatever --seeds is, so a
+    comparison extended to more seeds reuses its tuning."""
+    return config.seed + TUNING_SEED_OFFSET
+
+
 def diverged_seeds(tuning_dir: str, method: str, lr: float, seed: int) -> list[int]:
     """Further seeds (not `seed`, the tuning seed) of `method` that diverged at `lr`: the runs
     `set_aside_diverged` kept under <tuning_dir>/<method>/lr<lr>/seed<k>."""
@@ -120,9 +148,10 @@ def choose_rate(grid: list[float], scores: list[float], dropped: dict[float, lis
 
 
 def set_aside_diverged(config, results: dict[str, list[dict]], tuned: dict[str, dict],
-                       workdir: str) -> list[str]:
-    """Moves each tuned method's diverged runs at its chosen rate (seeds other than the tuning
-    seed, config.seed) to <workdir>/lr_tuning/<method>/lr<rate>/seed<k>, which drops that rate
+                       workdir: str, tuning: int | None = None) -> list[str]:
+    """Moves each tuned method's diverged reported runs at its chosen rate (`tuning` is the
+    tuning seed, never reported; default `tuning_seed`) to
+    <workdir>/lr_tuning/<method>/lr<rate>/seed<k>, which drops that rate
     at the next `tune_learning_rates` (`diverged_seeds` reads them with the same
     `experiments.training_diverged` as the records). Returns what moved ('scaffold lr 0.05
     seed 1'), empty when nothing diverged or the rate was dropped already (every rate diverges:
@@ -133,10 +162,11 @@ def set_aside_diverged(config, results: dict[str, list[dict]], tuned: dict[str, 
         if method not in tuned:
             continue
         lr = tuned[method][lr_field(config, method)]
-        if diverged_seeds(tuning_dir, method, lr, config.seed):
+        seed = tuning_seed(config) if tuning is None else tuning
+        if diverged_seeds(tuning_dir, method, lr, seed):
             continue  # chosen although dropped: every rate of the grid was dropped
         for record in records:
-            if record["seed"] != config.seed and record["diverged"]:
+            if record["seed"] != seed and record["diverged"]:
                 dst = os.path.join(tuning_dir, method, f"lr{lr:g}", f"seed{record['seed']}")
                 shutil.rmtree(dst, ignore_errors=True)
                 shutil.move(record["run_dir"], dst)
@@ -155,19 +185,22 @@ def grid_cell(score: float, chosen: bool, diverged_on: list[int]) -> str:
 
 
 def tune_learning_rates(config, grid: list[float]) -> tuple[dict[str, dict], str]:
-    """Runs seed config.seed of every method at every rate of `grid` (in
-    <workdir>/lr_tuning/<method>/lr<rate>); returns the variants at each method's best rate
-    (`choose_rate`: rates where a further seed diverged are dropped) and the grid as a Markdown
-    table. The best run is copied to <workdir>/<method>/seed<seed>, so the comparison reuses
-    it."""
+    """Runs `tuning_seed` of every method on validation data at every rate of `grid` (in
+    <workdir>/lr_tuning/<method>/lr<rate>, the method's own rate `grid_rate`); returns the
+    variants at each method's best rate (`choose_rate`: rates where a reported seed diverged
+    are dropped) and the grid as a Markdown table."""
     if not grid or any(not lr > 0 for lr in grid):
         raise ConfigError(f"--lr_grid: rates must be > 0, got {grid}")
     tuned, rows = {}, []
     tuning_dir = os.path.join(_WORKDIR.value, "lr_tuning")
+    seed = tuning_seed(config)
+    on_validation = experiments.with_overrides(config, {"seed": seed,
+                                                        "data.validation_split": True})
     for a in _ALGORITHMS.value:
         field = lr_field(config, a)
-        trials = {f"{a}/lr{lr:g}": {"algorithm": a, field: lr} for lr in grid}
-        out = experiments.run_grid(config, trials, 1, tuning_dir,
+        rates = [grid_rate(config, a, lr) for lr in grid]
+        trials = {f"{a}/lr{lr:g}": {"algorithm": a, field: lr} for lr in rates}
+        out = experiments.run_grid(on_validation, trials, 1, tuning_dir,
                                    _PROGRESS.value, reuse=_REUSE.value,
                                    run_missing=not _REPORT_ONLY.value)
         if not all(out.values()):  # only with --report_only: no rate can be chosen yet
@@ -178,20 +211,15 @@ def tune_learning_rates(config, grid: list[float]) -> tuple[dict[str, dict], str
         scores = [-np.inf if r[0].get("diverged") or not np.isfinite(
             r[0]["final"]["personalized_accuracy_mean"])
             else r[0]["final"]["personalized_accuracy_mean"] for r in out.values()]
-        dropped = {lr: seeds for lr in grid
-                   if (seeds := diverged_seeds(tuning_dir, a, lr, config.seed))}
-        best = choose_rate(grid, scores, dropped)
+        dropped = {lr: seeds for lr in rates
+                   if (seeds := diverged_seeds(tuning_dir, a, lr, seed))}
+        best = choose_rate(rates, scores, dropped)
         tuned[a] = {"algorithm": a, field: best}
-        src = os.path.join(tuning_dir, a, f"lr{best:g}", f"seed{config.seed}")
-        dst = os.path.join(_WORKDIR.value, a, f"seed{config.seed}")
-        at_best = experiments.with_overrides(config, tuned[a])
-        if experiments.finished_run(at_best, dst) is None:
-            shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(src, dst)
-        rows.append(f"| {a} (`{field}`) | " + " | ".join(
-            grid_cell(v, lr == best, dropped.get(lr, []))
-            for lr, v in zip(grid, scores, strict=True)) + " |")
-    head = ("| method | " + " | ".join(f"lr {lr:g}" for lr in grid) + " |\n|---|"
+        scaled = "" if rates == list(grid) else f", momentum {method_momentum(config, a):g}"
+        rows.append(f"| {a} (`{field}`{scaled}) | " + " | ".join(
+            (f"{lr:g}: " if scaled else "") + grid_cell(v, lr == best, dropped.get(lr, []))
+            for lr, v in zip(rates, scores, strict=True)) + " |")
+    head = ("| method | " + " | ".join(f"effective step {lr:g}" for lr in grid) + " |\n|---|"
             + "---|" * len(grid))
     return tuned, head + "\n" + "\n".join(rows)
 
@@ -219,8 +247,8 @@ def main(argv: list[str]) -> None:
         unknown = [a for a in _ALGORITHMS.value if a not in known]
         if unknown:
             raise ConfigError(f"--algorithms: unknown {unknown}; known: {list(known)}")
-        if _SEEDS.value < 1:
-            raise ConfigError(f"--seeds must be >= 1, got {_SEEDS.value}")
+        if not 1 <= _SEEDS.value < TUNING_SEED_OFFSET:
+            raise ConfigError(f"--seeds must be in [1, {TUNING_SEED_OFFSET}), got {_SEEDS.value}")
         # A diverging method or learning rate is a result (marked in the table, the worst rate
         # of a grid), not the end of the comparison.
         config.train.allow_divergence = True
@@ -282,8 +310,10 @@ def main(argv: list[str]) -> None:
             paired[arm] = ref
         tuning = ""
         if _LR_GRID.value:
-            header += (f" Learning rate per method tuned over {_LR_GRID.value} (seed "
-                       f"{config.seed}; a rate that diverges on any seed is dropped).")
+            header += (f" Learning rate per method tuned over {_LR_GRID.value} (effective "
+                       f"steps at momentum {config.train.local_momentum:g}) on validation "
+                       f"splits of seed {tuning_seed(config)}, which is not reported; a rate "
+                       "that diverges on a reported seed is dropped.")
         while True:  # until no chosen rate diverges on a further seed (each pass drops one)
             if _LR_GRID.value:
                 variants, tuning = tune_learning_rates(config, grid)
@@ -302,8 +332,9 @@ def main(argv: list[str]) -> None:
         fail(str(e))
     if tuning:
         with open(os.path.join(_WORKDIR.value, "comparison.md"), "a") as f:
-            f.write("\nLearning-rate grid (seed " + str(config.seed) + ", final mean personalized "
-                    "accuracy; the chosen rate in bold):\n\n" + tuning + "\n")
+            f.write("\nLearning-rate grid (seed " + str(tuning_seed(config)) + ", final mean "
+                    "personalized accuracy on the clients' validation splits; the chosen rate "
+                    "in bold):\n\n" + tuning + "\n")
     print(header + "\n\n" + table + ("\n\n" + tuning if tuning else ""))
     print(f"\nwrote {_WORKDIR.value}/comparison.md, comparison.json, accuracy_curves.png")
 

@@ -42,6 +42,7 @@ def test_methods_in_one_process_equal_separate_runs(tmp_path):
         summary["final"]["personalized_accuracy_mean"]
     table = experiments.markdown_table(results)
     assert table.count("\n") == 3 and "| pfedes | " in table and " ± " in table
+    assert "| uploads rejected |" in table  # a method's filtered honest uploads are visible
     png = experiments.accuracy_curves(results, str(tmp_path / "curves.png"), "t")
     assert open(png, "rb").read(4) == b"\x89PNG"
 
@@ -79,18 +80,25 @@ def test_compare_tunes_each_methods_learning_rate_on_the_grid(tmp_path):
     import json
 
     grid = {}
+    # The grid is of effective steps at train.local_momentum 0.9: SCAFFOLD's plain SGD runs at
+    # 10x the rate. Tuning runs seed 1000 (never reported) on validation splits.
+    rates = {"fedavg": ("0.001", "0.05"), "scaffold": ("0.01", "0.5")}
     for method in ("fedavg", "scaffold"):
-        for lr in ("0.001", "0.05"):
-            summary = json.load(open(tmp_path / "lr_tuning" / method / f"lr{lr}" / "seed0"
-                                     / "summary.json"))
+        for lr in rates[method]:
+            summary = json.load(open(tmp_path / "lr_tuning" / method / f"lr{lr}"
+                                     / "seed1000" / "summary.json"))
             grid[method, lr] = summary["final"]["personalized_accuracy_mean"]
             assert summary["local_optimizer"]["lr_local"] == float(lr)
-        best = max(("0.001", "0.05"), key=lambda lr, m=method: grid[m, lr])
-        for seed in (0, 1):  # both seeds ran at the chosen rate (seed 0 copied from tuning)
+            assert summary["config"]["data"]["validation_split"] is True
+        best = max(rates[method], key=lambda lr, m=method: grid[m, lr])
+        for seed in (0, 1):  # both reported seeds ran at the chosen rate, on their test splits
             s = json.load(open(tmp_path / method / f"seed{seed}" / "summary.json"))
             assert s["local_optimizer"]["lr_local"] == float(best)
+            assert s["config"]["data"]["validation_split"] is False
+    assert not (tmp_path / "fedavg" / "seed1000").exists()  # the tuning seed is not reported
     text = open(tmp_path / "comparison.md").read()
-    assert "Learning-rate grid" in text and "| scaffold (`train.lr_local`) |" in text
+    assert "Learning-rate grid" in text
+    assert "| scaffold (`train.lr_local`, momentum 0) | 0.01: " in text
     assert text.count("**") >= 4  # one chosen rate in bold per method
     # --report_only on the same workdir asking for more: a table of what finished, nothing run
     report = subprocess.run(
@@ -188,7 +196,7 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
              "fedavg": {"algorithm": "fedavg", "train.lr_local": 0.02}}
     config = _tiny()  # seed 0 tunes; train.lr_local is both methods' rate field
     moved = set_aside_diverged(config, {"scaffold": records, "fedavg": kept}, tuned,
-                               str(tmp_path))
+                               str(tmp_path), tuning=0)
     assert moved == ["scaffold lr 0.05 seed 1"]
     assert not (tmp_path / "scaffold" / "seed1").exists()  # rerun at the next rate
     assert (tmp_path / "scaffold" / "seed2").exists() and (tmp_path / "fedavg" / "seed0").exists()
@@ -198,7 +206,7 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
     # A rate chosen although dropped (every rate was): nothing better to move to, no loop.
     run(tmp_path / "scaffold" / "seed1", True)
     again = [{"seed": 1, "diverged": True, "run_dir": str(tmp_path / "scaffold" / "seed1")}]
-    assert set_aside_diverged(config, {"scaffold": again}, tuned, str(tmp_path)) == []
+    assert set_aside_diverged(config, {"scaffold": again}, tuned, str(tmp_path), tuning=0) == []
 
 
 def test_paired_difference_pairs_by_seed_with_a_student_t_interval():

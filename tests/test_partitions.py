@@ -207,3 +207,21 @@ def test_partition_dataset_is_deterministic_and_disjoint(partition):
             np.testing.assert_array_equal(u, v)
     everything = np.concatenate(a.train_indices + a.test_indices)
     assert len(everything) == len(np.unique(everything)) == len(y)  # all 10 classes/groups held
+
+
+def test_the_validation_split_comes_from_training_rows_and_never_reads_the_test_split():
+    from fedjax_pfedes.data.federated import partition_dataset
+    from fedjax_pfedes.data.sources import make_dataset
+
+    y = _labels(40)
+    x = np.zeros((len(y), 2), np.float32)
+    central = make_dataset("t", "tabular", x, y, x[:4], y[:4], 10)
+    plain = partition_dataset(central, 10, "iid", seed=3, min_samples_per_client=5)
+    tuned = partition_dataset(central, 10, "iid", seed=3, min_samples_per_client=5,
+                              validation=True)
+    for k in range(10):
+        train, test = set(plain.train_indices[k]), set(plain.test_indices[k])
+        fit, val = set(tuned.train_indices[k]), set(tuned.test_indices[k])
+        assert fit | val == train and not fit & val and val  # carved out of training rows
+        assert not (fit | val) & test                        # the test split is never read
+        assert 0 < len(val) <= 0.3 * len(train)  # class-stratified, rounded per class

@@ -90,8 +90,12 @@ def partition_dataset(central: CentralDataset, num_clients: int, partition: str,
                       local_test_fraction: float = 0.2, dirichlet_alpha: float = 0.5,
                       min_samples_per_client: int = 10, classes_per_client: int = 2,
                       class_share_low: float = 0.4, class_share_high: float = 0.6,
-                      quantity_sigma: float = 1.0) -> FederatedData:
-    """Partitions `central`'s pool over clients and splits each client into local train/test."""
+                      quantity_sigma: float = 1.0, validation: bool = False) -> FederatedData:
+    """Partitions `central`'s pool over clients and splits each client into local train/test.
+
+    With `validation`, each client's local test split is set aside unseen and replaced by a
+    validation split held out of its training rows (the same fraction, class-stratified, its own
+    seed), so hyper-parameters tuned on it never read the reported test data."""
     y = central.y_train
     if partition == "iid":
         parts = partitions.iid_partition(y, num_clients, seed)
@@ -110,6 +114,8 @@ def partition_dataset(central: CentralDataset, num_clients: int, partition: str,
         raise ValueError(f"config.data.partition: unknown partition '{partition}'; "
                          f"known: {list(PARTITIONS)}")
     train, test = partitions.local_train_test_split(y, parts, local_test_fraction, seed + 1)
+    if validation:
+        train, test = partitions.local_train_test_split(y, train, local_test_fraction, seed + 2)
     empty = [k for k, idx in enumerate(train) if len(idx) == 0]
     if empty:
         raise ValueError(f"clients {empty[:10]} received no training samples; lower "
