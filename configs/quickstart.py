@@ -162,6 +162,10 @@ def get_config() -> ml_collections.ConfigDict:
     # False uses every sample every epoch, at the price of a few-sample step with full weight
     # (docs/baselines.md: on 159-161-sample clients it costs FedAvg ~9 points at round 20).
     config.train.drop_partial_batch = False
+    # Image augmentation inside the jitted local step, as the published pFedES runs use:
+    # 'none' | 'crop_flip' (random crop, 4-pixel zero padding, horizontal flip) |
+    # 'crop_flip_erase' (and random erasing); fedjax_pfedes/data/augmentation.py.
+    config.train.augment = "none"
     # Local SGD learning rate. 0.01 was the best of {0.01, 0.02, 0.05, 0.1} for pFedES here
     # (docs/baselines.md); at 0.05 with momentum 0.9 the quick start converged on CPU but
     # diverged at round 16 on a GPU (docs/performance.md): too close to the edge for a default.

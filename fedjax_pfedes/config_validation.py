@@ -13,6 +13,7 @@ import ml_collections
 from fedjax_pfedes import alignment, attacks, client_store, distributed, execution
 from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.cohorts import assign_architectures
+from fedjax_pfedes.data import augmentation
 from fedjax_pfedes.data.catalog import LOADERS
 from fedjax_pfedes.data.federated import PARTITIONS
 from fedjax_pfedes.data.sources import CentralDataset
@@ -159,6 +160,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(0 < train.client_fraction <= 1,
              f"config.train.client_fraction must be in (0, 1], got {train.client_fraction}")
     _require(train.rounds >= 1, f"config.train.rounds must be >= 1, got {train.rounds}")
+    _require(train.augment in augmentation.KINDS, f"config.train.augment must be one of "
+             f"{list(augmentation.KINDS)}, got '{train.augment}'")
     _require(train.sampling in SAMPLING_METHODS, f"config.train.sampling: unknown "
              f"'{train.sampling}'; known: {list(SAMPLING_METHODS)}")
     _require(train.sampling != "coverage" or not (config.dp.enabled or config.dp_sgd.enabled),
@@ -257,6 +260,10 @@ def check_against_data(config: ml_collections.ConfigDict, central: CentralDatase
         _require(config.data.classes_per_client <= central.num_classes,
                  f"config.data.classes_per_client={config.data.classes_per_client} exceeds the "
                  f"{central.num_classes} classes of '{config.data.name}'")
+    try:
+        augmentation.check(config.train.augment, central.modality)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     modalities = algorithm_registry.get(config.algorithm).modalities
     _require(central.modality in modalities,
              f"config.algorithm='{config.algorithm}' runs on {list(modalities)} data; "

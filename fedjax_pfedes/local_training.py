@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_pfedes.data import augmentation
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchSchedule:
@@ -42,12 +44,17 @@ class LocalSchedule:
         full batch (PyTorch's `drop_last`): a client of 161 rows with B = 32 then takes 5 steps
         per epoch, not 6 with a one-sample sixth. Off by default (every sample is used each
         epoch, as PyTorch's default data loader does); docs/baselines.md measures both.
+      augment: image augmentation applied to each batch inside the step
+        (`data.augmentation.KINDS`; 'none' = off), keyed by the step's padded-schedule position.
+      augment_fill: the erased pixels' per-channel value in [0, 1] units (the dataset's mean).
     """
 
     batch_size: int
     epochs: int
     unroll: bool = False
     drop_partial_batch: bool = False
+    augment: str = "none"
+    augment_fill: tuple[float, ...] = ()
 
     def with_epochs(self, epochs: int) -> LocalSchedule:
         return dataclasses.replace(self, epochs=epochs)
@@ -214,6 +221,7 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, schedule: LocalSch
     """
     if schedule.unroll:
         return _run_unrolled(train_step, carry, data, rng, schedule, step_keys)
+    plan = schedule
     batch_size, epochs, drop = schedule.batch_size, schedule.epochs, schedule.drop_partial_batch
     capacity = data.y.shape[0]
     batch = min(batch_size, capacity)
@@ -226,12 +234,15 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, schedule: LocalSch
     keys = (jax.random.split(jax.random.fold_in(rng, 1), epochs * per_epoch) if step_keys
             else None)
 
+    augment_key = jax.random.fold_in(rng, AUGMENT_STREAM)
+
     def batch_of(t):
         # Step t is batch (t mod k) of epoch (t div k), k = the client's own batches per epoch;
         # its position in the padded schedule is epoch * per_epoch + batch.
         position = (t // real_per_epoch) * per_epoch + t % real_per_epoch
         rows = schedule.indices[position]
-        out = (data.x[rows], data.y[rows], schedule.sample_mask[position])
+        x = augmented(data.x[rows], augment_key, position, plan)
+        out = (x, data.y[rows], schedule.sample_mask[position])
         return out + (keys[position],) if step_keys else out
 
     # The step is traced once: the stats' shape and the loop body share the trace of a nested
@@ -250,6 +261,18 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, schedule: LocalSch
     return carry, sums, total.astype(jnp.float32)
 
 
+AUGMENT_STREAM = 0xA06  # folded into a client's round key for its augmentation keys
+
+
+def augmented(x: jax.Array, key: jax.Array, position, plan: LocalSchedule) -> jax.Array:
+    """The batch `x` at padded-schedule `position`, augmented as `plan.augment` says (the key
+    depends on the position only, so the rolled loop, the unrolled scan, loop and vmap agree)."""
+    if plan.augment == "none":
+        return x
+    return augmentation.augment(x, jax.random.fold_in(key, position), plan.augment,
+                                plan.augment_fill)
+
+
 def _run_unrolled(train_step, carry, data, rng, plan: LocalSchedule, step_keys):
     """The padded static schedule as a fully unrolled scan (see `run_local_epochs`)."""
     capacity = data.y.shape[0]
@@ -262,7 +285,11 @@ def _run_unrolled(train_step, carry, data, rng, plan: LocalSchedule, step_keys):
         return select_tree(active, new_carry, carry), stats * active.astype(stats.dtype)
 
     n = schedule.step_active.shape[0]
-    inputs = (data.x[schedule.indices], data.y[schedule.indices], schedule.sample_mask)
+    x = data.x[schedule.indices]
+    if plan.augment != "none":
+        key = jax.random.fold_in(rng, AUGMENT_STREAM)
+        x = jax.vmap(lambda xb, p: augmented(xb, key, p, plan))(x, jnp.arange(n))
+    inputs = (x, data.y[schedule.indices], schedule.sample_mask)
     if step_keys:
         inputs += (jax.random.split(jax.random.fold_in(rng, 1), n),)
     inputs += (schedule.step_active,)

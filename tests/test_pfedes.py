@@ -192,7 +192,8 @@ def _reference_steps(cfg, model, proxy, params, trace, proxy_params, steps_done,
     """`count` pFedES local steps by hand on the full batch (x, y): the local model takes
     heavy-ball SGD (t = g + m t; p -= lr t) on CE + lam * MSE to E_proxy's output held constant,
     with the backbone's gradient zeroed while fewer than `warmup_steps` steps have been taken in
-    the client's life; E_proxy takes plain SGD at proxy_lr_ratio * lr on MSE to the local
+    the client's life; E_proxy takes plain SGD at proxy_lr_ratio * lr * (1 - proxy momentum) /
+    (1 - local momentum) on MSE to the local
     embedding held constant. Both read the parameters from before the step."""
     for _ in range(count):
         target = proxy.apply(proxy_params, x)
@@ -217,8 +218,10 @@ def _reference_steps(cfg, model, proxy, params, trace, proxy_params, steps_done,
             proxy_trace = jax.tree.map(lambda t, gq: gq + cfg.proxy_momentum * t, proxy_trace,
                                        proxy_grad)
             proxy_grad = proxy_trace
-        proxy_params = jax.tree.map(lambda q, gq: q - cfg.proxy_lr_ratio * cfg.lr_local * gq,
-                                    proxy_params, proxy_grad)
+        # proxy_lr_rule 'effective': the ratio is of effective (momentum-adjusted) steps
+        lr_proxy = (cfg.proxy_lr_ratio * cfg.lr_local * (1 - cfg.proxy_momentum)
+                    / (1 - cfg.local_momentum))
+        proxy_params = jax.tree.map(lambda q, gq: q - lr_proxy * gq, proxy_params, proxy_grad)
         steps_done += 1
     return params, trace, proxy_params, steps_done
 

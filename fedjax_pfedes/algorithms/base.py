@@ -36,6 +36,7 @@ class LocalTrainingConfig:
       unroll_local_steps: run the padded unrolled schedule instead of the rolled loop (the
         tested reference; `config.execution.unroll_local_steps`).
       drop_partial_batch: skip an epoch's last partial batch (`config.train.drop_partial_batch`).
+      augment: on-device image augmentation of every local batch (`config.train.augment`).
     """
 
     num_classes: int
@@ -46,11 +47,12 @@ class LocalTrainingConfig:
     batch_size: int = 32
     unroll_local_steps: bool = False
     drop_partial_batch: bool = False
+    augment: str = "none"
 
     def local_schedule(self) -> LocalSchedule:
         """The `local_training.LocalSchedule` of these settings."""
         return LocalSchedule(self.batch_size, self.local_epochs, self.unroll_local_steps,
-                             self.drop_partial_batch)
+                             self.drop_partial_batch, self.augment, self.input_spec.mean)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,7 +89,8 @@ class BuildInputs:
                     lr_local=opt["lr_local"], local_momentum=opt["local_momentum"],
                     local_epochs=self.local_epochs, batch_size=self.config.train.batch_size,
                     unroll_local_steps=self.config.execution.unroll_local_steps,
-                    drop_partial_batch=self.config.train.drop_partial_batch)
+                    drop_partial_batch=self.config.train.drop_partial_batch,
+                    augment=self.config.train.augment)
 
     def dp_sgd(self) -> local_training.DPSGDConfig | None:
         """Sample-level DP-SGD settings (`config.dp_sgd`), or None when it is off."""
