@@ -82,6 +82,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.pfedes_paper.grad_clip_norm = 50.0  # 0 = off
     config.pfedes_paper.g_lr_ratio = 1.0  # G's lr = g_lr_ratio * lr_local
     config.pfedes_paper.reset_local_optimizer = True
+    config.pfedes_paper.batch_size = -1  # -1 = config.train.batch_size (the authors used 512)
     # LG-FedAvg, FedProto, FedGH, FedKD and FedMRL use config.proxy_dim as the common dimension d.
     config.fedproto = ml_collections.ConfigDict()
     config.fedproto.lam = 1.0            # weight of mean_d (e - global prototype[y])^2
@@ -136,6 +137,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.clients = ml_collections.ConfigDict()
     # 'a,b,c' cycles over clients; 'a:8,b:6,c:6' assigns blocks of these sizes.
     config.clients.architectures = "convnet3,convnet5,vit"
+    # True: every client of one architecture starts from the same private model (the published
+    # pFedES runs do: one model object per architecture, copied to its clients); False: each its
+    # own random initialization.
+    config.clients.same_init = False
     # The small model every client shares in FML, FedKD and FedMRL ('' = per modality: image
     # 'cnn_small', tabular 'mlp_small', text 'embedbag').
     config.clients.shared_arch = ""

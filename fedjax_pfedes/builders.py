@@ -198,7 +198,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         cohorts, client_states = build_cohorts(
             data, archs, programs, {a: next(iter(r.values())) for a, r in runners.items()},
             slots_per_round, client_key, mesh.size if "shard" in candidates else 1,
-            offload_spec(config, workdir))
+            offload_spec(config, workdir), same_init=config.clients.same_init)
     except client_store.BudgetError as e:
         raise ConfigError(str(e)) from None
     server_state = jax.jit(algorithm.init_server, static_argnums=1, compiler_options={
@@ -214,7 +214,8 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     capacity = np.zeros(n, np.int64)
     for c in cohorts:
         capacity[c.client_ids] = c.train.capacity
-    planned = sampling.planned_steps(sizes, capacity, t.batch_size, epochs,
+    batch_size = algorithm_registry.local_optimizer(config)["batch_size"]
+    planned = sampling.planned_steps(sizes, capacity, batch_size, epochs,
                                      t.drop_partial_batch)
     choices = {}
     # Clients that train per round, on average (FedBuff: the buffer's worth of arrivals).
@@ -239,7 +240,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
                 algorithm.broadcast(server_state, c.arch), client_states[c.arch], c.train,
                 c.bucket,
                 launches_per_round * len(c.client_ids) / n, planned[c.client_ids],
-                int(epochs.max()), t.batch_size), cache_dir)
+                int(epochs.max()), batch_size), cache_dir)
             c.runner = runners[c.arch][choice.strategy]
             choices[c.arch] = choice.as_dict()
     for c in cohorts:  # 'shard' reads data and states on its mesh: put them there once

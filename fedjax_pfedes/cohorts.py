@@ -82,6 +82,11 @@ def _init_states(init_client, rng: jax.Array, ids: jax.Array) -> PyTree:
     return jax.vmap(lambda k: init_client(jax.random.fold_in(rng, k)))(ids)
 
 
+def _same_states(init_states, first: int, ids: jax.Array) -> PyTree:
+    """`init_states` of `ids` as if every one of them were client `first`."""
+    return init_states(jnp.full_like(jnp.asarray(ids), first))
+
+
 @dataclasses.dataclass(frozen=True)
 class Offload:
     """Where offloaded client states go (`config.execution.client_states='offload'`):
@@ -94,8 +99,8 @@ class Offload:
 
 def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, CohortProgram],
                   runners: dict[str, CohortRunner], participants_per_round: int,
-                  rng: jax.Array, bucket_multiple: int = 1, offload: Offload | None = None
-                  ) -> tuple[list[Cohort], dict[str, PyTree]]:
+                  rng: jax.Array, bucket_multiple: int = 1, offload: Offload | None = None,
+                  same_init: bool = False) -> tuple[list[Cohort], dict[str, PyTree]]:
     """Groups clients by architecture (in order of first appearance); returns the cohorts and
     their initial private states (architecture -> states stacked over the members).
 
@@ -103,7 +108,9 @@ def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, Coh
     (the 'shard' strategy splits the slots evenly over the devices of its mesh; the extra
     slots are padding, they take no steps and carry no weight).
     `offload`: keep states and data on the host (`client_store`); the cohorts' runners are
-    wrapped to gather each round's participants. None: everything stacked on the device."""
+    wrapped to gather each round's participants. None: everything stacked on the device.
+    `same_init`: every client of an architecture starts from the same private state (the key
+    of the cohort's first client), as the published pFedES runs do; else each its own."""
     members = {a: np.array([k for k, x in enumerate(archs) if x == a])
                for a in dict.fromkeys(archs)}
     buckets = {a: -(-min(len(ids), participants_per_round) // bucket_multiple) * bucket_multiple
@@ -116,6 +123,8 @@ def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, Coh
     cohorts, states_of = [], {}
     for arch, ids in members.items():
         init = functools.partial(_init_states, programs[arch].init_client, rng)
+        if same_init:
+            init = functools.partial(_same_states, init, int(ids[0]))
         runner = runners[arch]
         if offload is None:
             # One compiled call per cohort (eager initialization compiles every op separately).

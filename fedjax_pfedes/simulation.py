@@ -65,7 +65,7 @@ def local_optimizer_note(config) -> dict:
     else:
         state = "kept across rounds"
     return {"lr_local": opt["lr_local"], "local_momentum": opt["local_momentum"],
-            "state": state}
+            "batch_size": opt["batch_size"], "state": state}
 
 
 def _some(names: list[str], shown: int = 3) -> str:
@@ -180,7 +180,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
     writers = metrics_io.RunWriters(out_dir, first_round, config.monitor.tensorboard,
                                     config.monitor.client_report)
     rejected_total = sum(1 for _ in metrics_io.read_jsonl(writers.rejections.path))
-    batch_rate = {int(cid): min(1.0, min(config.train.batch_size, c.train.capacity) / max(n, 1))
+    batch_size = algorithm_registry.local_optimizer(config)["batch_size"]
+    batch_rate = {int(cid): min(1.0, min(batch_size, c.train.capacity) / max(n, 1))
                   for c in ctx.cohorts
                   for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
     eval_sample = evaluation_sample(config, ctx.num_clients)

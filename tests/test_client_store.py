@@ -196,3 +196,29 @@ def test_rounds_prefetch_the_next_rounds_participants_from_disk(tmp_path, monkey
     config.execution.client_state_budget_gb = 4.0
     ctx, _ = build_context(config, build_federated_data(config))
     assert ctx.cohorts[0].runner.prefetch is None
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_same_init_starts_every_client_of_an_architecture_from_one_model(tmp_path, offload):
+    from fedjax_pfedes.builders import build_context, build_federated_data
+
+    config = tiny_config(rounds=1)
+    config.clients.architectures = "mlp,mlp_small"
+    if offload:
+        config.execution.client_states = "offload"
+        config.execution.client_state_dir = str(tmp_path / "states")
+    states = {}
+    for same in (False, True):
+        config.clients.same_init = same
+        ctx, state = build_context(config, build_federated_data(config))
+        states[same] = {c.arch: client_store.read_rows(state.clients[c.arch],
+                                                      np.arange(len(c.client_ids)))
+                        for c in ctx.cohorts}
+    for arch, rows in states[True].items():
+        kernel = np.asarray(rows.params["params"]["backbone"]["fc1"]["kernel"])
+        assert len(kernel) >= 2 and all(np.array_equal(k, kernel[0]) for k in kernel)
+        other = np.asarray(states[False][arch].params["params"]["backbone"]["fc1"]["kernel"])
+        assert not np.array_equal(other[0], other[1])  # the default: one init per client
+    first = {a: np.asarray(r.params["params"]["backbone"]["fc1"]["kernel"][0])
+             for a, r in states[True].items()}
+    assert first["mlp"].shape != first["mlp_small"].shape  # per architecture, not one model

@@ -109,19 +109,23 @@ def test_method_sections_override_the_local_optimizer():
     config = _tabular_config("scaffold")
     assert registry.local_optimizer(config) == {
         "lr_local": config.train.lr_local, "local_momentum": 0.0,
-        "reset_local_optimizer": False}
+        "reset_local_optimizer": False, "batch_size": config.train.batch_size}
     config.scaffold.local_momentum = -1.0  # inherit config.train's
     assert registry.local_optimizer(config)["local_momentum"] == config.train.local_momentum
     config = _tabular_config("pfedes_paper")
     assert registry.local_optimizer(config) == {
-        "lr_local": 0.01, "local_momentum": 0.9, "reset_local_optimizer": True}
+        "lr_local": 0.01, "local_momentum": 0.9, "reset_local_optimizer": True,
+        "batch_size": config.train.batch_size}
     config.train.lr_local = 0.3  # the section's own value wins
     assert registry.local_optimizer(config)["lr_local"] == 0.01
+    config.pfedes_paper.batch_size = 512  # the authors' batch, for this method only
+    assert registry.local_optimizer(config)["batch_size"] == 512
 
 
 @pytest.mark.parametrize("field,value,message", [
     ("lr_local", 0.0, "config.fedmrl.lr_local must be > 0"),
     ("local_momentum", 1.0, r"config.fedmrl.local_momentum must be in \[0, 1\)"),
+    ("batch_size", 0, r"config.fedmrl.batch_size must be an integer >= 1"),
 ])
 def test_bad_optimizer_override_names_the_field(field, value, message):
     from fedjax_pfedes.config_validation import ConfigError, validate_config

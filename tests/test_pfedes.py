@@ -221,7 +221,8 @@ def _reference_steps(cfg, model, proxy, params, trace, proxy_params, steps_done,
         # proxy_lr_rule 'effective': the ratio is of effective (momentum-adjusted) steps
         lr_proxy = (cfg.proxy_lr_ratio * cfg.lr_local * (1 - cfg.proxy_momentum)
                     / (1 - cfg.local_momentum))
-        proxy_params = jax.tree.map(lambda q, gq: q - lr_proxy * gq, proxy_params, proxy_grad)
+        proxy_params = jax.tree.map(lambda q, gq, lr=lr_proxy: q - lr * gq, proxy_params,
+                                    proxy_grad)
         steps_done += 1
     return params, trace, proxy_params, steps_done
 

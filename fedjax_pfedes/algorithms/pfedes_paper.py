@@ -64,7 +64,6 @@ class PFedESPaperConfig(LocalTrainingConfig):
     grad_clip_norm: float = 50.0
     lr_local: float = 0.01
     local_momentum: float = 0.9
-    batch_size: int = 64
 
 
 SCHEDULES = ("paper", "interleaved")

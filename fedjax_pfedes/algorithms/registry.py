@@ -29,10 +29,11 @@ from fedjax_pfedes.data.spec import InputSpec
 AGGREGATIONS = ("shared", "per_cohort", "custom", "none")
 
 
-# Local-optimizer fields a method's config section may set to override `config.train` (floats:
+# Local-training fields a method's config section may set to override `config.train` (numbers:
 # -1 = inherit). E.g. `config.scaffold.local_momentum = 0.0`: SCAFFOLD's control variates assume
-# plain local SGD, and it diverges with the quick start's momentum 0.9 (docs/baselines.md).
-OPTIMIZER_OVERRIDES = ("lr_local", "local_momentum", "reset_local_optimizer")
+# plain local SGD, and it diverges with the quick start's momentum 0.9 (docs/baselines.md);
+# `config.pfedes_paper.batch_size = 512`: the published pFedES runs' batch.
+OPTIMIZER_OVERRIDES = ("lr_local", "local_momentum", "reset_local_optimizer", "batch_size")
 
 
 def local_optimizer(config: ml_collections.ConfigDict) -> dict:
@@ -61,6 +62,10 @@ def check_optimizer_overrides(config: ml_collections.ConfigDict) -> None:
     if m != -1 and not 0 <= m < 1:
         raise ValueError(f"{name}.local_momentum must be in [0, 1) (or -1 = "
                          f"config.train.local_momentum), got {m}")
+    b = section.get("batch_size", -1)
+    if b != -1 and not (isinstance(b, int) and b >= 1):
+        raise ValueError(f"{name}.batch_size must be an integer >= 1 (or -1 = "
+                         f"config.train.batch_size), got {b}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +92,7 @@ class BuildInputs:
         opt = local_optimizer(self.config)
         return dict(num_classes=self.num_classes, input_spec=self.input_spec,
                     lr_local=opt["lr_local"], local_momentum=opt["local_momentum"],
-                    local_epochs=self.local_epochs, batch_size=self.config.train.batch_size,
+                    local_epochs=self.local_epochs, batch_size=opt["batch_size"],
                     unroll_local_steps=self.config.execution.unroll_local_steps,
                     drop_partial_batch=self.config.train.drop_partial_batch,
                     augment=self.config.train.augment)
