@@ -82,8 +82,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(config.lam >= 0, f"config.lam must be >= 0, got {config.lam}")
     _require(0 < config.proxy_dim <= MAX_PROXY_DIM,
              f"config.proxy_dim must be in [1, {MAX_PROXY_DIM}], got {config.proxy_dim}")
-    _require(config.proxy_lr_ratio > 0,
-             f"config.proxy_lr_ratio must be > 0, got {config.proxy_lr_ratio}")
+    _require(config.proxy_lr_ratio >= 0,
+             f"config.proxy_lr_ratio must be >= 0 (0 = E_proxy frozen), got "
+             f"{config.proxy_lr_ratio}")
     _require(0 <= config.server_momentum < 1,
              f"config.server_momentum must be in [0, 1), got {config.server_momentum}")
     _require(config.warmup_steps >= 0,
