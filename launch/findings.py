@@ -53,10 +53,12 @@ def population(config: ml_collections.ConfigDict, seeds: int) -> str:
             "seeds of the mean over all clients at the last round")
 
 
-def section(config, seeds: int, command: str, verdicts: list[tuple], output: str) -> str:
-    """The Markdown of one dataset's findings."""
+def section(config, seeds: int, command: str, verdicts: list[tuple], output: str,
+            results: findings.Records) -> str:
+    """The Markdown of one dataset's findings (`results`: every variant's runs)."""
     name = config.data.name
-    lines = [f"<!-- findings:{name} -->", f"## {name}", "", population(config, seeds) + ".", "",
+    lines = [f"<!-- findings:{name} -->", f"## {name}", "", population(config, seeds) + ".",
+             "", findings.plateau_note(results), "",
              "```bash", command, "```", "",
              "| finding | claim | verdict | what the rule compared |", "|---|---|---|---|"]
     for f, v in verdicts:
@@ -122,7 +124,7 @@ def main(argv: list[str]) -> None:
         verdicts.append((f, f.analyse(results, base, variants, figure)))
     command = "python -m launch.findings " + " ".join(sys.argv[1:])
     write_section(_OUTPUT.value, base.data.name,
-                  section(base, _SEEDS.value, command, verdicts, _OUTPUT.value))
+                  section(base, _SEEDS.value, command, verdicts, _OUTPUT.value, results))
     with open(os.path.join(workdir, "findings.json"), "w") as fh:
         json.dump({f.id: {"verdict": v.verdict, "reason": v.reason} for f, v in verdicts}, fh,
                   indent=1)

@@ -205,6 +205,16 @@ def test_f7_rule_reads_the_alignment_curves(tmp_path):
     assert f7.analyse(records, base, {}, str(tmp_path / "f7.png")).verdict == findings.REFUTED
 
 
+def test_plateau_rule_by_hand():
+    flat = {"personalized_accuracy": [0.2, 0.5, 0.7, 0.8, 0.80, 0.801, 0.802, 0.80, 0.803, 0.80]}
+    rising = {"personalized_accuracy": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9]}
+    assert findings.at_plateau(flat) and not findings.at_plateau(rising)
+    assert not findings.at_plateau({**flat, "diverged": True})
+    assert not findings.at_plateau({"personalized_accuracy": [0.5]})
+    note = findings.plateau_note({"a": [flat, flat], "b": [rising]})
+    assert "2 of 3" in note and "still moving in b" in note
+
+
 def test_variants_are_shared_and_resolve_names_the_flag():
     base = quickstart.get_config()
     variants = findings.variants_of(list(findings.FINDINGS.values()), base)
