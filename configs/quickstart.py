@@ -194,7 +194,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Reject an update whose norm is > factor x the round's median (0 = off; not applied
     # under DP, where clipping bounds every update, nor under secure aggregation).
     config.upload.norm_outlier_factor = 10.0
-    config.upload.weighting = "samples"  # 'samples' | 'sqrt_samples' | 'uniform'
+    # 'samples' (local training samples) | 'sqrt_samples' | 'uniform' | 'all_samples' (training
+    # + local test samples: the published pFedES code's aggregation weights)
+    config.upload.weighting = "samples"
     config.upload.aggregator = "mean"    # 'mean' | 'median' | 'trimmed_mean' (per coordinate)
     config.upload.trim_fraction = 0.1    # trimmed mean: share cut at each end
     config.upload.topk_fraction = 1.0    # top-k sparsification with error feedback (1 = off)

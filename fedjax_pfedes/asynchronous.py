@@ -27,11 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfedes import attacks, rounds, sampling, system
+from fedjax_pfedes import rounds, sampling, system
 from fedjax_pfedes.config_validation import STALENESS
 from fedjax_pfedes.sim_state import SimState
 from fedjax_pfedes.upload import validation
-from fedjax_pfedes.upload.pipeline import CohortUploads
 
 
 def staleness_weight(tau: np.ndarray, kind: str, exponent: float = 0.5, hinge_a: float = 10.0,
@@ -164,9 +163,8 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
         take = jnp.asarray(rows)
         deltas = jax.tree.map(lambda buf, take=take: buf[take], in_flight.deltas[cohort.arch])
         stacked = rebase(deltas, template, jnp.asarray(f))
-        sizes = jnp.take(cohort.train.sizes, jnp.asarray(local), mode="clip")
-        uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, local,
-                                             attacks.rogue_slots(ids, ctx.attack))
+        uploads[cohort.arch] = rounds.cohort_uploads(ctx, cohort, stacked, template, local,
+                                                     valid, ids)
     norms = _stored_norms(in_flight, ctx, slots, arrivals)
     arrived = rounds.Trained(uploads, {
         int(c): {"train_ce_loss": float(in_flight.train_loss[s]),

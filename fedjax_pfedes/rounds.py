@@ -122,9 +122,7 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
             broadcast, clients[cohort.arch], train_arrays(ctx, cohort, step_limits), slots, keys)
         stacked = attacks.apply(stacked, template, ids,
                                 jax.random.fold_in(round_key, ATTACK_STREAM), ctx.attack)
-        sizes = jnp.take(cohort.train.sizes, jnp.asarray(slots), mode="clip")
-        uploads[cohort.arch] = CohortUploads(stacked, template, sizes, valid, ids, slots,
-                                             attacks.rogue_slots(ids, ctx.attack))
+        uploads[cohort.arch] = cohort_uploads(ctx, cohort, stacked, template, slots, valid, ids)
         if not valid.any():
             continue
         norms = (np.asarray(validation.upload_norms(stacked, template, ctx.algorithm.norm_keys))
@@ -143,6 +141,17 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
             upload = (encoded, encoded * upload[1] / max(upload[0], 1))
         traffic.append((int(valid.sum()), *upload, *tree_size(broadcast)))
     return Trained(uploads, client_metrics, traffic, useful, computed), clients
+
+
+def cohort_uploads(ctx: RunContext, cohort: Cohort, stacked, template, slots: np.ndarray,
+                   valid: np.ndarray, ids: np.ndarray) -> CohortUploads:
+    """What the upload pipeline gets of one cohort's round: the stacked uploads with their
+    clients' local training sample counts and all-sample counts (training + local test)."""
+    take = jnp.asarray(slots)
+    sizes = jnp.take(cohort.train.sizes, take, mode="clip")
+    all_sizes = sizes + jnp.take(jnp.asarray(cohort.test.sizes), take, mode="clip")
+    return CohortUploads(stacked, template, sizes, valid, ids, slots,
+                         attacks.rogue_slots(ids, ctx.attack), all_sizes)
 
 
 def participants_loss(ctx: RunContext, server_state, clients: dict[str, Any],

@@ -92,4 +92,5 @@ def test_the_authors_cifar_run_config_runs_a_round_on_tfds_mock_data(tmp_path):
         summary = run_experiment(config, str(tmp_path / "run"), show_progress=False)
     assert summary["local_optimizer"]["batch_size"] == 512
     assert summary["config"]["train"]["augment"] == "crop_flip_erase"
+    assert summary["config"]["upload"]["weighting"] == "all_samples"
     assert np.isfinite(summary["final"]["personalized_accuracy_mean"])

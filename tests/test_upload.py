@@ -1,5 +1,6 @@
 """The upload pipeline: each stage against numpy / hand references / dp_accounting."""
 
+import dataclasses
 import math
 
 import dp_accounting
@@ -747,3 +748,16 @@ def test_the_norm_rule_measures_only_the_uploads_model_part():
     assert fedproto(HeteroConfig(num_classes=3, input_spec=fl_helpers.SPEC, dim=4, lr_local=0.1,
                                  batch_size=4, shared_arch="mlp_small")).norm_keys == \
         ("prototypes",)
+
+
+def test_all_samples_weighting_counts_training_and_local_test_rows():
+    """The published pFedES code weighs an upload by all of its client's samples."""
+    template = {"w": jnp.zeros(2)}
+    ups = {"w": jnp.array([[1.0, 0.0], [0.0, 1.0]])}
+    cohort = _cohort(ups, template, [8, 2])
+    cohort = dataclasses.replace(cohort, all_sizes=jnp.asarray([10.0, 10.0]))
+    for weighting, want in (("samples", [0.8, 0.2]), ("all_samples", [0.5, 0.5])):
+        pipe = _pipeline(weighting=weighting, norm_outlier_factor=0.0)
+        groups, _, _ = pipe.process(0, {"a": cohort}, {"a": {}}, {"a": 2}, jax.random.key(0))
+        w = np.asarray(groups["a"][1])
+        np.testing.assert_allclose(w / w.sum(), want, rtol=1e-6)

@@ -175,8 +175,9 @@ def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> N
 class CohortUploads:
     """One cohort's round: stacked uploads [slots, ...], the template, sample counts [slots],
     which slots are real [slots], their global client ids [slots] (-1 = padding), the rows
-    of the cohort's clients they occupy [slots], and which slots run their own code instead of
-    the client halves of the chain [slots] (malicious clients; None = none)."""
+    of the cohort's clients they occupy [slots], which slots run their own code instead of
+    the client halves of the chain [slots] (malicious clients; None = none), and every sample
+    each client holds, training and local test [slots] (None = the training counts)."""
 
     uploads: Any
     template: Any
@@ -185,6 +186,7 @@ class CohortUploads:
     client_ids: np.ndarray
     slots: np.ndarray
     skips_client_code: np.ndarray | None = None
+    all_sizes: jax.Array | None = None
 
 
 def _mismatch(c: CohortUploads) -> str:

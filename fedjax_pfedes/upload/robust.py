@@ -16,14 +16,16 @@ import jax.numpy as jnp
 from fedjax_pfedes import aggregation
 from fedjax_pfedes.upload.validation import masked_median
 
-WEIGHTINGS = ("samples", "sqrt_samples", "uniform")
+WEIGHTINGS = ("samples", "sqrt_samples", "uniform", "all_samples")
 AGGREGATORS = ("mean", "median", "trimmed_mean")
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def smooth_weights(sample_counts: jax.Array, valid: jax.Array, weighting: str) -> jax.Array:
-    """Aggregation weight per slot: counts, sqrt(counts) or 1; 0 for invalid slots."""
-    if weighting == "samples":  # FedAvg's weights, written once in aggregation.py
+    """Aggregation weight per slot: counts, sqrt(counts) or 1; 0 for invalid slots
+    ('all_samples' weighs the counts it is given: `stages.Weighting` passes training + local
+    test)."""
+    if weighting in ("samples", "all_samples"):  # FedAvg's weights, once in aggregation.py
         return aggregation.client_weights(sample_counts, valid)
     counts = sample_counts.astype(jnp.float32)
     if weighting == "sqrt_samples":

@@ -252,7 +252,8 @@ class Clip(UploadStage):
 @dataclasses.dataclass
 class Weighting(UploadStage):
     """Zeroes the rejected slots' values (NaN x weight 0 is still NaN) and sets the weights:
-    sample counts, their square root, or uniform (`robust.smooth_weights`)."""
+    sample counts, their square root, uniform (`robust.smooth_weights`), or all of a client's
+    samples, training and local test ('all_samples', the published pFedES code's weights)."""
 
     weighting: str = "samples"
     name = "weighting"
@@ -265,7 +266,11 @@ class Weighting(UploadStage):
         for arch, c in r.cohorts.items():
             ok = jnp.asarray(r.valid[arch])
             r.sent[arch] = _zero_rejected_rows(ok, r.sent[arch])
-            r.weights[arch] = robust.smooth_weights(c.sizes, ok, self.weighting)
+            if self.weighting == "all_samples":
+                counts = c.sizes if c.all_sizes is None else c.all_sizes
+                r.weights[arch] = robust.smooth_weights(counts, ok, "samples")
+            else:
+                r.weights[arch] = robust.smooth_weights(c.sizes, ok, self.weighting)
 
 
 @jax.jit
