@@ -9,14 +9,14 @@ the documented alternative:
 * 500 rounds, 10 % of the 100 clients per round;
 * augmentation: random crop 32 with 4-pixel padding, horizontal flip, random erasing, on device
   inside the local step (`train.augment`);
-* identical starting weights for all clients of one architecture (`clients.same_init`);
+* PyTorch's default initialization (`pfedes_paper.init='pytorch'`) and identical starting
+  weights for all clients of one architecture (`clients.same_init`);
 * aggregation weights counting all of a client's samples, training and local test
   (`upload.weighting='all_samples'`);
 * SGD with momentum 0.9, weight decay 1e-3, gradient clipping 50, both optimizers fresh every
   round (the `pfedes_paper` section's defaults).
 
-Not reproduced yet, each a known difference: PyTorch's default initialization (here Flax's
-LeCun-normal kernels and zero biases), one G optimizer shared by all clients across rounds
+Not reproduced yet, each a known difference: one G optimizer shared by all clients across rounds
 (here each participant's G optimizer is fresh every round: theirs is one object that carries its
 momentum from client to client, an artifact of training clients one after another), and
 evaluating each participant right after it trains (here every client at the evaluation rounds,
@@ -43,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.rounds = 500
     config.train.augment = "crop_flip_erase"
     config.clients.same_init = True
+    config.pfedes_paper.init = "pytorch"
     config.upload.weighting = "all_samples"
     config.eval.every = 25
     return config

@@ -83,6 +83,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.pfedes_paper.g_lr_ratio = 1.0  # G's lr = g_lr_ratio * lr_local
     config.pfedes_paper.reset_local_optimizer = True
     config.pfedes_paper.batch_size = -1  # -1 = config.train.batch_size (the authors used 512)
+    config.pfedes_paper.init = "flax"    # 'flax' | 'pytorch' (PyTorch's default draws, theirs)
     # LG-FedAvg, FedProto, FedGH, FedKD and FedMRL use config.proxy_dim as the common dimension d.
     config.fedproto = ml_collections.ConfigDict()
     config.fedproto.lam = 1.0            # weight of mean_d (e - global prototype[y])^2

@@ -44,7 +44,7 @@ from fedjax_pfedes.algorithms.registry import (
     BuildInputs,
     register,
 )
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import init_styles, registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,9 @@ class PFedESPaperConfig(LocalTrainingConfig):
 
     `lr_local`, `local_momentum`, `weight_decay`, `grad_clip_norm` (0 = off) configure both
     optimizers; G's learning rate is `g_lr_ratio * lr_local`. `g_extra_epochs`: G trains that many
-    epochs more than F (paper schedule).
+    epochs more than F (paper schedule). `init`: 'flax' (Flax's default initializers) or
+    'pytorch' (PyTorch's default Linear/Conv2d draws, as the authors' models start;
+    `models.init_styles`).
     """
 
     mu: float = 0.5
@@ -64,6 +66,7 @@ class PFedESPaperConfig(LocalTrainingConfig):
     grad_clip_norm: float = 50.0
     lr_local: float = 0.01
     local_momentum: float = 0.9
+    init: str = "flax"
 
 
 SCHEDULES = ("paper", "interleaved")
@@ -108,7 +111,8 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
 
     def init_server(rng: jax.Array, archs: tuple[str, ...] = ()) -> ServerState:
         del archs
-        return ServerState(g_model.init(rng, dummy_x), jnp.zeros((), jnp.int32))
+        return ServerState(init_styles.reinitialize(g_model.init(rng, dummy_x), rng, cfg.init),
+                           jnp.zeros((), jnp.int32))
 
     def broadcast(state: ServerState, arch: str = "") -> dict:
         del arch
@@ -124,7 +128,7 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
         model = registry.classifier_model(arch, cfg.num_classes, cfg.input_spec)
 
         def init_client(rng: jax.Array) -> ClientState:
-            params = model.init(rng, dummy_x)
+            params = init_styles.reinitialize(model.init(rng, dummy_x), rng, cfg.init)
             return ClientState(params, local_opt.init(params))
 
         def f_loss(p, g_params, x, y, mask):
@@ -216,6 +220,9 @@ def _check(config) -> None:
     if section.schedule not in SCHEDULES:
         raise ValueError(f"config.pfedes_paper.schedule: unknown '{section.schedule}'; known: "
                          f"{list(SCHEDULES)}")
+    if section.init not in init_styles.STYLES:
+        raise ValueError(f"config.pfedes_paper.init must be one of {list(init_styles.STYLES)}, "
+                         f"got '{section.init}'")
     for field in ("g_extra_epochs", "weight_decay", "grad_clip_norm"):
         if section[field] < 0:
             raise ValueError(f"config.pfedes_paper.{field} must be >= 0, got {section[field]}")
