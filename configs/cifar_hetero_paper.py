@@ -13,14 +13,17 @@ the documented alternative:
   weights for all clients of one architecture (`clients.same_init`);
 * aggregation weights counting all of a client's samples, training and local test
   (`upload.weighting='all_samples'`);
+* every participant scored on its local test split right after its local training
+  (`eval.after_training`: `participants_accuracy_after_training` in metrics.jsonl);
 * SGD with momentum 0.9, weight decay 1e-3, gradient clipping 50, both optimizers fresh every
   round (the `pfedes_paper` section's defaults).
 
 Not reproduced yet, each a known difference: one G optimizer shared by all clients across rounds
 (here each participant's G optimizer is fresh every round: theirs is one object that carries its
-momentum from client to client, an artifact of training clients one after another), and
-evaluating each participant right after it trains (here every client at the evaluation rounds,
-`eval.every`).
+momentum from client to client, an artifact of training clients one after another), and the
+model a participant is scored with right after training: `participants_accuracy_after_training`
+(`eval.after_training`) scores its new F with the G it received, theirs with the G it just
+trained.
 
 CIFAR-10 is read through tfds.data_source and must be prepared beforehand (see
 `configs/cifar_hetero.py`).
@@ -45,5 +48,6 @@ def get_config() -> ml_collections.ConfigDict:
     config.clients.same_init = True
     config.pfedes_paper.init = "pytorch"
     config.upload.weighting = "all_samples"
+    config.eval.after_training = True
     config.eval.every = 25
     return config

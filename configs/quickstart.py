@@ -279,6 +279,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval = ml_collections.ConfigDict()
     config.eval.every = 5                # evaluate every k rounds (and after the last)
     config.eval.global_test_samples = 0  # 0 = the whole global test set
+    # True: every synchronous round also records `participants_accuracy_after_training`, the
+    # mean local-test accuracy of that round's participants right after their local training
+    # (before the server step): the published pFedES code's evaluation protocol.
+    config.eval.after_training = False
     # Clients evaluated (0 = all; else a seeded random set of that many, the same each time):
     # with 10,000+ clients, evaluating everyone costs more than training.
     config.eval.clients = 0

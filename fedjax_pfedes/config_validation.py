@@ -241,6 +241,9 @@ def _validate_runtime(config: ml_collections.ConfigDict) -> None:
              "synchronous rounds (config.dp.enabled / config.secagg.enabled must be False)")
     _require(sys_cfg.deadline_s == 0, "config.system.deadline_s: asynchronous rounds have no "
              "deadline (updates arrive when they arrive); set it to 0")
+    _require(not config.eval.after_training, "config.eval.after_training: asynchronous "
+             "rounds have no moment when a round's participants have all just trained; set it "
+             "to False")
     _require(config.train.sampling == "uniform", "config.train.sampling: asynchronous rounds "
              f"start clients as slots free up (uniform); got '{config.train.sampling}'")
 

@@ -155,11 +155,13 @@ def cohort_uploads(ctx: RunContext, cohort: Cohort, stacked, template, slots: np
 
 
 def participants_loss(ctx: RunContext, server_state, clients: dict[str, Any],
-                      ids: np.ndarray) -> dict[str, float]:
-    """Mean local-test losses of the clients `ids` with `server_state`'s broadcast and their
-    private states in `clients` (the model each would predict with): 'test_ce_loss', and
-    'test_align_loss' for methods that report one (pFedES: alignment to the broadcast E_proxy).
-    Empty when nobody is given."""
+                      ids: np.ndarray,
+                      keys: tuple[str, ...] = ("test_ce_loss", "test_align_loss")
+                      ) -> dict[str, float]:
+    """Mean local-test metrics `keys` of the clients `ids` with `server_state`'s broadcast and
+    their private states in `clients` (the model each would predict with): by default
+    'test_ce_loss', and 'test_align_loss' for methods that report one (pFedES: alignment to the
+    broadcast E_proxy). Empty when nobody is given."""
     losses: dict[str, list] = {}
     for cohort in ctx.cohorts:
         slots = cohort.slots(ids)
@@ -168,7 +170,7 @@ def participants_loss(ctx: RunContext, server_state, clients: dict[str, Any],
             continue
         m = cohort.runner.evaluate_slots(ctx.algorithm.broadcast(server_state, cohort.arch),
                                          clients[cohort.arch], cohort.test, slots)
-        for key in ("test_ce_loss", "test_align_loss"):
+        for key in keys:
             if key in m:
                 losses.setdefault(key, []).append(np.asarray(m[key])[valid])
     return {k: float(np.concatenate(v).mean()) for k, v in losses.items()}
@@ -382,6 +384,13 @@ def sync_round(ctx: RunContext, state: SimState, round_index: int
               if ctx.algorithm.state_needs_acceptance else None)
     trained, clients = train_participants(ctx, state.server, state.clients, runs,
                                           jax.random.fold_in(ctx.train_key, round_index), limits)
+    after_training = {}
+    if ctx.config.eval.after_training and trained.client_metrics:
+        # Each participant right after its local training, before the server step (the
+        # published pFedES code's evaluation protocol).
+        after_training = {"participants_accuracy_after_training": participants_loss(
+            ctx, state.server, clients, np.array(sorted(trained.client_metrics), np.int64),
+            ("personalized_accuracy",))["personalized_accuracy"]}
     server_state, memories, summary = aggregate(ctx, state.server, clients, trained,
                                                 state.memories, round_index)
     rejections = summary.pop("rejections")
@@ -391,7 +400,7 @@ def sync_round(ctx: RunContext, state: SimState, round_index: int
     sampler.record(selected, runs)
     accepted = len(set(trained.client_metrics) - rejected)
     record = {**counts, **outcome_counts(timing, accepted), **client_means(trained.client_metrics),
-              **trained.padded_step_fraction(), **summary,
+              **trained.padded_step_fraction(), **summary, **after_training,
               "simulated_round_s": timing.round_s}
     rows = client_report(ctx, timing, trained, rejected)
     state = state.replace(server=server_state, clients=clients, memories=memories,

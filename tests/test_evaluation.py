@@ -39,3 +39,41 @@ def test_global_accuracy_scores_the_predictions_evaluate_scores(name):
     expected = np.mean(np.argmax(scores, -1) == y[:33])
     np.testing.assert_allclose(float(local["personalized_accuracy"]), expected, atol=1e-6)
     np.testing.assert_allclose(float(engine), expected, atol=1e-6)
+
+
+def test_participants_are_scored_right_after_training_when_asked():
+    """eval.after_training: the round's participants on their local test splits with their new
+    private models. pFedES predicts with the private model alone, which the server step does not
+    change, so the figure equals each participant's accuracy recomputed here from its stored
+    parameters (numpy argmax over its real test rows), averaged over the participants."""
+    from fedjax_pfedes import client_store, rounds
+    from fedjax_pfedes.builders import build_context, build_federated_data
+    from fedjax_pfedes.config_validation import ConfigError, validate_config
+    from fedjax_pfedes.models import registry
+
+    config = small_config()
+    config.clients.architectures = "mlp"
+    config.train.client_fraction = 0.5
+    config.eval.after_training = True
+    data = build_federated_data(config)
+    ctx, state = build_context(config, data)
+    state, record, rows, _ = rounds.sync_round(ctx, state, 0)
+    (cohort,) = ctx.cohorts
+    model = registry.client_model("mlp", data.central.num_classes, config.proxy_dim,
+                                  data.central.input_spec)
+    accs = []
+    for row in rows:
+        if row["local_steps"] == 0:
+            continue
+        local = int(np.flatnonzero(cohort.client_ids == row["client"])[0])
+        params = client_store.read_rows(state.clients["mlp"], np.array([local])).params
+        params = jax.tree.map(lambda a: a[0], params)
+        idx = data.test_indices[row["client"]]
+        logits, _ = model.apply(params, jnp.asarray(data.central.x_train[idx]))
+        accs.append(np.mean(np.argmax(np.asarray(logits), -1) == data.central.y_train[idx]))
+    assert len(accs) == 3
+    assert record["participants_accuracy_after_training"] == pytest.approx(np.mean(accs),
+                                                                           abs=1e-6)
+    config.asynchronous.enabled, config.asynchronous.concurrency = True, 6
+    with pytest.raises(ConfigError, match="config.eval.after_training"):
+        validate_config(config)

@@ -94,4 +94,5 @@ def test_the_authors_cifar_run_config_runs_a_round_on_tfds_mock_data(tmp_path):
     assert summary["config"]["train"]["augment"] == "crop_flip_erase"
     assert summary["config"]["upload"]["weighting"] == "all_samples"
     assert summary["config"]["pfedes_paper"]["init"] == "pytorch"
+    assert summary["config"]["eval"]["after_training"] is True
     assert np.isfinite(summary["final"]["personalized_accuracy_mean"])
