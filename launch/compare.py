@@ -7,7 +7,8 @@ Runs every method for each seed (config.seed, +1, ...), then writes <workdir>/co
 (mean personalized accuracy ± std over seeds, global accuracy, upload parameters per client per
 round, wall time), comparison.json and accuracy_curves.png.
 
-With `--lr_grid=0.01,0.02,0.05,0.1` each method is first tuned on **validation data of a seed
+With `--lr_grid=0.01,0.02,0.05,0.1` (and `--server_lr_grid=0.1,0.3,1` for the methods with a
+server learning rate: FedAvgM, FedAdam, SCAFFOLD, FedNova, FedGH) each method is first tuned on **validation data of a seed
 that is not reported**: seed config.seed + 1000 runs at every rate of the grid with
 `data.validation_split=True` (each client's local test split set aside unseen, the client
 evaluated on a validation split held out of its training rows), the rate with the best final
@@ -60,6 +61,10 @@ _VARIANT = flags.DEFINE_multi_string(
     "--variant=reset:train.reset_local_optimizer=True")
 _LR_GRID = flags.DEFINE_list("lr_grid", [], "Local learning rates to tune each method over "
                              "(seed config.seed); empty = no tuning.")
+_SERVER_LR_GRID = flags.DEFINE_list(
+    "server_lr_grid", [], "With --lr_grid: server learning rates to tune too, for every method "
+    "whose config section has a server_lr (fedavgm, fedadam, scaffold, fednova, fedgh): each "
+    "such method runs every (lr, server_lr) pair; empty = its section's value.")
 _REUSE = flags.DEFINE_bool("reuse", True, "Reuse finished runs in the workdir made with the same "
                            "config (resume an interrupted comparison).")
 _PAIRED = flags.DEFINE_list(
@@ -125,10 +130,41 @@ def tuning_seed(config) -> int:
     return config.seed + TUNING_SEED_OFFSET
 
 
-def diverged_seeds(tuning_dir: str, method: str, lr: float, seed: int) -> list[int]:
-    """Further seeds (not `seed`, the tuning seed) of `method` that diverged at `lr`: the runs
-    `set_aside_diverged` kept under <tuning_dir>/<method>/lr<lr>/seed<k>."""
-    folder = os.path.join(tuning_dir, method, f"lr{lr:g}")
+def server_lr_field(config, algorithm: str) -> str | None:
+    """`<algorithm>.server_lr` when the method's section has one, else None."""
+    section = config.get(algorithm)
+    return f"{algorithm}.server_lr" if section is not None and "server_lr" in section else None
+
+
+def grid_cells(config, algorithm: str, grid: list[float], server_grid: list[float]
+               ) -> dict[str, dict]:
+    """The tuning grid of `algorithm`: {cell name: overrides}, e.g. 'lr0.1' ->
+    {'train.lr_local': 0.1}, and with a server grid for a method with a server_lr,
+    'lr0.1_slr0.5' -> {..., 'fedavgm.server_lr': 0.5}. Local rates are `grid_rate`s."""
+    field, server = lr_field(config, algorithm), server_lr_field(config, algorithm)
+    cells = {}
+    for g in grid:
+        lr = grid_rate(config, algorithm, g)
+        if server is None or not server_grid:
+            cells[f"lr{lr:g}"] = {"algorithm": algorithm, field: lr}
+            continue
+        for slr in server_grid:
+            cells[f"lr{lr:g}_slr{slr:g}"] = {"algorithm": algorithm, field: lr, server: slr}
+    return cells
+
+
+def cell_of(config, algorithm: str, overrides: dict) -> str:
+    """The cell name (`grid_cells`) of a tuned method's overrides."""
+    name = f"lr{overrides[lr_field(config, algorithm)]:g}"
+    server = server_lr_field(config, algorithm)
+    return name + (f"_slr{overrides[server]:g}" if server in overrides else "")
+
+
+def diverged_seeds(tuning_dir: str, method: str, cell, seed: int) -> list[int]:
+    """Further seeds (not `seed`, the tuning seed) of `method` that diverged at grid `cell` (a
+    cell name, or a learning rate for 'lr<rate>'): the runs `set_aside_diverged` kept under
+    <tuning_dir>/<method>/<cell>/seed<k>."""
+    folder = os.path.join(tuning_dir, method, cell if isinstance(cell, str) else f"lr{cell:g}")
     found = []
     for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         run_dir = os.path.join(folder, entry)
@@ -161,16 +197,16 @@ def set_aside_diverged(config, results: dict[str, list[dict]], tuned: dict[str, 
     for method, records in results.items():
         if method not in tuned:
             continue
-        lr = tuned[method][lr_field(config, method)]
+        cell = cell_of(config, method, tuned[method])
         seed = tuning_seed(config) if tuning is None else tuning
-        if diverged_seeds(tuning_dir, method, lr, seed):
+        if diverged_seeds(tuning_dir, method, cell, seed):
             continue  # chosen although dropped: every rate of the grid was dropped
         for record in records:
             if record["seed"] != seed and record["diverged"]:
-                dst = os.path.join(tuning_dir, method, f"lr{lr:g}", f"seed{record['seed']}")
+                dst = os.path.join(tuning_dir, method, cell, f"seed{record['seed']}")
                 shutil.rmtree(dst, ignore_errors=True)
                 shutil.move(record["run_dir"], dst)
-                moved.append(f"{method} lr {lr:g} seed {record['seed']}")
+                moved.append(f"{method} {cell.replace('lr', 'lr ', 1)} seed {record['seed']}")
     return moved
 
 
@@ -184,7 +220,8 @@ def grid_cell(score: float, chosen: bool, diverged_on: list[int]) -> str:
     return text
 
 
-def tune_learning_rates(config, grid: list[float]) -> tuple[dict[str, dict], str]:
+def tune_learning_rates(config, grid: list[float], server_grid: list[float] = ()
+                        ) -> tuple[dict[str, dict], str]:
     """Runs `tuning_seed` of every method on validation data at every rate of `grid` (in
     <workdir>/lr_tuning/<method>/lr<rate>, the method's own rate `grid_rate`); returns the
     variants at each method's best rate (`choose_rate`: rates where a reported seed diverged
@@ -198,8 +235,8 @@ def tune_learning_rates(config, grid: list[float]) -> tuple[dict[str, dict], str
                                                         "data.validation_split": True})
     for a in _ALGORITHMS.value:
         field = lr_field(config, a)
-        rates = [grid_rate(config, a, lr) for lr in grid]
-        trials = {f"{a}/lr{lr:g}": {"algorithm": a, field: lr} for lr in rates}
+        cells = grid_cells(config, a, grid, list(server_grid))
+        trials = {f"{a}/{cell}": overrides for cell, overrides in cells.items()}
         out = experiments.run_grid(on_validation, trials, 1, tuning_dir,
                                    _PROGRESS.value, reuse=_REUSE.value,
                                    run_missing=not _REPORT_ONLY.value)
@@ -211,21 +248,30 @@ def tune_learning_rates(config, grid: list[float]) -> tuple[dict[str, dict], str
         scores = [-np.inf if r[0].get("diverged") or not np.isfinite(
             r[0]["final"]["personalized_accuracy_mean"])
             else r[0]["final"]["personalized_accuracy_mean"] for r in out.values()]
-        dropped = {lr: seeds for lr in rates
-                   if (seeds := diverged_seeds(tuning_dir, a, lr, seed))}
-        best = choose_rate(rates, scores, dropped)
-        tuned[a] = {"algorithm": a, field: best}
-        scaled = "" if rates == list(grid) else f", momentum {method_momentum(config, a):g}"
-        rows.append(f"| {a} (`{field}`{scaled}) | " + " | ".join(
-            (f"{lr:g}: " if scaled else "") + grid_cell(v, lr == best, dropped.get(lr, []))
-            for lr, v in zip(rates, scores, strict=True)) + " |")
+        names = list(cells)
+        dropped = {c: seeds for c in names if (seeds := diverged_seeds(tuning_dir, a, c, seed))}
+        best = choose_rate(names, scores, dropped)
+        tuned[a] = cells[best]
+        scaled = ("" if all(grid_rate(config, a, g) == g for g in grid)
+                  else f", momentum {method_momentum(config, a):g}")
+        per_row = len(names) // len(grid)  # server rates per local rate (1 without)
+        for r in range(per_row):
+            row = names[r::per_row]
+            server = server_lr_field(config, a)
+            label = (f"{a} (`{field}`{scaled})" if per_row == 1 else
+                     f"{a} (`{field}`{scaled}; server lr {cells[row[0]][server]:g})")
+            rows.append(f"| {label} | " + " | ".join(
+                (f"{cells[c][field]:g}: " if scaled else "")
+                + grid_cell(scores[names.index(c)], c == best, dropped.get(c, []))
+                for c in row) + " |")
     head = ("| method | " + " | ".join(f"effective step {lr:g}" for lr in grid) + " |\n|---|"
             + "---|" * len(grid))
     return tuned, head + "\n" + "\n".join(rows)
 
 
-def _check_flags(argv: list[str]) -> list[float]:
-    """One line and exit 2 for what the flags alone get wrong; returns the --lr_grid rates."""
+def _check_flags(argv: list[str]) -> tuple[list[float], list[float]]:
+    """One line and exit 2 for what the flags alone get wrong; returns the --lr_grid and
+    --server_lr_grid rates."""
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}: flags are --name=value")
     if not _ALGORITHMS.value and not _VARIANT.value:
@@ -234,13 +280,23 @@ def _check_flags(argv: list[str]) -> list[float]:
     if os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
         fail(f"--workdir={_WORKDIR.value} is a file, not a directory")
     try:
-        return [float(v) for v in _LR_GRID.value]
+        grid = [float(v) for v in _LR_GRID.value]
     except ValueError:
         fail(f"--lr_grid: '{','.join(_LR_GRID.value)}' is not a comma-separated list of numbers")
+    try:
+        server_grid = [float(v) for v in _SERVER_LR_GRID.value]
+    except ValueError:
+        fail(f"--server_lr_grid: '{','.join(_SERVER_LR_GRID.value)}' is not a comma-separated "
+             "list of numbers")
+    if server_grid and not grid:
+        fail("--server_lr_grid needs --lr_grid (it adds an axis to the learning-rate grid)")
+    if any(not v > 0 for v in server_grid):
+        fail(f"--server_lr_grid: rates must be > 0, got {server_grid}")
+    return grid, server_grid
 
 
 def main(argv: list[str]) -> None:
-    grid = _check_flags(argv)
+    grid, server_grid = _check_flags(argv)
     config = loaded_config(_CONFIG)
     try:
         known = algorithm_registry.names()
@@ -313,10 +369,12 @@ def main(argv: list[str]) -> None:
             header += (f" Learning rate per method tuned over {_LR_GRID.value} (effective "
                        f"steps at momentum {config.train.local_momentum:g}) on validation "
                        f"splits of seed {tuning_seed(config)}, which is not reported; a rate "
-                       "that diverges on a reported seed is dropped.")
+                       "that diverges on a reported seed is dropped."
+                       + (f" Server learning rates over {server_grid} for the methods that "
+                          "have one." if server_grid else ""))
         while True:  # until no chosen rate diverges on a further seed (each pass drops one)
             if _LR_GRID.value:
-                variants, tuning = tune_learning_rates(config, grid)
+                variants, tuning = tune_learning_rates(config, grid, server_grid)
             results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
                                            _PROGRESS.value, reuse=_REUSE.value,
                                            on_seed_done=write,

@@ -209,6 +209,24 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
     assert set_aside_diverged(config, {"scaffold": again}, tuned, str(tmp_path), tuning=0) == []
 
 
+def test_the_tuning_grid_scales_by_momentum_and_crosses_server_rates():
+    from configs import quickstart
+    from launch.compare import cell_of, grid_cells
+
+    config = quickstart.get_config()  # train momentum 0.9; scaffold runs plain SGD
+    assert grid_cells(config, "fedavg", [0.01, 0.05], []) == {
+        "lr0.01": {"algorithm": "fedavg", "train.lr_local": 0.01},
+        "lr0.05": {"algorithm": "fedavg", "train.lr_local": 0.05}}
+    cells = grid_cells(config, "scaffold", [0.01], [0.5, 1.0])
+    assert cells == {  # the same effective step: 0.01 / (1 - 0.9) with no momentum
+        "lr0.1_slr0.5": {"algorithm": "scaffold", "train.lr_local": 0.1,
+                         "scaffold.server_lr": 0.5},
+        "lr0.1_slr1": {"algorithm": "scaffold", "train.lr_local": 0.1,
+                       "scaffold.server_lr": 1.0}}
+    assert cell_of(config, "scaffold", cells["lr0.1_slr1"]) == "lr0.1_slr1"
+    assert list(grid_cells(config, "pfedes", [0.01], [0.5])) == ["lr0.01"]  # no server lr
+
+
 def test_paired_difference_pairs_by_seed_with_a_student_t_interval():
     """Hand count: differences 0.1, 0.2, 0.3 (paired by seed, listed out of order): mean 0.2,
     sd 0.1, t(0.975, 2) = 4.302653 -> half-width 0.248414."""

@@ -163,6 +163,8 @@ COMPARE_CASES = {
     "L13": ([], r"--config is required"),
     "L14": (["--config=configs/quickstart.py", "--workdir={file}"], r"is a file, not a directory"),
     "L15": (["--config=configs/quickstart.py", "--algorithms="], r"--algorithms is empty"),
+    "L18": (["--config=configs/quickstart.py", "--server_lr_grid=0.1"],
+            r"--server_lr_grid needs --lr_grid"),
 }
 
 
