@@ -8,8 +8,8 @@ Runs every method for each seed (config.seed, +1, ...), then writes <workdir>/co
 round, wall time), comparison.json and accuracy_curves.png.
 
 With `--lr_grid=0.01,0.02,0.05,0.1` (and `--server_lr_grid=0.1,0.3,1` for the methods with a
-server learning rate: FedAvgM, FedAdam, SCAFFOLD, FedNova, FedGH) each method is first tuned on **validation data of a seed
-that is not reported**: seed config.seed + 1000 runs at every rate of the grid with
+server learning rate: FedAvgM, FedAdam, SCAFFOLD, FedNova, FedGH) each method is first tuned on
+**validation data of a seed that is not reported**: seed config.seed + 1000 runs at every rate of the grid with
 `data.validation_split=True` (each client's local test split set aside unseen, the client
 evaluated on a validation split held out of its training rows), the rate with the best final
 mean personalized validation accuracy is kept (a diverged run counts as the worst), and the
