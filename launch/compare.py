@@ -9,16 +9,16 @@ round, wall time), comparison.json and accuracy_curves.png.
 
 With `--lr_grid=0.01,0.02,0.05,0.1` (and `--server_lr_grid=0.1,0.3,1` for the methods with a
 server learning rate: FedAvgM, FedAdam, SCAFFOLD, FedNova, FedGH) each method is first tuned on
-**validation data of a seed that is not reported**: seed config.seed + 1000 runs at every rate of the grid with
-`data.validation_split=True` (each client's local test split set aside unseen, the client
-evaluated on a validation split held out of its training rows), the rate with the best final
-mean personalized validation accuracy is kept (a diverged run counts as the worst), and the
-reported seeds (config.seed, ...) run at that rate on their test splits. The grid is in units
-of the *effective* step of `config.train.local_momentum`: a method whose own local momentum m
-differs (SCAFFOLD and FedMRL run plain SGD) runs at grid x (1 - m) / (1 - train momentum), so
-every method moves its parameters by the same effective step per unit gradient. A rate must
-train on every seed: when a reported seed diverges at the chosen rate, that rate is dropped for
-the method (its diverged runs are kept as evidence under
+**validation data of a seed that is not reported**: seed config.seed + 1000 runs at every rate
+of the grid with `data.validation_split=True` (each client's local test split set aside unseen,
+the client evaluated on a validation split held out of its training rows), the rate with the
+best final mean personalized validation accuracy is kept (a diverged run counts as the worst),
+and the reported seeds (config.seed, ...) run at that rate on their test splits. The grid is in
+units of the *effective* step of `config.train.local_momentum`: a method whose own local
+momentum m differs (SCAFFOLD and FedMRL run plain SGD) runs at grid x (1 - m) / (1 - train
+momentum), so every method moves its parameters by the same effective step per unit gradient. A
+rate must train on every seed: when a reported seed diverges at the chosen rate, that rate is
+dropped for the method (its diverged runs are kept as evidence under
 <workdir>/lr_tuning/<method>/lr<rate>/seed<k>), the next best rate of the grid is chosen and the
 method's seeds run at it. The grid's table goes into comparison.md too, with the rates dropped
 and the seeds that diverged.
