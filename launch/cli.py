@@ -4,11 +4,17 @@ missing or broken config file — never a traceback."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import NoReturn
 
 from absl import flags
+
+# JAX's start-up notes (no TPU library, where the compilation cache lives) are INFO lines that
+# absl prints on stderr; above an error they hide the one line that matters.
+for _name in ("jax._src.xla_bridge", "jax._src.compilation_cache"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 # Fields that moved when the one `config.baseline` section was split per method.
 RENAMED_FIELDS = {
