@@ -57,6 +57,7 @@ def private_run(tmp_path_factory):
     config.system.failure_decay = 1.0  # DP: a deadline miss must not steer who else is drawn
     config.train.sampling = "stratified"
     config.train.strata = 1  # DP: strata from the public availability classes only
+    config.eval.after_training = True
     return workdir, run_experiment(config, str(workdir), show_progress=False)
 
 

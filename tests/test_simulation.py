@@ -21,7 +21,7 @@ ROUND_KEYS = {
     "uploads_rejected_total", "simulated_round_s", "simulated_clock_s", "participation_min",
     "participation_max", "round_time_s", "elapsed_s", "padded_step_fraction",
     "selected_label_coverage", "align_loss_at_start_mean", "align_loss_at_end_mean",
-    "align_loss_before_aggregation", "align_loss_after_aggregation",
+    "align_loss_before_aggregation", "align_loss_after_aggregation", "proxy_relative_change",
 }
 EVAL_KEYS = {
     "personalized_accuracy_mean", "personalized_accuracy_std", "personalized_accuracy_min",
