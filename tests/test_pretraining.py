@@ -108,3 +108,23 @@ def test_missing_garbled_and_misshapen_files_name_the_problem(saved, tmp_path):
 def test_pretraining_without_a_public_share_is_refused():
     with pytest.raises(ConfigError, match="config.data.public_fraction is 0"):
         pretrain_proxy(_config(0.0), PretrainSettings(epochs=1), show_progress=False)
+
+
+def test_a_seed_placeholder_names_one_pretrained_file_per_seed(tmp_path):
+    """The public share depends on the seed, so each seed needs its own pretrained E_proxy:
+    `{seed}` in config.proxy_init (and in launch.pretrain_proxy's --output) picks it."""
+    pattern = str(tmp_path / "proxy_seed{seed}.msgpack")
+    for seed in (0, 1):
+        config = _config()
+        config.seed = seed
+        params, report = pretrain_proxy(config, PretrainSettings(epochs=1), show_progress=False)
+        save_pretrained(proxy_init.resolve(pattern, seed), config, params, report)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["proxy_seed0.msgpack",
+                                                          "proxy_seed1.msgpack"]
+    for seed in (0, 1):
+        config = _config()
+        config.seed, config.proxy_init = seed, pattern
+        validate_config(config)  # each seed reads its own file: its public share matches
+    config.seed = 2
+    with pytest.raises(ConfigError, match="proxy_seed2.msgpack"):
+        validate_config(config)

@@ -60,7 +60,8 @@ class PFedESConfig(LocalTrainingConfig):
     last conv layers (`models.registry.ProxyExtractor`), every client gets one projection head
     per scale, and the alignment loss is sum_s w_s align(P_k^s(z), E_proxy^s(x)) on both sides.
 
-    `proxy_init`: path of a saved E_proxy (`launch.pretrain_proxy`) to start from instead of a
+    `proxy_init`: path of a saved E_proxy (`launch.pretrain_proxy`; `{seed}` in the config value
+    stands for the run's seed, `proxy_init.resolve`) to start from instead of a
     random initialization ('' = random).
 
     `align_diagnostics`: report `align_loss_at_start` / `align_loss_at_end` (two extra forward
@@ -335,7 +336,8 @@ def _build(inputs: BuildInputs) -> Algorithm:
         projection_layernorm=c.projection_layernorm, warmup_steps=c.warmup_steps,
         server_momentum=c.server_momentum, dp_sgd=inputs.dp_sgd(),
         stop_gradient_proxy=c.stop_gradient_proxy, stop_gradient_local=c.stop_gradient_local,
-        proxy_momentum=c.proxy_momentum, proxy_lr_rule=c.proxy_lr_rule, proxy_init=c.proxy_init,
+        proxy_momentum=c.proxy_momentum, proxy_lr_rule=c.proxy_lr_rule,
+        proxy_init=proxy_init.resolve(c.proxy_init, c.seed),
         proxy_scales=parse_scales(c.proxy_scales),
         align_diagnostics=c.monitor.aggregation_loss))
 
@@ -375,10 +377,11 @@ def pool_of(config) -> dict:
 def check_proxy_init(config) -> None:
     """A saved E_proxy must match this run's E_proxy, and when pretrained on this dataset, its
     public share must be the one this run holds out (else clients would own its samples)."""
-    meta, _ = proxy_init.read(config.proxy_init)
+    path = proxy_init.resolve(config.proxy_init, config.seed)
+    meta, _ = proxy_init.read(path)
     for field in ("proxy_arch", "proxy_dim"):
         if meta.get(field) != config[field]:
-            raise ValueError(f"config.proxy_init: '{config.proxy_init}' holds an E_proxy with "
+            raise ValueError(f"config.proxy_init: '{path}' holds an E_proxy with "
                              f"{field}={meta.get(field)!r}; this run has "
                              f"config.{field}={config[field]!r}")
     pool = meta.get("pool", {})
@@ -386,7 +389,7 @@ def check_proxy_init(config) -> None:
         differ = {k: v for k, v in pool.items() if pool_of(config).get(k) != v}
         if differ:
             wanted = ", ".join(f"config.{k}={v!r}" for k, v in differ.items())
-            raise ValueError(f"config.proxy_init: '{config.proxy_init}' was pretrained on the "
+            raise ValueError(f"config.proxy_init: '{path}' was pretrained on the "
                              f"public share of '{config.data.name}' held out with {wanted}; "
                              "with this run's settings its clients would own some of those "
                              "samples. Set the same values, or pretrain again")
