@@ -13,17 +13,18 @@ the documented alternative:
   weights for all clients of one architecture (`clients.same_init`);
 * aggregation weights counting all of a client's samples, training and local test
   (`upload.weighting='all_samples'`);
-* every participant scored on its local test split right after its local training
+* every participant's F scored on its local test split right after its local training
   (`eval.after_training`: `participants_accuracy_after_training` in metrics.jsonl);
 * SGD with momentum 0.9, weight decay 1e-3, gradient clipping 50, both optimizers fresh every
   round (the `pfedes_paper` section's defaults).
 
 Not reproduced yet, each a known difference: one G optimizer shared by all clients across rounds
 (here each participant's G optimizer is fresh every round: theirs is one object that carries its
-momentum from client to client, an artifact of training clients one after another), and the
-model a participant is scored with right after training: `participants_accuracy_after_training`
-(`eval.after_training`) scores its new F with the G it received, theirs with the G it just
-trained.
+momentum from client to client, an artifact of training clients one after another), and their
+after-training score averages per-batch accuracies of F(x) (`test_acc`), where
+`participants_accuracy_after_training` averages per sample (the same when every test batch is
+full). Their aggregation weights also count a validation split, which this setup does not
+have.
 
 CIFAR-10 is read through tfds.data_source and must be prepared beforehand (see
 `configs/cifar_hetero.py`).
