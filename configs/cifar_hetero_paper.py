@@ -7,8 +7,9 @@ the documented alternative:
 * batch 512 (`pfedes_paper.batch_size`; other methods keep `train.batch_size`);
 * 10 local epochs for F and 20 for G (`train.local_epochs`, `pfedes_paper.g_extra_epochs`);
 * 500 rounds, 10 % of the 100 clients per round;
-* augmentation: random crop 32 with 4-pixel padding, horizontal flip, random erasing, on device
-  inside the local step (`train.augment`);
+* augmentation as their `dataset.py`: flip, random erasing (scale 0.04-0.2, ratio 0.5-2), crop
+  32 with 4 pixels of padding, on the normalized image, here on device inside the local step
+  (`train.augment='flip_erase_crop'`);
 * PyTorch's default initialization (`pfedes_paper.init='pytorch'`) and identical starting
   weights for all clients of one architecture (`clients.same_init`);
 * aggregation weights counting all of a client's samples, training and local test
@@ -45,7 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.pfedes_paper.g_extra_epochs = 10
     config.train.local_epochs = 10
     config.train.rounds = 500
-    config.train.augment = "crop_flip_erase"
+    config.train.augment = "flip_erase_crop"
     config.clients.same_init = True
     config.pfedes_paper.init = "pytorch"
     config.upload.weighting = "all_samples"

@@ -170,7 +170,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.drop_partial_batch = False
     # Image augmentation inside the jitted local step, as the published pFedES runs use:
     # 'none' | 'crop_flip' (random crop, 4-pixel zero padding, horizontal flip) |
-    # 'crop_flip_erase' (and random erasing); fedjax_pfedes/data/augmentation.py.
+    # 'flip_erase_crop' (the published pFedES code's: flip, random erasing, crop padded with the
+    # mean); fedjax_pfedes/data/augmentation.py.
     config.train.augment = "none"
     # Local SGD learning rate. 0.01 was the best of {0.01, 0.02, 0.05, 0.1} for pFedES here
     # (docs/baselines.md); at 0.05 with momentum 0.9 the quick start converged on CPU but

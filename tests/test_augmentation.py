@@ -63,6 +63,8 @@ def test_crop_offsets_and_flips_are_uniform_and_fair():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.uint8])
 def test_erasing_fills_one_rectangle_with_the_mean_half_the_time(dtype):
+    """The published code's RandomErasing(scale=(0.04, 0.2), ratio=(0.5, 2)) on a normalized
+    image, value 0: here the raw-pixel mean."""
     x = jnp.asarray(np.full((1, 32, 32, 3), 1.0, np.float32) if dtype == np.float32 else
                     np.full((1, 32, 32, 3), 255, np.uint8))
     mean = (0.25, 0.5, 0.75)
@@ -80,11 +82,25 @@ def test_erasing_fills_one_rectangle_with_the_mean_half_the_time(dtype):
             applied += 1
             rows, cols = np.flatnonzero(hit.any(1)), np.flatnonzero(hit.any(0))
             assert hit[rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1].all()  # one rectangle
+            height, width = rows[-1] - rows[0] + 1, cols[-1] - cols[0] + 1
+            assert 0.5 / 1.3 <= height / width <= 2.0 * 1.3  # ratio in [0.5, 2], rounded
             erased_share.append(hit.mean())
     assert applied / 400 == pytest.approx(0.5, abs=0.08)
-    # area share ~ U(0.02, 0.33) before clipping to the image: mean ~0.175, a little less
-    assert 0.12 < np.mean(erased_share) < 0.19
-    assert min(erased_share) >= 0.015
+    # area share ~ U(0.04, 0.2): mean 0.12, rounding to whole pixels aside
+    assert 0.10 < np.mean(erased_share) < 0.14
+    assert 0.03 <= min(erased_share) and max(erased_share) <= 0.23
+
+
+def test_the_published_recipe_pads_its_crop_with_the_mean():
+    """flip_erase_crop crops last, padding with 0 after normalization: the mean in raw pixels."""
+    x = jnp.full((1, H, W, 2), 0.9, jnp.float32)
+    keys = jax.random.split(jax.random.key(2), 200)
+    values = set()
+    for k in keys:
+        out = np.asarray(augmentation.augment(x, k, "flip_erase_crop", (0.25, 0.5)))
+        values |= {tuple(round(float(c), 4) for c in v) for v in out.reshape(-1, 2)}
+    assert values <= {(0.9, 0.9), (0.25, 0.5)}  # image, or the mean (padding or erased)
+    assert (0.25, 0.5) in values
 
 
 def _step(carry, batch):
@@ -100,7 +116,7 @@ def test_the_same_augmented_batches_under_rolled_unrolled_loop_and_vmap():
                         jnp.asarray([11, 6], jnp.int32))
     keys = jax.random.split(jax.random.key(5), 2)
 
-    def run(unroll, client, key, kind="crop_flip_erase"):
+    def run(unroll, client, key, kind="flip_erase_crop"):
         plan = local_training.LocalSchedule(4, 2, unroll, False, kind, (0.3, 0.6))
         return local_training.run_local_epochs(_step, jnp.float32(0), client, key, plan)[0]
 

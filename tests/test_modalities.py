@@ -91,7 +91,7 @@ def test_the_authors_cifar_run_config_runs_a_round_on_tfds_mock_data(tmp_path):
     with tfds.testing.mock_data(num_examples=200):
         summary = run_experiment(config, str(tmp_path / "run"), show_progress=False)
     assert summary["local_optimizer"]["batch_size"] == 512
-    assert summary["config"]["train"]["augment"] == "crop_flip_erase"
+    assert summary["config"]["train"]["augment"] == "flip_erase_crop"
     assert summary["config"]["upload"]["weighting"] == "all_samples"
     assert summary["config"]["pfedes_paper"]["init"] == "pytorch"
     assert summary["config"]["eval"]["after_training"] is True

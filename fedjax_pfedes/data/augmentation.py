@@ -1,21 +1,22 @@
 """On-device image augmentation inside the jitted local step.
 
-The published pFedES runs (Yi et al., AAAI 2025, the authors' public code) train on CIFAR with
-torchvision's `RandomCrop(32, padding=4)`, `RandomHorizontalFlip()` and `RandomErasing()`. These
-are the same three transforms written as pure JAX functions of one batch and a PRNG key, so they
-run inside the compiled local step (no host round trip) and give identical numbers whether
-clients run by loop, vmap or sharding: the key of a step is derived from the client's round key
-and the step's position in its padded schedule, never from the strategy.
+Two recipes, written as pure JAX functions of one batch and a PRNG key, so they run inside the
+compiled local step (no host round trip) and give identical numbers whether clients run by loop,
+vmap or sharding: the key of a step is derived from the client's round key and the step's
+position in its padded schedule, never from the strategy.
 
-Semantics, per example (as torchvision's defaults):
-* crop: pad 4 pixels of zeros on each side, then cut a window of the original size at a uniform
-  random offset;
-* flip: mirror left-right with probability 1/2;
-* erase: with probability 1/2, a rectangle of area s * H * W (s ~ U(0.02, 0.33)) and aspect
-  ratio r (log r ~ U(log 0.3, log 3.3)), clipped to the image, at a uniform random position, is
-  set to the dataset's per-channel mean, i.e. to 0 after the input normalization, as
-  `RandomErasing(value=0)` on a normalized tensor. torchvision redraws a rectangle that does not
-  fit up to 10 times and then skips; here it is clipped to the image instead.
+* 'crop_flip', the usual CIFAR recipe (torchvision `RandomCrop(32, padding=4)` on the raw image,
+  then `RandomHorizontalFlip()`): pad 4 black pixels on each side, cut a window of the original
+  size at a uniform random offset, mirror left-right with probability 1/2.
+* 'flip_erase_crop', the published pFedES code's pipeline (Yi et al., AAAI 2025;
+  `experiments/dataset.py`: Normalize, then RandomHorizontalFlip, RandomErasing(scale=(0.04,
+  0.2), ratio=(0.5, 2)), RandomCrop(32, padding=4), all on the normalized tensor): mirror with
+  probability 1/2; with probability 1/2 set a rectangle of area s * H * W (s ~ U(0.04, 0.2)) and
+  aspect ratio r (log r ~ U(log 0.5, log 2)), clipped to the image, at a uniform random
+  position, to 0 after normalization; then pad 4 pixels of 0 after normalization and crop.
+  Since inputs are normalized inside the model here, "0 after normalization" is the dataset's
+  per-channel mean in raw pixels (`fill`). torchvision redraws an erasing rectangle that does
+  not fit up to 10 times and then skips; here it is clipped to the image instead.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-KINDS = ("none", "crop_flip", "crop_flip_erase")
+KINDS = ("none", "crop_flip", "flip_erase_crop")
 PAD = 4
-ERASE_P, ERASE_SCALE, ERASE_RATIO = 0.5, (0.02, 0.33), (0.3, 3.3)
+ERASE_P, ERASE_SCALE, ERASE_RATIO = 0.5, (0.04, 0.2), (0.5, 2.0)
 
 
 def check(kind: str, modality: str) -> None:
@@ -39,9 +40,14 @@ def check(kind: str, modality: str) -> None:
                          f"{modality}")
 
 
-def _crop(x: jax.Array, key: jax.Array) -> jax.Array:
+def _crop(x: jax.Array, key: jax.Array, pad_value: jax.Array | None = None) -> jax.Array:
     h, w = x.shape[0], x.shape[1]
-    padded = jnp.pad(x, ((PAD, PAD), (PAD, PAD), (0, 0)))
+    if pad_value is None:
+        padded = jnp.pad(x, ((PAD, PAD), (PAD, PAD), (0, 0)))
+    else:
+        padded = jnp.broadcast_to(pad_value.astype(x.dtype),
+                                  (h + 2 * PAD, w + 2 * PAD, x.shape[2]))
+        padded = jax.lax.dynamic_update_slice(padded, x, (PAD, PAD, 0))
     dy, dx = jax.random.randint(key, (2,), 0, 2 * PAD + 1)
     return jax.lax.dynamic_slice(padded, (dy, dx, 0), (h, w, x.shape[2]))
 
@@ -87,7 +93,9 @@ def augment(x: jax.Array, key: jax.Array, kind: str, fill: tuple[float, ...]) ->
 
     def one(image, k):
         k_crop, k_flip, k_erase = jax.random.split(k, 3)
-        image = _flip(_crop(image, k_crop), k_flip)
-        return _erase(image, k_erase, value) if kind == "crop_flip_erase" else image
+        if kind == "crop_flip":
+            return _flip(_crop(image, k_crop), k_flip)
+        image = _erase(_flip(image, k_flip), k_erase, value)
+        return _crop(image, k_crop, value)
 
     return jax.vmap(one)(x, jax.random.split(key, x.shape[0]))
