@@ -57,8 +57,8 @@ def test_text_config_runs_and_beats_the_majority_class(tmp_path):
         summary["majority_class_accuracy_mean"] + 0.01
 
 
-def test_cifar_config_runs_a_round_on_tfds_mock_data(tmp_path):
-    config = cifar_hetero.get_config()
+def _one_mock_cifar_round(config, tmp_path):
+    """One round of a CIFAR config over 10 clients on tfds mock data; the run's summary."""
     config.data.data_dir = str(tmp_path / "tfds")
     config.data.num_clients = 10
     config.train.rounds = 1
@@ -66,7 +66,11 @@ def test_cifar_config_runs_a_round_on_tfds_mock_data(tmp_path):
     config.train.local_epochs = 1
     config.eval.global_test_samples = 40
     with tfds.testing.mock_data(num_examples=200):
-        summary = run_experiment(config, str(tmp_path / "run"), show_progress=False)
+        return run_experiment(config, str(tmp_path / "run"), show_progress=False)
+
+
+def test_cifar_config_runs_a_round_on_tfds_mock_data(tmp_path):
+    summary = _one_mock_cifar_round(cifar_hetero.get_config(), tmp_path)
     _check_run(tmp_path / "run", summary, [f"cnn{k}" for k in range(1, 6)])
     profile = json.load(open(tmp_path / "run" / "data_profile.json"))
     assert profile["dataset"] == "cifar10" and profile["num_clients"] == 10
@@ -75,21 +79,15 @@ def test_cifar_config_runs_a_round_on_tfds_mock_data(tmp_path):
 
 def test_the_authors_cifar_run_config_runs_a_round_on_tfds_mock_data(tmp_path):
     """configs/cifar_hetero_paper.py: pfedes_paper with batch 512, augmentation on uint8 pixels
-    inside the step and one starting model per architecture."""
+    inside the step, PyTorch-style and identical starting models, all-sample weights and the
+    after-training score."""
     from configs import cifar_hetero_paper
 
     config = cifar_hetero_paper.get_config()
     validate_config(config)
-    config.data.data_dir = str(tmp_path / "tfds")
-    config.data.num_clients = 10
-    config.train.rounds = 1
-    config.train.client_fraction = 0.5
-    config.train.local_epochs = 1
     config.pfedes_paper.g_extra_epochs = 0
     config.eval.every = 1
-    config.eval.global_test_samples = 40
-    with tfds.testing.mock_data(num_examples=200):
-        summary = run_experiment(config, str(tmp_path / "run"), show_progress=False)
+    summary = _one_mock_cifar_round(config, tmp_path)
     assert summary["local_optimizer"]["batch_size"] == 512
     assert summary["config"]["train"]["augment"] == "flip_erase_crop"
     assert summary["config"]["upload"]["weighting"] == "all_samples"
