@@ -257,18 +257,35 @@ def paired_difference(runs: list[dict], reference: list[dict], metric: str,
       {'n', 'mean', 'low', 'high'}: seeds paired and the interval; a diverged seed counts
       (its metric as recorded), it is never dropped. With one pair the interval is unbounded.
     """
-    from scipy import stats
     ref = {r["seed"]: r["final"][metric] for r in reference}
     d = np.array([r["final"][metric] - ref[r["seed"]] for r in runs if r["seed"] in ref],
                  np.float64)
     if len(d) == 0:
         return {"n": 0, "mean": float("nan"), "low": float("nan"), "high": float("nan")}
-    mean = float(d.mean())
-    if len(d) < 2:
-        return {"n": 1, "mean": mean, "low": -float("inf"), "high": float("inf")}
+    mean, low, high = student_t_interval(d, confidence)
+    return {"n": int(len(d)), "mean": mean, "low": low, "high": high}
+
+
+def student_t_interval(diffs, confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the Student-t interval of the mean of `diffs`. A NaN in `diffs` (a
+    seed without a value) or fewer than 2 values leave it unbounded (-inf, inf).
+
+    Args:
+      diffs: per-seed paired differences.
+      confidence: the interval's coverage.
+
+    Returns:
+      The mean (NaN when a value is: a seed without a value is never left out of it) and the
+      interval's ends.
+    """
+    from scipy import stats
+    d = np.asarray(diffs, np.float64)
+    mean = float(d.mean()) if len(d) else float("nan")
+    if not np.all(np.isfinite(d)) or len(d) < 2:
+        return mean, -float("inf"), float("inf")
     half = float(stats.t.ppf(0.5 + confidence / 2, len(d) - 1) * d.std(ddof=1)
                  / np.sqrt(len(d)))
-    return {"n": int(len(d)), "mean": mean, "low": mean - half, "high": mean + half}
+    return mean, mean - half, mean + half
 
 
 def paired_table(results: dict[str, list[dict]], pairs: dict[str, str]) -> str:

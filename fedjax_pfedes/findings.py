@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import ml_collections
 import numpy as np
 
-from fedjax_pfedes.experiments import heterogeneous_architectures, mean_std
+from fedjax_pfedes.experiments import heterogeneous_architectures, mean_std, student_t_interval
 
 Records = dict[str, list[dict]]  # variant name -> one record per seed (experiments.run_grid)
 
@@ -156,27 +156,9 @@ class Paired:
 
 
 def confidence_interval(diffs, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
-    """(mean, low, high) of the Student-t interval of the mean of `diffs`; NaN in `diffs` (a
-    seed without a value) or fewer than 2 values give an unbounded interval.
-
-    Args:
-      diffs: per-seed paired differences.
-      confidence: the interval's coverage.
-
-    Returns:
-      The mean and the interval's ends.
-    """
-    from scipy import stats
-    d = np.asarray(diffs, np.float64)
-    if len(d) == 0:
-        return float("nan"), -float("inf"), float("inf")
-    if not np.all(np.isfinite(d)) or len(d) < 2:
-        mean = float(np.nanmean(d)) if np.isfinite(d).any() else float("nan")
-        return mean, -float("inf"), float("inf")
-    mean = float(d.mean())
-    half = float(stats.t.ppf(0.5 + confidence / 2, len(d) - 1) * d.std(ddof=1)
-                 / np.sqrt(len(d)))
-    return mean, mean - half, mean + half
+    """(mean, low, high) of the paired differences' Student-t interval
+    (`experiments.student_t_interval`: unbounded with a NaN or fewer than 2 values)."""
+    return student_t_interval(diffs, confidence)
 
 
 def paired_verdict(label: str, arm, reference, direction: int, margin: float = 0.0) -> Paired:

@@ -154,7 +154,7 @@ def cohort_uploads(ctx: RunContext, cohort: Cohort, stacked, template, slots: np
                          attacks.rogue_slots(ids, ctx.attack), all_sizes)
 
 
-def participants_loss(ctx: RunContext, server_state, clients: dict[str, Any],
+def participants_metrics(ctx: RunContext, server_state, clients: dict[str, Any],
                       ids: np.ndarray,
                       keys: tuple[str, ...] = ("test_ce_loss", "test_align_loss")
                       ) -> dict[str, float]:
@@ -190,12 +190,12 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
                         r["client"], r["reason"])
     trained_ids = np.array(sorted(trained.client_metrics), np.int64)
     monitor = ctx.config.monitor.aggregation_loss and len(trained_ids) > 0
-    before = participants_loss(ctx, server_state, clients, trained_ids) if monitor else {}
+    before = participants_metrics(ctx, server_state, clients, trained_ids) if monitor else {}
     previous = server_state
     server_state = ctx.server_step(server_state, groups)
     changes = (ctx.server_metrics(previous, server_state)
                if ctx.server_metrics is not None else {})
-    after = participants_loss(ctx, server_state, clients, trained_ids) if monitor else {}
+    after = participants_metrics(ctx, server_state, clients, trained_ids) if monitor else {}
     summary: dict[str, Any] = {"uploads_rejected": report["rejected"],
                                "rejections": report["rejections"],
                                **{k: float(v) for k, v in jax.device_get(changes).items()}}
@@ -388,7 +388,7 @@ def sync_round(ctx: RunContext, state: SimState, round_index: int
     if ctx.config.eval.after_training and trained.client_metrics:
         # Each participant right after its local training, before the server step (the
         # published pFedES code's evaluation protocol).
-        after_training = {"participants_accuracy_after_training": participants_loss(
+        after_training = {"participants_accuracy_after_training": participants_metrics(
             ctx, state.server, clients, np.array(sorted(trained.client_metrics), np.int64),
             ("personalized_accuracy",))["personalized_accuracy"]}
     server_state, memories, summary = aggregate(ctx, state.server, clients, trained,
