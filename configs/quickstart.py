@@ -289,11 +289,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval.clients = 0
 
     config.execution = ml_collections.ConfigDict()
-    # 'loop' | 'vmap' | 'shard' | 'auto' (times the applicable ones per cohort at start-up,
-    # keeps the cheapest; see docs/performance.md). 'loop' is the measured winner on CPU for
-    # every cohort shipped here. 'shard' splits each round's participants over the devices of
-    # a mesh (each device vmaps its share): the multi-GPU / TPU strategy.
+    # 'loop' | 'vmap' | 'shard' | 'scan' | 'auto' (times the applicable ones per cohort at
+    # start-up, keeps the cheapest; see docs/performance.md). 'shard' splits each round's
+    # participants over the devices of a mesh (each device vmaps its share): the multi-GPU /
+    # TPU strategy. 'scan' runs a round's participants through one compiled lax.scan, one
+    # client (or scan_chunk vmapped clients) at a time: the cross-device strategy (many small
+    # clients per round).
     config.execution.strategy = "loop"
+    config.execution.scan_chunk = 1      # 'scan': participants vmapped per iteration
     config.execution.devices = 0         # devices of the 'shard' mesh (0 = all local devices)
     # 'loop': host threads that train participants at the same time (0 = this process's CPU
     # cores on a CPU backend, 1 on an accelerator). Same numbers for any value.

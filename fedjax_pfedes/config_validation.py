@@ -197,6 +197,8 @@ def _check_client_states(ex: ml_collections.ConfigDict) -> None:
     _require(isinstance(ex.loop_threads, int) and ex.loop_threads >= 0,
              "config.execution.loop_threads must be an integer >= 0 (0 = the CPU cores), got "
              f"{ex.loop_threads!r}")
+    _require(isinstance(ex.scan_chunk, int) and ex.scan_chunk >= 1,
+             f"config.execution.scan_chunk must be an integer >= 1, got {ex.scan_chunk!r}")
     _require(ex.cpu_kernels in execution.KERNEL_SETTINGS, "config.execution.cpu_kernels: "
              f"unknown '{ex.cpu_kernels}'; known: {list(execution.KERNEL_SETTINGS)}")
     _require(ex.client_states in client_store.PLACEMENTS, f"config.execution.client_states: "
@@ -205,7 +207,7 @@ def _check_client_states(ex: ml_collections.ConfigDict) -> None:
         _require(ex.client_state_budget_gb > 0, "config.execution.client_state_budget_gb must "
                  f"be > 0, got {ex.client_state_budget_gb}")
         _require(ex.strategy != "auto", "config.execution.client_states='offload' needs an "
-                 "explicit config.execution.strategy ('loop', 'vmap' or 'shard'), not 'auto'")
+                 "explicit config.execution.strategy ('loop', 'vmap', 'shard' or 'scan'), not 'auto'")
         _require(ex.cpu_kernels != "auto", "config.execution.client_states='offload' needs "
                  "explicit config.execution.cpu_kernels ('xla' or 'eigen'), not 'auto'")
 

@@ -19,6 +19,11 @@ give the same numbers (up to float reassociation):
   mesh size (else replicated, `row_spec`); uploads and metrics come back to the default device
   for the server step. The bucket is a multiple of the mesh size (`cohorts.build_cohorts` pads it).
   Over several processes (`distributed`) the mesh spans all their devices.
+* 'scan': one jitted call runs a `lax.scan` over the participant slots, one client (or a chunk
+  of `config.execution.scan_chunk` vmapped clients) per iteration, with the stacked states as
+  the carry (`_scan_runner`): one program per round like 'vmap', but only one client's model is
+  live at a time, and no per-client dispatch as in 'loop' (the cross-device regime: many small
+  clients per round).
 
 Which one is faster depends on the models, the bucket and the backend (on CPU vmapped per-client
 convolutions become grouped convolutions); 'auto' measures both per cohort at start-up
@@ -47,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from fedjax_pfedes.algorithms.base import CohortProgram, Metrics, PyTree, global_accuracy
 
-STRATEGIES = ("vmap", "loop", "shard")
+STRATEGIES = ("vmap", "loop", "shard", "scan")
 CPU_KERNELS = ("xla", "eigen")
 KERNEL_SETTINGS = CPU_KERNELS + ("auto",)  # what config.execution.cpu_kernels accepts
 CLIENT_AXIS = "clients"  # the mesh axis the participant slots are split over
@@ -59,7 +64,7 @@ def resolve_strategy(name: str) -> str:
     if name == "auto" or name in STRATEGIES:
         return name
     raise ValueError(f"config.execution.strategy: unknown strategy '{name}'; "
-                     f"known: ['auto', 'loop', 'vmap', 'shard']")
+                     f"known: ['auto', 'loop', 'vmap', 'shard', 'scan']")
 
 
 def kernel_options(cpu_kernels: str) -> dict[str, str]:
@@ -89,7 +94,8 @@ def kernel_candidates(cpu_kernels: str) -> tuple[str, ...]:
 
 def auto_candidates(mesh: Mesh | None) -> tuple[str, ...]:
     """The strategies 'auto' times: 'shard' only when the mesh has more than one device."""
-    return ("vmap", "loop") + (("shard",) if mesh is not None and mesh.size > 1 else ())
+    return ("vmap", "loop", "scan") + (("shard",) if mesh is not None and mesh.size > 1
+                                       else ())
 
 
 def client_mesh(devices: int) -> Mesh:
@@ -217,10 +223,21 @@ def default_loop_threads() -> int:
 
 
 def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None,
-                loop_threads: int = 1, cpu_kernels: str = "xla") -> CohortRunner:
-    """Builds the jitted update/evaluate functions of a cohort for `strategy` ('vmap' | 'loop'
-    | 'shard'; 'shard' needs the `mesh` of `client_mesh`). `loop_threads`: host threads of
-    'loop' (0 = `default_loop_threads()`). `cpu_kernels`: see `kernel_options`."""
+                loop_threads: int = 1, cpu_kernels: str = "xla", scan_chunk: int = 1
+                ) -> CohortRunner:
+    """Builds the jitted update/evaluate functions of a cohort.
+
+    Args:
+      program: the cohort's per-client functions.
+      strategy: 'vmap' | 'loop' | 'shard' | 'scan' ('shard' needs `mesh`).
+      mesh: the mesh of `client_mesh` ('shard' only).
+      loop_threads: host threads of 'loop' (0 = `default_loop_threads()`).
+      cpu_kernels: see `kernel_options`.
+      scan_chunk: participants vmapped together per iteration of 'scan' (1 = one at a time).
+
+    Returns:
+      The cohort's `CohortRunner`.
+    """
     options = kernel_options(cpu_kernels)
     jit = functools.partial(jax.jit, compiler_options=options or None)
     # Off the CPU backend the option does not exist: the runner's kernels are XLA's own.
@@ -231,13 +248,15 @@ def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None,
     if strategy == "loop":
         return with_kernels(_loop_runner(program, loop_threads or default_loop_threads(),
                                          jit=jit))
+    if strategy == "scan":
+        return with_kernels(_scan_runner(program, scan_chunk, jit=jit))
     if strategy == "shard":
         if mesh is None:
             raise ValueError("make_runner: strategy 'shard' needs a mesh (execution.client_mesh)")
         return with_kernels(_mapped_runner(program, "shard", functools.partial(_sharded,
                                                                                mesh=mesh),
                                            mesh, jit=jit))
-    raise ValueError(f"make_runner: strategy must be 'loop', 'vmap' or 'shard' ('auto' is "
+    raise ValueError(f"make_runner: strategy must be 'loop', 'vmap', 'shard' or 'scan' ('auto' is "
                      f"resolved per cohort by strategy_choice), got '{strategy}'")
 
 
@@ -328,6 +347,115 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
         return float(bucket * np.max(steps)) if len(steps) else 0.0
 
     return CohortRunner(name, update, evaluate, evaluate_slots, computed_steps)
+
+
+def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
+                 ) -> CohortRunner:
+    """'scan': a cohort's participants pass through one compiled `lax.scan`, `chunk` of them
+    per iteration (one at a time: the client function itself; more: vmapped over the chunk).
+
+    The stacked private states are the scan's carry, updated row by row in place (the buffer is
+    donated); uploads and metrics are its stacked outputs. One program per round however many
+    participants: no per-client dispatch as in 'loop', and at `chunk` = 1 only one client's model
+    and activations are live at a time instead of the bucket's copies of 'vmap' (a small model
+    then stays in cache). Padded slots (out of range) hold no samples, take no local step, write
+    nothing and return zeros. Evaluation maps the per-client programs the same way (`lax.map`).
+    `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`)."""
+    if chunk < 1:
+        raise ValueError(f"config.execution.scan_chunk must be >= 1, got {chunk}")
+    per_chunk = (lambda fn, in_axes: fn) if chunk == 1 else (
+        lambda fn, in_axes: jax.vmap(fn, in_axes=in_axes))
+    client_update = per_chunk(program.client_update, (None, 0, 0, 0))
+
+    def chunked(slots: jax.Array, n: int) -> jax.Array:
+        """[bucket] -> [bucket / chunk, chunk] (padded out of range), or [bucket] at chunk 1."""
+        if chunk == 1:
+            return slots
+        pad = -slots.shape[0] % chunk
+        return jnp.concatenate([slots, jnp.full((pad,), n, slots.dtype)]).reshape(-1, chunk)
+
+    def unchunked(tree: PyTree, bucket: int) -> PyTree:
+        if chunk == 1:
+            return tree
+        return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:])[:bucket], tree)
+
+    def rows_at(tree: PyTree, slot: jax.Array) -> PyTree:
+        return _row(tree, slot) if chunk == 1 else _take(tree, slot)
+
+    def write_rows(tree: PyTree, slot: jax.Array, valid: jax.Array, rows: PyTree) -> PyTree:
+        if chunk > 1:
+            return _put(tree, slot, rows)  # out-of-range slots are dropped
+        i = jnp.minimum(slot, jax.tree.leaves(tree)[0].shape[0] - 1)
+        return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(
+            a, jnp.where(valid, r, jax.lax.dynamic_index_in_dim(a, i, keepdims=False)), i, 0),
+            tree, rows)
+
+    def zero_padded(tree: PyTree, valid: jax.Array) -> PyTree:
+        return jax.tree.map(lambda a: jnp.where(
+            valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a, 0), tree)
+
+    @functools.partial(jit, donate_argnums=1)
+    def scanned_update(broadcast, states, train, slots, keys):
+        n = train.sizes.shape[0]
+        bucket = slots.shape[0]
+        padded_keys = keys if chunk == 1 else jnp.concatenate(
+            [keys, keys[jnp.zeros(-bucket % chunk, jnp.int32)]]).reshape(-1, chunk)
+
+        def body(states, xs):
+            slot, key = xs
+            valid = slot < n
+            rows = rows_at(train, slot)
+            # A padded slot holds no samples, so it takes no local step.
+            rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
+            upload, new_rows, metrics = client_update(broadcast, rows_at(states, slot), rows, key)
+            return (write_rows(states, slot, valid, new_rows),
+                    (zero_padded(upload, valid), zero_padded(metrics, valid)))
+
+        states, (uploads, metrics) = jax.lax.scan(body, states, (chunked(slots, n),
+                                                                 padded_keys))
+        return unchunked(uploads, bucket), states, unchunked(metrics, bucket)
+
+    def mapped(fn: Callable, slots: jax.Array, n: int) -> PyTree:
+        """fn(slot) -> per-client pytree, over `slots`, `chunk` at a time; zeros where padded."""
+        def one(slot):
+            return zero_padded(fn(jnp.minimum(slot, n - 1)), slot < n)
+        return jax.lax.map(one, slots, batch_size=chunk if chunk > 1 else None)
+
+    @jit
+    def scanned_evaluate_slots(broadcast, states, test, slots):
+        n = test.sizes.shape[0]
+        return mapped(lambda i: program.evaluate(broadcast, _row(states, i), _row(test, i)),
+                      slots, n)
+
+    @jit
+    def scanned_global_slots(broadcast, states, sizes, slots, global_x, global_y):
+        return mapped(lambda i: global_accuracy(program, broadcast, _row(states, i), global_x,
+                                                global_y), slots, sizes.shape[0])
+
+    def update(broadcast, states, train, slots, keys):
+        return scanned_update(broadcast, states, train, jnp.asarray(slots, jnp.int32), keys)
+
+    def evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None):
+        slots = jnp.asarray(slots, jnp.int32)
+        metrics = scanned_evaluate_slots(broadcast, states, test, slots)
+        if global_x is None:
+            return metrics
+        return {**metrics, "global_accuracy": scanned_global_slots(
+            broadcast, states, test.sizes, slots, global_x, global_y)}
+
+    def evaluate(broadcast, states, test, global_x=None, global_y=None):
+        every = np.arange(test.sizes.shape[0], dtype=np.int32)
+        return evaluate_slots(broadcast, states, test, every, global_x, global_y)
+
+    def computed_steps(steps: np.ndarray, bucket: int) -> float:
+        del bucket  # padded slots take no step
+        if chunk == 1 or not len(steps):
+            return float(np.sum(steps))
+        # A chunk iterates until its longest schedule ends (participants fill the first slots).
+        padded = np.concatenate([steps, np.zeros(-len(steps) % chunk)]).reshape(-1, chunk)
+        return float(chunk * padded.max(axis=1).sum())
+
+    return CohortRunner("scan", update, evaluate, evaluate_slots, computed_steps)
 
 
 def balanced_groups(slots: np.ndarray, weights: np.ndarray, groups: int) -> list[np.ndarray]:

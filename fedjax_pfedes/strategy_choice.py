@@ -1,13 +1,13 @@
 """`config.execution.strategy='auto'` (and `cpu_kernels='auto'`): pick each cohort's execution
 strategy and CPU kernels by timing them.
 
-For every cohort, every candidate runner (the strategies 'loop' and 'vmap', each with the
+For every cohort, every candidate runner (the strategies 'loop', 'vmap' and 'scan', each with the
 kernel choices `execution.kernel_candidates` gives) runs the cohort's local update on a full
 bucket of participants with every client cut to one batch of rows (one local step per epoch), on the
 backend the run uses. The compiled programs are the run's own (sizes are data, not shapes), so the
 winner's compilation is reused by the rounds. From the per-call times the expected cost of a real
-round follows from the clients' planned step counts: the loop runs each participant's own steps,
-vmap iterates over the whole bucket until the longest schedule ends. The cheaper one wins; the
+round follows from the clients' planned step counts: the loop and the scan run each participant's
+own steps, vmap iterates over the whole bucket until the longest schedule ends. The cheaper one wins; the
 timings and the choice go into summary.json.
 
 Decisions are cached in `strategy_choices.json` next to the compilation cache (keyed by backend,
@@ -151,7 +151,9 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
     # (and shard: vmap per device) pays per iteration of the whole bucket, until the longest
     # schedule ends.
     mean_steps, max_steps = float(np.mean(planned_steps)), float(np.max(planned_steps))
-    calls_per_round = {"loop": mean_steps * expected_participants / (epochs * bucket),
+    # 'scan' pays per participant and step like the loop (padded slots take no step).
+    per_participant = mean_steps * expected_participants / (epochs * bucket)
+    calls_per_round = {"loop": per_participant, "scan": per_participant,
                        "vmap": max_steps / epochs, "shard": max_steps / epochs}
     expected = {name: seconds * calls_per_round[runners[name].strategy]
                 for name, seconds in per_call.items()}

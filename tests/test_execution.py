@@ -1,4 +1,4 @@
-"""vmap and loop execution give the same numbers; padding and non-participants have no effect;
+"""vmap, loop and scan execution give the same numbers; padding and non-participants have no effect;
 nothing compiles again after the first round."""
 
 import dataclasses
@@ -79,6 +79,42 @@ def test_vmap_and_loop_give_the_same_round(arch):
     chex.assert_trees_all_close(ev_v, ev_l, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_scan_gives_the_loops_round(chunk):
+    """'scan' (one client, or a vmapped chunk of 3, per iteration of one compiled scan) equals
+    'loop' on uploads, states, metrics and evaluation; padded slots upload zeros and write
+    nothing; non-participants keep their states; a chunk wider than the bucket works."""
+    _, program, data, states, server = _setup("mlp")
+    slots = np.array([2, 0, 4, 4], np.int32)  # clients 2 and 0; two padded slots (index 4)
+    keys = jax.random.split(jax.random.key(7), 4)
+    loop = execution.make_runner(program, "loop")
+    scan = execution.make_runner(program, "scan", scan_chunk=chunk)
+    up_l, st_l, m_l = loop.update(server.proxy_params, _copy(states), data, slots, keys)
+    up_s, st_s, m_s = scan.update(server.proxy_params, _copy(states), data, slots, keys)
+    chex.assert_trees_all_close(up_s, up_l, rtol=2e-4, atol=2e-5)
+    chex.assert_trees_all_close(st_s, st_l, rtol=2e-4, atol=2e-5)
+    chex.assert_trees_all_close(m_s, m_l, rtol=2e-4, atol=2e-5)
+    assert all(float(jnp.abs(leaf[2:]).max()) == 0.0 for leaf in jax.tree.leaves(up_s))
+    for i in (1, 3):
+        chex.assert_trees_all_equal(jax.tree.map(lambda a, i=i: a[i], st_s),
+                                    jax.tree.map(lambda a, i=i: a[i], states))
+    steps = np.asarray(m_s["local_steps"])[:2]
+    assert scan.computed_steps(steps, 4) >= steps.sum()
+    chex.assert_trees_all_close(
+        scan.evaluate(server.proxy_params, st_l, data, data.x[0], data.y[0]),
+        loop.evaluate(server.proxy_params, st_l, data, data.x[0], data.y[0]),
+        rtol=1e-4, atol=1e-5)
+    wide = execution.make_runner(program, "scan", scan_chunk=8)
+    chex.assert_trees_all_close(wide.update(server.proxy_params, _copy(states), data, slots,
+                                            keys)[0], up_l, rtol=2e-4, atol=2e-5)
+
+
+def test_scan_chunk_below_one_is_refused():
+    _, program, *_ = _setup("mlp")
+    with pytest.raises(ValueError, match="scan_chunk must be >= 1"):
+        execution.make_runner(program, "scan", scan_chunk=0)
+
+
 @pytest.mark.slow  # ~6 s of compilation
 def test_a_participant_gets_the_same_result_alone_or_in_a_padded_bucket():
     _, program, data, states, server = _setup("mlp")
@@ -105,7 +141,7 @@ def test_loop_with_no_participant_returns_zero_uploads():
     assert float(metrics["local_steps"].sum()) == 0.0
 
 
-@pytest.mark.parametrize("strategy", ["vmap", "loop", "loop:2"])
+@pytest.mark.parametrize("strategy", ["vmap", "loop", "loop:2", "scan"])
 def test_no_recompilation_after_the_first_round(strategy):
     _, program, data, states, server = _setup("mlp")
     runner, traces = _counting_runner(program, "client_update", strategy)

@@ -143,6 +143,6 @@ def test_a_mesh_larger_than_the_devices_is_refused_naming_the_field():
 
 def test_auto_considers_shard_only_with_several_devices():
     mesh = execution.client_mesh(0)
-    expected = ("vmap", "loop") + (("shard",) if mesh.size > 1 else ())
+    expected = ("vmap", "loop", "scan") + (("shard",) if mesh.size > 1 else ())
     assert execution.auto_candidates(mesh) == expected
-    assert execution.auto_candidates(None) == ("vmap", "loop")
+    assert execution.auto_candidates(None) == ("vmap", "loop", "scan")
