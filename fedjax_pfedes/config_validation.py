@@ -207,7 +207,8 @@ def _check_client_states(ex: ml_collections.ConfigDict) -> None:
         _require(ex.client_state_budget_gb > 0, "config.execution.client_state_budget_gb must "
                  f"be > 0, got {ex.client_state_budget_gb}")
         _require(ex.strategy != "auto", "config.execution.client_states='offload' needs an "
-                 "explicit config.execution.strategy ('loop', 'vmap', 'shard' or 'scan'), not 'auto'")
+                 "explicit config.execution.strategy ('loop', 'vmap', 'shard' or 'scan'), not "
+                 "'auto'")
         _require(ex.cpu_kernels != "auto", "config.execution.client_states='offload' needs "
                  "explicit config.execution.cpu_kernels ('xla' or 'eigen'), not 'auto'")
 

@@ -6,9 +6,9 @@ kernel choices `execution.kernel_candidates` gives) runs the cohort's local upda
 bucket of participants with every client cut to one batch of rows (one local step per epoch), on the
 backend the run uses. The compiled programs are the run's own (sizes are data, not shapes), so the
 winner's compilation is reused by the rounds. From the per-call times the expected cost of a real
-round follows from the clients' planned step counts: the loop and the scan run each participant's
-own steps, vmap iterates over the whole bucket until the longest schedule ends. The cheaper one wins; the
-timings and the choice go into summary.json.
+round follows from the clients' planned step counts: the loop and the scan run each
+participant's own steps, vmap iterates over the whole bucket until the longest schedule ends. The
+cheaper one wins; the timings and the choice go into summary.json.
 
 Decisions are cached in `strategy_choices.json` next to the compilation cache (keyed by backend,
 device kind, algorithm, architecture, shapes and bucket), so later runs on the same machine skip

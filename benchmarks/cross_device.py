@@ -1,0 +1,149 @@
+"""Cross-device rounds: many small clients per round, FedAvg on an MLP, engine against a plain
+jitted `lax.scan` of the same math.
+
+  python -m benchmarks.cross_device                               # 100 per round, ~2 min
+  python -m benchmarks.cross_device --participants=10,100,1000 --strategies=scan,loop,vmap
+
+Work (the speed issue's "work B"): FedAvg, `mlp_small` (784-64 ReLU, then the 10-way classifier),
+synthetic MNIST-shaped uint8 data IID over N = max(1,000, 10 x participants) clients with 20
+train samples each (a fifth more for the local test split), `--participants` per round, one
+local epoch of batch 32 (= 1 local step), lr 0.05, no momentum, no evaluation or monitoring.
+
+The reference shares no code with the engine: parameters as a dict of arrays, the same
+normalization, one SGD step per client on its masked batch, and the sample-weighted sum of the
+clients' updates in the scan's carry, one jitted call per round. Both sides' s/round are medians
+of rounds 3.. (the first compiles); the ratio is engine / reference, measured in one process
+one after the other. No timed assertion anywhere: this prints numbers for docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+_PARTICIPANTS = flags.DEFINE_list("participants", ["100"], "Clients per round.")
+_STRATEGIES = flags.DEFINE_list("strategies", ["scan", "loop", "vmap"],
+                                "config.execution.strategy values to time.")
+_ROUNDS = flags.DEFINE_integer("rounds", 12, "Rounds per measurement (>= 4).")
+_SAMPLES = 25  # rows per client: 20 train, 5 local test
+_LR = 0.05
+
+
+def work_config(strategy: str, clients: int, participants: int, rounds: int):
+    """The engine's config of the work."""
+    from configs import quickstart
+    c = quickstart.get_config()
+    c.algorithm = "fedavg"
+    c.data.name, c.data.num_clients, c.data.partition = "npz", clients, "iid"
+    c.data.min_samples_per_client = 1
+    c.clients.architectures = "mlp_small"
+    c.train.client_fraction = participants / clients
+    c.train.local_epochs, c.train.local_momentum, c.train.lr_local = 1, 0.0, _LR
+    c.train.rounds, c.eval.every, c.checkpoint.every = rounds, rounds, 0
+    c.monitor.aggregation_loss = False
+    c.execution.strategy = strategy
+    c.execution.compilation_cache_dir = ""
+    return c
+
+
+def synthetic(clients: int):
+    from fedjax_pfedes.data.federated import partition_dataset
+    from fedjax_pfedes.data.sources import make_dataset
+    rng = np.random.default_rng(0)
+    rows = clients * _SAMPLES
+    x = rng.integers(0, 256, (rows, 28, 28, 1), dtype=np.uint8)
+    y = rng.integers(0, 10, rows).astype(np.int32)
+    return partition_dataset(make_dataset("synthetic_mnist", "image", x, y, x[:100], y[:100],
+                                          10), clients, "iid", 0, local_test_fraction=0.2,
+                             min_samples_per_client=1)
+
+
+def engine_round_s(data, strategy: str, participants: int, rounds: int) -> tuple[float, float]:
+    """(median s/round of rounds 3.., mean local steps per participant)."""
+    from fedjax_pfedes import rounds as engine_rounds
+    from fedjax_pfedes.builders import build_context
+    ctx, state = build_context(work_config(strategy, data.num_clients, participants, rounds),
+                               data)
+    times = []
+    for r in range(rounds):
+        t = time.perf_counter()
+        state, record, _, _ = engine_rounds.sync_round(ctx, state, r)
+        jax.block_until_ready(state.server)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[2:])), float(record["local_steps_mean"])
+
+
+def reference_round_s(data, participants: int, rounds: int) -> float:
+    """Median s/round of the plain jitted scan (see the module docstring)."""
+    c = data.central
+    mean = jnp.asarray(c.input_spec.mean, jnp.float32)
+    std = jnp.asarray(c.input_spec.std, jnp.float32)
+    train = [np.asarray(i) for i in data.train_indices]
+    width = max(len(i) for i in train)
+    x = np.zeros((len(train), width, 28 * 28), np.uint8)
+    y = np.zeros((len(train), width), np.int32)
+    mask = np.zeros((len(train), width), np.float32)
+    for k, idx in enumerate(train):
+        x[k, :len(idx)] = c.x_train[idx].reshape(len(idx), -1)
+        y[k, :len(idx)] = c.y_train[idx]
+        mask[k, :len(idx)] = 1.0
+    x, y, mask = jax.device_put((x, y, mask))
+    rng = np.random.default_rng(1)
+    params = {"w1": jnp.asarray(rng.normal(0, 784 ** -0.5, (784, 64)), jnp.float32),
+              "b1": jnp.zeros(64), "w2": jnp.asarray(rng.normal(0, 0.125, (64, 10)),
+                                                     jnp.float32), "b2": jnp.zeros(10)}
+
+    def loss(p, xb, yb, mb):
+        h = jax.nn.relu(((xb.astype(jnp.float32) / 255.0 - mean) / std) @ p["w1"] + p["b1"])
+        logp = jax.nn.log_softmax(h @ p["w2"] + p["b2"])
+        ce = -jnp.take_along_axis(logp, yb[:, None], axis=1)[:, 0]
+        return jnp.sum(ce * mb) / jnp.maximum(jnp.sum(mb), 1.0)
+
+    @jax.jit
+    def one_round(p, clients):
+        def client(carry, k):
+            total, weight = carry
+            g = jax.grad(loss)(p, x[k], y[k], mask[k])
+            n = jnp.sum(mask[k])
+            return (jax.tree.map(lambda s, gi: s - n * _LR * gi, total, g), weight + n), None
+        zero = jax.tree.map(jnp.zeros_like, p)
+        (total, weight), _ = jax.lax.scan(client, (zero, 0.0), clients)
+        return jax.tree.map(lambda a, d: a + d / weight, p, total)
+
+    times = []
+    for r in range(rounds):
+        clients = jnp.asarray(np.random.default_rng(r).choice(len(train), participants,
+                                                              replace=False), jnp.int32)
+        t = time.perf_counter()
+        params = jax.block_until_ready(one_round(params, clients))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[2:]))
+
+
+def main(argv):
+    del argv
+    rounds = max(_ROUNDS.value, 4)
+    print(f"JAX {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPU cores, "
+          f"{rounds} rounds per measurement")
+    print("| participants | clients | engine | s/round | client-steps/s | reference s/round | "
+          "engine / reference |")
+    print("|---|---|---|---|---|---|---|")
+    for m in map(int, _PARTICIPANTS.value):
+        n = max(1000, 10 * m)
+        data = synthetic(n)
+        reference = reference_round_s(data, m, rounds)
+        for strategy in _STRATEGIES.value:
+            round_s, steps = engine_round_s(data, strategy, m, rounds)
+            print(f"| {m:,} | {n:,} | {strategy} | {round_s:.4f} | {m * steps / round_s:,.0f} | "
+                  f"{reference:.4f} | {round_s / reference:.2f} |", flush=True)
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+if __name__ == "__main__":
+    app.run(main)
