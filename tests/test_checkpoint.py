@@ -112,7 +112,7 @@ def test_resume_false_starts_the_workdir_over(checkpointed):
 
 
 @pytest.mark.parametrize("strategy,kernels,candidates", [
-    ("auto", "xla", {"loop", "vmap"}),
+    ("auto", "xla", {"loop", "vmap", "scan"}),
     ("loop", "auto", {"loop", "loop/eigen"}),  # the CPU kernels, timed like the strategies
 ])
 def test_auto_strategy_is_measured_once_and_kept_on_resume(tmp_path, strategy, kernels,

@@ -47,7 +47,7 @@ def test_chunked_initialization_equals_one_call(tmp_path):
     assert (tmp_path / "mm" / "leaf0.npy").exists()
 
 
-@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+@pytest.mark.parametrize("strategy", ["loop", "vmap", "scan"])
 def test_offloaded_runner_equals_the_device_runner(strategy):
     _, program, data, states, server = _setup("convnet3", num_clients=5)
     slots = np.array([3, 0, 5], np.int32)  # clients 3 and 0, one padded slot
