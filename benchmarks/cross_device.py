@@ -3,6 +3,7 @@ jitted `lax.scan` of the same math.
 
   python -m benchmarks.cross_device                               # 100 per round, ~2 min
   python -m benchmarks.cross_device --participants=10,100,1000 --strategies=scan,loop,vmap
+  pip install -e ".[bench]"   # adds the PyTorch per-client loop's column (--notorch: without)
 
 Work (the speed issue's "work B"): FedAvg, `mlp_small` (784-64 ReLU, then the 10-way classifier),
 synthetic MNIST-shaped uint8 data IID over N = max(1,000, 10 x participants) clients with 20
@@ -31,6 +32,9 @@ _PARTICIPANTS = flags.DEFINE_list("participants", ["100"], "Clients per round.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["scan", "loop", "vmap"],
                                 "config.execution.strategy values to time.")
 _ROUNDS = flags.DEFINE_integer("rounds", 12, "Rounds per measurement (>= 4).")
+_TORCH = flags.DEFINE_bool("torch", True, "Also time a PyTorch per-client loop of the same "
+                           "work (benchmarks.torch_loop; needs the `bench` extra, skipped "
+                           "without it).")
 _SAMPLES = 25  # rows per client: 20 train, 5 local test
 _LR = 0.05
 
@@ -126,22 +130,48 @@ def reference_round_s(data, participants: int, rounds: int) -> float:
     return float(np.median(times[2:]))
 
 
+def torch_round_s(data, participants: int, rounds: int) -> float | None:
+    """Median s/round of rounds 3.. of the PyTorch per-client loop (`torch_loop.run_fedavg`
+    with `mlp_model`: every client's one SGD step in Python, the sample-weighted mean of the
+    flat parameters; one PyTorch thread), or None without PyTorch."""
+    try:
+        from benchmarks import torch_loop
+    except ImportError:
+        return None
+    import torch
+    c = data.central
+    clients = [(c.x_train[np.asarray(i)], c.y_train[np.asarray(i)]) for i in data.train_indices]
+    threads = torch.get_num_threads()
+    # One intra-op thread: a 20-sample step of a 784-64-10 MLP has nothing to split, and on a
+    # busy 2-core machine two threads made the loop ~8x slower (0.97 vs 0.12 s/round).
+    torch.set_num_threads(1)
+    try:
+        result = torch_loop.run_fedavg(clients, c.input_spec.mean, c.input_spec.std,
+                                       c.num_classes, rounds, participants, 32, 1, _LR,
+                                       make_model=torch_loop.mlp_model)
+    finally:
+        torch.set_num_threads(threads)
+    return float(np.median(result["round_s"][2:]))
+
+
 def main(argv):
     del argv
     rounds = max(_ROUNDS.value, 4)
     print(f"JAX {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPU cores, "
           f"{rounds} rounds per measurement")
     print("| participants | clients | engine | s/round | client-steps/s | reference s/round | "
-          "engine / reference |")
-    print("|---|---|---|---|---|---|---|")
+          "engine / reference | PyTorch loop s/round | PyTorch / engine |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m in map(int, _PARTICIPANTS.value):
         n = max(1000, 10 * m)
         data = synthetic(n)
         reference = reference_round_s(data, m, rounds)
+        peer = torch_round_s(data, m, rounds) if _TORCH.value else None
         for strategy in _STRATEGIES.value:
             round_s, steps = engine_round_s(data, strategy, m, rounds)
+            versus = ("— | —" if peer is None else f"{peer:.4f} | {peer / round_s:.2f}")
             print(f"| {m:,} | {n:,} | {strategy} | {round_s:.4f} | {m * steps / round_s:,.0f} | "
-                  f"{reference:.4f} | {round_s / reference:.2f} |", flush=True)
+                  f"{reference:.4f} | {round_s / reference:.2f} | {versus} |", flush=True)
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 

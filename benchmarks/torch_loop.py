@@ -169,11 +169,18 @@ def pfedes_model(arch: str, in_ch: int, spatial: int, num_classes: int, dim: int
     return ClientModel(PublishedCNN(in_ch, spatial, conv2, fc1), 500, num_classes, dim)
 
 
+def mlp_model(in_ch: int, spatial: int, num_classes: int, hidden: int = 64) -> nn.Module:
+    """`mlp_small` with its classifier: flatten, Linear(hidden) + ReLU, Linear(num_classes)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_ch * spatial * spatial, hidden), nn.ReLU(),
+                         nn.Linear(hidden, num_classes))
+
+
 def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_classes: int,
                rounds: int, per_round: int, batch_size: int, epochs: int, lr: float,
-               seed: int = 0, device: str = "cpu") -> dict:
-    """FedAvg with `convnet3` over `clients` ([(x, y)] local train arrays). Returns per-round
-    wall times, the client-steps run and the set-up time before round 1."""
+               seed: int = 0, device: str = "cpu", make_model=fedavg_model) -> dict:
+    """FedAvg over `clients` ([(x, y)] local train arrays) with `make_model(in_ch, spatial,
+    num_classes)` (`convnet3` by default; `mlp_model` for the cross-device work). Returns
+    per-round wall times, the client-steps run and the set-up time before round 1."""
     start = time.perf_counter()
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -181,7 +188,7 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
     in_ch, spatial = data[0][0].shape[1], data[0][0].shape[2]
 
     def model():
-        return fedavg_model(in_ch, spatial, num_classes).to(device)
+        return make_model(in_ch, spatial, num_classes).to(device)
 
     global_model, local = model(), model()
     local_params = list(local.parameters())

@@ -107,7 +107,7 @@ def launch(ctx: rounds.RunContext, server_state, clients: dict[str, Any], in_fli
     runs = timing.clients[timing.trains]
     limits = dict(zip(runs.tolist(), timing.step_limit[timing.trains].tolist(), strict=True))
     trained, clients = rounds.train_participants(ctx, server_state, clients, runs,
-                                                 jax.random.fold_in(ctx.train_key, round_index),
+                                                 rounds.fold_in(ctx.train_key, round_index),
                                                  limits)
     sampler.record_selected(selected)  # drop-outs never deliver: their streak grows now
     sampler.record_outcome(np.zeros(0, np.int64), np.setdiff1d(selected, runs))

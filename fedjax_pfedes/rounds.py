@@ -36,6 +36,16 @@ def tree_size(tree) -> tuple[int, int]:
 ATTACK_STREAM = 0x5EED_A77  # folded into the round key for the attackers' randomness
 
 
+@jax.jit
+def participant_keys(round_key: jax.Array, ids: jax.Array) -> jax.Array:
+    """[slots] RNG keys: `round_key` folded with each slot's client id (one compiled call; an
+    eager vmapped fold_in costs milliseconds of dispatch every cohort and round)."""
+    return jax.vmap(lambda i: jax.random.fold_in(round_key, i))(ids)
+
+
+fold_in = jax.jit(jax.random.fold_in)  # the same bits as jax.random.fold_in, one dispatch
+
+
 @dataclasses.dataclass
 class RunContext:
     """What a run's rounds read but never change (built once by `simulation`)."""
@@ -117,17 +127,19 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         valid = slots < len(cohort.client_ids)
         ids = np.where(valid, cohort.client_ids[np.minimum(slots, len(cohort.client_ids) - 1)],
                        -1)
-        keys = jax.vmap(lambda i: jax.random.fold_in(round_key, i))(jnp.asarray(ids))
+        keys = participant_keys(round_key, jnp.asarray(ids))
         stacked, clients[cohort.arch], metrics = cohort.runner.update(
             broadcast, clients[cohort.arch], train_arrays(ctx, cohort, step_limits), slots, keys)
-        stacked = attacks.apply(stacked, template, ids,
-                                jax.random.fold_in(round_key, ATTACK_STREAM), ctx.attack)
+        if ctx.attack.active:
+            stacked = attacks.apply(stacked, template, ids, fold_in(round_key, ATTACK_STREAM),
+                                    ctx.attack)
         uploads[cohort.arch] = cohort_uploads(ctx, cohort, stacked, template, slots, valid, ids)
         if not valid.any():
             continue
-        norms = (np.asarray(validation.upload_norms(stacked, template, ctx.algorithm.norm_keys))
+        norms = (validation.upload_norms(stacked, template, ctx.algorithm.norm_keys)
                  if jax.tree.leaves(template) else np.zeros(len(slots)))
-        host = {k: np.asarray(v) for k, v in metrics.items()}
+        # One device-to-host transfer for the cohort's per-client metrics and norms.
+        host, norms = jax.device_get(({k: v for k, v in metrics.items()}, norms))
         if "local_steps" in host:
             steps = host["local_steps"][valid]
             useful += float(steps.sum())
@@ -184,7 +196,7 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
     members = {c.arch: len(c.client_ids) for c in ctx.cohorts}
     groups, memories, report = ctx.pipeline.process(
         round_index, trained.uploads, memories, members,
-        jax.random.fold_in(ctx.upload_key, round_index))
+        fold_in(ctx.upload_key, round_index))
     for r in report["rejections"]:
         logging.warning("round %d: upload of client %d rejected: %s", round_index + 1,
                         r["client"], r["reason"])
@@ -383,7 +395,7 @@ def sync_round(ctx: RunContext, state: SimState, round_index: int
     before = (participant_states(ctx, state.clients, runs)
               if ctx.algorithm.state_needs_acceptance else None)
     trained, clients = train_participants(ctx, state.server, state.clients, runs,
-                                          jax.random.fold_in(ctx.train_key, round_index), limits)
+                                          fold_in(ctx.train_key, round_index), limits)
     after_training = {}
     if ctx.config.eval.after_training and trained.client_metrics:
         # Each participant right after its local training, before the server step (the

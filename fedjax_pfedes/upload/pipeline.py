@@ -213,9 +213,10 @@ def _select_rows(pick, a, b):
 
 @jax.jit
 def _rows_or_template(keep, uploads, template):
-    """Per slot (leading axis): the upload where `keep` (bit for bit), else `template`. It runs
-    every round, not only in rounds that reject someone, so it compiles in round 1 (eagerly,
-    the first rejection compiled one op per leaf, 0.5 s in the middle of a run)."""
+    """Per slot (leading axis): the upload where `keep` (bit for bit), else `template`. It reads
+    and writes every stacked upload (with 1,000 participants a pass over hundreds of MB), so
+    it runs in rounds that reject someone, plus once per cohort shape so that it compiles then
+    and a first rejection later compiles nothing (`UploadPipeline.process`)."""
     return jax.tree.map(lambda u, t: jnp.where(keep.reshape((-1,) + (1,) * t.ndim), u, t[None]),
                         uploads, template)
 
@@ -227,6 +228,12 @@ def _take_rows(tree, rows):
 def _put_rows(tree, rows, values):
     """Rows out of range (padding, skipped clients) are dropped."""
     return jax.tree.map(lambda m, r: m.at[rows].set(r, mode="drop"), tree, values)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _client_keys(key: jax.Array, cohort_index: int, slots: int) -> jax.Array:
+    """[slots] keys of a cohort's upload stages: split(fold_in(key, cohort_index), slots)."""
+    return jax.random.split(jax.random.fold_in(key, cohort_index), slots)
 
 
 def _sub(a, b):
@@ -284,8 +291,11 @@ class UploadPipeline:
         self.stages = (build_stages(cfg, self.noise_multiplier) if stages_override is None
                        else list(stages_override))
         self._client_side = jax.jit(jax.vmap(self._one_client, in_axes=(0, None, 0, 0)))
+        self._client_facts = jax.jit(jax.vmap(lambda *args: self._one_client(*args)[1:],
+                                              in_axes=(0, None, 0, 0)))
         self._rogue_side = jax.jit(jax.vmap(self._one_rogue_client, in_axes=(0, None, 0)))
         self.rejections: list[tuple[int, int, str]] = []
+        self._compiled_shapes: set[tuple[str, int]] = set()  # (arch, slots) seen by process
         # Per round: the smallest noise multiplier any released aggregate carried (None: nothing
         # was released). Under secure aggregation the clients add the noise, so fewer senders
         # than expected release less of it; the accountant composes what really happened.
@@ -360,14 +370,20 @@ class UploadPipeline:
                 uploads = _replicate(c.template, len(ok))
             arrived[arch] = uploads
             memory_rows = _take_rows(memories[arch], jnp.asarray(c.slots))
-            keys = jax.random.split(jax.random.fold_in(key, k), len(ok))
-            r.sent[arch], new_rows[arch], info = self._client_side(uploads, c.template,
-                                                                   memory_rows, keys)
-            r.info[arch] = {name: np.asarray(v) for name, v in info.items()}
+            keys = _client_keys(key, k, len(ok))
+            if self.active:
+                r.sent[arch], new_rows[arch], info = self._client_side(uploads, c.template,
+                                                                       memory_rows, keys)
+            else:  # nothing is transformed: only the checks' facts, no stacked deltas
+                r.sent[arch] = None
+                new_rows[arch], info = self._client_facts(uploads, c.template, memory_rows,
+                                                          keys)
+            r.info[arch] = dict(jax.device_get(info))  # one transfer for the cohort
             rogue = ok & (c.skips_client_code if c.skips_client_code is not None else False)
             if rogue.any():
                 raw, rogue_info = self._rogue_side(uploads, c.template, keys)
-                r.sent[arch] = _select_rows(jnp.asarray(rogue), raw, r.sent[arch])
+                if self.active:
+                    r.sent[arch] = _select_rows(jnp.asarray(rogue), raw, r.sent[arch])
                 for name, v in rogue_info.items():
                     r.info[arch][name] = np.where(rogue, np.asarray(v), r.info[arch][name])
             r.info[arch]["skips_client_code"] = rogue
@@ -379,7 +395,13 @@ class UploadPipeline:
             for arch, c in cohorts.items():
                 # rejected slots hold the template: NaN x 0 weight is still NaN
                 rejected = np.asarray(c.valid) & ~r.valid[arch]
-                uploads = _rows_or_template(jnp.asarray(~rejected), arrived[arch], c.template)
+                shape = (arch, len(rejected))
+                if rejected.any() or shape not in self._compiled_shapes:
+                    self._compiled_shapes.add(shape)
+                    uploads = _rows_or_template(jnp.asarray(~rejected), arrived[arch],
+                                                c.template)
+                else:
+                    uploads = arrived[arch]
                 groups[arch] = (uploads, r.weights[arch])
             return groups, memories, report
         new_memories = dict(memories)

@@ -45,7 +45,9 @@ class RoundUploads:
       members: architecture -> clients in the cohort.
       key: the round's upload RNG key.
       valid: architecture -> [slots] whether the slot still counts (stages reject by clearing).
-      sent: architecture -> stacked updates as decoded by the server (float32).
+      sent: architecture -> stacked updates as decoded by the server (float32); None when no
+        stage transforms (`UploadPipeline.active`: the uploads reach the algorithm as they
+        arrived, so only the client halves' facts are computed).
       info: architecture -> per-client facts from the client halves ('finite', 'norm').
       weights: architecture -> [slots] aggregation weights (set by the weighting stage).
       aggregates: architecture -> the update the server applies to every real slot, or None
@@ -265,7 +267,8 @@ class Weighting(UploadStage):
     def server(self, r: RoundUploads) -> None:
         for arch, c in r.cohorts.items():
             ok = jnp.asarray(r.valid[arch])
-            r.sent[arch] = _zero_rejected_rows(ok, r.sent[arch])
+            if r.sent.get(arch) is not None:
+                r.sent[arch] = _zero_rejected_rows(ok, r.sent[arch])
             if self.weighting == "all_samples":
                 counts = c.sizes if c.all_sizes is None else c.all_sizes
                 r.weights[arch] = robust.smooth_weights(counts, ok, "samples")
