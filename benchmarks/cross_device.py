@@ -4,6 +4,7 @@ jitted `lax.scan` of the same math.
   python -m benchmarks.cross_device                               # 100 per round, ~2 min
   python -m benchmarks.cross_device --participants=10,100,1000 --strategies=scan,loop,vmap
   pip install -e ".[bench]"   # adds the PyTorch per-client loop's column (--notorch: without)
+  python -m benchmarks.cross_device --participants=1000 --strategies=scan --breakdown
 
 Work (the speed issue's "work B"): FedAvg, `mlp_small` (784-64 ReLU, then the 10-way classifier),
 synthetic MNIST-shaped uint8 data IID over N = max(1,000, 10 x participants) clients with 20
@@ -32,6 +33,9 @@ _PARTICIPANTS = flags.DEFINE_list("participants", ["100"], "Clients per round.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["scan", "loop", "vmap"],
                                 "config.execution.strategy values to time.")
 _ROUNDS = flags.DEFINE_integer("rounds", 12, "Rounds per measurement (>= 4).")
+_BREAKDOWN = flags.DEFINE_bool("breakdown", False, "Also print where the engine's round goes: "
+                               "the cohorts' training program, the rest of the participants' "
+                               "training step, the upload pipeline and the server step.")
 _TORCH = flags.DEFINE_bool("torch", True, "Also time a PyTorch per-client loop of the same "
                            "work (benchmarks.torch_loop; needs the `bench` extra, skipped "
                            "without it).")
@@ -81,6 +85,46 @@ def engine_round_s(data, strategy: str, participants: int, rounds: int) -> tuple
         jax.block_until_ready(state.server)
         times.append(time.perf_counter() - t)
     return float(np.median(times[2:])), float(record["local_steps_mean"])
+
+
+def engine_breakdown(data, strategy: str, participants: int, rounds: int) -> dict[str, float]:
+    """Seconds per round (rounds 3..) of the parts of `rounds.sync_round`, each waited for
+    (so the parts add up to a synchronous round, a little slower than the pipelined one)."""
+    from fedjax_pfedes import rounds as engine_rounds
+    from fedjax_pfedes.builders import build_context
+    ctx, state = build_context(work_config(strategy, data.num_clients, participants, rounds),
+                               data)
+    spent: dict[str, float] = {}
+    measuring = [False]
+
+    def timed(fn, label):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            out = jax.block_until_ready(fn(*args, **kwargs))
+            if measuring[0]:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+            return out
+        return call
+
+    for c in ctx.cohorts:  # frozen dataclasses: the benchmark swaps their calls in place
+        object.__setattr__(c.runner, "update", timed(c.runner.update, "training program"))
+    ctx.pipeline.process = timed(ctx.pipeline.process, "upload pipeline")
+    ctx.server_step = timed(ctx.server_step, "server step")
+    train = engine_rounds.train_participants
+    engine_rounds.train_participants = timed(train, "train_participants")
+    try:
+        for r in range(rounds):
+            measuring[0] = r >= 2
+            t = time.perf_counter()
+            state, _, _, _ = engine_rounds.sync_round(ctx, state, r)
+            jax.block_until_ready(state.server)
+            if measuring[0]:
+                spent["round"] = spent.get("round", 0.0) + time.perf_counter() - t
+    finally:
+        engine_rounds.train_participants = train
+    out = {k: v / (rounds - 2) for k, v in spent.items()}
+    out["train_participants"] -= out["training program"]  # the rest of the training step
+    return out
 
 
 def reference_round_s(data, participants: int, rounds: int) -> float:
@@ -172,6 +216,10 @@ def main(argv):
             versus = ("— | —" if peer is None else f"{peer:.4f} | {peer / round_s:.2f}")
             print(f"| {m:,} | {n:,} | {strategy} | {round_s:.4f} | {m * steps / round_s:,.0f} | "
                   f"{reference:.4f} | {round_s / reference:.2f} | {versus} |", flush=True)
+            if _BREAKDOWN.value:
+                parts = engine_breakdown(data, strategy, m, rounds)
+                print("  " + ", ".join(f"{k} {v:.4f} s" for k, v in parts.items()),
+                      flush=True)
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
