@@ -186,8 +186,8 @@ def torch_round_s(data, participants: int, rounds: int) -> float | None:
     c = data.central
     clients = [(c.x_train[np.asarray(i)], c.y_train[np.asarray(i)]) for i in data.train_indices]
     threads = torch.get_num_threads()
-    # One intra-op thread: a 20-sample step of a 784-64-10 MLP has nothing to split, and on a
-    # busy 2-core machine two threads made the loop ~8x slower (0.97 vs 0.12 s/round).
+    # One intra-op thread: a 20-sample step of a 784-64-10 MLP has nothing to split between
+    # threads, and on a busy machine extra threads only contend.
     torch.set_num_threads(1)
     try:
         result = torch_loop.run_fedavg(clients, c.input_spec.mean, c.input_spec.std,

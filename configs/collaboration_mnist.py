@@ -47,8 +47,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval.every = 10
     config.eval.global_test_samples = 1000
     config.checkpoint.every = 50
-    # A checkpoint holds 100 clients' private models and optimizer states (~0.8 GB here); one
-    # per run is enough to resume (keeping two, the 50 runs would need ~80 GB of disk).
+    # A checkpoint holds 100 clients' private models and optimizer states; one per run is
+    # enough to resume (docs/findings.md: the experiment's disk use).
     config.checkpoint.max_to_keep = 1
     config.monitor.aggregation_loss = False  # not needed here; saves two evaluations a round
     return config

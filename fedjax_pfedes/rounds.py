@@ -139,7 +139,7 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         norms = (validation.upload_norms(stacked, template, ctx.algorithm.norm_keys)
                  if jax.tree.leaves(template) else np.zeros(len(slots)))
         # One device-to-host transfer for the cohort's per-client metrics and norms.
-        host, norms = jax.device_get(({k: v for k, v in metrics.items()}, norms))
+        host, norms = jax.device_get((metrics, norms))
         if "local_steps" in host:
             steps = host["local_steps"][valid]
             useful += float(steps.sum())

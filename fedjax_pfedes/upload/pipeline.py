@@ -291,8 +291,8 @@ class UploadPipeline:
         self.stages = (build_stages(cfg, self.noise_multiplier) if stages_override is None
                        else list(stages_override))
         self._client_side = jax.jit(jax.vmap(self._one_client, in_axes=(0, None, 0, 0)))
-        # One client at a time (`lax.map`): its upload is reduced while in cache; the
-        # vmapped form reduced the whole stack at once, 5x slower on XLA:CPU.
+        # One client at a time (`lax.map`): its upload is reduced while in cache (the vmapped
+        # form reduces the whole stack at once, slower on XLA:CPU: docs/performance.md).
         self._client_facts = jax.jit(lambda uploads, template, memory, keys: jax.lax.map(
             lambda xs: self._one_client(xs[0], template, xs[1], xs[2])[1:],
             (uploads, memory, keys)))

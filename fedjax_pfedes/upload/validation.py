@@ -52,14 +52,14 @@ def model_part(tree, keys: tuple[str, ...]):
 @functools.partial(jax.jit, static_argnums=2)
 def upload_norms(stacked, template, keys: tuple[str, ...] = ()) -> jax.Array:
     """[slots] L2 norm of each slot's upload minus `template` (one compiled call), over the
-    entries `keys` only when given (`model_part`). One slot at a time (`lax.map`): XLA:CPU's
-    reduction of the whole stack at once was 5x slower (docs/performance.md)."""
+    entries `keys` only when given (`model_part`). One slot at a time (`lax.map`): XLA:CPU
+    reduces the whole stack at once several times slower (docs/performance.md)."""
     template = model_part(template, keys)
 
     def one(upload):
-        return jnp.sqrt(sum(jnp.sum((u.astype(jnp.float32) - t.astype(jnp.float32)) ** 2)
-                            for u, t in zip(jax.tree.leaves(upload), jax.tree.leaves(template),
-                                            strict=True)))
+        return update_norms(jax.tree.map(
+            lambda u, t: (u.astype(jnp.float32) - t.astype(jnp.float32))[None],
+            upload, template))[0]
 
     return jax.lax.map(one, model_part(stacked, keys))
 
