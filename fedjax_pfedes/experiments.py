@@ -268,7 +268,10 @@ def paired_difference(runs: list[dict], reference: list[dict], metric: str,
 
 def student_t_interval(diffs, confidence: float = 0.95) -> tuple[float, float, float]:
     """(mean, low, high): the Student-t interval of the mean of `diffs`. A NaN in `diffs` (a
-    seed without a value) or fewer than 2 values leave it unbounded (-inf, inf).
+    seed without a value), fewer than 2 values or values without any spread leave it
+    unbounded (-inf, inf): a zero sample deviation (two seeds that happen to give the same
+    difference, common when accuracies are counts over one test set) says nothing about the
+    noise, and the Student-t interval would collapse onto the mean and "exclude 0".
 
     Args:
       diffs: per-seed paired differences.
@@ -281,7 +284,7 @@ def student_t_interval(diffs, confidence: float = 0.95) -> tuple[float, float, f
     from scipy import stats
     d = np.asarray(diffs, np.float64)
     mean = float(d.mean()) if len(d) else float("nan")
-    if not np.all(np.isfinite(d)) or len(d) < 2:
+    if not np.all(np.isfinite(d)) or len(d) < 2 or np.all(d == d[0]):
         return mean, -float("inf"), float("inf")
     half = float(stats.t.ppf(0.5 + confidence / 2, len(d) - 1) * d.std(ddof=1)
                  / np.sqrt(len(d)))

@@ -157,7 +157,7 @@ class Paired:
 
 def confidence_interval(diffs, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
     """(mean, low, high) of the paired differences' Student-t interval
-    (`experiments.student_t_interval`: unbounded with a NaN or fewer than 2 values)."""
+    (`experiments.student_t_interval`: unbounded with a NaN, fewer than 2 values or no spread)."""
     return student_t_interval(diffs, confidence)
 
 

@@ -248,3 +248,22 @@ def test_paired_difference_pairs_by_seed_with_a_student_t_interval():
     flat = experiments.paired_difference(rows([(0, 0.5), (1, 0.3)]), rows([(0, 0.4), (1, 0.4)]),
                                          "m")
     assert flat["low"] < 0 < flat["high"]
+
+
+def test_a_difference_without_spread_gets_no_interval():
+    """Two seeds that give the same nonzero difference (accuracies are counts over one test
+    set, so this happens) have sample deviation 0: the Student-t interval would collapse to
+    [-0.008, -0.008] and "exclude 0". It is unbounded instead, and the table calls nothing."""
+    from fedjax_pfedes import experiments
+
+    def rows(values):
+        return [{"seed": s, "final": {"personalized_accuracy_mean": v,
+                                      "global_accuracy_mean": v}} for s, v in values]
+
+    arm, ref = rows([(0, 0.492), (1, 0.512)]), rows([(0, 0.5), (1, 0.52)])
+    p = experiments.paired_difference(arm, ref, "personalized_accuracy_mean")
+    assert p["mean"] == pytest.approx(-0.008) and (p["low"], p["high"]) == (-np.inf, np.inf)
+    assert "excludes" not in experiments.paired_table({"a": arm, "r": ref}, {"a": "r"})
+    spread = rows([(0, 0.492), (1, 0.511)])
+    assert np.isfinite(experiments.paired_difference(spread, ref, "personalized_accuracy_mean")
+                       ["high"])

@@ -1,6 +1,7 @@
 """The findings' metrics, verdict rules and report (`fedjax_pfedes/findings.py`,
 `launch.findings`)."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -40,9 +41,18 @@ def _record(acc, glob=None, seed=0, diverged=False, **curves):
 
 
 NOISE = np.array([0.003, -0.002, 0.001, -0.004, 0.002])  # per-seed noise, 5 seeds
+_ARMS_MADE = itertools.count()
 
 
-def _arm(acc, glob=None, noise=NOISE):
+def _noise():
+    """Per-seed noise of its own for every arm made: two arms with the same noise would differ
+    by the same amount on every seed, a difference without spread, which gets no interval."""
+    rng = np.random.default_rng(next(_ARMS_MADE))
+    return NOISE[rng.permutation(len(NOISE))] * rng.uniform(0.5, 1.5)
+
+
+def _arm(acc, glob=None, noise=None):
+    noise = _noise() if noise is None else noise
     return [_record(acc + e, None if glob is None else glob + e, seed=k)
             for k, e in enumerate(noise)]
 
@@ -118,9 +128,13 @@ def test_a_diverged_seed_counts_and_can_flip_a_verdict(tmp_path):
     assert f3.analyse(records, base, {}, str(tmp_path / "f.png")).verdict != findings.REPRODUCED
 
 
-def _curves(key, shape, noise=NOISE):
+def _curves(key, shape, noise=None):
+    """Per seed, `shape` scaled by 1 + e and bent by e (a bend moves the oscillation score,
+    which is scale-free, so every seed scores a little differently)."""
+    noise = _noise() if noise is None else noise
+    tilt = (np.arange(len(shape)) / len(shape)) ** 2
     return [_record(0.9, seed=k, **{"train_ce_loss_mean": SMOOTH,
-                                    key: list(np.asarray(shape) * (1 + e))})
+                                    key: list(np.asarray(shape) * (1 + e) + e * tilt)})
             for k, e in enumerate(noise)]
 
 
@@ -168,7 +182,7 @@ def test_f4_rule_needs_a_jump_at_beta_zero(tmp_path):
 
     def arm(name, jump):
         out = []
-        for k, e in enumerate(NOISE):
+        for k, e in enumerate(_noise()):
             d = tmp_path / name / f"seed{k}"
             d.mkdir(parents=True)
             rows = [{"client": 0, "align_loss_at_start": 1.0, "align_loss_at_end": 0.5},
