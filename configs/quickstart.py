@@ -297,6 +297,10 @@ def get_config() -> ml_collections.ConfigDict:
     # clients per round).
     config.execution.strategy = "loop"
     config.execution.scan_chunk = 1      # 'scan': participants vmapped per iteration
+    # 'scan' sums the uploads as they are made when the server step is a weighted mean
+    # (fedjax_pfedes/upload/streaming.py); this many uploads per cohort are held aside for the
+    # norm rule, which may reject at most that many of a cohort in a round.
+    config.execution.scan_held_uploads = 8
     config.execution.devices = 0         # devices of the 'shard' mesh (0 = all local devices)
     # 'loop': host threads that train participants at the same time (0 = this process's CPU
     # cores on a CPU backend, 1 on an accelerator). Same numbers for any value.

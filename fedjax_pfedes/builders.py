@@ -281,7 +281,8 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         download_bytes={c.arch: float(tree_size(algorithm.broadcast(server_state, c.arch))[1])
                         for c in cohorts},
         step_limits=uses_step_limits(config), train_key=train_key, upload_key=upload_key,
-        attack=attack)
+        attack=attack, finish=rounds.upload_finish(algorithm, pipeline),
+        reducer=rounds.stream_reducer(config, algorithm, pipeline))
     return ctx, initial_state(ctx, server_state, client_states)
 
 

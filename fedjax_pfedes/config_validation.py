@@ -199,6 +199,9 @@ def _check_client_states(ex: ml_collections.ConfigDict) -> None:
              f"{ex.loop_threads!r}")
     _require(isinstance(ex.scan_chunk, int) and ex.scan_chunk >= 1,
              f"config.execution.scan_chunk must be an integer >= 1, got {ex.scan_chunk!r}")
+    _require(isinstance(ex.scan_held_uploads, int) and ex.scan_held_uploads >= 1,
+             "config.execution.scan_held_uploads must be an integer >= 1, got "
+             f"{ex.scan_held_uploads!r}")
     _require(ex.cpu_kernels in execution.KERNEL_SETTINGS, "config.execution.cpu_kernels: "
              f"unknown '{ex.cpu_kernels}'; known: {list(execution.KERNEL_SETTINGS)}")
     _require(ex.client_states in client_store.PLACEMENTS, f"config.execution.client_states: "

@@ -47,6 +47,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -222,6 +223,56 @@ def default_loop_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+UPLOAD_FACTS = "upload_facts"  # the metrics entry of `Finishing.fn`'s per-client results
+
+
+@struct.dataclass
+class Finishing:
+    """A broadcast that asks the cohort's program to finish each participant's upload too.
+
+    Passed to `CohortRunner.update` instead of the plain broadcast, it makes every strategy run
+    `fn(upload, operand)` right after the client's local update, inside the same compiled
+    program, while the upload is in cache: its per-client results (a dict of scalars, e.g. the
+    update norm and the upload checks' facts) come back stacked under `metrics[UPLOAD_FACTS]`.
+    Without it, a pass over the stacked uploads computes them afterwards. `fn` is static (part
+    of the compiled program's identity): pass the same function object every round.
+
+    With a `reducer` (the 'scan' strategy only; `upload.streaming`), the uploads are not
+    stacked at all: each is added into the reducer's carry as it is made, and the update
+    returns the final carry in the uploads' place.
+
+    Attributes:
+      broadcast: what the clients receive (`Algorithm.broadcast`).
+      operand: a pytree `fn` reads besides the upload (e.g. `Algorithm.upload_template`).
+      fn: (upload, operand) -> {name: scalar} for one client.
+      reducer: None, or an object with `init(operand) -> carry` and `add(carry, upload, facts,
+        size, slot, valid) -> carry` (`upload.streaming.StreamingMean`).
+    """
+
+    broadcast: PyTree
+    operand: PyTree
+    fn: Callable = struct.field(pytree_node=False)
+    reducer: object = struct.field(pytree_node=False, default=None)
+
+
+def _refuse_reducer(broadcast, strategy: str) -> None:
+    if isinstance(broadcast, Finishing) and broadcast.reducer is not None:
+        raise ValueError(f"a streaming reducer needs the 'scan' strategy, not '{strategy}' "
+                         "(config.execution.strategy)")
+
+
+def finishing_program(program: CohortProgram) -> CohortProgram:
+    """`program` whose client update also accepts a `Finishing` broadcast (see there); with a
+    plain broadcast it is `program.client_update` itself."""
+    def client_update(broadcast, state, data, rng):
+        if not isinstance(broadcast, Finishing):
+            return program.client_update(broadcast, state, data, rng)
+        upload, state, metrics = program.client_update(broadcast.broadcast, state, data, rng)
+        return upload, state, {**metrics, UPLOAD_FACTS: broadcast.fn(upload, broadcast.operand)}
+
+    return dataclasses.replace(program, client_update=client_update)
+
+
 def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None,
                 loop_threads: int = 1, cpu_kernels: str = "xla", scan_chunk: int = 1
                 ) -> CohortRunner:
@@ -238,6 +289,7 @@ def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None,
     Returns:
       The cohort's `CohortRunner`.
     """
+    program = finishing_program(program)
     options = kernel_options(cpu_kernels)
     jit = functools.partial(jax.jit, compiler_options=options or None)
     # Off the CPU backend the option does not exist: the runner's kernels are XLA's own.
@@ -305,7 +357,8 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
         # Padded slots hold no samples, so they take no local steps (their results are dropped).
         rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
         uploads, new_rows, metrics = client_update(broadcast, _take(states, slots), rows, keys)
-        zero_padded = lambda a: jnp.where(valid.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0)  # noqa: E731
+        zero_padded = lambda a: jnp.where(valid.reshape((-1,) + (1,) * (a.ndim - 1)), a,  # noqa: E731
+                                          jnp.zeros((), a.dtype))  # keeps bools bools
         return (gathered(jax.tree.map(zero_padded, uploads)),
                 kept(_put(states, slots, new_rows)), gathered(jax.tree.map(zero_padded, metrics)))
 
@@ -322,6 +375,7 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
         return gathered(jnp.where(valid, accuracy, 0))
 
     def update(broadcast, states, train, slots, keys):
+        _refuse_reducer(broadcast, name)
         uploads, states, metrics = mapped_update(on_mesh(broadcast), rows_on_mesh(states),
                                                  data_on_mesh(train),
                                                  on_mesh(jnp.asarray(slots)), on_mesh(keys))
@@ -392,7 +446,8 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
 
     def zero_padded(tree: PyTree, valid: jax.Array) -> PyTree:
         return jax.tree.map(lambda a: jnp.where(
-            valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a, 0), tree)
+            valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a,
+            jnp.zeros((), a.dtype)), tree)  # a bool stays a bool
 
     @functools.partial(jit, donate_argnums=1)
     def scanned_update(broadcast, states, train, slots, keys):
@@ -401,19 +456,36 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
         padded_keys = keys if chunk == 1 else jnp.concatenate(
             [keys, keys[jnp.zeros(-bucket % chunk, jnp.int32)]]).reshape(-1, chunk)
 
-        def body(states, xs):
-            slot, key = xs
+        reducer = broadcast.reducer if isinstance(broadcast, Finishing) else None
+
+        def reduce(carry, upload, metrics, sizes, position, valid):
+            facts = metrics[UPLOAD_FACTS]
+            if chunk == 1:
+                return reducer.add(carry, upload, facts, sizes, position, valid)
+            return jax.lax.scan(lambda c, xs: (reducer.add(c, *xs), None), carry,
+                                (upload, facts, sizes, position, valid))[0]
+
+        def body(carry, xs):
+            states, reduced = carry
+            slot, key, position = xs
             valid = slot < n
             rows = rows_at(train, slot)
             # A padded slot holds no samples, so it takes no local step.
             rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
             upload, new_rows, metrics = client_update(broadcast, rows_at(states, slot), rows, key)
-            return (write_rows(states, slot, valid, new_rows),
-                    (zero_padded(upload, valid), zero_padded(metrics, valid)))
+            states = write_rows(states, slot, valid, new_rows)
+            if reducer is None:  # the uploads are stacked outputs
+                return (states, reduced), (zero_padded(upload, valid),
+                                           zero_padded(metrics, valid))
+            reduced = reduce(reduced, upload, metrics, rows.sizes, position, valid)
+            return (states, reduced), (None, zero_padded(metrics, valid))
 
-        states, (uploads, metrics) = jax.lax.scan(body, states, (chunked(slots, n),
-                                                                 padded_keys))
-        return unchunked(uploads, bucket), states, unchunked(metrics, bucket)
+        start = None if reducer is None else reducer.init(broadcast.operand)
+        positions = chunked(jnp.arange(bucket, dtype=jnp.int32), bucket)  # slot j of the bucket
+        (states, reduced), (uploads, metrics) = jax.lax.scan(
+            body, (states, start), (chunked(slots, n), padded_keys, positions))
+        uploads = unchunked(uploads, bucket) if reducer is None else reduced
+        return uploads, states, unchunked(metrics, bucket)
 
     def mapped(fn: Callable, slots: jax.Array, n: int) -> PyTree:
         """fn(slot) -> per-client pytree, over `slots`, `chunk` at a time; zeros where padded."""
@@ -495,14 +567,15 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
         return (_set_row(uploads, j, upload), _set_row(states, i, new_row),
                 _set_row(metrics, j, m))
 
-    shapes: dict[str, PyTree] = {}  # output shapes, traced once (they never change)
+    shapes: dict = {}  # output shapes, traced once per kind (they never change)
 
     def update_buffers(broadcast, states, train, keys, bucket):
-        if "update" not in shapes:
+        # A `Finishing` broadcast adds outputs: its function is part of the shapes' key.
+        kind = ("update", broadcast.fn if isinstance(broadcast, Finishing) else None)
+        if kind not in shapes:
             row = functools.partial(jax.eval_shape, lambda tree: _row(tree, 0))
-            shapes["update"] = client_update.eval_shape(broadcast, row(states), row(train),
-                                                        keys[0])
-        uploads, _, metrics = shapes["update"]
+            shapes[kind] = client_update.eval_shape(broadcast, row(states), row(train), keys[0])
+        uploads, _, metrics = shapes[kind]
         return _zeros_in_slots((uploads, metrics), bucket)
 
     @jit
@@ -531,6 +604,7 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
     put_evaluate = jax.jit(_set_row, donate_argnums=0)
 
     def update(broadcast, states, train, slots, keys):
+        _refuse_reducer(broadcast, "loop")
         slots = np.asarray(slots)
         real = np.flatnonzero(slots < train.sizes.shape[0])
         uploads, metrics = update_buffers(broadcast, states, train, keys, len(slots))

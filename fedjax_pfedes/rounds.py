@@ -19,11 +19,11 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fedjax_pfedes import attacks, client_store, sampling, system
+from fedjax_pfedes import attacks, client_store, execution, sampling, system
 from fedjax_pfedes.cohorts import Cohort
 from fedjax_pfedes.sim_state import SimState
-from fedjax_pfedes.upload import validation
-from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
+from fedjax_pfedes.upload import streaming, validation
+from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline, outlier_rule
 
 
 def tree_size(tree) -> tuple[int, int]:
@@ -72,6 +72,8 @@ class RunContext:
     upload_key: jax.Array
     attack: attacks.AttackConfig = attacks.AttackConfig()  # simulated malicious clients
     server_metrics: Any = None  # jitted Algorithm.server_metrics, or None
+    finish: Any = None  # `upload_finish`: per-client facts inside the cohort's program, or None
+    reducer: Any = None  # `upload.streaming` reducer for 'scan' cohorts (`stream_reducer`)
 
     @property
     def num_clients(self) -> int:
@@ -96,6 +98,41 @@ class Trained:
         if self.useful_steps <= 0:
             return {}
         return {"padded_step_fraction": self.computed_steps / self.useful_steps}
+
+
+UPLOAD_NORM = "update_norm"  # `upload_finish`'s entry of the update norm
+
+
+def upload_finish(algorithm, pipeline: UploadPipeline):
+    """The per-client function a cohort's program runs on each upload (`execution.Finishing`,
+    with the upload template as its operand): the update norm the monitoring reports, and,
+    when the upload pipeline transforms nothing, its checks' facts
+    (`UploadPipeline.client_facts`: 'finite', 'norm'). Computed while the client's upload is in
+    cache, instead of passes over the stacked uploads after the round's training. Build it
+    once per run: it is part of the compiled program's identity."""
+    facts = (pipeline.client_facts if not pipeline.active and pipeline.aggregation != "none"
+             else None)
+    keys = algorithm.norm_keys
+
+    def finish(upload, template):
+        out = {UPLOAD_NORM: validation.upload_norm(upload, template, keys)}
+        return out if facts is None else {**facts(upload, template), **out}
+
+    return finish
+
+
+def stream_reducer(config: ml_collections.ConfigDict, algorithm, pipeline: UploadPipeline):
+    """The reducer with which 'scan' cohorts sum their uploads as they are made
+    (`upload.streaming`), or None where the stacked uploads are needed: the server step must
+    be a weighted mean (`Algorithm.mean_server_step`), the upload pipeline must transform
+    nothing (no compression, privacy, robust aggregation or other weights than samples), and
+    the rounds synchronous (buffered asynchronous rounds keep each upload)."""
+    if (not algorithm.mean_server_step or pipeline.active or config.asynchronous.enabled
+            or pipeline.aggregation not in ("per_cohort", "shared")):
+        return None
+    factor, _ = outlier_rule(pipeline.cfg)
+    hold = int(config.execution.scan_held_uploads) if factor > 0 else 0
+    return streaming.reducer(hold, bool(pipeline.cfg.reject_nonfinite))
 
 
 def train_arrays(ctx: RunContext, cohort: Cohort, step_limits: dict[int, int]):
@@ -128,18 +165,32 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         ids = np.where(valid, cohort.client_ids[np.minimum(slots, len(cohort.client_ids) - 1)],
                        -1)
         keys = participant_keys(round_key, jnp.asarray(ids))
+        # The update norms and the checks' facts inside the training program, unless an
+        # attack rewrites the uploads after it.
+        finish = (ctx.finish if ctx.finish is not None and not ctx.attack.active
+                  and jax.tree.leaves(template) else None)
+        reducer = ctx.reducer if finish is not None and cohort.runner.strategy == "scan" else None
+        sent = broadcast if finish is None else execution.Finishing(broadcast, template, finish,
+                                                                    reducer)
         stacked, clients[cohort.arch], metrics = cohort.runner.update(
-            broadcast, clients[cohort.arch], train_arrays(ctx, cohort, step_limits), slots, keys)
+            sent, clients[cohort.arch], train_arrays(ctx, cohort, step_limits), slots, keys)
+        reduced, stacked = (stacked, None) if reducer is not None else (None, stacked)
         if ctx.attack.active:
             stacked = attacks.apply(stacked, template, ids, fold_in(round_key, ATTACK_STREAM),
                                     ctx.attack)
-        uploads[cohort.arch] = cohort_uploads(ctx, cohort, stacked, template, slots, valid, ids)
+        norms = (validation.upload_norms(stacked, template, ctx.algorithm.norm_keys)
+                 if finish is None and valid.any() and jax.tree.leaves(template) else None)
+        # One device-to-host transfer for the cohort's per-client metrics, norms and facts.
+        host, norms = jax.device_get((metrics, norms))
+        facts = host.pop(execution.UPLOAD_FACTS, {})
+        if UPLOAD_NORM in facts:
+            norms = facts[UPLOAD_NORM]
+        uploads[cohort.arch] = cohort_uploads(ctx, cohort, stacked, template, slots, valid, ids,
+                                              facts if "finite" in facts else None, reduced)
         if not valid.any():
             continue
-        norms = (validation.upload_norms(stacked, template, ctx.algorithm.norm_keys)
-                 if jax.tree.leaves(template) else np.zeros(len(slots)))
-        # One device-to-host transfer for the cohort's per-client metrics and norms.
-        host, norms = jax.device_get((metrics, norms))
+        if norms is None:
+            norms = np.zeros(len(slots))
         if "local_steps" in host:
             steps = host["local_steps"][valid]
             useful += float(steps.sum())
@@ -156,14 +207,17 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
 
 
 def cohort_uploads(ctx: RunContext, cohort: Cohort, stacked, template, slots: np.ndarray,
-                   valid: np.ndarray, ids: np.ndarray) -> CohortUploads:
+                   valid: np.ndarray, ids: np.ndarray, facts: dict | None = None,
+                   reduced: dict | None = None) -> CohortUploads:
     """What the upload pipeline gets of one cohort's round: the stacked uploads with their
-    clients' local training sample counts and all-sample counts (training + local test)."""
+    clients' local training sample counts and all-sample counts (training + local test), and
+    the checks' facts when the training program computed them (`upload_finish`); a streamed
+    cohort (`stream_reducer`) gives its `reduced` carry instead of stacked uploads."""
     take = jnp.asarray(slots)
     sizes = jnp.take(cohort.train.sizes, take, mode="clip")
     all_sizes = sizes + jnp.take(jnp.asarray(cohort.test.sizes), take, mode="clip")
     return CohortUploads(stacked, template, sizes, valid, ids, slots,
-                         attacks.rogue_slots(ids, ctx.attack), all_sizes)
+                         attacks.rogue_slots(ids, ctx.attack), all_sizes, facts, reduced)
 
 
 def participants_metrics(ctx: RunContext, server_state, clients: dict[str, Any],

@@ -109,6 +109,41 @@ def test_scan_gives_the_loops_round(chunk):
                                             keys)[0], up_l, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("strategy", ["loop", "vmap", "scan"])
+def test_a_finishing_broadcast_adds_the_per_client_facts_and_changes_nothing_else(strategy):
+    """`execution.Finishing`: the same uploads, states and metrics as the plain broadcast, plus
+    `fn(upload, operand)` per slot, equal to the same function applied to the stacked uploads
+    afterwards (zeros in padded slots; a bool stays a bool), and the plain call afterwards
+    still works (the loop's output buffers are kept per kind)."""
+    _, program, data, states, server = _setup("mlp")
+    slots = np.array([2, 0, 4, 4], np.int32)
+    keys = jax.random.split(jax.random.key(7), 4)
+    runner = execution.make_runner(program, strategy)
+    template = server.proxy_params
+
+    def fn(upload, operand):
+        delta = jax.tree.map(jnp.subtract, upload, operand)
+        return {"sq": sum(jnp.sum(d ** 2) for d in jax.tree.leaves(delta)),
+                "finite": jnp.all(jnp.stack([jnp.all(jnp.isfinite(d))
+                                             for d in jax.tree.leaves(delta)]))}
+
+    up_p, st_p, m_p = runner.update(server.proxy_params, _copy(states), data, slots, keys)
+    up_f, st_f, m_f = runner.update(execution.Finishing(server.proxy_params, template, fn),
+                                    _copy(states), data, slots, keys)
+    facts = m_f.pop(execution.UPLOAD_FACTS)
+    chex.assert_trees_all_equal(up_f, up_p)
+    chex.assert_trees_all_equal(st_f, st_p)
+    chex.assert_trees_all_equal(m_f, m_p)
+    by_hand = [fn(jax.tree.map(lambda a, j=j: a[j], up_p), template) for j in range(2)]
+    np.testing.assert_allclose(np.asarray(facts["sq"])[:2], [float(h["sq"]) for h in by_hand],
+                               rtol=1e-5)
+    assert float(facts["sq"][0]) > 0 and np.asarray(facts["sq"])[2:].tolist() == [0.0, 0.0]
+    assert facts["finite"].dtype == jnp.bool_ and np.asarray(facts["finite"]).tolist() == [
+        True, True, False, False]
+    again = runner.update(server.proxy_params, _copy(states), data, slots, keys)
+    assert execution.UPLOAD_FACTS not in again[2]
+
+
 def test_scan_chunk_below_one_is_refused():
     _, program, *_ = _setup("mlp")
     with pytest.raises(ValueError, match="scan_chunk must be >= 1"):

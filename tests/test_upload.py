@@ -761,3 +761,27 @@ def test_all_samples_weighting_counts_training_and_local_test_rows():
         groups, _, _ = pipe.process(0, {"a": cohort}, {"a": {}}, {"a": 2}, jax.random.key(0))
         w = np.asarray(groups["a"][1])
         np.testing.assert_allclose(w / w.sum(), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mapped", ["one", "vmap", "lax.map"])
+def test_all_finite_is_the_exact_check_also_where_squares_overflow(mapped):
+    """`validation.all_finite` decides by the sum of squares and falls back to the exact check
+    when that is not finite: values of 1e20 (their squares overflow float32) are finite; a
+    NaN or an Inf anywhere is not; under vmap (where the branch becomes a select) and lax.map
+    too."""
+    from fedjax_pfedes.upload import validation
+    rows = [{"w": jnp.ones((3, 2)), "b": jnp.zeros(2)},
+            {"w": jnp.full((3, 2), 1e20), "b": jnp.zeros(2)},
+            {"w": jnp.ones((3, 2)).at[1, 1].set(jnp.nan), "b": jnp.zeros(2)},
+            {"w": jnp.ones((3, 2)), "b": jnp.array([0.0, -jnp.inf])}]
+    expected = [True, True, False, False]
+    if mapped == "one":
+        got = [bool(jax.jit(validation.all_finite)(r)) for r in rows]
+    else:
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
+        fn = (jax.vmap(validation.all_finite) if mapped == "vmap"
+              else lambda s: jax.lax.map(validation.all_finite, s))
+        got = np.asarray(jax.jit(fn)(stacked)).tolist()
+    assert got == expected
+    assert np.asarray(validation.finite_mask(jax.tree.map(lambda *xs: jnp.stack(xs), *rows))
+                      ).tolist() == expected

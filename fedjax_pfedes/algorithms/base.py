@@ -145,6 +145,11 @@ class Algorithm:
       state_needs_acceptance: a client whose upload the server rejects keeps its state from
         before the round (SCAFFOLD: its control variate c_i must stay the one the server's c
         was built from, else c drifts from the mean of the clients' controls).
+      mean_server_step: `server_update` reads each group only through
+        `aggregation.weighted_mean` (or `mean_over_cohorts`), so a group may arrive reduced to
+        one row, the group's weighted mean, with the group's total weight: the 'scan' strategy
+        then sums the uploads as they are made instead of stacking them (`upload.streaming`).
+        A conformance test checks the claim for every method that makes it.
     """
 
     name: str
@@ -158,6 +163,7 @@ class Algorithm:
     state_needs_acceptance: bool = False
     norm_keys: tuple[str, ...] = ()
     server_metrics: Callable[[PyTree, PyTree], dict[str, jax.Array]] | None = None
+    mean_server_step: bool = False
 
 
 def with_fresh_local_optimizer(program: CohortProgram) -> CohortProgram:

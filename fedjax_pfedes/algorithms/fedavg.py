@@ -178,7 +178,7 @@ def fedavg(cfg: FedAvgConfig) -> Algorithm:
         return classifier_program(init_client, client_update, predict)
 
     return Algorithm(cfg.name, init_server, broadcast, broadcast, server_update, cohort_program,
-                     aggregation="per_cohort")
+                     aggregation="per_cohort", mean_server_step=True)
 
 
 # Server optimizer of each FedAvg-family name.

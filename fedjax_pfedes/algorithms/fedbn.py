@@ -153,7 +153,7 @@ def fedbn(cfg: FedAvgConfig) -> Algorithm:
         return classifier_program(init_client, client_update, predict)
 
     return Algorithm("fedbn", init_server, broadcast, broadcast, server_update, cohort_program,
-                     aggregation="per_cohort")
+                     aggregation="per_cohort", mean_server_step=True)
 
 register(AlgorithmEntry(
     "fedbn", lambda inputs: fedbn(fedavg_config(inputs, "fedbn")), aggregation="per_cohort",

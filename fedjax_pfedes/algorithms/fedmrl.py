@@ -144,7 +144,8 @@ def fedmrl(cfg: HeteroConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("fedmrl", init_server, broadcast, broadcast, server_update, cohort_program)
+    return Algorithm("fedmrl", init_server, broadcast, broadcast, server_update, cohort_program,
+                     mean_server_step=True)
 
 register(AlgorithmEntry(
     "fedmrl", lambda inputs: fedmrl(hetero_config(inputs)), asynchronous=True,

@@ -112,7 +112,8 @@ def fml(cfg: HeteroConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("fml", init_server, broadcast, broadcast, server_update, cohort_program)
+    return Algorithm("fml", init_server, broadcast, broadcast, server_update, cohort_program,
+                     mean_server_step=True)
 
 register(AlgorithmEntry(
     "fml", lambda inputs: fml(hetero_config(inputs)), asynchronous=True, shared_model=True,

@@ -138,7 +138,7 @@ def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
         return global_head_program(arch, cfg, head_upload)
 
     return Algorithm("lg_fedavg", init_server, broadcast, broadcast, server_update,
-                     cohort_program)
+                     cohort_program, mean_server_step=True)
 
 def hetero_config(inputs: BuildInputs) -> HeteroConfig:
     """`HeteroConfig` of the model-heterogeneous baselines from their config sections

@@ -325,7 +325,8 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
         return {"proxy_relative_change": relative_change(old.proxy_params, new.proxy_params)}
 
     return Algorithm("pfedes", init_server, broadcast, broadcast, server_update, cohort_program,
-                     dp_sgd_releases_per_step=2, server_metrics=server_metrics)
+                     dp_sgd_releases_per_step=2, server_metrics=server_metrics,
+                     mean_server_step=True)
 
 def _build(inputs: BuildInputs) -> Algorithm:
     c = inputs.config

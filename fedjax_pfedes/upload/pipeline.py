@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes import aggregation
-from fedjax_pfedes.upload import compression, privacy, robust, stages, validation
+from fedjax_pfedes.upload import compression, privacy, robust, stages, streaming, validation
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 
 # Default of config.upload.norm_outlier_factor: an update whose L2 norm exceeds 10x the median of
@@ -177,7 +177,11 @@ class CohortUploads:
     which slots are real [slots], their global client ids [slots] (-1 = padding), the rows
     of the cohort's clients they occupy [slots], which slots run their own code instead of
     the client halves of the chain [slots] (malicious clients; None = none), and every sample
-    each client holds, training and local test [slots] (None = the training counts)."""
+    each client holds, training and local test [slots] (None = the training counts); `facts`
+    the client halves' per-client facts [slots] already computed with the uploads
+    (`UploadPipeline.client_facts` inside the cohort's program; None = computed here), used
+    only by a pipeline that transforms nothing; `reduced` the carry of a streamed cohort
+    (`upload.streaming`: its uploads were summed as they were made, `uploads` is None)."""
 
     uploads: Any
     template: Any
@@ -187,6 +191,8 @@ class CohortUploads:
     slots: np.ndarray
     skips_client_code: np.ndarray | None = None
     all_sizes: jax.Array | None = None
+    facts: dict[str, np.ndarray] | None = None
+    reduced: dict | None = None
 
 
 def _mismatch(c: CohortUploads) -> str:
@@ -323,6 +329,16 @@ class UploadPipeline:
                 memory[stage.name] = own
         return delta, memory, info
 
+    def client_facts(self, upload, template) -> dict[str, jax.Array]:
+        """One client's facts for the server-side checks ('finite', 'norm', ...), when no stage
+        transforms (`active` is False: no stage keeps a state or draws a key): the same values
+        `process` computes from the stacked uploads, for a cohort's program to compute while
+        the client's upload is in cache (`CohortUploads.facts`)."""
+        if self.active:
+            raise ValueError("UploadPipeline.client_facts: the pipeline transforms uploads; its "
+                             "client halves need their states and keys (process computes them)")
+        return self._one_client(upload, template, {}, None)[2]
+
     def _one_rogue_client(self, upload, template, key):
         """What the server receives from a client that runs its own code: its raw update, with
         only the stages the server enforces on what it sees applied (`server_enforced`)."""
@@ -365,9 +381,14 @@ class UploadPipeline:
         arrived, new_rows = {}, {}
         for k, (arch, c) in enumerate(cohorts.items()):
             ok = np.asarray(c.valid).copy()
+            if c.reduced is not None:  # streamed: only the facts, the stages decide on them
+                r.sent[arch], r.valid[arch] = None, ok
+                r.info[arch] = {**c.facts, "skips_client_code": np.zeros(len(ok), bool)}
+                continue
             uploads = c.uploads
-            if validation.fingerprint(uploads, leading_axes=1) != validation.fingerprint(
-                    c.template):
+            mismatch = validation.fingerprint(uploads, leading_axes=1) != validation.fingerprint(
+                c.template)
+            if mismatch:
                 self._reject(round_index, c.client_ids[ok], _mismatch(c), report)
                 ok[:] = False
                 uploads = _replicate(c.template, len(ok))
@@ -377,6 +398,9 @@ class UploadPipeline:
             if self.active:
                 r.sent[arch], new_rows[arch], info = self._client_side(uploads, c.template,
                                                                        memory_rows, keys)
+            elif c.facts is not None and not mismatch:
+                # nothing is transformed and the cohort's program computed the facts
+                r.sent[arch], info = None, c.facts
             else:  # nothing is transformed: only the checks' facts, no stacked deltas
                 r.sent[arch] = None
                 new_rows[arch], info = self._client_facts(uploads, c.template, memory_rows,
@@ -396,8 +420,14 @@ class UploadPipeline:
         if not self.active:  # the uploads as they arrived; rejected slots hold the template
             groups = {}
             for arch, c in cohorts.items():
-                # rejected slots hold the template: NaN x 0 weight is still NaN
                 rejected = np.asarray(c.valid) & ~r.valid[arch]
+                if c.reduced is not None:  # the held-aside uploads the stages rejected
+                    entered = np.asarray(c.valid) & (np.asarray(r.info[arch]["finite"])
+                                                     | (not cfg.reject_nonfinite))
+                    groups[arch] = streaming.finalize(c.reduced, r.valid[arch],
+                                                      rejected & entered, arch, round_index)
+                    continue
+                # rejected slots hold the template: NaN x 0 weight is still NaN
                 shape = (arch, len(rejected))
                 if rejected.any() or shape not in self._compiled_shapes:
                     self._compiled_shapes.add(shape)

@@ -128,8 +128,7 @@ class FiniteCheck(UploadStage):
     name = "finite_check"
 
     def client(self, delta, memory, key, info):
-        finite = validation.finite_mask(jax.tree.map(lambda a: a[None], delta))[0]
-        return delta, memory, {**info, "finite": finite}
+        return delta, memory, {**info, "finite": validation.all_finite(delta)}
 
     def server_enforced(self, secagg: bool) -> bool:
         return not secagg  # the server checks what it sees; under secure aggregation it sees none

@@ -35,6 +35,17 @@ def finite_mask(stacked) -> jax.Array:
     return jnp.stack(flags).all(axis=0)
 
 
+def all_finite(tree) -> jax.Array:
+    """Whether every value of ONE client's update `tree` is finite. Its sum of squares is
+    finite only if every value is (NaN and Inf propagate), so that one reduction, the same one
+    `update_norms` makes (computed once where both are asked for), decides the common case;
+    only when it is not finite (a non-finite value, or squares past float32's range) does the
+    exact check run (`finite_mask`)."""
+    one = jax.tree.map(lambda a: a[None], tree)
+    return jax.lax.cond(jnp.isfinite(update_norms(one)[0]), lambda: jnp.bool_(True),
+                        lambda: finite_mask(one)[0])
+
+
 def update_norms(deltas) -> jax.Array:
     """[slots] global L2 norm of each slot's update (non-finite slots give inf/nan)."""
     leaves = jax.tree.leaves(deltas)
@@ -49,19 +60,19 @@ def model_part(tree, keys: tuple[str, ...]):
     return {k: tree[k] for k in keys} if keys else tree
 
 
+def upload_norm(upload, template, keys: tuple[str, ...] = ()) -> jax.Array:
+    """L2 norm of ONE client's upload minus `template`, over the entries `keys` only when
+    given (`model_part`)."""
+    return update_norms(jax.tree.map(
+        lambda u, t: (u.astype(jnp.float32) - t.astype(jnp.float32))[None],
+        model_part(upload, keys), model_part(template, keys)))[0]
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def upload_norms(stacked, template, keys: tuple[str, ...] = ()) -> jax.Array:
-    """[slots] L2 norm of each slot's upload minus `template` (one compiled call), over the
-    entries `keys` only when given (`model_part`). One slot at a time (`lax.map`): XLA:CPU
-    reduces the whole stack at once several times slower (docs/performance.md)."""
-    template = model_part(template, keys)
-
-    def one(upload):
-        return update_norms(jax.tree.map(
-            lambda u, t: (u.astype(jnp.float32) - t.astype(jnp.float32))[None],
-            upload, template))[0]
-
-    return jax.lax.map(one, model_part(stacked, keys))
+    """[slots] `upload_norm` of each slot (one compiled call). One slot at a time (`lax.map`):
+    XLA:CPU reduces the whole stack at once several times slower (docs/performance.md)."""
+    return jax.lax.map(lambda upload: upload_norm(upload, template, keys), stacked)
 
 
 def norm_outliers(norms: jax.Array, valid: jax.Array, factor: float) -> jax.Array:

@@ -1,0 +1,170 @@
+"""The 'scan' strategy's streaming aggregation (`fedjax_pfedes/upload/streaming.py`): uploads summed
+as they are made, the largest held aside for the norm rule, equal to the weighted mean of the
+accepted stacked uploads; the methods that claim a weighted-mean server step; the engine's
+streamed round against the loop's."""
+
+import json
+
+import fl_helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pfedes import execution
+from fedjax_pfedes.algorithms import registry
+from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.upload import streaming
+
+
+def _uploads(n=9, seed=0):
+    """n uploads of a two-leaf model, their sizes and per-client facts (plain numpy)."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(n, 4, 3)).astype(np.float32)
+    b = rng.normal(size=(n, 3)).astype(np.float32)
+    sizes = rng.integers(5, 40, n).astype(np.int32)
+    return w, b, sizes
+
+
+def _stream(reducer, w, b, sizes, finite, valid):
+    """Adds the uploads one at a time in a jitted `lax.scan`, like the 'scan' runner."""
+    norms = np.sqrt((w.astype(np.float64) ** 2).sum((1, 2)) + (b.astype(np.float64) ** 2)
+                    .sum(1)).astype(np.float32)
+
+    @jax.jit
+    def run(w, b, sizes, norms, finite, valid):
+        def body(carry, xs):
+            wi, bi, size, norm, fin, slot, ok = xs
+            return reducer.add(carry, {"w": wi, "b": bi}, {"finite": fin, "norm": norm}, size,
+                               slot, ok), None
+        start = reducer.init({"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)})
+        slots = jnp.arange(len(sizes), dtype=jnp.int32)
+        return jax.lax.scan(body, start, (w, b, sizes, norms, finite, slots, valid))[0]
+
+    return run(w, b, sizes, norms, finite, valid), norms
+
+
+def _by_hand(w, b, sizes, accepted):
+    """The sample-weighted mean of the accepted uploads, in float64 numpy."""
+    weight = sizes.astype(np.float64) * accepted
+    return ((weight[:, None, None] * w).sum(0) / weight.sum(),
+            (weight[:, None] * b).sum(0) / weight.sum(), weight.sum())
+
+
+@pytest.mark.parametrize("hold", [0, 3])
+def test_the_streamed_mean_is_the_mean_of_the_accepted_uploads(hold):
+    """A non-finite upload never enters the sum; a padded slot neither; with hold > 0 the
+    largest uploads per sample are held aside and only those still accepted are added."""
+    w, b, sizes = _uploads()
+    w[4] *= 1e3  # an outlier the norm rule will reject
+    w[6, 0, 0] = np.nan
+    finite = np.isfinite(w).all((1, 2))
+    valid = np.ones(len(sizes), bool)
+    valid[8] = False  # a padded slot
+    carry, norms = _stream(streaming.reducer(hold, True), w, b, sizes, finite, valid)
+    accepted = valid & finite
+    if hold:
+        accepted[4] = False  # what the norm rule decides on the host
+        assert 4 in np.asarray(carry[streaming.HELD_SLOT]).tolist()
+    rejected = valid & finite & ~accepted
+    mean, total = streaming.finalize(carry, accepted, rejected, "mlp", 0)
+    want_w, want_b, want_total = _by_hand(np.nan_to_num(w), b, sizes, accepted)
+    np.testing.assert_allclose(mean["w"][0], want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mean["b"][0], want_b, rtol=1e-5, atol=1e-6)
+    assert float(total[0]) == want_total
+
+
+def test_more_rejections_than_held_uploads_stop_the_round_naming_the_field():
+    w, b, sizes = _uploads()
+    finite = np.ones(len(sizes), bool)
+    carry, norms = _stream(streaming.reducer(2, True), w, b, sizes, finite, finite)
+    order = np.argsort(-(norms / sizes))
+    rejected = np.zeros(len(sizes), bool)
+    rejected[order[:3]] = True  # the three largest per sample: only two were held
+    with pytest.raises(streaming.HeldUploadsExceeded, match="scan_held_uploads"):
+        streaming.finalize(carry, ~rejected, rejected, "mlp", 4)
+    rejected[order[2]] = False  # two: both held, nothing raised
+    mean, _ = streaming.finalize(carry, ~rejected, rejected, "mlp", 4)
+    np.testing.assert_allclose(mean["w"][0], _by_hand(w, b, sizes, ~rejected)[0], rtol=1e-5)
+
+
+def test_a_reducer_needs_the_scan_strategy():
+    from test_execution import _setup
+    _, program, data, states, server = _setup("mlp")
+    runner = execution.make_runner(program, "vmap")
+    bcast = execution.Finishing(server.proxy_params, server.proxy_params,
+                                lambda u, t: {}, streaming.reducer(0, True))
+    with pytest.raises(ValueError, match="'scan' strategy"):
+        runner.update(bcast, states, data, np.array([0, 1], np.int32),
+                      jax.random.split(jax.random.key(0), 2))
+
+
+@pytest.mark.parametrize("name", [n for n in registry.names()
+                                  if n not in ("standalone",)])
+def test_a_mean_server_step_takes_its_groups_reduced_to_one_row(name):
+    """Conformance of `Algorithm.mean_server_step`: where a method claims it, its server step
+    on each cohort's stacked uploads equals its step on the groups reduced to (weighted mean,
+    total weight). Methods that do not claim it are skipped (the 'scan' strategy stacks)."""
+    from fedjax_pfedes.builders import build_context, build_federated_data
+    config = fl_helpers.tiny_config(rounds=1, num_clients=6)
+    config.algorithm = name
+    ctx, state = build_context(config, build_federated_data(config))
+    alg = ctx.algorithm
+    if not alg.mean_server_step:
+        pytest.skip(f"{name} does not claim a weighted-mean server step")
+    rng = np.random.default_rng(1)
+    groups, reduced = {}, {}
+    for cohort in ctx.cohorts:
+        template = alg.upload_template(state.server, cohort.arch)
+        stacked = jax.tree.map(lambda t: jnp.asarray(
+            np.asarray(t)[None] + rng.normal(size=(3,) + np.shape(t)).astype(np.float32)),
+            template)
+        weights = jnp.asarray([3.0, 0.0, 7.0])
+        groups[cohort.arch] = (stacked, weights)
+        share = weights / weights.sum()
+        mean = jax.tree.map(lambda s, share=share: jnp.tensordot(share, s, axes=1)[None], stacked)
+        reduced[cohort.arch] = (mean, weights.sum()[None])
+    full = alg.server_update(state.server, groups)
+    short = alg.server_update(state.server, reduced)
+    jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, rtol=2e-5, atol=2e-6),
+                 full, short)
+
+
+def _metrics(workdir):
+    return [json.loads(line) for line in open(f"{workdir}/metrics.jsonl")]
+
+
+@pytest.mark.slow  # two 3-round runs per method
+@pytest.mark.parametrize("name,factor", [("fedavg", 10.0), ("pfedes", 1.1)])
+def test_a_streamed_scan_run_gives_the_loops_numbers(name, factor, tmp_path, monkeypatch):
+    """A whole run with the 'scan' strategy, which streams these methods' uploads (client
+    states on the device or offloaded to the host), against the 'loop' strategy, which stacks
+    them: the same accuracies, losses, update norms and
+    rejections (factor 1.1 makes the norm rule reject some uploads, which the scan held
+    aside)."""
+    streamed = []
+    finalize = streaming.finalize
+    monkeypatch.setattr(streaming, "finalize", lambda *a: streamed.append(1) or finalize(*a))
+    runs = {}
+    for variant in ("loop", "scan", "scan/offload"):
+        strategy, _, states = variant.partition("/")
+        config = fl_helpers.tiny_config(rounds=3)
+        config.algorithm = name
+        config.execution.strategy = strategy
+        config.execution.client_states = states or "device"
+        config.execution.scan_held_uploads = 8
+        config.upload.norm_outlier_factor = factor
+        config.eval.every = 1
+        workdir = tmp_path / variant.replace("/", "_")
+        run_experiment(config, str(workdir), show_progress=False)
+        runs[variant] = _metrics(workdir)
+    for scanned in ("scan", "scan/offload"):  # offloaded: the bucket's slots are compacted
+        for loop, scan in zip(runs["loop"], runs[scanned], strict=True):
+            for key, value in loop.items():
+                if key.endswith("_s") or not isinstance(value, float):
+                    assert key.endswith("_s") or scan[key] == value, key
+                    continue
+                assert scan[key] == pytest.approx(value, rel=2e-4, abs=2e-5), key
+    assert len(streamed) == 6  # one streamed cohort, every round of 'scan', none of 'loop'
+    if factor < 2:
+        assert sum(r["uploads_rejected"] for r in runs["scan"]) > 0
