@@ -166,9 +166,8 @@ def fedavg(cfg: FedAvgConfig) -> Algorithm:
             (params, _), sums, n_active = local_training.run_local_epochs(
                 train_step, carry, data, rng, cfg.local_schedule(),
                 step_keys=cfg.dp_sgd is not None)
-            delta = jax.tree.map(jnp.subtract, params, global_params)
             metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
-                       "local_steps": n_active, "update_norm": optax.tree.norm(delta)}
+                       "local_steps": n_active}
             return params, ClientState(state.rounds + 1), metrics
 
         def predict(global_params, state: ClientState, x):

@@ -140,9 +140,7 @@ def fedbn(cfg: FedAvgConfig) -> Algorithm:
             new_shared, new_local = split_params(params, bn_modules)
             upload = _path_keys(new_shared)
             metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
-                       "local_steps": n_active,
-                       "update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, upload,
-                                                                   shared))}
+                       "local_steps": n_active}
             return upload, ClientState(_path_keys(new_local), batch_stats,
                                        state.rounds + 1), metrics
 

@@ -156,7 +156,6 @@ def fedkd(cfg: HeteroConfig) -> Algorithm:
             n = jnp.maximum(n_active, 1.0)
             metrics = {"train_ce_loss": sums[0] / n, "train_mentee_ce_loss": sums[1] / n,
                        "train_hidden_loss": sums[2] / n, "local_steps": n_active,
-                       "update_norm": optax.tree.norm(update),
                        "upload_encoded_params": sent}
             return compressed, ClientState(mentor, w_h, opt_private), metrics
 

@@ -134,9 +134,7 @@ def fedmrl(cfg: HeteroConfig) -> Algorithm:
             upload = shared_part(params)
             n = jnp.maximum(n_active, 1.0)
             metrics = {"train_ce_loss": sums[0] / n, "train_shared_ce_loss": sums[1] / n,
-                       "local_steps": n_active,
-                       "update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, upload,
-                                                                   shared))}
+                       "local_steps": n_active}
             return upload, ClientState(params, opt_state), metrics
 
         def predict(shared, state: ClientState, x):

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import struct
 
 from fedjax_pfedes import aggregation, local_training
@@ -100,8 +99,7 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
             safe_a = jnp.maximum(a, 1e-12)
             normalized = jax.tree.map(lambda xo, yo: (xo - yo) / safe_a, x, y)
             metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
-                       "local_steps": n_active,
-                       "update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, y, x))}
+                       "local_steps": n_active}
             return ({"normalized_update": normalized, "solver_norm": a},
                     ClientState(state.rounds + 1), metrics)
 

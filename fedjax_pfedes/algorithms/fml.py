@@ -101,9 +101,7 @@ def fml(cfg: HeteroConfig) -> Algorithm:
                 train_step, carry, data, rng, cfg.local_schedule())
             n = jnp.maximum(n_active, 1.0)
             metrics = {"train_ce_loss": sums[0] / n, "train_meme_ce_loss": sums[1] / n,
-                       "local_steps": n_active,
-                       "update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, new_meme,
-                                                                   meme))}
+                       "local_steps": n_active}
             return new_meme, ClientState(private, opt_p), metrics
 
         def predict(meme, state: ClientState, x):

@@ -180,9 +180,7 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
                 f_ce = f_sums[0] / jnp.maximum(f_n, 1.0)
                 g_ce = g_sums[0] / jnp.maximum(g_n, 1.0)
                 steps = f_n + g_n
-            delta = jax.tree.map(jnp.subtract, local_g, global_g)
-            metrics = {"train_ce_loss": f_ce, "train_g_ce_loss": g_ce,
-                       "local_steps": steps, "update_norm": optax.tree.norm(delta)}
+            metrics = {"train_ce_loss": f_ce, "train_g_ce_loss": g_ce, "local_steps": steps}
             return local_g, ClientState(params, opt_state), metrics
 
         def predict(global_g, state: ClientState, x):

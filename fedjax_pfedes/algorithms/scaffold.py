@@ -132,8 +132,7 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
             new_control = local_training.select_tree(n_active > 0, new_control, state.control)
             control_delta = jax.tree.map(jnp.subtract, new_control, state.control)
             metrics = {"train_ce_loss": sums[0] / jnp.maximum(n_active, 1.0),
-                       "local_steps": n_active,
-                       "update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, y, x))}
+                       "local_steps": n_active}
             return ({"params": y, "control_delta": control_delta},
                     ClientState(new_control, state.rounds + 1), metrics)
 
