@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -73,7 +74,7 @@ class RunContext:
     attack: attacks.AttackConfig = attacks.AttackConfig()  # simulated malicious clients
     server_metrics: Any = None  # jitted Algorithm.server_metrics, or None
     finish: Any = None  # `upload_finish`: per-client facts inside the cohort's program, or None
-    reducer: Any = None  # `upload.streaming` reducer for 'scan' cohorts (`stream_reducer`)
+    reducer: Any = None  # bucket -> `upload.streaming` reducer of 'scan' cohorts, or None
 
     @property
     def num_clients(self) -> int:
@@ -122,17 +123,18 @@ def upload_finish(algorithm, pipeline: UploadPipeline):
 
 
 def stream_reducer(config: ml_collections.ConfigDict, algorithm, pipeline: UploadPipeline):
-    """The reducer with which 'scan' cohorts sum their uploads as they are made
-    (`upload.streaming`), or None where the stacked uploads are needed: the server step must
-    be a weighted mean (`Algorithm.mean_server_step`), the upload pipeline must transform
-    nothing (no compression, privacy, robust aggregation or other weights than samples), and
-    the rounds synchronous (buffered asynchronous rounds keep each upload)."""
+    """bucket -> the reducer with which a 'scan' cohort of that bucket sums its uploads as
+    they are made (`upload.streaming`), or None where the stacked uploads are needed: the
+    server step must be a weighted mean (`Algorithm.mean_server_step`), the upload pipeline
+    must transform nothing (no compression, privacy, robust aggregation or other weights than
+    samples), and the rounds synchronous (buffered asynchronous rounds keep each upload)."""
     if (not algorithm.mean_server_step or pipeline.active or config.asynchronous.enabled
             or pipeline.aggregation not in ("per_cohort", "shared")):
         return None
     factor, _ = outlier_rule(pipeline.cfg)
     hold = int(config.execution.scan_held_uploads) if factor > 0 else 0
-    return streaming.reducer(hold, bool(pipeline.cfg.reject_nonfinite))
+    return functools.partial(streaming.reducer, hold,
+                             reject_nonfinite=bool(pipeline.cfg.reject_nonfinite))
 
 
 def train_arrays(ctx: RunContext, cohort: Cohort, step_limits: dict[int, int]):
@@ -169,7 +171,8 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         # attack rewrites the uploads after it.
         finish = (ctx.finish if ctx.finish is not None and not ctx.attack.active
                   and jax.tree.leaves(template) else None)
-        reducer = ctx.reducer if finish is not None and cohort.runner.strategy == "scan" else None
+        reducer = (ctx.reducer(cohort.bucket) if ctx.reducer is not None and finish is not None
+                   and cohort.runner.strategy == "scan" else None)
         sent = broadcast if finish is None else execution.Finishing(broadcast, template, finish,
                                                                     reducer)
         stacked, clients[cohort.arch], metrics = cohort.runner.update(

@@ -61,11 +61,11 @@ def test_the_streamed_mean_is_the_mean_of_the_accepted_uploads(hold):
     finite = np.isfinite(w).all((1, 2))
     valid = np.ones(len(sizes), bool)
     valid[8] = False  # a padded slot
-    carry, norms = _stream(streaming.reducer(hold, True), w, b, sizes, finite, valid)
+    carry, norms = _stream(streaming.reducer(hold, len(sizes), True), w, b, sizes, finite, valid)
     accepted = valid & finite
     if hold:
         accepted[4] = False  # what the norm rule decides on the host
-        assert 4 in np.asarray(carry[streaming.HELD_SLOT]).tolist()
+        assert 4 in np.asarray(carry[streaming.HELD_AT]).tolist()
     rejected = valid & finite & ~accepted
     mean, total = streaming.finalize(carry, accepted, rejected, "mlp", 0)
     want_w, want_b, want_total = _by_hand(np.nan_to_num(w), b, sizes, accepted)
@@ -74,18 +74,35 @@ def test_the_streamed_mean_is_the_mean_of_the_accepted_uploads(hold):
     assert float(total[0]) == want_total
 
 
-def test_more_rejections_than_held_uploads_stop_the_round_naming_the_field():
-    w, b, sizes = _uploads()
-    finite = np.ones(len(sizes), bool)
-    carry, norms = _stream(streaming.reducer(2, True), w, b, sizes, finite, finite)
-    order = np.argsort(-(norms / sizes))
-    rejected = np.zeros(len(sizes), bool)
-    rejected[order[:3]] = True  # the three largest per sample: only two were held
-    with pytest.raises(streaming.HeldUploadsExceeded, match="scan_held_uploads"):
-        streaming.finalize(carry, ~rejected, rejected, "mlp", 4)
-    rejected[order[2]] = False  # two: both held, nothing raised
-    mean, _ = streaming.finalize(carry, ~rejected, rejected, "mlp", 4)
-    np.testing.assert_allclose(mean["w"][0], _by_hand(w, b, sizes, ~rejected)[0], rtol=1e-5)
+def _in_order(w, b, sizes, order):
+    return w[order], b[order], sizes[order]
+
+
+def test_a_rejected_upload_that_was_not_held_stops_the_round_naming_the_field():
+    """Arriving largest first, the third largest upload never enters the running top 2, so it
+    is summed; rejecting it cannot be undone. Arriving smallest first with 1 held, every upload
+    enters and the 8 rows run out before the largest arrives: rejecting it cannot either.
+    Rejecting only what was held works in both orders."""
+    w, b, sizes = _uploads(n=12)
+    score = np.sqrt((w ** 2).sum((1, 2)) + (b ** 2).sum(1)) / sizes
+    for hold, order in ((2, np.argsort(-score)), (1, np.argsort(score))):
+        w_o, b_o, s_o = _in_order(w, b, sizes, order)
+        ones = np.ones(len(s_o), bool)
+        carry, _ = _stream(streaming.reducer(hold, len(s_o), True), w_o, b_o, s_o, ones, ones)
+        held = set(np.asarray(carry[streaming.HELD_AT]).tolist()) - {-1}
+        largest = np.argsort(-(score[order]))  # positions, largest first
+        rejected = np.zeros(len(s_o), bool)
+        rejected[largest[:hold + 1]] = True
+        if hold == 1:
+            rejected[:] = False
+            rejected[largest[0]] = True  # one rejection, but its upload came after the rows
+        assert not set(np.flatnonzero(rejected)) <= held
+        with pytest.raises(streaming.HeldUploadsExceeded, match="scan_held_uploads"):
+            streaming.finalize(carry, ~rejected, rejected, "mlp", 4)
+        fine = np.zeros(len(s_o), bool)
+        fine[sorted(held)[:1]] = True
+        mean, _ = streaming.finalize(carry, ~fine, fine, "mlp", 4)
+        np.testing.assert_allclose(mean["w"][0], _by_hand(w_o, b_o, s_o, ~fine)[0], rtol=1e-5)
 
 
 def test_a_reducer_needs_the_scan_strategy():
@@ -93,7 +110,7 @@ def test_a_reducer_needs_the_scan_strategy():
     _, program, data, states, server = _setup("mlp")
     runner = execution.make_runner(program, "vmap")
     bcast = execution.Finishing(server.proxy_params, server.proxy_params,
-                                lambda u, t: {}, streaming.reducer(0, True))
+                                lambda u, t: {}, streaming.reducer(0, 2, True))
     with pytest.raises(ValueError, match="'scan' strategy"):
         runner.update(bcast, states, data, np.array([0, 1], np.int32),
                       jax.random.split(jax.random.key(0), 2))

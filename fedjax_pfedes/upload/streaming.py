@@ -12,12 +12,16 @@ stages decide after the scan exactly as on stacked uploads:
 - the finite check is per client: a non-finite upload never enters the sum (when
   `config.upload.reject_nonfinite`);
 - the norm rule compares each norm per local sample with the round's median, known only at the
-  end. The `hold` uploads with the largest norm per sample are therefore held aside in the carry
-  (a new upload larger than the smallest held one takes its place, and that one joins the sum);
-  the rule can only reject uploads larger than every upload it keeps, so as long as it rejects
-  at most `hold` uploads of a cohort, those are all held and simply not added (`finalize`).
-  More rejections than that cannot be undone from a sum: the round stops with an error naming
-  `config.execution.scan_held_uploads`.
+  end, and it can only reject the largest ones. The scan therefore keeps the `hold` largest
+  norms per sample seen so far (scalars), and an upload that enters them is written to a row
+  of its own in the carry instead of the sum (up to `rows` of them; the expected number of such
+  arrivals in random order is about hold x (1 + ln(participants / hold))). After the scan the
+  held uploads the stages kept are added (`finalize`). Every upload among the round's `hold`
+  largest was among the largest seen when it arrived, so as long as the rule rejects at most
+  `hold` uploads of a cohort they are all held and simply not added; otherwise (or when rows
+  ran out before a rejected upload arrived) the round stops with an error naming
+  `config.execution.scan_held_uploads`. The held rows are only ever written inside the scan
+  (a row read there makes XLA:CPU copy the whole buffer every iteration).
 
 The result equals the weighted mean of the accepted stacked uploads up to the order of the
 float32 additions (tested against it in tests/test_streaming.py).
@@ -33,12 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 
 # What a streamed cohort's reduced carry holds.
-SUM, WEIGHT, HELD, HELD_SCORE, HELD_SLOT, HELD_WEIGHT = (
-    "sum", "weight", "held", "held_score", "held_slot", "held_weight")
+SUM, WEIGHT, TOP, HELD, HELD_AT, HELD_WEIGHT, COUNT = (
+    "sum", "weight", "top", "held", "held_at", "held_weight", "count")
+ROWS_PER_HOLD = 8  # rows for held uploads per upload the norm rule may reject
 
 
 class HeldUploadsExceeded(RuntimeError):
-    """The norm rule rejected more uploads of a cohort than the scan held aside."""
+    """The norm rule rejected an upload of a cohort the scan had not held aside."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +51,15 @@ class StreamingMean:
     """The reducer of `execution.Finishing` for 'samples'-weighted means (see the module).
 
     Attributes:
-      hold: uploads held aside per cohort for the norm rule (0: the rule is off).
+      hold: the most uploads of a cohort the norm rule may reject in a round (0: the rule is
+        off, nothing is held).
+      rows: rows for held uploads (`ROWS_PER_HOLD` x hold, at most the bucket).
       reject_nonfinite: whether non-finite uploads are rejected (else they enter the sum, as
         they enter the stacked mean).
     """
 
     hold: int
+    rows: int
     reject_nonfinite: bool
 
     def init(self, template) -> dict:
@@ -59,13 +67,13 @@ class StreamingMean:
         zeros = lambda shape: jax.tree.map(  # noqa: E731
             lambda t: jnp.zeros(shape + jnp.shape(t), jnp.float32), template)
         return {SUM: zeros(()), WEIGHT: jnp.zeros((), jnp.float32),
-                HELD: zeros((self.hold,)),
-                HELD_SCORE: jnp.full((self.hold,), -jnp.inf, jnp.float32),
-                HELD_SLOT: jnp.full((self.hold,), -1, jnp.int32),
-                HELD_WEIGHT: jnp.zeros((self.hold,), jnp.float32)}
+                TOP: jnp.full((self.hold,), -jnp.inf, jnp.float32),
+                HELD: zeros((self.rows,)), HELD_AT: jnp.full((self.rows,), -1, jnp.int32),
+                HELD_WEIGHT: jnp.zeros((self.rows,), jnp.float32),
+                COUNT: jnp.zeros((), jnp.int32)}
 
     def add(self, carry: dict, upload, facts: dict, size, position, valid) -> dict:
-        """`carry` with one client's `upload` added (or held aside).
+        """`carry` with one client's `upload` added to the sum, or held aside.
 
         Args:
           carry: from `init` or a previous `add`.
@@ -77,39 +85,27 @@ class StreamingMean:
         """
         weight = size.astype(jnp.float32)
         ok = valid if not self.reject_nonfinite else valid & facts["finite"]
-        upload = jax.tree.map(lambda u: u.astype(jnp.float32), upload)
-
-        if self.hold == 0:
-            return {**carry, SUM: jax.tree.map(lambda s, u: s + jnp.where(ok, weight * u, 0.0),
-                                               carry[SUM], upload),
-                    WEIGHT: carry[WEIGHT] + jnp.where(ok, weight, 0.0)}
-        # Without a branch (a `lax.cond` copies the whole carry in and out on XLA:CPU): held
-        # row k is read and rewritten every time, with itself unless this upload takes it.
-        score = facts["norm"] / jnp.maximum(weight, 1.0)  # the norm rule's per-sample norm
-        k = jnp.argmin(carry[HELD_SCORE])
-        take = ok & (score > carry[HELD_SCORE][k])
-        evicted_w = jnp.where(take & (carry[HELD_SLOT][k] >= 0), carry[HELD_WEIGHT][k], 0.0)
-        added_w = jnp.where(ok & ~take, weight, 0.0)
-
-        write = jnp.where(take, k, self.hold)  # out of range: the write is dropped
-
-        def leaf(s, h, u):  # `where`, not a zero weight: 0 x NaN is NaN
-            row = jax.lax.dynamic_index_in_dim(h, k, keepdims=False)
-            s = s + jnp.where(evicted_w > 0, evicted_w * row, 0.0) + jnp.where(
-                added_w > 0, added_w * u, 0.0)
-            return s, h.at[write].set(u, mode="drop")
-
-        out = jax.tree.map(leaf, carry[SUM], carry[HELD], upload)
-        treedef = jax.tree.structure(carry[SUM])
-        sums, held = (jax.tree.unflatten(treedef, [o[i] for o in treedef.flatten_up_to(out)])
-                      for i in (0, 1))
-        return {SUM: sums, WEIGHT: carry[WEIGHT] + evicted_w + added_w, HELD: held,
-                HELD_SCORE: carry[HELD_SCORE].at[k].set(
-                    jnp.where(take, score, carry[HELD_SCORE][k])),
-                HELD_SLOT: carry[HELD_SLOT].at[k].set(
-                    jnp.where(take, position.astype(jnp.int32), carry[HELD_SLOT][k])),
-                HELD_WEIGHT: carry[HELD_WEIGHT].at[k].set(
-                    jnp.where(take, weight, carry[HELD_WEIGHT][k]))}
+        held = jnp.bool_(False)
+        out = dict(carry)
+        if self.hold:
+            score = facts["norm"] / jnp.maximum(weight, 1.0)  # the norm rule's per sample
+            k = jnp.argmin(carry[TOP])
+            enters = ok & (score > carry[TOP][k])
+            out[TOP] = carry[TOP].at[k].set(jnp.where(enters, score, carry[TOP][k]))
+            held = enters & (carry[COUNT] < self.rows)
+            row = jnp.where(held, carry[COUNT], self.rows)  # out of range: nothing written
+            out[HELD] = jax.tree.map(
+                lambda h, u: h.at[row].set(u.astype(jnp.float32), mode="drop"),
+                carry[HELD], upload)
+            out[HELD_AT] = carry[HELD_AT].at[row].set(position.astype(jnp.int32), mode="drop")
+            out[HELD_WEIGHT] = carry[HELD_WEIGHT].at[row].set(weight, mode="drop")
+            out[COUNT] = carry[COUNT] + held.astype(jnp.int32)
+        into_sum = ok & ~held  # `where`, not a zero weight: 0 x NaN is NaN
+        out[SUM] = jax.tree.map(
+            lambda s, u: s + jnp.where(into_sum, weight * u.astype(jnp.float32), 0.0),
+            carry[SUM], upload)
+        out[WEIGHT] = carry[WEIGHT] + jnp.where(into_sum, weight, 0.0)
+        return out
 
 
 @jax.jit
@@ -117,8 +113,13 @@ def _finalize(carry: dict, accept_held: jax.Array):
     extra = accept_held.astype(jnp.float32) * carry[HELD_WEIGHT]
     total = carry[WEIGHT] + jnp.sum(extra)
     safe = jnp.where(total > 0, total, 1.0)
-    mean = jax.tree.map(lambda s, h: (s + jnp.tensordot(extra, h, axes=1)) / safe,
-                        carry[SUM], carry[HELD])
+    keep = accept_held
+
+    def leaf(s, h):  # rejected rows zeroed first: 0 x Inf is NaN
+        h = jnp.where(keep.reshape((-1,) + (1,) * (h.ndim - 1)), h, 0.0)
+        return (s + jnp.tensordot(extra, h, axes=1)) / safe
+
+    mean = jax.tree.map(leaf, carry[SUM], carry[HELD])
     return jax.tree.map(lambda m: m[None], mean), total[None]
 
 
@@ -134,23 +135,23 @@ def finalize(carry: dict, accepted: np.ndarray, rejected_for_norm: np.ndarray, a
       arch, round_index: the cohort and the 0-based round, for the error.
 
     Raises:
-      HeldUploadsExceeded: when an upload the norm rule rejected was not held aside (it
-        rejected more than `hold` uploads of the cohort), naming the config field.
+      HeldUploadsExceeded: when an upload the norm rule rejected is in the sum, naming the
+        config field.
     """
-    held_ids = np.asarray(jax.device_get(carry[HELD_SLOT]))
-    if np.setdiff1d(np.flatnonzero(rejected_for_norm), held_ids).size:
+    held_at = np.asarray(jax.device_get(carry[HELD_AT]))
+    if np.setdiff1d(np.flatnonzero(rejected_for_norm), held_at).size:
         raise HeldUploadsExceeded(
             f"round {round_index + 1}: the norm rule rejected {int(rejected_for_norm.sum())} "
-            f"uploads of cohort '{arch}', more than the {len(held_ids)} the 'scan' strategy holds "
-            "aside (config.execution.scan_held_uploads): raise it, or use "
-            "execution.strategy='loop'")
-    held = held_ids >= 0
-    accept_held = held & np.asarray(accepted, bool)[np.where(held, held_ids, 0)]
+            f"uploads of cohort '{arch}', one of them not held aside by the 'scan' strategy "
+            f"(it holds up to {int(np.shape(carry[TOP])[0])} per cohort, "
+            "config.execution.scan_held_uploads): raise it, or use execution.strategy='loop'")
+    held = held_at >= 0
+    accept_held = held & np.asarray(accepted, bool)[np.where(held, held_at, 0)]
     return _finalize(carry, jnp.asarray(accept_held))
 
 
 @functools.cache
-def reducer(hold: int, reject_nonfinite: bool) -> StreamingMean:
+def reducer(hold: int, bucket: int, reject_nonfinite: bool) -> StreamingMean:
     """One `StreamingMean` per setting (the same object every round: it is part of the
-    compiled program's identity)."""
-    return StreamingMean(hold, reject_nonfinite)
+    compiled program's identity), with `ROWS_PER_HOLD` x `hold` rows, at most `bucket`."""
+    return StreamingMean(hold, min(ROWS_PER_HOLD * hold, bucket), reject_nonfinite)
