@@ -5,6 +5,7 @@ jitted `lax.scan` of the same math.
   python -m benchmarks.cross_device --participants=10,100,1000 --strategies=scan,loop,vmap
   pip install -e ".[bench]"   # adds the PyTorch per-client loop's column (--notorch: without)
   python -m benchmarks.cross_device --participants=1000 --strategies=scan --breakdown
+  python -m benchmarks.cross_device --strategies=scan --private   # + DP and secure aggregation
 
 Work (the speed issue's "work B"): FedAvg, `mlp_small` (784-64 ReLU, then the 10-way classifier),
 synthetic MNIST-shaped uint8 data IID over N = max(1,000, 10 x participants) clients with 20
@@ -36,6 +37,9 @@ _ROUNDS = flags.DEFINE_integer("rounds", 12, "Rounds per measurement (>= 4).")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "Also print where the engine's round goes: "
                                "the cohorts' training program, the rest of the participants' "
                                "training step, the upload pipeline and the server step.")
+_PRIVATE = flags.DEFINE_bool("private", False, "Also time each strategy with client-level DP "
+                              "(clip 1, noise multiplier 1, uniform weights) and secure "
+                              "aggregation, and print its round time against the plain one.")
 _TORCH = flags.DEFINE_bool("torch", True, "Also time a PyTorch per-client loop of the same "
                            "work (benchmarks.torch_loop; needs the `bench` extra, skipped "
                            "without it).")
@@ -43,8 +47,10 @@ _SAMPLES = 25  # rows per client: 20 train, 5 local test
 _LR = 0.05
 
 
-def work_config(strategy: str, clients: int, participants: int, rounds: int):
-    """The engine's config of the work."""
+def work_config(strategy: str, clients: int, participants: int, rounds: int,
+                private: bool = False):
+    """The engine's config of the work (`private`: with client-level DP and secure
+    aggregation, the pipeline's other stages as configured by default)."""
     from configs import quickstart
     c = quickstart.get_config()
     c.algorithm = "fedavg"
@@ -57,6 +63,8 @@ def work_config(strategy: str, clients: int, participants: int, rounds: int):
     c.monitor.aggregation_loss = False
     c.execution.strategy = strategy
     c.execution.compilation_cache_dir = ""
+    if private:
+        c.dp.enabled, c.secagg.enabled, c.upload.weighting = True, True, "uniform"
     return c
 
 
@@ -72,12 +80,13 @@ def synthetic(clients: int):
                              min_samples_per_client=1)
 
 
-def engine_round_s(data, strategy: str, participants: int, rounds: int) -> tuple[float, float]:
+def engine_round_s(data, strategy: str, participants: int, rounds: int,
+                   private: bool = False) -> tuple[float, float]:
     """(median s/round of rounds 3.., mean local steps per participant)."""
     from fedjax_pfedes import rounds as engine_rounds
     from fedjax_pfedes.builders import build_context
-    ctx, state = build_context(work_config(strategy, data.num_clients, participants, rounds),
-                               data)
+    ctx, state = build_context(work_config(strategy, data.num_clients, participants, rounds,
+                                           private), data)
     times = []
     for r in range(rounds):
         t = time.perf_counter()
@@ -216,6 +225,10 @@ def main(argv):
             versus = ("— | —" if peer is None else f"{peer:.4f} | {peer / round_s:.2f}")
             print(f"| {m:,} | {n:,} | {strategy} | {round_s:.4f} | {m * steps / round_s:,.0f} | "
                   f"{reference:.4f} | {round_s / reference:.2f} | {versus} |", flush=True)
+            if _PRIVATE.value:
+                private_s, _ = engine_round_s(data, strategy, m, rounds, private=True)
+                print(f"  with client-level DP + secure aggregation: {private_s:.4f} s/round, "
+                      f"{private_s / round_s:.2f}x the plain round", flush=True)
             if _BREAKDOWN.value:
                 parts = engine_breakdown(data, strategy, m, rounds)
                 print("  " + ", ".join(f"{k} {v:.4f} s" for k, v in parts.items()),
