@@ -6,6 +6,7 @@ jitted `lax.scan` of the same math.
   pip install -e ".[bench]"   # adds the PyTorch per-client loop's column (--notorch: without)
   python -m benchmarks.cross_device --participants=1000 --strategies=scan --breakdown
   python -m benchmarks.cross_device --strategies=scan --private   # + DP and secure aggregation
+  python -m benchmarks.cross_device --strategies=scan --private --profile --notorch --rounds=5
 
 Work (the speed issue's "work B"): FedAvg, `mlp_small` (784-64 ReLU, then the 10-way classifier),
 synthetic MNIST-shaped uint8 data IID over N = max(1,000, 10 x participants) clients with 20
@@ -40,6 +41,9 @@ _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "Also print where the engine'
 _PRIVATE = flags.DEFINE_bool("private", False, "Also time each strategy with client-level DP "
                               "(clip 1, noise multiplier 1, uniform weights) and secure "
                               "aggregation, and print its round time against the plain one.")
+_PROFILE = flags.DEFINE_bool("profile", False, "Also print a cProfile of the engine's rounds "
+                              "3.. (the functions with the most cumulative time) for each "
+                              "strategy, with --private for the private configuration.")
 _TORCH = flags.DEFINE_bool("torch", True, "Also time a PyTorch per-client loop of the same "
                            "work (benchmarks.torch_loop; needs the `bench` extra, skipped "
                            "without it).")
@@ -94,6 +98,26 @@ def engine_round_s(data, strategy: str, participants: int, rounds: int,
         jax.block_until_ready(state.server)
         times.append(time.perf_counter() - t)
     return float(np.median(times[2:])), float(record["local_steps_mean"])
+
+
+def engine_profile(data, strategy: str, participants: int, rounds: int, private: bool,
+                   top: int = 12) -> None:
+    """Prints the `top` functions by cumulative time over rounds 3.. of the engine."""
+    import cProfile
+    import pstats
+
+    from fedjax_pfedes import rounds as engine_rounds
+    from fedjax_pfedes.builders import build_context
+    ctx, state = build_context(work_config(strategy, data.num_clients, participants, rounds,
+                                           private), data)
+    profile = cProfile.Profile()
+    for r in range(rounds):
+        if r == 2:
+            profile.enable()
+        state, _, _, _ = engine_rounds.sync_round(ctx, state, r)
+        jax.block_until_ready(state.server)
+    profile.disable()
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(top)
 
 
 def engine_breakdown(data, strategy: str, participants: int, rounds: int) -> dict[str, float]:
@@ -229,6 +253,8 @@ def main(argv):
                 private_s, _ = engine_round_s(data, strategy, m, rounds, private=True)
                 print(f"  with client-level DP + secure aggregation: {private_s:.4f} s/round, "
                       f"{private_s / round_s:.2f}x the plain round", flush=True)
+            if _PROFILE.value:
+                engine_profile(data, strategy, m, rounds, _PRIVATE.value)
             if _BREAKDOWN.value:
                 parts = engine_breakdown(data, strategy, m, rounds)
                 print("  " + ", ".join(f"{k} {v:.4f} s" for k, v in parts.items()),

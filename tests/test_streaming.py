@@ -185,3 +185,32 @@ def test_a_streamed_scan_run_gives_the_loops_numbers(name, factor, tmp_path, mon
     assert len(streamed) == 6  # one streamed cohort, every round of 'scan', none of 'loop'
     if factor < 2:
         assert sum(r["uploads_rejected"] for r in runs["scan"]) > 0
+
+
+@pytest.mark.parametrize("name", ["fedavg", "pfedes"])
+def test_a_rounds_host_reads_do_not_grow_with_its_participants(name, monkeypatch):
+    """The structure of a round, not its time: with the 'scan' strategy the values the host
+    reads from the device in one round (every `device_get`, `np.asarray` or `float` of a
+    device array goes through `ArrayImpl._value`) are as many with 16 participants as with 4.
+    (On CPU `jax.transfer_guard_device_to_host` does not see these reads, so they are counted
+    here instead.)"""
+    from jax._src import array as jax_array
+
+    from fedjax_pfedes import rounds
+    from fedjax_pfedes.builders import build_context, build_federated_data
+    original = jax_array.ArrayImpl._value
+    reads = []
+    monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(
+        lambda self: reads.append(1) or original.fget(self)))
+    counts = {}
+    for clients in (8, 32):
+        config = fl_helpers.tiny_config(rounds=3, num_clients=clients)
+        config.algorithm = name
+        config.execution.strategy = "scan"
+        ctx, state = build_context(config, build_federated_data(config))
+        for r in range(3):
+            reads.clear()
+            state, record, _, _ = rounds.sync_round(ctx, state, r)
+        counts[clients] = len(reads)
+        assert record["participants"] == clients // 2
+    assert counts[8] == counts[32], counts
