@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import tempfile
 from typing import Any
@@ -218,6 +219,14 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     batch_size = algorithm_registry.local_optimizer(config)["batch_size"]
     planned = sampling.planned_steps(sizes, capacity, batch_size, epochs,
                                      t.drop_partial_batch)
+    try:
+        attack = attacks.attack_config(config, n)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    # Per-client facts (and streaming under 'scan') in the training program: built once, the
+    # same objects for the strategy measurement and the rounds (part of the programs' identity).
+    finish = rounds.upload_finish(algorithm, pipeline)
+    reducer = rounds.stream_reducer(config, algorithm, pipeline)
     choices = {}
     # Clients that train per round, on average (FedBuff: the buffer's worth of arrivals).
     launches_per_round = (config.asynchronous.buffer_size if config.asynchronous.enabled
@@ -236,12 +245,16 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
                 strategies, sorted(next(iter(runners.values()))))
         cache_dir = compilation.configure_cache(config.execution.compilation_cache_dir)
         for c in cohorts:
+            broadcast = algorithm.broadcast(server_state, c.arch)
+            sent = functools.partial(rounds.sent_to_runner, finish, reducer, attack.active,
+                                     bucket=c.bucket, broadcast=broadcast,
+                                     template=algorithm.upload_template(server_state, c.arch))
             choice = strategy_choice.choose(strategy_choice.Trial(
-                f"{algorithm.name}/{c.arch}", runners[c.arch],
-                algorithm.broadcast(server_state, c.arch), client_states[c.arch], c.train,
-                c.bucket,
+                f"{algorithm.name}/{c.arch}", runners[c.arch], broadcast,
+                client_states[c.arch], c.train, c.bucket,
                 launches_per_round * len(c.client_ids) / n, planned[c.client_ids],
-                int(epochs.max()), batch_size), cache_dir)
+                int(epochs.max()), batch_size, sent=lambda r, sent=sent: sent(runner=r)),
+                cache_dir)
             c.runner = runners[c.arch][choice.strategy]
             choices[c.arch] = choice.as_dict()
     for c in cohorts:  # 'shard' reads data and states on its mesh: put them there once
@@ -262,10 +275,6 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     if not eligible.any():
         raise ConfigError(f"config.train.min_samples={t.min_samples}: no client has that many "
                           f"local samples (largest: {sizes.max()})")
-    try:
-        attack = attacks.attack_config(config, n)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     ctx = rounds.RunContext(
         config=config, algorithm=algorithm, cohorts=cohorts,
         server_step=jax.jit(algorithm.server_update),
@@ -281,8 +290,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         download_bytes={c.arch: float(tree_size(algorithm.broadcast(server_state, c.arch))[1])
                         for c in cohorts},
         step_limits=uses_step_limits(config), train_key=train_key, upload_key=upload_key,
-        attack=attack, finish=rounds.upload_finish(algorithm, pipeline),
-        reducer=rounds.stream_reducer(config, algorithm, pipeline))
+        attack=attack, finish=finish, reducer=reducer)
     return ctx, initial_state(ctx, server_state, client_states)
 
 

@@ -137,6 +137,19 @@ def stream_reducer(config: ml_collections.ConfigDict, algorithm, pipeline: Uploa
                              reject_nonfinite=bool(pipeline.cfg.reject_nonfinite))
 
 
+def sent_to_runner(finish, reducer, attack_active: bool, runner, bucket: int, broadcast,
+                   template):
+    """What a round passes a cohort's `runner.update` as its broadcast: the plain broadcast, or
+    an `execution.Finishing` that computes `finish` per client in the training program (not
+    when an attack rewrites the uploads after it, nor for methods that upload nothing) and,
+    for a 'scan' runner with a `reducer` (bucket -> reducer, `stream_reducer`), streams the
+    uploads. `strategy_choice` times the runners with the same."""
+    if finish is None or attack_active or not jax.tree.leaves(template):
+        return broadcast
+    streams = reducer is not None and runner.strategy == "scan"
+    return execution.Finishing(broadcast, template, finish, reducer(bucket) if streams else None)
+
+
 def train_arrays(ctx: RunContext, cohort: Cohort, step_limits: dict[int, int]):
     """The cohort's train arrays with this round's local-step caps: `step_limits` for the given
     clients (deadline partial work), their planned steps for the others."""
@@ -167,22 +180,18 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         ids = np.where(valid, cohort.client_ids[np.minimum(slots, len(cohort.client_ids) - 1)],
                        -1)
         keys = participant_keys(round_key, jnp.asarray(ids))
-        # The update norms and the checks' facts inside the training program, unless an
-        # attack rewrites the uploads after it.
-        finish = (ctx.finish if ctx.finish is not None and not ctx.attack.active
-                  and jax.tree.leaves(template) else None)
-        reducer = (ctx.reducer(cohort.bucket) if ctx.reducer is not None and finish is not None
-                   and cohort.runner.strategy == "scan" else None)
-        sent = broadcast if finish is None else execution.Finishing(broadcast, template, finish,
-                                                                    reducer)
+        sent = sent_to_runner(ctx.finish, ctx.reducer, ctx.attack.active, cohort.runner,
+                              cohort.bucket, broadcast, template)
+        finishing = isinstance(sent, execution.Finishing)
         stacked, clients[cohort.arch], metrics = cohort.runner.update(
             sent, clients[cohort.arch], train_arrays(ctx, cohort, step_limits), slots, keys)
-        reduced, stacked = (stacked, None) if reducer is not None else (None, stacked)
+        reduced, stacked = ((stacked, None) if finishing and sent.reducer is not None
+                            else (None, stacked))
         if ctx.attack.active:
             stacked = attacks.apply(stacked, template, ids, fold_in(round_key, ATTACK_STREAM),
                                     ctx.attack)
         norms = (validation.upload_norms(stacked, template, ctx.algorithm.norm_keys)
-                 if finish is None and valid.any() and jax.tree.leaves(template) else None)
+                 if not finishing and valid.any() and jax.tree.leaves(template) else None)
         # One device-to-host transfer for the cohort's per-client metrics, norms and facts.
         host, norms = jax.device_get((metrics, norms))
         facts = host.pop(execution.UPLOAD_FACTS, {})

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,9 @@ class Trial:
     planned_steps: np.ndarray
     epochs: int
     batch_size: int
+    # runner -> what a round passes its update as the broadcast (`rounds.sent_to_runner`: an
+    # `execution.Finishing` that streams under 'scan'); None: `broadcast` itself
+    sent: Callable[[execution.CohortRunner], PyTree] | None = None
 
     def inputs(self):
         """(one-step train arrays, slots, keys) of the measurement: every client keeps one full
@@ -124,14 +128,16 @@ def cached_choice(trial: Trial, cache_dir: str | None) -> Choice | None:
 
 
 def _key(t: Trial) -> str:
-    return _signature(t.name, sorted(t.runners), t.broadcast, t.states, t.train, t.bucket,
+    name = t.name if t.sent is None else f"{t.name}/as sent"
+    return _signature(name, sorted(t.runners), t.broadcast, t.states, t.train, t.bucket,
                       t.epochs)
 
 
 def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
     """Times the trial's runners (name -> runner) on one cohort; returns the cheapest.
 
-    `trial` fields: name (algorithm/architecture, part of the cache key); runners; broadcast;
+    `trial` fields: name (algorithm/architecture, part of the cache key); runners; broadcast
+    (or `sent`: per runner, what a round really passes it, e.g. a streaming `Finishing`);
     states and train (the cohort's stacked private states and padded train arrays); bucket
     (participant slots per round); expected_participants (mean number of the cohort's members
     that train in a round); planned_steps ([members] local steps in a round); epochs (the static
@@ -145,7 +151,8 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
     runners, bucket, epochs = trial.runners, trial.bucket, trial.epochs
     planned_steps, expected_participants = trial.planned_steps, trial.expected_participants
     one_step, slots, keys = trial.inputs()
-    per_call = {s: _time_update(r, trial.broadcast, trial.states, one_step, slots, keys, repeats)
+    per_call = {s: _time_update(r, trial.broadcast if trial.sent is None else trial.sent(r),
+                                trial.states, one_step, slots, keys, repeats)
                 for s, r in runners.items()}
     # A call ran `epochs` steps of every slot. The loop pays per participant and step; vmap
     # (and shard: vmap per device) pays per iteration of the whole bucket, until the longest
