@@ -45,6 +45,7 @@ from fedjax_pfedes.builders import load_options
 from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
+from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
 from fedjax_pfedes.workdir import RunLockedError
 from launch import cli
 from launch.cli import fail, loaded_config
@@ -386,7 +387,7 @@ def main(argv: list[str]) -> None:
             print("diverged at the chosen rate, choosing the next best: " + "; ".join(moved))
         table = write(results)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError, KeyError,
-            TypeError) as e:
+            TypeError, HeldUploadsExceeded) as e:
         fail(str(e))
     if tuning:
         with open(os.path.join(_WORKDIR.value, "comparison.md"), "a") as f:

@@ -20,6 +20,7 @@ from ml_collections import config_flags
 from fedjax_pfedes.config_validation import ConfigError
 from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
 from fedjax_pfedes.simulation import DivergedError, run_experiment
+from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
 from fedjax_pfedes.workdir import RunLockedError
 from launch import cli
 from launch.cli import fail, loaded_config
@@ -36,7 +37,8 @@ def main(argv: list[str]) -> None:
     config = loaded_config(_CONFIG)
     try:
         summary = run_experiment(config, _WORKDIR.value, show_progress=_PROGRESS.value)
-    except (ConfigError, DatasetUnavailableError, DataError, RunLockedError) as e:
+    except (ConfigError, DatasetUnavailableError, DataError, RunLockedError,
+            HeldUploadsExceeded) as e:
         fail(str(e))
     except DivergedError as e:
         print(f"error: {e}", file=sys.stderr)

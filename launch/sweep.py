@@ -23,6 +23,7 @@ from ml_collections import config_flags
 from fedjax_pfedes import experiments, sweep
 from fedjax_pfedes.config_validation import ConfigError
 from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
+from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
 from fedjax_pfedes.workdir import RunLockedError
 from launch import cli
 from launch.cli import fail, loaded_config
@@ -55,7 +56,8 @@ def main(argv: list[str]) -> None:
     try:
         records = sweep.run_sweep(config, field, values, _WORKDIR.value, _PROGRESS.value,
                                   _MEMBER_AXIS.value)
-    except (ConfigError, DatasetUnavailableError, DataError, RunLockedError) as e:
+    except (ConfigError, DatasetUnavailableError, DataError, RunLockedError,
+            HeldUploadsExceeded) as e:
         fail(str(e))
     results = {name: [r] for name, r in records.items()}
     title = (f"{config.algorithm} on {config.data.name}, {config.data.num_clients} clients, "

@@ -214,3 +214,19 @@ def test_a_rounds_host_reads_do_not_grow_with_its_participants(name, monkeypatch
         counts[clients] = len(reads)
         assert record["participants"] == clients // 2
     assert counts[8] == counts[32], counts
+
+
+@pytest.mark.slow  # one short run through the CLI
+def test_the_cli_stops_a_run_whose_rejections_were_not_held_with_one_line(tmp_path):
+    import subprocess
+    import sys
+    args = [sys.executable, "-m", "launch.main", "--config=configs/quickstart.py",
+            f"--workdir={tmp_path}", "--noprogress", "--config.algorithm=fedavg",
+            "--config.data.name=digits", "--config.data.num_clients=12",
+            "--config.clients.architectures=mlp", "--config.train.rounds=3",
+            "--config.checkpoint.every=0", "--config.execution.strategy=scan",
+            "--config.upload.norm_outlier_factor=1.01", "--config.execution.scan_held_uploads=1"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "config.execution.scan_held_uploads" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -42,8 +42,10 @@ SUM, WEIGHT, TOP, HELD, HELD_AT, HELD_WEIGHT, COUNT = (
 ROWS_PER_HOLD = 8  # rows for held uploads per upload the norm rule may reject
 
 
-class HeldUploadsExceeded(RuntimeError):
-    """The norm rule rejected an upload of a cohort the scan had not held aside."""
+class HeldUploadsExceeded(ValueError):
+    """The norm rule rejected an upload of a cohort the scan had not held aside: the value of
+    `config.execution.scan_held_uploads` cannot run this round (the launchers print it as one
+    line and exit 2)."""
 
 
 @dataclasses.dataclass(frozen=True)
