@@ -246,7 +246,8 @@ class Finishing:
       operand: a pytree `fn` reads besides the upload (e.g. `Algorithm.upload_template`).
       fn: (upload, operand) -> {name: scalar} for one client.
       reducer: None, or an object with `init(operand) -> carry` and `add(carry, upload, facts,
-        size, slot, valid) -> carry` (`upload.streaming.StreamingMean`).
+        size, position, valid) -> carry`, `facts` being `fn`'s result and `position` the
+        client's slot in the bucket (`upload.streaming.StreamingMean`).
     """
 
     broadcast: PyTree

@@ -197,8 +197,10 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         facts = host.pop(execution.UPLOAD_FACTS, {})
         if UPLOAD_NORM in facts:
             norms = facts[UPLOAD_NORM]
+        # The pipeline reads the facts only when it transforms nothing, where `upload_finish`
+        # includes its checks' facts.
         uploads[cohort.arch] = cohort_uploads(ctx, cohort, stacked, template, slots, valid, ids,
-                                              facts if "finite" in facts else None, reduced)
+                                              facts or None, reduced)
         if not valid.any():
             continue
         if norms is None:

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 # What a streamed cohort's reduced carry holds.
-SUM, WEIGHT, TOP, HELD, HELD_AT, HELD_WEIGHT, COUNT = (
-    "sum", "weight", "top", "held", "held_at", "held_weight", "count")
+SUM, WEIGHT, TOP, HELD, HELD_AT, HELD_WEIGHT = (
+    "sum", "weight", "top", "held", "held_at", "held_weight")
 ROWS_PER_HOLD = 8  # rows for held uploads per upload the norm rule may reject
 
 
@@ -71,8 +71,7 @@ class StreamingMean:
         return {SUM: zeros(()), WEIGHT: jnp.zeros((), jnp.float32),
                 TOP: jnp.full((self.hold,), -jnp.inf, jnp.float32),
                 HELD: zeros((self.rows,)), HELD_AT: jnp.full((self.rows,), -1, jnp.int32),
-                HELD_WEIGHT: jnp.zeros((self.rows,), jnp.float32),
-                COUNT: jnp.zeros((), jnp.int32)}
+                HELD_WEIGHT: jnp.zeros((self.rows,), jnp.float32)}
 
     def add(self, carry: dict, upload, facts: dict, size, position, valid) -> dict:
         """`carry` with one client's `upload` added to the sum, or held aside.
@@ -94,14 +93,14 @@ class StreamingMean:
             k = jnp.argmin(carry[TOP])
             enters = ok & (score > carry[TOP][k])
             out[TOP] = carry[TOP].at[k].set(jnp.where(enters, score, carry[TOP][k]))
-            held = enters & (carry[COUNT] < self.rows)
-            row = jnp.where(held, carry[COUNT], self.rows)  # out of range: nothing written
+            count = jnp.sum(carry[HELD_AT] >= 0)  # rows used, filled in order
+            held = enters & (count < self.rows)
+            row = jnp.where(held, count, self.rows)  # out of range: nothing written
             out[HELD] = jax.tree.map(
                 lambda h, u: h.at[row].set(u.astype(jnp.float32), mode="drop"),
                 carry[HELD], upload)
             out[HELD_AT] = carry[HELD_AT].at[row].set(position.astype(jnp.int32), mode="drop")
             out[HELD_WEIGHT] = carry[HELD_WEIGHT].at[row].set(weight, mode="drop")
-            out[COUNT] = carry[COUNT] + held.astype(jnp.int32)
         into_sum = ok & ~held  # `where`, not a zero weight: 0 x NaN is NaN
         out[SUM] = jax.tree.map(
             lambda s, u: s + jnp.where(into_sum, weight * u.astype(jnp.float32), 0.0),
@@ -115,10 +114,9 @@ def _finalize(carry: dict, accept_held: jax.Array):
     extra = accept_held.astype(jnp.float32) * carry[HELD_WEIGHT]
     total = carry[WEIGHT] + jnp.sum(extra)
     safe = jnp.where(total > 0, total, 1.0)
-    keep = accept_held
 
     def leaf(s, h):  # rejected rows zeroed first: 0 x Inf is NaN
-        h = jnp.where(keep.reshape((-1,) + (1,) * (h.ndim - 1)), h, 0.0)
+        h = jnp.where(accept_held.reshape((-1,) + (1,) * (h.ndim - 1)), h, 0.0)
         return (s + jnp.tensordot(extra, h, axes=1)) / safe
 
     mean = jax.tree.map(leaf, carry[SUM], carry[HELD])
