@@ -147,10 +147,23 @@ class Coordinator:
         self.shapes: dict[str, PyTree] = {}
 
     def runner(self, member: int, arch: str, inner: CohortRunner) -> CohortRunner:
-        """`inner` (the member's own runner, kept for evaluation) with its update routed here."""
+        """`inner` (the member's own runner, kept for evaluation) with its update routed here.
+
+        A round that asks for per-client upload facts (`execution.Finishing`) gets them from a
+        pass over the member's stacked uploads after the batched update: the members' finishing
+        functions are distinct objects, so they cannot share the batched program."""
         def update(broadcast, states, train, slots, keys):
-            return self.update(member, arch, _Call(broadcast, states, train, np.asarray(slots),
-                                                   keys))
+            finishing = broadcast if isinstance(broadcast, execution.Finishing) else None
+            if finishing is not None and finishing.reducer is not None:
+                raise ConfigError("launch.sweep needs config.execution.strategy='loop' (a "
+                                  "streaming reducer came with the broadcast)")
+            plain = broadcast if finishing is None else finishing.broadcast
+            uploads, states, metrics = self.update(
+                member, arch, _Call(plain, states, train, np.asarray(slots), keys))
+            if finishing is not None:
+                facts = _stacked_facts(finishing.fn)(uploads, finishing.operand)
+                metrics = {**metrics, execution.UPLOAD_FACTS: facts}
+            return uploads, states, metrics
         return dataclasses.replace(inner, update=update)
 
     def leave(self, member: int) -> None:
@@ -243,6 +256,12 @@ class Coordinator:
                                             jnp.int32(first.slots[j]), first.keys[j], uploads,
                                             metrics, jnp.int32(j))
         return [(u, s, m) for u, s, m in zip(uploads, states, metrics, strict=True)]
+
+
+@functools.lru_cache(maxsize=None)
+def _stacked_facts(fn: Callable) -> Callable:
+    """(stacked uploads, operand) -> `fn`'s per-client results, stacked (one jitted pass)."""
+    return jax.jit(jax.vmap(fn, in_axes=(0, None)))
 
 
 _row = execution._row  # noqa: SLF001 - the runners' own row helpers
