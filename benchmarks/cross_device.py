@@ -6,6 +6,7 @@ jitted `lax.scan` of the same math.
   pip install -e ".[bench]"   # adds the PyTorch per-client loop's column (--notorch: without)
   python -m benchmarks.cross_device --participants=1000 --strategies=scan --breakdown
   python -m benchmarks.cross_device --strategies=scan --private   # + DP and secure aggregation
+  python -m benchmarks.cross_device --strategies=scan --private --protocol   # + the crypto run
   python -m benchmarks.cross_device --strategies=scan --private --profile --notorch --rounds=5
 
 Work (the speed issue's "work B"): FedAvg, `mlp_small` (784-64 ReLU, then the 10-way classifier),
@@ -41,6 +42,10 @@ _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "Also print where the engine'
 _PRIVATE = flags.DEFINE_bool("private", False, "Also time each strategy with client-level DP "
                               "(clip 1, noise multiplier 1, uniform weights) and secure "
                               "aggregation, and print its round time against the plain one.")
+_PROTOCOL = flags.DEFINE_bool("protocol", False, "With --private: also time secure "
+                               "aggregation running every party's cryptography "
+                               "(config.secagg.simulation='protocol'; the default 'sum' computes "
+                               "the same output directly).")
 _PROFILE = flags.DEFINE_bool("profile", False, "Also print a cProfile of the engine's rounds "
                               "3.. (the functions with the most cumulative time) for each "
                               "strategy, with --private for the private configuration.")
@@ -52,9 +57,10 @@ _LR = 0.05
 
 
 def work_config(strategy: str, clients: int, participants: int, rounds: int,
-                private: bool = False):
+                private: bool = False, simulation: str = "sum"):
     """The engine's config of the work (`private`: with client-level DP and secure
-    aggregation, the pipeline's other stages as configured by default)."""
+    aggregation computed as `simulation` says, the pipeline's other stages as configured by
+    default)."""
     from configs import quickstart
     c = quickstart.get_config()
     c.algorithm = "fedavg"
@@ -69,6 +75,7 @@ def work_config(strategy: str, clients: int, participants: int, rounds: int,
     c.execution.compilation_cache_dir = ""
     if private:
         c.dp.enabled, c.secagg.enabled, c.upload.weighting = True, True, "uniform"
+        c.secagg.simulation = simulation
     return c
 
 
@@ -85,12 +92,12 @@ def synthetic(clients: int):
 
 
 def engine_round_s(data, strategy: str, participants: int, rounds: int,
-                   private: bool = False) -> tuple[float, float]:
+                   private: bool = False, simulation: str = "sum") -> tuple[float, float]:
     """(median s/round of rounds 3.., mean local steps per participant)."""
     from fedjax_pfedes import rounds as engine_rounds
     from fedjax_pfedes.builders import build_context
     ctx, state = build_context(work_config(strategy, data.num_clients, participants, rounds,
-                                           private), data)
+                                           private, simulation), data)
     times = []
     for r in range(rounds):
         t = time.perf_counter()
@@ -253,6 +260,11 @@ def main(argv):
                 private_s, _ = engine_round_s(data, strategy, m, rounds, private=True)
                 print(f"  with client-level DP + secure aggregation: {private_s:.4f} s/round, "
                       f"{private_s / round_s:.2f}x the plain round", flush=True)
+                if _PROTOCOL.value:
+                    full_s, _ = engine_round_s(data, strategy, m, rounds, private=True,
+                                               simulation="protocol")
+                    print(f"  the same, every party's cryptography run: {full_s:.4f} s/round, "
+                          f"{full_s / round_s:.2f}x the plain round", flush=True)
             if _PROFILE.value:
                 engine_profile(data, strategy, m, rounds, _PRIVATE.value)
             if _BREAKDOWN.value:

@@ -236,6 +236,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.secagg.fraction_bits = 24     # fixed-point fractional bits
     config.secagg.dropout_after_upload = 0.0  # simulated share of senders lost before unmasking
     config.secagg.min_senders = 3         # fewer senders in a round: no update, no release
+    config.secagg.simulation = "sum"      # 'sum': the protocol's output | 'protocol': run it
 
     # Unreliable clients (README "Unreliable clients"); the defaults model none.
     config.system = ml_collections.ConfigDict()

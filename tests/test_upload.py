@@ -355,6 +355,50 @@ def test_unmasking_survives_up_to_n_minus_t_dropouts_and_fails_clearly_below():
         sa.secure_sum(vectors, t, enc, seed=3, drop_before_upload=frozenset({0, 1, 2, 3}))
 
 
+@pytest.mark.parametrize("ring_bits,fraction_bits", [(64, 24), (32, 12)])
+def test_the_sum_simulation_outputs_what_the_protocol_outputs_bit_for_bit(ring_bits,
+                                                                         fraction_bits):
+    """`simulation='sum'` against every party running (`'protocol'`) over drop-outs before and
+    after sending, clients that skip their range check (wrapping around, NaN, Inf), and the
+    quorum failures: same sums, senders, byte counts and error messages."""
+    enc = sa.RingEncoding(ring_bits, fraction_bits)
+    rng = np.random.default_rng(ring_bits)
+    ids = [2, 5, 7, 11, 13, 17, 19]
+    bound = enc.max_abs(len(ids))
+    vectors = {u: rng.uniform(-bound, bound, 257) for u in ids}
+    vectors[5] = np.concatenate([[np.nan, np.inf, -np.inf], 1e3 * bound * np.ones(254)])
+    scenarios = [
+        dict(),
+        dict(drop_before_upload=frozenset({7}), drop_after_upload=frozenset({2})),
+        dict(unchecked=frozenset({5, 11})),
+        dict(drop_after_upload=frozenset({2, 7, 11}), unchecked=frozenset({5})),
+        dict(drop_after_upload=frozenset({2, 7, 11, 13})),            # 3 online, t = 4
+        dict(drop_before_upload=frozenset({2, 7, 11, 13})),           # 3 senders, t = 4
+    ]
+    outcomes = 0
+    for scenario in scenarios:
+        unchecked = scenario.get("unchecked", frozenset())
+        vs = {u: v for u, v in vectors.items() if u != 5 or 5 in unchecked}
+        results = []
+        for simulation in ("protocol", "sum"):
+            try:
+                results.append(sa.secure_sum(vs, 4, enc, seed=11, simulation=simulation,
+                                             **scenario))
+            except sa.SecureAggregationError as e:
+                results.append(str(e))
+        protocol, direct = results
+        if isinstance(protocol, str):
+            assert direct == protocol
+            continue
+        outcomes += 1
+        np.testing.assert_array_equal(direct.total, protocol.total)
+        assert direct.senders == protocol.senders
+        assert direct.bytes_per_sender == protocol.bytes_per_sender
+    assert outcomes == 4
+    with pytest.raises(ValueError, match="config.secagg.simulation must be one of"):
+        sa.secure_sum(vectors, 4, enc, seed=0, simulation="fast")
+
+
 def test_shamir_reconstructs_from_any_t_shares_only():
     rng = np.random.default_rng(0)
     secret = int.from_bytes(rng.bytes(32), "big")

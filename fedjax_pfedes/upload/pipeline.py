@@ -60,6 +60,7 @@ class PipelineConfig:
     secagg_threshold_fraction: float = 0.6
     secagg_dropout_after_upload: float = 0.0
     secagg_min_senders: int = 3
+    secagg_simulation: str = "sum"  # 'sum' | 'protocol' (`secure_aggregation.secure_sum`)
     encoding: sa_protocol.RingEncoding = sa_protocol.RingEncoding()
 
 
@@ -125,7 +126,7 @@ def pipeline_config(config) -> PipelineConfig:
                                                   u.qsgd_levels),
         dp=dp, secagg=s.enabled, secagg_threshold_fraction=s.threshold_fraction,
         secagg_dropout_after_upload=s.dropout_after_upload, secagg_min_senders=s.min_senders,
-        encoding=sa_protocol.RingEncoding(s.ring_bits, s.fraction_bits))
+        secagg_simulation=s.simulation, encoding=sa_protocol.RingEncoding(s.ring_bits, s.fraction_bits))
 
 
 def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> None:
@@ -157,6 +158,9 @@ def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> N
     if cfg.dp is not None and cfg.weighting != "uniform":
         raise ValueError("config.dp.enabled needs config.upload.weighting='uniform' (every "
                          "clipped update counts once, so one client changes the sum by <= C)")
+    if cfg.secagg_simulation not in sa_protocol.SIMULATIONS:
+        raise ValueError(f"config.secagg.simulation must be one of {sa_protocol.SIMULATIONS}, "
+                         f"got '{cfg.secagg_simulation}'")
     if not 0 < cfg.secagg_threshold_fraction <= 1:
         raise ValueError("config.secagg.threshold_fraction must be in (0, 1], got "
                          f"{cfg.secagg_threshold_fraction}")
@@ -264,7 +268,8 @@ def build_stages(cfg: PipelineConfig, noise_multiplier: float) -> list[stages.Up
         chain.append(stages.SecureAggregation(
             cfg.secagg_threshold_fraction, cfg.secagg_dropout_after_upload,
             cfg.secagg_min_senders, cfg.encoding, noise_multiplier,
-            cfg.dp.clip_norm if cfg.dp is not None else 1.0, cfg.dp is not None))
+            cfg.dp.clip_norm if cfg.dp is not None else 1.0, cfg.dp is not None,
+            cfg.secagg_simulation))
     elif cfg.dp is not None:
         chain.append(stages.DPNoisyMean(noise_multiplier, cfg.dp.clip_norm))
     elif cfg.aggregator != "mean":

@@ -365,6 +365,7 @@ class SecureAggregation(UploadStage):
     noise_multiplier: float = 0.0   # > 0: client-level DP noise added by the senders
     clip_norm: float = 1.0
     dp: bool = False
+    simulation: str = "sum"  # `secure_aggregation.secure_sum`: its output, or every party
     name = "secure_aggregation"
     transforms = True
 
@@ -396,30 +397,33 @@ class SecureAggregation(UploadStage):
         rng = np.random.default_rng([int(jax.random.randint(key, (), 0, 2 ** 31 - 1)),
                                      r.round_index])
         bound = self.encoding.max_abs(int(ok.sum()))
-        rogue = np.concatenate([r.info[a]["skips_client_code"] for a in scope])
+        rogue = np.concatenate([r.info[a]["skips_client_code"] for a in scope]).astype(bool)
         # Weights are sent divided by a public scale the server broadcasts, the power of two
         # at or below the round's mean weight: the weighted mean is unchanged, a sample count of
         # thousands fits a 32-bit ring as well as a weight of 1 does, and integer counts stay
         # exact in fixed point (a division by 2^k only shifts bits).
         w = w / 2.0 ** math.floor(math.log2(max(float(w[ok].mean()), 2.0 ** -20)))
+        # Every valid client's vector, [its weighted update, its weight]; the honest ones add
+        # their noise shares (one draw for all of them: the same stream, row after row, as
+        # one draw per client) and check their range before masking.
+        rows = np.flatnonzero(ok)
+        x = flat[rows] * (1.0 if self.dp else w[rows, None])
+        honest = ~rogue[rows]
+        if noise_std > 0 and honest.any():
+            x[honest] += rng.normal(0.0, noise_std, (int(honest.sum()), x.shape[1]))
+        x = np.concatenate([x, w[rows, None]], axis=1)
+        worst = np.max(np.abs(x), axis=1) if x.shape[1] else np.zeros(len(rows))
         vectors, unchecked = {}, set()
-        for j in np.flatnonzero(ok):
-            x = flat[j] * (1.0 if self.dp else w[j])
+        for i, j in enumerate(rows):
             if rogue[j]:  # its own code: no noise share, no range check, masked as it is
-                vectors[int(ids[j])] = np.append(x, w[j])
                 unchecked.add(int(ids[j]))
-                continue
-            if noise_std > 0:
-                x = x + rng.normal(0.0, noise_std, x.shape)
-            x = np.append(x, w[j])
-            worst = float(np.max(np.abs(x)))
-            if worst > bound:  # range check on the client, before masking
+            elif worst[i] > bound:  # range check on the client, before masking
                 r.reject(ids[j:j + 1],
-                         f"|value| {worst:.3g} beyond the secure-aggregation fixed-point "
-                         f"range {bound:.3g} (checked before masking; config.secagg."
-                         "ring_bits / fraction_bits)")
+                         f"|value| {float(worst[i]):.3g} beyond the secure-aggregation "
+                         f"fixed-point range {bound:.3g} (checked before masking; "
+                         "config.secagg.ring_bits / fraction_bits)")
                 continue
-            vectors[int(ids[j])] = x
+            vectors[int(ids[j])] = x[i]
         if len(vectors) < self.min_senders:
             report.setdefault("secagg_skipped", []).append(
                 f"{'+'.join(scope)}: {len(vectors)} sender(s) within range, "
@@ -434,7 +438,8 @@ class SecureAggregation(UploadStage):
             result = sa_protocol.secure_sum(vectors, threshold, self.encoding,
                                             int(rng.integers(0, 2 ** 62)),
                                             drop_after_upload=drop,
-                                            unchecked=frozenset(unchecked))
+                                            unchecked=frozenset(unchecked),
+                                            simulation=self.simulation)
         except sa_protocol.SecureAggregationError as e:
             report.setdefault("secagg_failures", []).append(str(e))
             r.reject(np.array(sorted(vectors)), "secure aggregation failed")
