@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -258,10 +259,15 @@ class Coordinator:
         return [(u, s, m) for u, s, m in zip(uploads, states, metrics, strict=True)]
 
 
-@functools.lru_cache(maxsize=None)
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> its jitted pass
+
+
 def _stacked_facts(fn: Callable) -> Callable:
-    """(stacked uploads, operand) -> `fn`'s per-client results, stacked (one jitted pass)."""
-    return jax.jit(jax.vmap(fn, in_axes=(0, None)))
+    """(stacked uploads, operand) -> `fn`'s per-client results, stacked (one jitted pass,
+    compiled once per run: a run passes the same `fn` every round)."""
+    if fn not in _FACTS:
+        _FACTS[fn] = jax.jit(jax.vmap(fn, in_axes=(0, None)))
+    return _FACTS[fn]
 
 
 _row = execution._row  # noqa: SLF001 - the runners' own row helpers

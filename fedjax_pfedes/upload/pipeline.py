@@ -125,8 +125,9 @@ def pipeline_config(config) -> PipelineConfig:
         compression=compression.CompressionConfig(u.topk_fraction, u.value_encoding,
                                                   u.qsgd_levels),
         dp=dp, secagg=s.enabled, secagg_threshold_fraction=s.threshold_fraction,
-        secagg_dropout_after_upload=s.dropout_after_upload, secagg_min_senders=s.min_senders,
-        secagg_simulation=s.simulation, encoding=sa_protocol.RingEncoding(s.ring_bits, s.fraction_bits))
+        secagg_dropout_after_upload=s.dropout_after_upload,
+        secagg_min_senders=s.min_senders, secagg_simulation=s.simulation,
+        encoding=sa_protocol.RingEncoding(s.ring_bits, s.fraction_bits))
 
 
 def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> None:
