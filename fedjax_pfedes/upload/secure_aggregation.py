@@ -309,22 +309,23 @@ def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEnc
                          f"'{simulation}'")
     ids = sorted(vectors)
     n = len(ids)
+    length = next(iter(vectors.values())).shape[0] if vectors else 0
+    rows = np.array([vectors[u] for u in ids], np.float64).reshape(n, length)
     bound = encoding.max_abs(max(n, 1))
-    for u in ids:
-        if u in unchecked:
-            continue
-        worst = float(np.max(np.abs(vectors[u]))) if vectors[u].size else 0.0
-        if not np.isfinite(worst) or worst > bound:
-            raise ValueError(f"secure aggregation: client {u} has |value| {worst:.3g} beyond "
+    worst = np.max(np.abs(rows), axis=1) if length else np.zeros(n)
+    for i in np.flatnonzero(~(worst <= bound)):  # beyond the range, or not finite
+        u = ids[i]
+        if u not in unchecked:
+            raise ValueError(f"secure aggregation: client {u} has |value| {worst[i]:.3g} beyond "
                              f"the fixed-point range {bound:.3g} for {n} clients; raise "
                              "config.secagg.ring_bits or lower config.secagg.fraction_bits")
-    length = next(iter(vectors.values())).shape[0] if vectors else 0
     if simulation == "sum":
+        sending = np.array([u not in drop_before_upload for u in ids], bool)
         senders = [u for u in ids if u not in drop_before_upload]
         live = [u for u in senders if u not in drop_after_upload]
         check_quorum(n, len(senders), len(live), threshold)
-        rows = np.array([vectors[u] for u in senders], np.float64).reshape(len(senders), -1)
-        return SecureSumResult(ring_sum(rows, [u not in unchecked for u in senders], encoding),
+        return SecureSumResult(ring_sum(rows[sending], [u not in unchecked for u in senders],
+                                        encoding),
                                tuple(senders), bytes_per_sender(length, n, encoding))
     root = np.random.default_rng(seed)
     clients = {u: SecureAggregationClient(u, np.random.default_rng(
