@@ -7,8 +7,9 @@ Runs every method for each seed (config.seed, +1, ...), then writes <workdir>/co
 (mean personalized accuracy ± std over seeds, global accuracy, upload parameters per client per
 round, wall time), comparison.json and accuracy_curves.png.
 
-With `--lr_grid=0.01,0.02,0.05,0.1` (and `--server_lr_grid=0.1,0.3,1` for the methods with a
-server learning rate: FedAvgM, FedAdam, SCAFFOLD, FedNova, FedGH) each method is first tuned on
+With `--lr_grid=0.01,0.02,0.05,0.1` (and `--server_lr_grid=0.3x,1x,3x` for the methods with a
+server learning rate: FedAvgM, FedAdam, SCAFFOLD, FedNova, FedGH; 'Fx' is F times the method's
+configured rate, a plain number the rate itself) each method is first tuned on
 **validation data of a seed that is not reported**: seed config.seed + 1000 runs at every rate
 of the grid with `data.validation_split=True` (each client's local test split set aside unseen,
 the client evaluated on a validation split held out of its training rows), the rate with the
@@ -63,7 +64,8 @@ _VARIANT = flags.DEFINE_multi_string(
 _LR_GRID = flags.DEFINE_list("lr_grid", [], "Local learning rates to tune each method over "
                              "(seed config.seed); empty = no tuning.")
 _SERVER_LR_GRID = flags.DEFINE_list(
-    "server_lr_grid", [], "With --lr_grid: server learning rates to tune too, for every method "
+    "server_lr_grid", [], "With --lr_grid: server learning rates (or multiples of each method's "
+    "own, e.g. 0.3x,1x,3x) to tune too, for every method "
     "whose config section has a server_lr (fedavgm, fedadam, scaffold, fednova, fedgh): each "
     "such method runs every (lr, server_lr) pair; empty = its section's value.")
 _REUSE = flags.DEFINE_bool("reuse", True, "Reuse finished runs in the workdir made with the same "
@@ -137,11 +139,21 @@ def server_lr_field(config, algorithm: str) -> str | None:
     return f"{algorithm}.server_lr" if section is not None and "server_lr" in section else None
 
 
-def grid_cells(config, algorithm: str, grid: list[float], server_grid: list[float]
+def server_rate(config, algorithm: str, value: float | str) -> float:
+    """A `--server_lr_grid` entry as `algorithm`'s server learning rate: a number as it is, or
+    'Fx' as F times the rate the method's config section sets (server rates differ by orders
+    of magnitude between methods: FedAdam's 0.01, FedAvgM's 0.1, SCAFFOLD's 1)."""
+    if isinstance(value, str) and value.endswith("x"):
+        return float(value[:-1]) * float(config[algorithm].server_lr)
+    return float(value)
+
+
+def grid_cells(config, algorithm: str, grid: list[float], server_grid: list[float | str]
                ) -> dict[str, dict]:
     """The tuning grid of `algorithm`: {cell name: overrides}, e.g. 'lr0.1' ->
     {'train.lr_local': 0.1}, and with a server grid for a method with a server_lr,
-    'lr0.1_slr0.5' -> {..., 'fedavgm.server_lr': 0.5}. Local rates are `grid_rate`s."""
+    'lr0.1_slr0.5' -> {..., 'fedavgm.server_lr': 0.5}. Local rates are `grid_rate`s, server
+    rates `server_rate`s."""
     field, server = lr_field(config, algorithm), server_lr_field(config, algorithm)
     cells = {}
     for g in grid:
@@ -149,7 +161,8 @@ def grid_cells(config, algorithm: str, grid: list[float], server_grid: list[floa
         if server is None or not server_grid:
             cells[f"lr{lr:g}"] = {"algorithm": algorithm, field: lr}
             continue
-        for slr in server_grid:
+        for v in server_grid:
+            slr = server_rate(config, algorithm, v)
             cells[f"lr{lr:g}_slr{slr:g}"] = {"algorithm": algorithm, field: lr, server: slr}
     return cells
 
@@ -221,7 +234,7 @@ def grid_cell(score: float, chosen: bool, diverged_on: list[int]) -> str:
     return text
 
 
-def tune_learning_rates(config, grid: list[float], server_grid: list[float] = ()
+def tune_learning_rates(config, grid: list[float], server_grid: list[float | str] = ()
                         ) -> tuple[dict[str, dict], str]:
     """Runs `tuning_seed` of every method on validation data at every rate of `grid` (in
     <workdir>/lr_tuning/<method>/lr<rate>, the method's own rate `grid_rate`); returns the
@@ -270,7 +283,7 @@ def tune_learning_rates(config, grid: list[float], server_grid: list[float] = ()
     return tuned, head + "\n" + "\n".join(rows)
 
 
-def _check_flags(argv: list[str]) -> tuple[list[float], list[float]]:
+def _check_flags(argv: list[str]) -> tuple[list[float], list[float | str]]:
     """One line and exit 2 for what the flags alone get wrong; returns the --lr_grid and
     --server_lr_grid rates."""
     if len(argv) > 1:
@@ -284,15 +297,18 @@ def _check_flags(argv: list[str]) -> tuple[list[float], list[float]]:
         grid = [float(v) for v in _LR_GRID.value]
     except ValueError:
         fail(f"--lr_grid: '{','.join(_LR_GRID.value)}' is not a comma-separated list of numbers")
-    try:
-        server_grid = [float(v) for v in _SERVER_LR_GRID.value]
+    try:  # 'F' a rate, 'Fx' F times each method's configured rate (`server_rate`)
+        factors = [float(v[:-1] if v.endswith("x") else v) for v in _SERVER_LR_GRID.value]
     except ValueError:
         fail(f"--server_lr_grid: '{','.join(_SERVER_LR_GRID.value)}' is not a comma-separated "
-             "list of numbers")
-    if server_grid and not grid:
+             "list of numbers or of multiples like 0.3x")
+    if factors and not grid:
         fail("--server_lr_grid needs --lr_grid (it adds an axis to the learning-rate grid)")
-    if any(not v > 0 for v in server_grid):
-        fail(f"--server_lr_grid: rates must be > 0, got {server_grid}")
+    if any(not v > 0 for v in factors):
+        fail(f"--server_lr_grid: rates must be > 0, got {_SERVER_LR_GRID.value}")
+    if len({v.endswith("x") for v in _SERVER_LR_GRID.value}) > 1:
+        fail("--server_lr_grid: give all rates or all multiples (e.g. 0.3x,1x,3x), not both")
+    server_grid = [v if v.endswith("x") else float(v) for v in _SERVER_LR_GRID.value]
     return grid, server_grid
 
 

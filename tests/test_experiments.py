@@ -225,6 +225,12 @@ def test_the_tuning_grid_scales_by_momentum_and_crosses_server_rates():
                        "scaffold.server_lr": 1.0}}
     assert cell_of(config, "scaffold", cells["lr0.1_slr1"]) == "lr0.1_slr1"
     assert list(grid_cells(config, "pfedes", [0.01], [0.5])) == ["lr0.01"]  # no server lr
+    # Multiples of each method's own server rate (FedAdam 0.01, FedAvgM 0.1 in the config).
+    config.fedadam.server_lr, config.fedavgm.server_lr = 0.01, 0.1
+    assert [c["fedadam.server_lr"] for c in grid_cells(
+        config, "fedadam", [0.01], ["0.5x", "2x"]).values()] == [0.005, 0.02]
+    assert [c["fedavgm.server_lr"] for c in grid_cells(
+        config, "fedavgm", [0.01], ["0.5x", "2x"]).values()] == [0.05, 0.2]
 
 
 def test_paired_difference_pairs_by_seed_with_a_student_t_interval():
