@@ -216,6 +216,37 @@ def test_a_rounds_host_reads_do_not_grow_with_its_participants(name, monkeypatch
     assert counts[8] == counts[32], counts
 
 
+@pytest.mark.parametrize("name", ["fedavg", "pfedes"])
+def test_a_rounds_dispatched_programs_do_not_grow_with_its_participants(name, monkeypatch):
+    """The structure of a round: with the 'scan' strategy the compiled programs a round
+    dispatches (jitted calls and eager operations alike; each runs through
+    `ExecuteReplicated.__call__` once JAX's C++ fast path is off) are as many with 16
+    participants as with 4, so the host's dispatch work does not grow with them."""
+    from jax._src import pjit
+    from jax._src.interpreters import pxla
+
+    from fedjax_pfedes import rounds
+    from fedjax_pfedes.builders import build_context, build_federated_data
+    jax.clear_caches()  # no program keeps a fast path from an earlier test
+    monkeypatch.setattr(pjit, "_get_fastpath_data", lambda *a, **k: None)
+    original = pxla.ExecuteReplicated.__call__
+    runs = []
+    monkeypatch.setattr(pxla.ExecuteReplicated, "__call__",
+                        lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
+    counts = {}
+    for clients in (8, 32):
+        config = fl_helpers.tiny_config(rounds=3, num_clients=clients)
+        config.algorithm = name
+        config.execution.strategy = "scan"
+        ctx, state = build_context(config, build_federated_data(config))
+        for r in range(3):
+            runs.clear()
+            state, record, _, _ = rounds.sync_round(ctx, state, r)
+        counts[clients] = len(runs)
+        assert record["participants"] == clients // 2
+    assert counts[8] == counts[32] > 0, counts
+
+
 @pytest.mark.slow  # one short run through the CLI
 def test_the_cli_stops_a_run_whose_rejections_were_not_held_with_one_line(tmp_path):
     import subprocess
