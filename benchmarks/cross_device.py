@@ -7,6 +7,7 @@ jitted `lax.scan` of the same math.
   python -m benchmarks.cross_device --participants=1000 --strategies=scan --breakdown
   python -m benchmarks.cross_device --strategies=scan --private   # + DP and secure aggregation
   python -m benchmarks.cross_device --strategies=scan --private --protocol   # + the crypto run
+  python -m benchmarks.cross_device --strategies=scan --pfl   # + pfl-research (see pfl_loop)
   python -m benchmarks.cross_device --strategies=scan --private --profile --notorch --rounds=5
 
 Work (the speed issue's "work B"): FedAvg, `mlp_small` (784-64 ReLU, then the 10-way classifier),
@@ -52,6 +53,8 @@ _PROFILE = flags.DEFINE_bool("profile", False, "Also print a cProfile of the eng
 _TORCH = flags.DEFINE_bool("torch", True, "Also time a PyTorch per-client loop of the same "
                            "work (benchmarks.torch_loop; needs the `bench` extra, skipped "
                            "without it).")
+_PFL = flags.DEFINE_bool("pfl", False, "Also time pfl-research (Apple's `pfl`, PyTorch "
+                         "backend, one process; benchmarks.pfl_loop says how to install it).")
 _SAMPLES = 25  # rows per client: 20 train, 5 local test
 _LR = 0.05
 
@@ -238,6 +241,28 @@ def torch_round_s(data, participants: int, rounds: int) -> float | None:
     return float(np.median(result["round_s"][2:]))
 
 
+def pfl_round_s(data, participants: int, rounds: int) -> float | None:
+    """Median s/round of rounds 3.. of pfl-research's FedAvg on the same clients and model
+    (`pfl_loop.run_fedavg`; one PyTorch thread, as the PyTorch loop), or None without pfl."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    from benchmarks import pfl_loop
+    c = data.central
+    clients = [(c.x_train[np.asarray(i)], c.y_train[np.asarray(i)]) for i in data.train_indices]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = pfl_loop.run_fedavg(clients, c.input_spec.mean, c.input_spec.std,
+                                     c.num_classes, rounds, participants, 32, 1, _LR)
+    except ImportError:
+        return None
+    finally:
+        torch.set_num_threads(threads)
+    return float(np.median(result["round_s"][2:]))
+
+
 def main(argv):
     del argv
     rounds = max(_ROUNDS.value, 4)
@@ -251,11 +276,18 @@ def main(argv):
         data = synthetic(n)
         reference = reference_round_s(data, m, rounds)
         peer = torch_round_s(data, m, rounds) if _TORCH.value else None
+        pfl = pfl_round_s(data, m, rounds) if _PFL.value else None
+        if _PFL.value:
+            print("  pfl-research (PyTorch, 1 process): "
+                  + ("not installed (benchmarks/pfl_loop.py says how)" if pfl is None
+                     else f"{pfl:.4f} s/round"), flush=True)
         for strategy in _STRATEGIES.value:
             round_s, steps = engine_round_s(data, strategy, m, rounds)
             versus = ("— | —" if peer is None else f"{peer:.4f} | {peer / round_s:.2f}")
             print(f"| {m:,} | {n:,} | {strategy} | {round_s:.4f} | {m * steps / round_s:,.0f} | "
                   f"{reference:.4f} | {round_s / reference:.2f} | {versus} |", flush=True)
+            if pfl is not None:
+                print(f"  pfl-research / engine: {pfl / round_s:.2f}", flush=True)
             if _PRIVATE.value:
                 private_s, _ = engine_round_s(data, strategy, m, rounds, private=True)
                 print(f"  with client-level DP + secure aggregation: {private_s:.4f} s/round, "

@@ -1,0 +1,111 @@
+"""FedAvg in pfl-research (Apple's `pfl` package, PyTorch backend), as its own benchmarks run it.
+
+Used by `benchmarks.cross_device --pfl`. pfl 0.6 pins dp-accounting < 0.6, which pins absl-py
+1.x, while this project needs absl-py >= 2.1, so it is not in an extra; install it beside the
+project without its pins (it runs with dp-accounting 0.6 and absl-py 2):
+
+  pip install -e ".[bench]" && pip install --no-deps pfl==0.6.0 prv-accountant==0.2.0 multiprocess
+ The set-up follows
+pfl-research's `benchmarks/image_classification/pytorch/train.py`: a `FederatedDataset` from
+per-user tensors with a random user sampler, a `PyTorchModel` whose local optimizer is SGD and
+whose central optimizer is SGD at rate 1 (the server applies the weighted mean update), the
+`SimulatedBackend` with `WeightByDatapoints`, and `FederatedAveraging` with `NNAlgorithmParams`.
+No evaluation, no privacy, no callbacks but a stopwatch of each central iteration.
+
+pfl simulates a round by training the cohort's users one after another in one process (with
+`PFL_WORKER_*` settings, several processes share the cohort; here: one process, as
+`--pfl_processes=1`, the configuration its documentation starts from).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+
+import numpy as np
+
+
+def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_classes: int,
+               rounds: int, per_round: int, batch_size: int, epochs: int, lr: float,
+               seed: int = 0, hidden: int = 64) -> dict:
+    """FedAvg of the cross-device work (MLP 784-`hidden`-`num_classes`) over `clients`
+    ([(x uint8 [n, 28, 28, 1], y [n])]) in pfl-research. Returns per-round wall times (the
+    central iterations') and the client-steps run.
+
+    Raises:
+      ImportError naming the `bench` extra when pfl or PyTorch is not installed.
+    """
+    try:
+        import torch
+        from pfl.aggregate.simulate import SimulatedBackend
+        from pfl.aggregate.weighting import WeightByDatapoints
+        from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
+        from pfl.callback.base import TrainingProcessCallback
+        from pfl.data import FederatedDataset
+        from pfl.data.sampling import get_user_sampler
+        from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
+        from pfl.metrics import Metrics, Weighted
+        from pfl.model.pytorch import PyTorchModel
+    except ImportError as e:
+        raise ImportError(f"pfl-research is not installed ({e}): pip install -e \".[bench]\" "
+                          "&& pip install --no-deps pfl==0.6.0 prv-accountant==0.2.0 "
+                          "multiprocess") from None
+
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    users = {}
+    for u, (x, y) in enumerate(clients):
+        xf = (x.astype(np.float32) / 255.0 - np.float32(mean[0])) / np.float32(std[0])
+        users[u] = (torch.from_numpy(xf.reshape(len(xf), -1)),
+                    torch.from_numpy(y.astype(np.int64)))
+    dataset = FederatedDataset.from_slices(users, get_user_sampler("random", list(users)))
+
+    model = torch.nn.Sequential(torch.nn.Linear(users[0][0].shape[1], hidden),
+                                torch.nn.ReLU(), torch.nn.Linear(hidden, num_classes))
+
+    def loss(self, inputs, targets, eval=False):  # noqa: A002 - pfl's keyword
+        self.eval() if eval else self.train()
+        return torch.nn.functional.cross_entropy(self(inputs), targets)
+
+    @torch.no_grad()
+    def metrics(self, inputs, targets, eval=True):  # noqa: A002
+        logits = self(inputs)
+        n = len(inputs)
+        return {"loss": Weighted(float(torch.nn.functional.cross_entropy(
+            logits, targets, reduction="sum")), n),
+            "accuracy": Weighted(float((logits.argmax(-1) == targets).sum()), n)}
+
+    model.loss = loss.__get__(model)
+    model.metrics = metrics.__get__(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    pfl_model = PyTorchModel(model=model, local_optimizer_create=torch.optim.SGD,
+                             central_optimizer=torch.optim.SGD(params, 1.0))
+    backend = SimulatedBackend(training_data=dataset, val_data=None,
+                               postprocessors=[WeightByDatapoints()])
+    times: list[float] = []
+
+    class Stopwatch(TrainingProcessCallback):
+        def on_train_begin(self, *, model):
+            self.t = time.perf_counter()
+            return super().on_train_begin(model=model)
+
+        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            now = time.perf_counter()
+            times.append(now - self.t)
+            self.t = now
+            return False, Metrics()
+
+    with contextlib.redirect_stdout(io.StringIO()):  # pfl prints every iteration's metrics
+        FederatedAveraging().run(
+            algorithm_params=NNAlgorithmParams(central_num_iterations=rounds,
+                                               evaluation_frequency=rounds + 1,
+                                               train_cohort_size=per_round, val_cohort_size=0),
+            backend=backend, model=pfl_model,
+            model_train_params=NNTrainHyperParams(local_learning_rate=lr,
+                                                  local_num_epochs=epochs,
+                                                  local_batch_size=batch_size),
+            model_eval_params=NNEvalHyperParams(local_batch_size=256),
+            callbacks=[Stopwatch()])
+    steps = rounds * per_round * epochs * int(np.ceil(len(clients[0][1]) / batch_size))
+    return {"round_s": times, "client_steps": steps}
