@@ -12,9 +12,12 @@ whose central optimizer is SGD at rate 1 (the server applies the weighted mean u
 `SimulatedBackend` with `WeightByDatapoints`, and `FederatedAveraging` with `NNAlgorithmParams`.
 No evaluation, no privacy, no callbacks but a stopwatch of each central iteration.
 
-pfl simulates a round by training the cohort's users one after another in one process (with
-`PFL_WORKER_*` settings, several processes share the cohort; here: one process, as
-`--pfl_processes=1`, the configuration its documentation starts from).
+pfl simulates a round by training the cohort's users one after another in one process; under
+`torchrun` several processes share the cohort (each trains its part, then they all-reduce).
+Run as a module for the cross-device work in either configuration:
+
+  python -m benchmarks.pfl_loop --participants=100                      # one process
+  torchrun --nproc_per_node=2 -m benchmarks.pfl_loop --participants=100 # two processes
 """
 
 from __future__ import annotations
@@ -109,3 +112,33 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
             callbacks=[Stopwatch()])
     steps = rounds * per_round * epochs * int(np.ceil(len(clients[0][1]) / batch_size))
     return {"round_s": times, "client_steps": steps}
+
+
+def main(argv) -> None:
+    """Prints pfl-research's median s/round (rounds 3..) on `benchmarks.cross_device`'s work
+    (rank 0 only under torchrun)."""
+    del argv
+    import os
+
+    import torch
+    from absl import flags
+
+    from benchmarks import cross_device
+    participants, rounds = int(flags.FLAGS.participants[0]), max(flags.FLAGS.rounds, 4)
+    data = cross_device.synthetic(max(1000, 10 * participants))
+    c = data.central
+    clients = [(c.x_train[np.asarray(i)], c.y_train[np.asarray(i)]) for i in data.train_indices]
+    torch.set_num_threads(1)
+    result = run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes, rounds,
+                        participants, 32, 1, cross_device._LR)  # noqa: SLF001 - the work's rate
+    if int(os.environ.get("RANK", 0)) == 0:
+        processes = int(os.environ.get("WORLD_SIZE", 1))
+        print(f"pfl-research, {processes} process(es), {participants} participants: "
+              f"{float(np.median(result['round_s'][2:])):.4f} s/round", flush=True)
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    from benchmarks import cross_device  # noqa: F401 - defines --participants and --rounds
+    app.run(main)
