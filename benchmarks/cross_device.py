@@ -217,50 +217,52 @@ def reference_round_s(data, participants: int, rounds: int) -> float:
     return float(np.median(times[2:]))
 
 
+def _client_arrays(data) -> list[tuple[np.ndarray, np.ndarray]]:
+    c = data.central
+    return [(c.x_train[np.asarray(i)], c.y_train[np.asarray(i)]) for i in data.train_indices]
+
+
+def _peer_round_s(run, data, participants: int, rounds: int, **kw) -> float:
+    """Median s/round of rounds 3.. of a PyTorch-based peer `run` (torch_loop / pfl_loop
+    `run_fedavg`) on the work's clients, with one intra-op thread: a 20-sample step of a
+    784-64-10 MLP has nothing to split between threads, and on a busy machine extra threads
+    only contend."""
+    import torch
+    c = data.central
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = run(_client_arrays(data), c.input_spec.mean, c.input_spec.std, c.num_classes,
+                     rounds, participants, 32, 1, _LR, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    return float(np.median(result["round_s"][2:]))
+
+
 def torch_round_s(data, participants: int, rounds: int) -> float | None:
-    """Median s/round of rounds 3.. of the PyTorch per-client loop (`torch_loop.run_fedavg`
-    with `mlp_model`: every client's one SGD step in Python, the sample-weighted mean of the
-    flat parameters; one PyTorch thread), or None without PyTorch."""
+    """The PyTorch per-client loop (`torch_loop.run_fedavg` with `mlp_model`: every client's
+    one SGD step in Python, the sample-weighted mean of the flat parameters), or None without
+    PyTorch."""
     try:
         from benchmarks import torch_loop
     except ImportError:
         return None
-    import torch
-    c = data.central
-    clients = [(c.x_train[np.asarray(i)], c.y_train[np.asarray(i)]) for i in data.train_indices]
-    threads = torch.get_num_threads()
-    # One intra-op thread: a 20-sample step of a 784-64-10 MLP has nothing to split between
-    # threads, and on a busy machine extra threads only contend.
-    torch.set_num_threads(1)
-    try:
-        result = torch_loop.run_fedavg(clients, c.input_spec.mean, c.input_spec.std,
-                                       c.num_classes, rounds, participants, 32, 1, _LR,
-                                       make_model=torch_loop.mlp_model)
-    finally:
-        torch.set_num_threads(threads)
-    return float(np.median(result["round_s"][2:]))
+    return _peer_round_s(torch_loop.run_fedavg, data, participants, rounds,
+                         make_model=torch_loop.mlp_model)
 
 
 def pfl_round_s(data, participants: int, rounds: int) -> float | None:
-    """Median s/round of rounds 3.. of pfl-research's FedAvg on the same clients and model
-    (`pfl_loop.run_fedavg`; one PyTorch thread, as the PyTorch loop), or None without pfl."""
+    """pfl-research's FedAvg on the same clients and model (`pfl_loop.run_fedavg`), or None
+    without pfl or PyTorch."""
     try:
-        import torch
+        import torch  # noqa: F401 - pfl's backend
     except ImportError:
         return None
     from benchmarks import pfl_loop
-    c = data.central
-    clients = [(c.x_train[np.asarray(i)], c.y_train[np.asarray(i)]) for i in data.train_indices]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        result = pfl_loop.run_fedavg(clients, c.input_spec.mean, c.input_spec.std,
-                                     c.num_classes, rounds, participants, 32, 1, _LR)
+        return _peer_round_s(pfl_loop.run_fedavg, data, participants, rounds)
     except ImportError:
         return None
-    finally:
-        torch.set_num_threads(threads)
-    return float(np.median(result["round_s"][2:]))
 
 
 def main(argv):

@@ -127,8 +127,8 @@ def main(argv) -> None:
     participants, rounds = int(flags.FLAGS.participants[0]), max(flags.FLAGS.rounds, 4)
     data = cross_device.synthetic(max(1000, 10 * participants))
     c = data.central
-    clients = [(c.x_train[np.asarray(i)], c.y_train[np.asarray(i)]) for i in data.train_indices]
     torch.set_num_threads(1)
+    clients = cross_device._client_arrays(data)  # noqa: SLF001 - the work's own clients
     result = run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes, rounds,
                         participants, 32, 1, cross_device._LR)  # noqa: SLF001 - the work's rate
     if int(os.environ.get("RANK", 0)) == 0:

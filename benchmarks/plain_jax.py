@@ -84,6 +84,22 @@ def _add_weighted(total, params, weight):
     return jax.tree.map(lambda t, p: t + weight * p, total, params)
 
 
+def _device_clients(clients, mean, std) -> tuple[list, int]:
+    """[(x normalized float32, y int32, n)] on the device, each padded to the largest client's
+    rows (one shape: one compiled program), and that row count. Images may be uint8 or [0, 1]
+    floats."""
+    capacity = max(len(y) for _, y in clients)
+    m, s = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+    data = []
+    for x, y in clients:
+        xf = x.astype(np.float32)
+        xf = ((xf / 255.0 if xf.max() > 1.5 else xf) - m) / s
+        pad = capacity - len(y)
+        data.append((jnp.asarray(np.pad(xf, ((0, pad),) + ((0, 0),) * (xf.ndim - 1))),
+                     jnp.asarray(np.pad(y.astype(np.int32), (0, pad))), len(y)))
+    return data, capacity
+
+
 def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_classes: int,
                rounds: int, per_round: int, batch_size: int, epochs: int, lr: float,
                seed: int = 0) -> dict:
@@ -92,15 +108,7 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
     if epochs != 1:
         raise ValueError(f"the plain loop runs one local epoch, got {epochs}")
     start = time.perf_counter()
-    capacity = max(len(y) for _, y in clients)
-    m, s = np.asarray(mean, np.float32), np.asarray(std, np.float32)
-    data = []
-    for x, y in clients:  # normalized once, padded to one shape (one compiled program)
-        xf = x.astype(np.float32)
-        xf = ((xf / 255.0 if xf.max() > 1.5 else xf) - m) / s  # uint8 images or [0, 1] floats
-        pad = capacity - len(y)
-        data.append((jnp.asarray(np.pad(xf, ((0, pad),) + ((0, 0),) * (xf.ndim - 1))),
-                     jnp.asarray(np.pad(y.astype(np.int32), (0, pad))), len(y)))
+    data, capacity = _device_clients(clients, mean, std)
     _, h, w, c = data[0][0].shape
     key = jax.random.key(seed)
     params = init_convnet3(key, c, h, num_classes)
@@ -235,15 +243,7 @@ def run_pfedes(clients: list[tuple[np.ndarray, np.ndarray]], archs: list[str], m
     if epochs != 1:
         raise ValueError(f"the plain loop runs one local epoch, got {epochs}")
     start = time.perf_counter()
-    capacity = max(len(y) for _, y in clients)
-    m, s = np.asarray(mean, np.float32), np.asarray(std, np.float32)
-    data = []
-    for x, y in clients:
-        xf = x.astype(np.float32)
-        xf = ((xf / 255.0 if xf.max() > 1.5 else xf) - m) / s
-        pad = capacity - len(y)
-        data.append((jnp.asarray(np.pad(xf, ((0, pad),) + ((0, 0),) * (xf.ndim - 1))),
-                     jnp.asarray(np.pad(y.astype(np.int32), (0, pad))), len(y)))
+    data, capacity = _device_clients(clients, mean, std)
     _, h, _, c = data[0][0].shape
     key = jax.random.key(seed)
     privates = [init_client(jax.random.fold_in(key, k), archs[k], c, h, num_classes, dim)

@@ -187,6 +187,25 @@ def test_a_streamed_scan_run_gives_the_loops_numbers(name, factor, tmp_path, mon
         assert sum(r["uploads_rejected"] for r in runs["scan"]) > 0
 
 
+def _last_round_counts(name: str, events: list) -> dict[int, int]:
+    """{clients: entries appended to `events` during the third 'scan' round of `name`} for 8
+    and 32 clients (4 and 16 participants)."""
+    from fedjax_pfedes import rounds
+    from fedjax_pfedes.builders import build_context, build_federated_data
+    counts = {}
+    for clients in (8, 32):
+        config = fl_helpers.tiny_config(rounds=3, num_clients=clients)
+        config.algorithm = name
+        config.execution.strategy = "scan"
+        ctx, state = build_context(config, build_federated_data(config))
+        for r in range(3):
+            events.clear()
+            state, record, _, _ = rounds.sync_round(ctx, state, r)
+        counts[clients] = len(events)
+        assert record["participants"] == clients // 2
+    return counts
+
+
 @pytest.mark.parametrize("name", ["fedavg", "pfedes"])
 def test_a_rounds_host_reads_do_not_grow_with_its_participants(name, monkeypatch):
     """The structure of a round, not its time: with the 'scan' strategy the values the host
@@ -195,24 +214,11 @@ def test_a_rounds_host_reads_do_not_grow_with_its_participants(name, monkeypatch
     (On CPU `jax.transfer_guard_device_to_host` does not see these reads, so they are counted
     here instead.)"""
     from jax._src import array as jax_array
-
-    from fedjax_pfedes import rounds
-    from fedjax_pfedes.builders import build_context, build_federated_data
     original = jax_array.ArrayImpl._value
     reads = []
     monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(
         lambda self: reads.append(1) or original.fget(self)))
-    counts = {}
-    for clients in (8, 32):
-        config = fl_helpers.tiny_config(rounds=3, num_clients=clients)
-        config.algorithm = name
-        config.execution.strategy = "scan"
-        ctx, state = build_context(config, build_federated_data(config))
-        for r in range(3):
-            reads.clear()
-            state, record, _, _ = rounds.sync_round(ctx, state, r)
-        counts[clients] = len(reads)
-        assert record["participants"] == clients // 2
+    counts = _last_round_counts(name, reads)
     assert counts[8] == counts[32], counts
 
 
@@ -224,26 +230,13 @@ def test_a_rounds_dispatched_programs_do_not_grow_with_its_participants(name, mo
     participants as with 4, so the host's dispatch work does not grow with them."""
     from jax._src import pjit
     from jax._src.interpreters import pxla
-
-    from fedjax_pfedes import rounds
-    from fedjax_pfedes.builders import build_context, build_federated_data
     jax.clear_caches()  # no program keeps a fast path from an earlier test
     monkeypatch.setattr(pjit, "_get_fastpath_data", lambda *a, **k: None)
     original = pxla.ExecuteReplicated.__call__
     runs = []
     monkeypatch.setattr(pxla.ExecuteReplicated, "__call__",
                         lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
-    counts = {}
-    for clients in (8, 32):
-        config = fl_helpers.tiny_config(rounds=3, num_clients=clients)
-        config.algorithm = name
-        config.execution.strategy = "scan"
-        ctx, state = build_context(config, build_federated_data(config))
-        for r in range(3):
-            runs.clear()
-            state, record, _, _ = rounds.sync_round(ctx, state, r)
-        counts[clients] = len(runs)
-        assert record["participants"] == clients // 2
+    counts = _last_round_counts(name, runs)
     assert counts[8] == counts[32] > 0, counts
 
 
