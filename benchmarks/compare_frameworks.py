@@ -125,50 +125,40 @@ def ours(config, strategy: str, workdir: str) -> dict:
             "strategy": summary["execution_strategy"]}
 
 
-def theirs(config, work: str, device: str = "cpu") -> dict:
+def per_client_loop(config, work: str, loop, label: str, **kw) -> dict:
+    """The work run by `loop` (a module with `run_fedavg` and `run_pfedes`: `torch_loop` or
+    `plain_jax`) on the config's clients; `kw` goes to the loop (e.g. PyTorch's device)."""
     data = build_federated_data(config)
     c = data.central
     clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
     t = config.train
     if work == "fedavg":
-        out = torch_loop.run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes,
-                                    t.rounds, round(t.client_fraction * len(clients)),
-                                    t.batch_size, t.local_epochs, t.lr_local, device=device)
+        out = loop.run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes,
+                              t.rounds, round(t.client_fraction * len(clients)),
+                              t.batch_size, t.local_epochs, t.lr_local, **kw)
     else:
         archs = [a.strip() for a in config.clients.architectures.split(",")]
-        out = torch_loop.run_pfedes(clients, [archs[k % len(archs)] for k in range(len(clients))],
-                                    c.input_spec.mean, c.input_spec.std, c.num_classes,
-                                    t.rounds, t.batch_size, t.local_epochs, t.lr_local,
-                                    lam=config.lam, dim=config.proxy_dim,
-                                    proxy_lr_ratio=config.proxy_lr_ratio,
-                                    server_momentum=config.server_momentum, device=device)
+        out = loop.run_pfedes(clients, [archs[k % len(archs)] for k in range(len(clients))],
+                              c.input_spec.mean, c.input_spec.std, c.num_classes,
+                              t.rounds, t.batch_size, t.local_epochs, t.lr_local,
+                              lam=config.lam, dim=config.proxy_dim,
+                              proxy_lr_ratio=config.proxy_lr_ratio,
+                              server_momentum=config.server_momentum, **kw)
     out["steps_per_round"] = out["client_steps"] / t.rounds
-    out["strategy"] = f"PyTorch per-client loop ({device})"
+    out["strategy"] = label
     return out
+
+
+def theirs(config, work: str, device: str = "cpu") -> dict:
+    """The work as the PyTorch per-client loop (`torch_loop`) on `device`."""
+    return per_client_loop(config, work, torch_loop, f"PyTorch per-client loop ({device})",
+                           device=device)
 
 
 def plain(config, work: str) -> dict:
-    """The work as a plain-JAX per-client loop (`plain_jax.run_fedavg` / `run_pfedes`)."""
-    data = build_federated_data(config)
-    c = data.central
-    clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
-    t = config.train
-    if work == "fedavg":
-        out = plain_jax.run_fedavg(clients, c.input_spec.mean, c.input_spec.std,
-                                   c.num_classes, t.rounds,
-                                   round(t.client_fraction * len(clients)), t.batch_size,
-                                   t.local_epochs, t.lr_local)
-    else:
-        archs = [a.strip() for a in config.clients.architectures.split(",")]
-        out = plain_jax.run_pfedes(clients, [archs[k % len(archs)] for k in range(len(clients))],
-                                   c.input_spec.mean, c.input_spec.std, c.num_classes,
-                                   t.rounds, t.batch_size, t.local_epochs, t.lr_local,
-                                   lam=config.lam, dim=config.proxy_dim,
-                                   proxy_lr_ratio=config.proxy_lr_ratio,
-                                   server_momentum=config.server_momentum)
-    out["steps_per_round"] = out["client_steps"] / t.rounds
-    out["strategy"] = "plain JAX per-client loop (benchmarks.plain_jax)"
-    return out
+    """The work as a plain-JAX per-client loop (`plain_jax`), no engine code."""
+    return per_client_loop(config, work, plain_jax,
+                           "plain JAX per-client loop (benchmarks.plain_jax)")
 
 
 def throughput(result: dict) -> tuple[float, float]:

@@ -321,12 +321,11 @@ def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEnc
                              "config.secagg.ring_bits or lower config.secagg.fraction_bits")
     if simulation == "sum":
         sending = np.array([u not in drop_before_upload for u in ids], bool)
-        senders = [u for u in ids if u not in drop_before_upload]
+        senders = [u for u, s in zip(ids, sending, strict=True) if s]
         live = [u for u in senders if u not in drop_after_upload]
         check_quorum(n, len(senders), len(live), threshold)
-        return SecureSumResult(ring_sum(rows[sending], [u not in unchecked for u in senders],
-                                        encoding),
-                               tuple(senders), bytes_per_sender(length, n, encoding))
+        total = ring_sum(rows[sending], [u not in unchecked for u in senders], encoding)
+        return SecureSumResult(total, tuple(senders), bytes_per_sender(length, n, encoding))
     root = np.random.default_rng(seed)
     clients = {u: SecureAggregationClient(u, np.random.default_rng(
         root.integers(0, 2 ** 63)), encoding) for u in ids}
