@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import jax
 
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
-from fedjax_pfedes.builders import build_algorithm, build_federated_data
-from fedjax_pfedes.cohorts import assign_architectures
+from fedjax_pfedes.engine.build import build_algorithm, build_federated_data
+from fedjax_pfedes.engine.cohorts import assign_architectures
 
 
 def first_clients(config) -> tuple[Algorithm, Iterator[tuple[str, CohortProgram, tuple]]]:

@@ -38,8 +38,8 @@ from absl import app, flags
 
 from benchmarks import plain_jax, torch_loop
 from configs import quickstart
-from fedjax_pfedes.builders import build_federated_data
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.build import build_federated_data
+from fedjax_pfedes.engine.loop import run_experiment
 
 _WORK = flags.DEFINE_list("work", ["fedavg", "pfedes"], "Works to run: fedavg, pfedes.")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "Rounds per run (>= 3).")

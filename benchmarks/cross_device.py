@@ -97,8 +97,8 @@ def synthetic(clients: int):
 def engine_round_s(data, strategy: str, participants: int, rounds: int,
                    private: bool = False, simulation: str = "sum") -> tuple[float, float]:
     """(median s/round of rounds 3.., mean local steps per participant)."""
-    from fedjax_pfedes import rounds as engine_rounds
-    from fedjax_pfedes.builders import build_context
+    from fedjax_pfedes.engine import rounds as engine_rounds
+    from fedjax_pfedes.engine.build import build_context
     ctx, state = build_context(work_config(strategy, data.num_clients, participants, rounds,
                                            private, simulation), data)
     times = []
@@ -116,8 +116,8 @@ def engine_profile(data, strategy: str, participants: int, rounds: int, private:
     import cProfile
     import pstats
 
-    from fedjax_pfedes import rounds as engine_rounds
-    from fedjax_pfedes.builders import build_context
+    from fedjax_pfedes.engine import rounds as engine_rounds
+    from fedjax_pfedes.engine.build import build_context
     ctx, state = build_context(work_config(strategy, data.num_clients, participants, rounds,
                                            private), data)
     profile = cProfile.Profile()
@@ -133,8 +133,8 @@ def engine_profile(data, strategy: str, participants: int, rounds: int, private:
 def engine_breakdown(data, strategy: str, participants: int, rounds: int) -> dict[str, float]:
     """Seconds per round (rounds 3..) of the parts of `rounds.sync_round`, each waited for
     (so the parts add up to a synchronous round, a little slower than the pipelined one)."""
-    from fedjax_pfedes import rounds as engine_rounds
-    from fedjax_pfedes.builders import build_context
+    from fedjax_pfedes.engine import rounds as engine_rounds
+    from fedjax_pfedes.engine.build import build_context
     ctx, state = build_context(work_config(strategy, data.num_clients, participants, rounds),
                                data)
     spent: dict[str, float] = {}

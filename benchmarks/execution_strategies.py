@@ -22,12 +22,12 @@ import numpy as np
 from absl import app, flags
 
 from configs import quickstart
-from fedjax_pfedes import execution
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
-from fedjax_pfedes.builders import build_algorithm, build_federated_data
-from fedjax_pfedes.cohorts import assign_architectures
 from fedjax_pfedes.data.federated import stack_clients
 from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.engine.build import build_algorithm, build_federated_data
+from fedjax_pfedes.engine.cohorts import assign_architectures
+from fedjax_pfedes.execution import runners
 
 _WORKLOAD = flags.DEFINE_list("workload", ["quickstart", "cifar"], "Workloads to time.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Steady-state repetitions per measurement.")
@@ -39,7 +39,7 @@ _LOOP_THREADS = flags.DEFINE_integer("loop_threads", 1, "Host threads of 'loop' 
 
 
 def _time_strategy(program, strategy, broadcast, states, train, slots, keys, repeats):
-    runner = execution.make_runner(program, strategy, loop_threads=_LOOP_THREADS.value)
+    runner = runners.make_runner(program, strategy, loop_threads=_LOOP_THREADS.value)
     states = jax.tree.map(jnp.array, states)
     t0 = time.perf_counter()
     uploads, states, _ = runner.update(broadcast, states, train, slots, keys)

@@ -65,9 +65,9 @@ def _synthetic(n: int):
 
 
 def run_one(model: str, n: int) -> dict:
-    from fedjax_pfedes import rounds
-    from fedjax_pfedes.builders import build_context
     from fedjax_pfedes.data.federated import partition_dataset
+    from fedjax_pfedes.engine import rounds
+    from fedjax_pfedes.engine.build import build_context
     config = _config(model, n)
     state_dir = _STATE_DIR.value or tempfile.mkdtemp(prefix="scale_states_")
     config.execution.client_state_dir = os.path.join(state_dir, f"{model}_{n}")
@@ -98,7 +98,7 @@ def _state_estimate_gib(model: str) -> float:
     """One client's state (model + momentum), from an initialized client of a tiny run."""
     from fedjax_pfedes.algorithms import registry
     from fedjax_pfedes.data.spec import InputSpec
-    from fedjax_pfedes.rounds import tree_size
+    from fedjax_pfedes.tree_util import tree_size
     spec = InputSpec("image", (28, 28, 1), "uint8", (0.5,), (0.25,))
     algorithm = registry.build(_config(model, 1000), 10, spec, 1, {model: 1000})
     row = jax.eval_shape(algorithm.cohort_program(model).init_client, jax.random.key(0))

@@ -22,15 +22,15 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from fedjax_pfedes.budget import (
+from fedjax_pfedes.engine.build import build_context, build_federated_data
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError, DatasetUnavailableError
+from fedjax_pfedes.studies.round_budget import (
     budget_table,
     measure_step_times,
     replay_rounds,
     with_step_times,
 )
-from fedjax_pfedes.builders import build_context, build_federated_data
-from fedjax_pfedes.config_validation import ConfigError, validate_config
-from fedjax_pfedes.data.sources import DatasetUnavailableError
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",

@@ -40,14 +40,14 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from fedjax_pfedes import experiments
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.builders import load_options
-from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
 from fedjax_pfedes.data.catalog import load_dataset
-from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
+from fedjax_pfedes.engine.build import load_options
+from fedjax_pfedes.engine.validate import check_against_data, validate_config
+from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError
+from fedjax_pfedes.io.workdir import RunLockedError
+from fedjax_pfedes.studies import experiments
 from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
-from fedjax_pfedes.workdir import RunLockedError
 from launch import cli
 from launch.cli import fail, loaded_config
 

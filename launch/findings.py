@@ -5,7 +5,8 @@
   python -m launch.findings --config=configs/quickstart.py --config.data.name=digits \
       --finding=F3,F4 --seeds=5
 
-Every finding's variants (fedjax_pfedes/findings.py) run for `--seeds` seeds on the same data
+Every finding's variants (fedjax_pfedes/studies/pfedes_findings.py) run for `--seeds` seeds on
+the same data
 (seeds config.seed, +1, ...); variants shared between findings run once, and finished runs in
 <workdir>/<dataset>/ made with the same config are reused, so an interrupted command continues
 where it stopped. The report section of this dataset in `--output` (between its
@@ -24,9 +25,9 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from fedjax_pfedes import experiments, findings
-from fedjax_pfedes.config_validation import ConfigError, validate_config
-from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError
+from fedjax_pfedes.studies import experiments, pfedes_findings
 from launch import cli
 from launch.cli import fail, loaded_config
 
@@ -54,11 +55,11 @@ def population(config: ml_collections.ConfigDict, seeds: int) -> str:
 
 
 def section(config, seeds: int, command: str, verdicts: list[tuple], output: str,
-            results: findings.Records) -> str:
+            results: pfedes_findings.Records) -> str:
     """The Markdown of one dataset's findings (`results`: every variant's runs)."""
     name = config.data.name
     lines = [f"<!-- findings:{name} -->", f"## {name}", "", population(config, seeds) + ".",
-             "", findings.plateau_note(results), "",
+             "", pfedes_findings.plateau_note(results), "",
              "```bash", command, "```", "",
              "| finding | claim | verdict | what the rule compared |", "|---|---|---|---|"]
     for f, v in verdicts:
@@ -78,9 +79,10 @@ def section(config, seeds: int, command: str, verdicts: list[tuple], output: str
 HEADER = """# Findings F1-F7, reproduced or refuted
 
 Each finding of the pFedES design (docs/design.md) is run as an experiment by
-`python -m launch.findings` with a verdict rule fixed in `fedjax_pfedes/findings.py` (stated
-with each finding below). Numbers are from the command shown with each dataset, on the machine
-named there; rerunning the command regenerates its section.
+`python -m launch.findings` with a verdict rule fixed in
+`fedjax_pfedes/studies/pfedes_findings.py` (stated with each finding below). Numbers are from
+the command shown with each dataset, on the machine named there; rerunning the command
+regenerates its section.
 """
 
 
@@ -109,8 +111,8 @@ def main(argv: list[str]) -> None:
     if _SEEDS.value < 1:
         fail(f"--seeds must be >= 1, got {_SEEDS.value}")
     try:
-        chosen = findings.resolve(_FINDING.value)
-        variants = findings.variants_of(chosen, base)
+        chosen = pfedes_findings.resolve(_FINDING.value)
+        variants = pfedes_findings.variants_of(chosen, base)
         for overrides in variants.values():
             validate_config(experiments.with_overrides(base, overrides))
         workdir = os.path.join(_WORKDIR.value, base.data.name)

@@ -21,11 +21,18 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from fedjax_pfedes import leakage
-from fedjax_pfedes.builders import load_options
 from fedjax_pfedes.data.catalog import load_dataset
-from fedjax_pfedes.data.sources import DatasetUnavailableError
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.engine.build import load_options
+from fedjax_pfedes.errors import DatasetUnavailableError
+from fedjax_pfedes.models import architectures
+from fedjax_pfedes.studies.gradient_inversion import (
+    AttackConfig,
+    gradient,
+    invert,
+    observed_uploads,
+    psnr,
+    ssim,
+)
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (its data).")
@@ -48,7 +55,7 @@ def main(argv: list[str]) -> None:
                              f"'{config.data.name}' is {central.modality}")
         if _SECAGG.value < 2:
             raise ValueError(f"--secagg_clients must be >= 2, got {_SECAGG.value}")
-        model = registry.classifier_model(_ARCH.value, central.num_classes, central.input_spec)
+        model = architectures.classifier_model(_ARCH.value, central.num_classes, central.input_spec)
     except (ValueError, DatasetUnavailableError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -61,21 +68,21 @@ def main(argv: list[str]) -> None:
               else x.astype(np.float32))
     labels = central.y_train[idx].astype(np.int32)
     params = model.init(jax.random.key(config.seed), jnp.asarray(images[:1]))
-    norms = [float(jnp.sqrt(sum(jnp.sum(a ** 2) for a in jax.tree.leaves(leakage.gradient(
+    norms = [float(jnp.sqrt(sum(jnp.sum(a ** 2) for a in jax.tree.leaves(gradient(
         model, params, jnp.asarray(images[i:i + 1]), jnp.asarray(labels[i:i + 1]))))))
         for i in range(_VICTIMS.value)]
     clip = _CLIP.value or float(np.median(norms))
-    cfg = leakage.AttackConfig(steps=_STEPS.value, clip_norm=clip,
+    cfg = AttackConfig(steps=_STEPS.value, clip_norm=clip,
                                noise_multiplier=_SIGMA.value, secagg_clients=_SECAGG.value)
     rows, recon = {"none": [], "dp": [], "secagg": []}, {k: [] for k in ("none", "dp", "secagg")}
     for v in range(_VICTIMS.value):
-        views = leakage.observed_uploads(model, params, images, labels, v,
+        views = observed_uploads(model, params, images, labels, v,
                                          jax.random.key(1000 + v), cfg)
         for name, (observed, assumed_labels) in views.items():
             shape = (len(assumed_labels), *images.shape[1:])
-            out = np.asarray(leakage.invert(model, params, observed, jnp.asarray(assumed_labels),
+            out = np.asarray(invert(model, params, observed, jnp.asarray(assumed_labels),
                                             shape, jax.random.key(v), cfg))
-            scores = [(leakage.psnr(o, images[v]), leakage.ssim(o, images[v])) for o in out]
+            scores = [(psnr(o, images[v]), ssim(o, images[v])) for o in out]
             best = max(range(len(out)), key=lambda i: scores[i][0])
             rows[name].append(scores[best])
             recon[name].append(out[best])
@@ -91,10 +98,10 @@ def main(argv: list[str]) -> None:
     noise_rng = np.random.default_rng(config.seed + 1)
     references = {  # what no attack at all scores against the same images
         "reference: all-zero image (no attack)": [
-            (leakage.psnr(np.zeros_like(images[v]), images[v]),
-             leakage.ssim(np.zeros_like(images[v]), images[v])) for v in range(_VICTIMS.value)],
+            (psnr(np.zeros_like(images[v]), images[v]),
+             ssim(np.zeros_like(images[v]), images[v])) for v in range(_VICTIMS.value)],
         "reference: uniform noise image (no attack)": [
-            (leakage.psnr(r, images[v]), leakage.ssim(r, images[v]))
+            (psnr(r, images[v]), ssim(r, images[v]))
             for v in range(_VICTIMS.value)
             for r in [noise_rng.random(images[v].shape)]],
     }

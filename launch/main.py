@@ -17,11 +17,10 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from fedjax_pfedes.config_validation import ConfigError
-from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
-from fedjax_pfedes.simulation import DivergedError, run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError, DivergedError
+from fedjax_pfedes.io.workdir import RunLockedError
 from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
-from fedjax_pfedes.workdir import RunLockedError
 from launch import cli
 from launch.cli import fail, loaded_config
 

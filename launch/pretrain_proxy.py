@@ -19,10 +19,14 @@ import json
 from absl import app, flags
 from ml_collections import config_flags
 
-from fedjax_pfedes import proxy_init
-from fedjax_pfedes.config_validation import ConfigError
-from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
-from fedjax_pfedes.pretraining import PretrainSettings, pretrain_proxy, save_pretrained
+from fedjax_pfedes.algorithms.pfedes import proxy_init
+from fedjax_pfedes.algorithms.pfedes.pretraining import (
+    PretrainSettings,
+    pretrain_proxy,
+    save_pretrained,
+)
+from fedjax_pfedes.engine.build import load_validated_pool
+from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError
 from launch import cli
 from launch.cli import fail, loaded_config
 
@@ -43,7 +47,8 @@ def main(argv: list[str]) -> None:
     config = loaded_config(_CONFIG)
     try:
         settings = PretrainSettings(_EPOCHS.value, _LR.value, _MOMENTUM.value, _BATCH.value)
-        params, report = pretrain_proxy(config, settings, show_progress=_PROGRESS.value)
+        params, report = pretrain_proxy(config, settings, *load_validated_pool(config),
+                                        show_progress=_PROGRESS.value)
         output = proxy_init.resolve(_OUTPUT.value, config.seed)
         save_pretrained(output, config, params, report)
     except (ConfigError, DatasetUnavailableError, DataError) as e:

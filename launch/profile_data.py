@@ -16,9 +16,9 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from fedjax_pfedes.builders import build_federated_data, write_data_profile
-from fedjax_pfedes.config_validation import ConfigError, validate_config
-from fedjax_pfedes.data.sources import DatasetUnavailableError
+from fedjax_pfedes.engine.build import build_federated_data, write_data_profile
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError, DatasetUnavailableError
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",

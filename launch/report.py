@@ -13,7 +13,7 @@ import sys
 
 from absl import app
 
-from fedjax_pfedes.report import write_report
+from fedjax_pfedes.io.run_report import write_report
 
 
 def main(argv: list[str]) -> None:

@@ -7,7 +7,8 @@
 train.lr_local, proxy_lr_ratio, server_momentum, …). Every member is an ordinary run in
 <workdir>/FIELD=VALUE (metrics.jsonl, summary.json, …) whose numbers equal
 `launch.main --config.FIELD=VALUE` up to float reassociation; their local training runs as one
-program vmapped over the members (`fedjax_pfedes.sweep`). Writes <workdir>/sweep.md (table) and
+program vmapped over the members (`fedjax_pfedes.studies.vectorized_sweep`). Writes
+<workdir>/sweep.md (table) and
 sweep.png (final accuracy against the value; accuracy curves). Fields that change shapes or
 control flow (proxy_dim, architectures, …) are refused with one line naming them.
 """
@@ -20,11 +21,10 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from fedjax_pfedes import experiments, sweep
-from fedjax_pfedes.config_validation import ConfigError
-from fedjax_pfedes.data.sources import DataError, DatasetUnavailableError
+from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError
+from fedjax_pfedes.io.workdir import RunLockedError
+from fedjax_pfedes.studies import experiments, vectorized_sweep
 from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
-from fedjax_pfedes.workdir import RunLockedError
 from launch import cli
 from launch.cli import fail, loaded_config
 
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
     config = loaded_config(_CONFIG)
     (field, values), = _SWEPT.items()
     try:
-        records = sweep.run_sweep(config, field, values, _WORKDIR.value, _PROGRESS.value,
+        records = vectorized_sweep.run_sweep(config, field, values, _WORKDIR.value, _PROGRESS.value,
                                   _MEMBER_AXIS.value)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError,
             HeldUploadsExceeded) as e:

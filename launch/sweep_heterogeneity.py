@@ -21,9 +21,9 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from fedjax_pfedes import experiments
-from fedjax_pfedes.config_validation import ConfigError, validate_config
-from fedjax_pfedes.data.sources import DatasetUnavailableError
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError, DatasetUnavailableError
+from fedjax_pfedes.studies import experiments
 from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")

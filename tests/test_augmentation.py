@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_pfedes import local_training
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.data import augmentation
 from fedjax_pfedes.data.federated import ClientArrays
 
@@ -132,7 +132,8 @@ def test_the_same_augmented_batches_under_rolled_unrolled_loop_and_vmap():
 
 def test_augment_is_checked_naming_the_field():
     from configs import quickstart
-    from fedjax_pfedes.config_validation import ConfigError, validate_config
+    from fedjax_pfedes.engine.validate import validate_config
+    from fedjax_pfedes.errors import ConfigError
 
     config = quickstart.get_config()
     config.train.augment = "mixup"

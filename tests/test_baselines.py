@@ -11,8 +11,8 @@ from fedjax_pfedes.algorithms.fedavg import fedavg
 from fedjax_pfedes.algorithms.standalone import standalone
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.rounds import tree_size
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.tree_util import tree_size
 
 SPEC = fl_helpers.SPEC
 
@@ -36,9 +36,9 @@ def test_fedavg_local_update_is_sgd_on_the_clients_data():
     upload, _, metrics = program.client_update(server.params["mlp_small"],
                                                program.init_client(jax.random.key(1)), data,
                                                jax.random.key(2))
-    from fedjax_pfedes.models import registry
+    from fedjax_pfedes.models import architectures
 
-    model = registry.classifier_model("mlp_small", 3, SPEC)
+    model = architectures.classifier_model("mlp_small", 3, SPEC)
     w0 = server.params["mlp_small"]
     grads = jax.grad(lambda p: _reference_ce(model, p, data.x, data.y))(w0)
     expected = jax.tree.map(lambda w, g: w - 0.1 * g, w0, grads)
@@ -79,9 +79,9 @@ def test_fedprox_two_steps_match_the_proximal_gradient_by_hand():
     upload, _, _ = program.client_update(server.params["mlp_small"],
                                          program.init_client(jax.random.key(1)), data,
                                          jax.random.key(2))
-    from fedjax_pfedes.models import registry
+    from fedjax_pfedes.models import architectures
 
-    model = registry.classifier_model("mlp_small", 3, SPEC)
+    model = architectures.classifier_model("mlp_small", 3, SPEC)
     wg = server.params["mlp_small"]
     ce_grad = jax.grad(lambda p: _reference_ce(model, p, data.x, data.y))
     w1 = jax.tree.map(lambda w, g: w - lr * g, wg, ce_grad(wg))
@@ -201,7 +201,7 @@ def test_published_pfedes_interleaved_alternation_matches_a_hand_reference():
     """schedule='interleaved': F_k steps on (1-mu) CE(F(x)) + mu CE(F(G(x))) with G fixed; then
     G steps on CE(F_new(G(x))) with F fixed at its new value; the upload is G."""
     from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
-    from fedjax_pfedes.models import registry
+    from fedjax_pfedes.models import architectures
 
     spec = InputSpec("image", (6, 6, 3), "float32", (0.4,) * 3, (0.3,) * 3)
     mu, lr, ratio = 0.3, 0.1, 0.5
@@ -218,8 +218,8 @@ def test_published_pfedes_interleaved_alternation_matches_a_hand_reference():
     upload, new_state, _ = program.client_update(server.g_params, state,
                                                  ClientArrays(x, y, jnp.int32(8)),
                                                  jax.random.key(2))
-    model = registry.classifier_model("mlp_small", 3, spec)
-    g_model = registry.ImageProxyG(spec)
+    model = architectures.classifier_model("mlp_small", 3, spec)
+    g_model = architectures.ImageProxyG(spec)
 
     def ce(logits):
         return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(8), y])
@@ -254,7 +254,7 @@ def test_published_pfedes_paper_schedule_matches_a_hand_reference():
     E + extra epochs through the new F; both SGD with momentum and weight decay after
     global-norm clipping, fresh optimizers. Full-batch epochs make every step deterministic."""
     from fedjax_pfedes.algorithms.pfedes_paper import PFedESPaperConfig, pfedes_paper
-    from fedjax_pfedes.models import registry
+    from fedjax_pfedes.models import architectures
 
     spec = InputSpec("image", (6, 6, 3), "float32", (0.4,) * 3, (0.3,) * 3)
     mu, lr, ratio, m, wd, clip, epochs, extra = 0.3, 0.1, 0.5, 0.9, 0.01, 0.5, 2, 1
@@ -271,8 +271,8 @@ def test_published_pfedes_paper_schedule_matches_a_hand_reference():
     upload, new_state, metrics = program.client_update(
         server.g_params, state, ClientArrays(x, y, jnp.int32(8)), jax.random.key(2))
     assert float(metrics["local_steps"]) == epochs + epochs + extra
-    model = registry.classifier_model("mlp_small", 3, spec)
-    g_model = registry.ImageProxyG(spec)
+    model = architectures.classifier_model("mlp_small", 3, spec)
+    g_model = architectures.ImageProxyG(spec)
 
     def ce(logits):
         return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(8), y])
@@ -320,7 +320,7 @@ def _hetero(**kw):
 
 def test_fedproto_uploads_numpy_class_means_of_its_embeddings():
     from fedjax_pfedes.algorithms.fedproto import fedproto
-    from fedjax_pfedes.models import registry
+    from fedjax_pfedes.models import architectures
 
     alg = fedproto(_hetero())
     server = alg.init_server(jax.random.key(0))
@@ -328,7 +328,7 @@ def test_fedproto_uploads_numpy_class_means_of_its_embeddings():
     data = _data(n=6, capacity=8, seed=3)
     upload, state, _ = program.client_update(alg.broadcast(server), program.init_client(
         jax.random.key(1)), data, jax.random.key(2))
-    model = registry.projected_classifier("mlp_small", 3, 4, SPEC)
+    model = architectures.projected_classifier("mlp_small", 3, 4, SPEC)
     e = np.asarray(model.apply(state.params, data.x)[1])[:6]
     y = np.asarray(data.y)[:6]
     for c in range(3):

@@ -12,9 +12,9 @@ import fl_helpers
 import jax
 import pytest
 
-from fedjax_pfedes.checkpointing import config_changes
-from fedjax_pfedes.config_validation import ConfigError
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.io.checkpoints import config_changes
 
 WALL_CLOCK = ("round_time_s", "elapsed_s")
 ROUNDS = 30

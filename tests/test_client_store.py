@@ -9,10 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_pfedes import client_store, cohorts, execution
-from fedjax_pfedes.config_validation import ConfigError, validate_config
 from fedjax_pfedes.data.federated import stack_clients
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine import cohorts
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.execution import offload, runners
 from tests.fl_helpers import small_config, tiny_config
 from tests.test_execution import _copy, _setup
 
@@ -22,7 +24,7 @@ def test_ragged_rows_equal_the_padded_stack():
     x = rng.normal(size=(40, 3, 2)).astype(np.float32)
     y = rng.integers(0, 5, 40)
     idx = [np.array([3, 7, 1]), np.arange(10, 30), np.array([0]), np.array([39, 38])]
-    ragged = client_store.RaggedClientArrays.from_indices(x, y, idx)
+    ragged = offload.RaggedClientArrays.from_indices(x, y, idx)
     dense = stack_clients(x, y, idx)
     assert ragged.capacity == dense.capacity == 20
     assert ragged.nbytes < dense.x.nbytes  # 26 rows stored instead of 4 x 20
@@ -41,7 +43,7 @@ def test_chunked_initialization_equals_one_call(tmp_path):
     reference = jax.device_get(init(jnp.asarray(ids)))
     rows = jax.eval_shape(program.init_client, rng)
     for directory in (None, str(tmp_path / "mm")):
-        store = client_store.initialize(init, ids, client_store.allocate(rows, len(ids),
+        store = offload.initialize(init, ids, offload.allocate(rows, len(ids),
                                                                          directory), chunk=3)
         chex.assert_trees_all_equal(jax.tree.map(np.asarray, store), reference)
     assert (tmp_path / "mm" / "leaf0.npy").exists()
@@ -52,11 +54,11 @@ def test_offloaded_runner_equals_the_device_runner(strategy):
     _, program, data, states, server = _setup("convnet3", num_clients=5)
     slots = np.array([3, 0, 5], np.int32)  # clients 3 and 0, one padded slot
     keys = jax.random.split(jax.random.key(7), 3)
-    runner = execution.make_runner(program, strategy)
+    runner = runners.make_runner(program, strategy)
     up_d, st_d, m_d = runner.update(server.proxy_params, _copy(states), data, slots, keys)
     host = jax.tree.map(np.array, states)
     host_data = jax.tree.map(np.asarray, data)
-    off = client_store.offloaded_runner(runner, bucket=3)
+    off = offload.offloaded_runner(runner, bucket=3)
     up_o, st_o, m_o = off.update(server.proxy_params, host, host_data, slots, keys)
     assert all(a is b for a, b in zip(jax.tree.leaves(st_o), jax.tree.leaves(host),
                                       strict=True))  # written back in place
@@ -73,11 +75,11 @@ def test_offloaded_runner_equals_the_device_runner(strategy):
 
 def test_a_budget_below_one_round_is_refused_naming_the_field():
     row = {"w": jax.ShapeDtypeStruct((1000,), jnp.float32)}  # 4,000 bytes a client
-    with pytest.raises(client_store.BudgetError,
+    with pytest.raises(offload.BudgetError,
                        match=r"config\.execution\.client_state_budget_gb=1e-06: one round"):
-        client_store.check_budget({"a": row}, {"a": 100}, {"a": 10}, 1e-6)
-    assert client_store.check_budget({"a": row}, {"a": 100}, {"a": 10}, 400_000 / 2**30)
-    assert not client_store.check_budget({"a": row}, {"a": 100}, {"a": 10}, 100_000 / 2**30)
+        offload.check_budget({"a": row}, {"a": 100}, {"a": 10}, 1e-6)
+    assert offload.check_budget({"a": row}, {"a": 100}, {"a": 10}, 400_000 / 2**30)
+    assert not offload.check_budget({"a": row}, {"a": 100}, {"a": 10}, 100_000 / 2**30)
 
 
 def test_offload_config_is_validated():
@@ -124,8 +126,8 @@ def test_offloaded_runs_equal_the_device_run_and_resume(tmp_path, monkeypatch):
     assert _metrics(tmp_path / "host") == reference
     assert _metrics(tmp_path / "disk") == reference
     restored = []  # a resumed run puts its states back into the memory-mapped files
-    real_refill = client_store.refill
-    monkeypatch.setattr(client_store, "refill",
+    real_refill = offload.refill
+    monkeypatch.setattr(offload, "refill",
                         lambda store, r: restored.append(real_refill(store, r)) or restored[-1])
     disk.train.rounds = 4
     run_experiment(disk, str(tmp_path / "disk"), show_progress=False)
@@ -134,8 +136,8 @@ def test_offloaded_runs_equal_the_device_run_and_resume(tmp_path, monkeypatch):
 
 
 def test_evaluating_a_sample_of_clients_equals_those_clients_of_a_full_evaluation():
-    from fedjax_pfedes.builders import build_context, build_federated_data
-    from fedjax_pfedes.evaluation import evaluate, evaluation_sample, global_test_set
+    from fedjax_pfedes.engine.build import build_context, build_federated_data
+    from fedjax_pfedes.engine.evaluation import evaluate, evaluation_sample, global_test_set
 
     config = small_config("loop")
     data = build_federated_data(config)
@@ -163,19 +165,19 @@ def test_evaluating_a_sample_of_clients_equals_those_clients_of_a_full_evaluatio
 def test_rounds_prefetch_the_next_rounds_participants_from_disk(tmp_path, monkeypatch):
     """With states on disk each round hints the next round's selection (exactly the clients that
     then train, under uniform sampling) and the hint changes no row that is read."""
-    from fedjax_pfedes import rounds
-    from fedjax_pfedes.builders import build_context, build_federated_data
+    from fedjax_pfedes.engine import rounds
+    from fedjax_pfedes.engine.build import build_context, build_federated_data
 
     hinted = []
-    real_prefetch = client_store.prefetch
+    real_prefetch = offload.prefetch
 
     def spy(store, idx):
         hinted.append(np.asarray(idx).copy())
-        before = client_store.read_rows(store, idx)
+        before = offload.read_rows(store, idx)
         real_prefetch(store, idx)
-        chex.assert_trees_all_equal(client_store.read_rows(store, idx), before)
+        chex.assert_trees_all_equal(offload.read_rows(store, idx), before)
 
-    monkeypatch.setattr(client_store, "prefetch", spy)
+    monkeypatch.setattr(offload, "prefetch", spy)
     config = tiny_config(rounds=3)
     config.train.client_fraction = 0.5
     config.execution.client_states, config.execution.client_state_budget_gb = "offload", 0.002
@@ -200,7 +202,7 @@ def test_rounds_prefetch_the_next_rounds_participants_from_disk(tmp_path, monkey
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_same_init_starts_every_client_of_an_architecture_from_one_model(tmp_path, offload):
-    from fedjax_pfedes.builders import build_context, build_federated_data
+    from fedjax_pfedes.engine.build import build_context, build_federated_data
 
     config = tiny_config(rounds=1)
     config.clients.architectures = "mlp,mlp_small"
@@ -211,7 +213,7 @@ def test_same_init_starts_every_client_of_an_architecture_from_one_model(tmp_pat
     for same in (False, True):
         config.clients.same_init = same
         ctx, state = build_context(config, build_federated_data(config))
-        states[same] = {c.arch: client_store.read_rows(state.clients[c.arch],
+        states[same] = {c.arch: offload.read_rows(state.clients[c.arch],
                                                       np.arange(len(c.client_ids)))
                         for c in ctx.cohorts}
     for arch, rows in states[True].items():

@@ -7,8 +7,9 @@ import time
 import pytest
 
 from configs import cifar_hetero, quickstart
-from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
 from fedjax_pfedes.data.catalog import load_dataset
+from fedjax_pfedes.engine.validate import check_against_data, validate_config
+from fedjax_pfedes.errors import ConfigError
 
 MNIST5K = load_dataset("mnist5k")  # 4,000 pool samples after the 20% global hold-out
 

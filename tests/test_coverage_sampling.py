@@ -5,9 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from fedjax_pfedes import sampling
-from fedjax_pfedes.config_validation import ConfigError, validate_config
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine import sampling
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError
 from tests.fl_helpers import tiny_config
 
 

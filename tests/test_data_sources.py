@@ -10,8 +10,9 @@ import tensorflow_datasets as tfds
 from fedjax_pfedes.data import normalization, text
 from fedjax_pfedes.data.catalog import LOADERS, load_dataset
 from fedjax_pfedes.data.femnist import read_writers
-from fedjax_pfedes.data.sources import DatasetUnavailableError, LoadOptions
+from fedjax_pfedes.data.sources import LoadOptions
 from fedjax_pfedes.data.tfds_sources import TFDS_DATASETS
+from fedjax_pfedes.errors import DatasetUnavailableError
 
 
 @pytest.mark.parametrize("name", sorted(TFDS_DATASETS))

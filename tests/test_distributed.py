@@ -15,8 +15,9 @@ import textwrap
 
 import pytest
 
-from fedjax_pfedes import distributed
-from fedjax_pfedes.config_validation import ConfigError, validate_config
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.execution import distributed
 from tests.fl_helpers import small_config
 
 ROOT = pathlib.Path(__file__).parents[1]

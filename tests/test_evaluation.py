@@ -46,10 +46,12 @@ def test_participants_are_scored_right_after_training_when_asked():
     private models. pFedES predicts with the private model alone, which the server step does not
     change, so the figure equals each participant's accuracy recomputed here from its stored
     parameters (numpy argmax over its real test rows), averaged over the participants."""
-    from fedjax_pfedes import client_store, rounds
-    from fedjax_pfedes.builders import build_context, build_federated_data
-    from fedjax_pfedes.config_validation import ConfigError, validate_config
-    from fedjax_pfedes.models import registry
+    from fedjax_pfedes.engine import rounds
+    from fedjax_pfedes.engine.build import build_context, build_federated_data
+    from fedjax_pfedes.engine.validate import validate_config
+    from fedjax_pfedes.errors import ConfigError
+    from fedjax_pfedes.execution import offload
+    from fedjax_pfedes.models import architectures
 
     config = small_config()
     config.clients.architectures = "mlp"
@@ -59,14 +61,14 @@ def test_participants_are_scored_right_after_training_when_asked():
     ctx, state = build_context(config, data)
     state, record, rows, _ = rounds.sync_round(ctx, state, 0)
     (cohort,) = ctx.cohorts
-    model = registry.client_model("mlp", data.central.num_classes, config.proxy_dim,
+    model = architectures.client_model("mlp", data.central.num_classes, config.proxy_dim,
                                   data.central.input_spec)
     accs = []
     for row in rows:
         if row["local_steps"] == 0:
             continue
         local = int(np.flatnonzero(cohort.client_ids == row["client"])[0])
-        params = client_store.read_rows(state.clients["mlp"], np.array([local])).params
+        params = offload.read_rows(state.clients["mlp"], np.array([local])).params
         params = jax.tree.map(lambda a: a[0], params)
         idx = data.test_indices[row["client"]]
         logits, _ = model.apply(params, jnp.asarray(data.central.x_train[idx]))

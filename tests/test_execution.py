@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_pfedes import execution
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
 from fedjax_pfedes.data.federated import stack_clients
 from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.execution import runners
 
 
 def _setup(arch, num_clients=4):
@@ -47,7 +47,7 @@ def _counting_runner(program, field: str, strategy: str):
         return original(*args)
 
     name, _, threads = strategy.partition(":")
-    runner = execution.make_runner(dataclasses.replace(program, **{field: counted}), name,
+    runner = runners.make_runner(dataclasses.replace(program, **{field: counted}), name,
                                    loop_threads=int(threads or 1))
     return runner, traces
 
@@ -60,7 +60,7 @@ def test_vmap_and_loop_give_the_same_round(arch):
     keys = jax.random.split(jax.random.key(7), 4)
     results = {}
     for strategy in ("vmap", "loop"):
-        runner = execution.make_runner(program, strategy)
+        runner = runners.make_runner(program, strategy)
         results[strategy] = runner.update(server.proxy_params, _copy(states), data, slots, keys)
     (up_v, st_v, m_v), (up_l, st_l, m_l) = results["vmap"], results["loop"]
     chex.assert_trees_all_close(up_v, up_l, rtol=2e-4, atol=2e-5)
@@ -72,9 +72,9 @@ def test_vmap_and_loop_give_the_same_round(arch):
         for i in (1, 3):
             chex.assert_trees_all_equal(jax.tree.map(lambda a, i=i: a[i], st.params),
                                         jax.tree.map(lambda a, i=i: a[i], states.params))
-    ev_v = execution.make_runner(program, "vmap").evaluate(server.proxy_params, st_v, data,
+    ev_v = runners.make_runner(program, "vmap").evaluate(server.proxy_params, st_v, data,
                                                            data.x[0], data.y[0])
-    ev_l = execution.make_runner(program, "loop").evaluate(server.proxy_params, st_v, data,
+    ev_l = runners.make_runner(program, "loop").evaluate(server.proxy_params, st_v, data,
                                                            data.x[0], data.y[0])
     chex.assert_trees_all_close(ev_v, ev_l, rtol=1e-4, atol=1e-5)
 
@@ -87,8 +87,8 @@ def test_scan_gives_the_loops_round(chunk):
     _, program, data, states, server = _setup("mlp")
     slots = np.array([2, 0, 4, 4], np.int32)  # clients 2 and 0; two padded slots (index 4)
     keys = jax.random.split(jax.random.key(7), 4)
-    loop = execution.make_runner(program, "loop")
-    scan = execution.make_runner(program, "scan", scan_chunk=chunk)
+    loop = runners.make_runner(program, "loop")
+    scan = runners.make_runner(program, "scan", scan_chunk=chunk)
     up_l, st_l, m_l = loop.update(server.proxy_params, _copy(states), data, slots, keys)
     up_s, st_s, m_s = scan.update(server.proxy_params, _copy(states), data, slots, keys)
     chex.assert_trees_all_close(up_s, up_l, rtol=2e-4, atol=2e-5)
@@ -104,7 +104,7 @@ def test_scan_gives_the_loops_round(chunk):
         scan.evaluate(server.proxy_params, st_l, data, data.x[0], data.y[0]),
         loop.evaluate(server.proxy_params, st_l, data, data.x[0], data.y[0]),
         rtol=1e-4, atol=1e-5)
-    wide = execution.make_runner(program, "scan", scan_chunk=8)
+    wide = runners.make_runner(program, "scan", scan_chunk=8)
     chex.assert_trees_all_close(wide.update(server.proxy_params, _copy(states), data, slots,
                                             keys)[0], up_l, rtol=2e-4, atol=2e-5)
 
@@ -118,7 +118,7 @@ def test_a_finishing_broadcast_adds_the_per_client_facts_and_changes_nothing_els
     _, program, data, states, server = _setup("mlp")
     slots = np.array([2, 0, 4, 4], np.int32)
     keys = jax.random.split(jax.random.key(7), 4)
-    runner = execution.make_runner(program, strategy)
+    runner = runners.make_runner(program, strategy)
     template = server.proxy_params
 
     def fn(upload, operand):
@@ -128,9 +128,9 @@ def test_a_finishing_broadcast_adds_the_per_client_facts_and_changes_nothing_els
                                              for d in jax.tree.leaves(delta)]))}
 
     up_p, st_p, m_p = runner.update(server.proxy_params, _copy(states), data, slots, keys)
-    up_f, st_f, m_f = runner.update(execution.Finishing(server.proxy_params, template, fn),
+    up_f, st_f, m_f = runner.update(runners.Finishing(server.proxy_params, template, fn),
                                     _copy(states), data, slots, keys)
-    facts = m_f.pop(execution.UPLOAD_FACTS)
+    facts = m_f.pop(runners.UPLOAD_FACTS)
     chex.assert_trees_all_equal(up_f, up_p)
     chex.assert_trees_all_equal(st_f, st_p)
     chex.assert_trees_all_equal(m_f, m_p)
@@ -141,20 +141,20 @@ def test_a_finishing_broadcast_adds_the_per_client_facts_and_changes_nothing_els
     assert facts["finite"].dtype == jnp.bool_ and np.asarray(facts["finite"]).tolist() == [
         True, True, False, False]
     again = runner.update(server.proxy_params, _copy(states), data, slots, keys)
-    assert execution.UPLOAD_FACTS not in again[2]
+    assert runners.UPLOAD_FACTS not in again[2]
 
 
 def test_scan_chunk_below_one_is_refused():
     _, program, *_ = _setup("mlp")
     with pytest.raises(ValueError, match="scan_chunk must be >= 1"):
-        execution.make_runner(program, "scan", scan_chunk=0)
+        runners.make_runner(program, "scan", scan_chunk=0)
 
 
 @pytest.mark.slow  # ~6 s of compilation
 def test_a_participant_gets_the_same_result_alone_or_in_a_padded_bucket():
     _, program, data, states, server = _setup("mlp")
     key = jax.random.key(3)
-    runner = execution.make_runner(program, "vmap")
+    runner = runners.make_runner(program, "vmap")
     alone = runner.update(server.proxy_params, _copy(states), data, np.array([1], np.int32),
                           key[None])
     crowd = runner.update(server.proxy_params, _copy(states), data,
@@ -166,7 +166,7 @@ def test_a_participant_gets_the_same_result_alone_or_in_a_padded_bucket():
 @pytest.mark.slow  # ~8 s of compilation
 def test_loop_with_no_participant_returns_zero_uploads():
     _, program, data, states, server = _setup("mlp")
-    runner = execution.make_runner(program, "loop")
+    runner = runners.make_runner(program, "loop")
     ups, new_states, metrics = runner.update(server.proxy_params, _copy(states), data,
                                              np.array([4, 4], np.int32),
                                              jax.random.split(jax.random.key(0), 2))
@@ -191,7 +191,7 @@ def test_no_recompilation_after_the_first_round(strategy):
 
 def test_unknown_strategy_names_the_field():
     with pytest.raises(ValueError, match="config.execution.strategy: unknown strategy 'pmap'"):
-        execution.resolve_strategy("pmap")
+        runners.resolve_strategy("pmap")
 
 
 def _fake_runner(name, seconds_per_step, kernels="xla"):
@@ -204,12 +204,12 @@ def _fake_runner(name, seconds_per_step, kernels="xla"):
         time.sleep(seconds_per_step * float(steps))
         return None, states, {}
 
-    return execution.CohortRunner(name, update, None, None, None, kernels=kernels)
+    return runners.CohortRunner(name, update, None, None, None, kernels=kernels)
 
 
 def test_auto_strategy_picks_the_cheaper_expected_round_and_caches_it(tmp_path):
-    from fedjax_pfedes import strategy_choice
     from fedjax_pfedes.data.federated import ClientArrays
+    from fedjax_pfedes.execution import choice
     train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
                          jnp.array([8, 8, 8, 8], jnp.int32))
     states = {"w": jnp.zeros((4, 3))}
@@ -217,22 +217,22 @@ def test_auto_strategy_picks_the_cheaper_expected_round_and_caches_it(tmp_path):
     runners = {"loop": _fake_runner("loop", 0.01), "vmap": _fake_runner("vmap", 0.03)}
     planned = np.array([2, 2, 2, 10])  # one long client: vmap pays its 10 steps every round
     def trial(name, participants, steps):
-        return strategy_choice.Trial(name, runners, {}, states, train, bucket=4,
+        return choice.Trial(name, runners, {}, states, train, bucket=4,
                                      expected_participants=participants, planned_steps=steps,
                                      epochs=1, batch_size=1)
 
-    choice = strategy_choice.choose(trial("alg/arch", 2.0, planned), str(tmp_path), repeats=1)
+    choice = choice.choose(trial("alg/arch", 2.0, planned), str(tmp_path), repeats=1)
     loop_call, vmap_call = choice.seconds_per_call["loop"], choice.seconds_per_call["vmap"]
     assert loop_call == pytest.approx(0.04, rel=0.5) and vmap_call == pytest.approx(0.03, rel=0.5)
     # Expected round: loop = per-client step x mean steps x participants; vmap = x max steps.
     assert choice.expected_round_s["loop"] == pytest.approx(loop_call / 4 * 4.0 * 2.0)
     assert choice.expected_round_s["vmap"] == pytest.approx(vmap_call * 10.0)
     assert choice.strategy == "loop" and not choice.cached
-    again = strategy_choice.choose(trial("alg/arch", 2.0, planned), str(tmp_path), repeats=1)
+    again = choice.choose(trial("alg/arch", 2.0, planned), str(tmp_path), repeats=1)
     assert again.cached and again.strategy == "loop"
     assert again.seconds_per_call == choice.seconds_per_call
     # Equal step counts: vmap's single batched call wins.
-    even = strategy_choice.choose(trial("alg/arch2", 4.0, np.full(4, 3)), None, repeats=1)
+    even = choice.choose(trial("alg/arch2", 4.0, np.full(4, 3)), None, repeats=1)
     assert even.strategy == "vmap"
 
 
@@ -240,8 +240,8 @@ def test_auto_kernels_are_candidates_of_their_own_and_keyed_apart_in_the_cache(t
     """With `cpu_kernels='auto'` every strategy comes twice (XLA's and Eigen's kernels): each
     variant is timed and priced by its strategy's rule, the name says the kernels, and the
     decision cache keeps decisions over other candidate sets apart."""
-    from fedjax_pfedes import strategy_choice
     from fedjax_pfedes.data.federated import ClientArrays
+    from fedjax_pfedes.execution import choice
     train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
                          jnp.array([8, 8, 8, 8], jnp.int32))
     states = {"w": jnp.zeros((4, 3))}
@@ -252,11 +252,11 @@ def test_auto_kernels_are_candidates_of_their_own_and_keyed_apart_in_the_cache(t
     planned = np.array([2, 2, 2, 10])
 
     def trial(runners):
-        return strategy_choice.Trial("alg/arch", runners, {}, states, train, bucket=4,
+        return choice.Trial("alg/arch", runners, {}, states, train, bucket=4,
                                      expected_participants=2.0, planned_steps=planned,
                                      epochs=1, batch_size=1)
 
-    choice = strategy_choice.choose(trial(both), str(tmp_path), repeats=1)
+    choice = choice.choose(trial(both), str(tmp_path), repeats=1)
     assert choice.strategy == "loop/eigen" and not choice.cached
     # Both loop variants are priced by the loop's rule: the call's 4 slots ran one step each;
     # a round runs 4 mean planned steps for each of 2 expected participants.
@@ -264,15 +264,15 @@ def test_auto_kernels_are_candidates_of_their_own_and_keyed_apart_in_the_cache(t
         assert choice.expected_round_s[name] == pytest.approx(
             choice.seconds_per_call[name] / 4 * 4.0 * 2.0)
     # Another candidate set is measured anew; the same one is read back.
-    without = strategy_choice.choose(trial({k: both[k] for k in ("loop", "vmap")}),
+    without = choice.choose(trial({k: both[k] for k in ("loop", "vmap")}),
                                      str(tmp_path), repeats=1)
     assert without.strategy == "loop" and not without.cached
-    assert strategy_choice.choose(trial(both), str(tmp_path), repeats=1).cached
-    assert execution.kernel_candidates("eigen") == ("eigen",)
+    assert choice.choose(trial(both), str(tmp_path), repeats=1).cached
+    assert runners.kernel_candidates("eigen") == ("eigen",)
     expected = ("xla", "eigen") if jax.default_backend() == "cpu" else ("xla",)
-    assert execution.kernel_candidates("auto") == expected
+    assert runners.kernel_candidates("auto") == expected
     with pytest.raises(ValueError, match="config.execution.cpu_kernels"):
-        execution.kernel_candidates("onednn")
+        runners.kernel_candidates("onednn")
 
 
 def test_loop_threads_give_the_numbers_of_one_thread():
@@ -282,8 +282,8 @@ def test_loop_threads_give_the_numbers_of_one_thread():
     _, program, data, states, server = _setup("mlp", num_clients=8)
     slots = np.array([5, 2, 8, 0, 7, 8], np.int32)  # 4 participants, 2 padded slots (index 8)
     keys = jax.random.split(jax.random.key(7), len(slots))
-    one = execution.make_runner(program, "loop", loop_threads=1)
-    many = execution.make_runner(program, "loop", loop_threads=3)
+    one = runners.make_runner(program, "loop", loop_threads=1)
+    many = runners.make_runner(program, "loop", loop_threads=3)
     for _ in range(2):  # the second call runs every participant on the threads
         up_1, st_1, m_1 = one.update(server.proxy_params, _copy(states), data, slots, keys)
         up_3, st_3, m_3 = many.update(server.proxy_params, _copy(states), data, slots, keys)
@@ -339,30 +339,30 @@ def test_eigen_cpu_kernels_compile_without_ynnpack_and_give_the_same_round():
     _, program, data, states, server = _setup("convnet3")
     slots = np.array([2, 0, 4, 4], np.int32)
     keys = jax.random.split(jax.random.key(7), 4)
-    assert execution.kernel_options("xla") == {}
-    options = execution.kernel_options("eigen")
+    assert runners.kernel_options("xla") == {}
+    options = runners.kernel_options("eigen")
     args = (server.proxy_params, jax.tree.map(lambda a: a[0], states),
             jax.tree.map(lambda a: a[0], data), keys[0])
     texts = {name: jax.jit(program.client_update, compiler_options=opts or None).lower(
         *args).compile().as_text() for name, opts in (("xla", {}), ("eigen", options))}
     assert "__ynn_fusion" in texts["xla"] and "__ynn_fusion" not in texts["eigen"]
-    results = {k: execution.make_runner(program, "loop", cpu_kernels=k).update(
+    results = {k: runners.make_runner(program, "loop", cpu_kernels=k).update(
         server.proxy_params, _copy(states), data, slots, keys) for k in ("xla", "eigen")}
     chex.assert_trees_all_close(results["xla"], results["eigen"], rtol=2e-4, atol=2e-5)
     # ...and the runner really compiled other kernels: some value differs in its last bits.
     assert any(not np.array_equal(a, b) for a, b in zip(
         jax.tree.leaves(results["xla"]), jax.tree.leaves(results["eigen"]), strict=True))
     with pytest.raises(ValueError, match="config.execution.cpu_kernels"):
-        execution.kernel_options("onednn")
+        runners.kernel_options("onednn")
 
 
 def test_balanced_groups_split_the_weight_evenly_and_keep_every_slot_once():
     weights = np.array([5.0, 1.0, 4.0, 3.0, 3.0, 2.0])
-    groups = execution.balanced_groups(np.arange(6), weights, 2)
+    groups = runners.balanced_groups(np.arange(6), weights, 2)
     assert sorted(np.concatenate(groups).tolist()) == list(range(6))
     assert [float(weights[g].sum()) for g in groups] == [9.0, 9.0]  # 5+4 and 3+3+2+1
     assert all(list(g) == sorted(g) for g in groups)
-    assert [len(g) for g in execution.balanced_groups(np.arange(2), weights[:2], 4)] == [
+    assert [len(g) for g in runners.balanced_groups(np.arange(2), weights[:2], 4)] == [
         1, 1, 0, 0]
 
 
@@ -377,7 +377,7 @@ def test_zero_buffers_of_a_tree_compile_one_program_and_are_independent():
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, seconds, **kw: compiles.append(event)
         if event == "/jax/core/compile/backend_compile_duration" else None)
-    zeros = execution._zeros_in_slots(shapes, 7)
+    zeros = runners._zeros_in_slots(shapes, 7)
     assert len(compiles) == 1
     assert {k: (v.shape, v.dtype) for k, v in zeros.items()} == {
         "w": ((7, 3, 5), jnp.float32), "b": ((7, 5), jnp.float32), "v": ((7, 5), jnp.float32),
@@ -386,5 +386,5 @@ def test_zero_buffers_of_a_tree_compile_one_program_and_are_independent():
     written = jax.jit(lambda a: a.at[0].set(1.0), donate_argnums=0)(zeros["b"])
     assert float(written.sum()) == 5.0 and not np.asarray(zeros["v"]).any()
     before = len(compiles)
-    execution._zeros_in_slots(shapes, 7)
+    runners._zeros_in_slots(shapes, 7)
     assert len(compiles) == before  # cached: the same tree of shapes compiles nothing more

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from configs import tabular_hetero
-from fedjax_pfedes import experiments
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.studies import experiments
 
 
 def _tiny():
@@ -151,7 +151,7 @@ def test_a_finished_run_is_reused_whatever_its_loop_threads_but_not_another_lr(t
 
 
 def test_compare_variants_parse_fields_and_types():
-    from fedjax_pfedes.config_validation import ConfigError
+    from fedjax_pfedes.errors import ConfigError
     from launch.compare import parse_variants
 
     variants = parse_variants(["kept:", "reset:train.reset_local_optimizer=True",
@@ -236,7 +236,7 @@ def test_the_tuning_grid_scales_by_momentum_and_crosses_server_rates():
 def test_paired_difference_pairs_by_seed_with_a_student_t_interval():
     """Hand count: differences 0.1, 0.2, 0.3 (paired by seed, listed out of order): mean 0.2,
     sd 0.1, t(0.975, 2) = 4.302653 -> half-width 0.248414."""
-    from fedjax_pfedes import experiments
+    from fedjax_pfedes.studies import experiments
 
     def rows(values):
         return [{"seed": s, "final": {"m": v, "personalized_accuracy_mean": v,
@@ -260,7 +260,7 @@ def test_a_difference_without_spread_gets_no_interval():
     """Two seeds that give the same nonzero difference (accuracies are counts over one test
     set, so this happens) have sample deviation 0: the Student-t interval would collapse to
     [-0.008, -0.008] and "exclude 0". It is unbounded instead, and the table calls nothing."""
-    from fedjax_pfedes import experiments
+    from fedjax_pfedes.studies import experiments
 
     def rows(values):
         return [{"seed": s, "final": {"personalized_accuracy_mean": v,

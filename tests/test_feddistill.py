@@ -10,9 +10,10 @@ from fl_helpers import SPEC, client_data
 
 from configs import quickstart, tabular_hetero
 from fedjax_pfedes.algorithms.feddistill import FedDistillConfig, feddistill
-from fedjax_pfedes.config_validation import ConfigError, validate_config
-from fedjax_pfedes.models import registry
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.models import architectures
 
 
 def _setup(lam=0.8):
@@ -30,7 +31,7 @@ def test_one_step_and_the_upload_match_a_hand_reference():
     available = jnp.array([True, False, True])  # class 1 has no global vector yet
     upload, new_client, metrics = program.client_update(
         {"logits": targets, "available": available}, client, data, jax.random.key(0))
-    model = registry.classifier_model("mlp", 3, SPEC)
+    model = architectures.classifier_model("mlp", 3, SPEC)
     x, y = np.asarray(data.x), np.asarray(data.y)
 
     def loss(p):

@@ -1,4 +1,4 @@
-"""The findings' metrics, verdict rules and report (`fedjax_pfedes/findings.py`,
+"""The findings' metrics, verdict rules and report (`fedjax_pfedes/studies/pfedes_findings.py`,
 `launch.findings`)."""
 
 import itertools
@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 
 from configs import quickstart
-from fedjax_pfedes import findings
+from fedjax_pfedes.studies import pfedes_findings
+from fedjax_pfedes.studies.pfedes_findings import INCONCLUSIVE, REFUTED, REPRODUCED
 
 
 def test_oscillation_and_convergence_round_by_hand():
-    assert findings.oscillation([3.0, 2.0, 1.0, 0.0]) == 0.0  # a straight line
+    assert pfedes_findings.oscillation([3.0, 2.0, 1.0, 0.0]) == 0.0  # a straight line
     # zig-zag 1, 2, 1, 2: second differences 2, -2 -> mean |.| 2 / mean 1.5
-    assert findings.oscillation([1.0, 2.0, 1.0, 2.0]) == pytest.approx(2 / 1.5)
-    assert findings.oscillation([1.0, np.nan, 1.0]) == np.inf
+    assert pfedes_findings.oscillation([1.0, 2.0, 1.0, 2.0]) == pytest.approx(2 / 1.5)
+    assert pfedes_findings.oscillation([1.0, np.nan, 1.0]) == np.inf
     # drop 10 -> 0: 90% done once the loss is <= 1, first at round 3
-    assert findings.convergence_round([10.0, 5.0, 0.9, 0.5, 0.0]) == 3.0
+    assert pfedes_findings.convergence_round([10.0, 5.0, 0.9, 0.5, 0.0]) == 3.0
 
 
 def test_client_jumps_pair_consecutive_participations(tmp_path):
@@ -31,7 +32,7 @@ def test_client_jumps_pair_consecutive_participations(tmp_path):
             {"client": 0, "align_loss_at_start": 0.75, "align_loss_at_end": 0.25}]
     path = tmp_path / "clients.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    assert findings.client_jumps(str(path)) == [0.5, 0.25]
+    assert pfedes_findings.client_jumps(str(path)) == [0.5, 0.25]
 
 
 def _record(acc, glob=None, seed=0, diverged=False, **curves):
@@ -58,24 +59,24 @@ def _arm(acc, glob=None, noise=None):
 
 
 def test_confidence_interval_by_hand_and_the_three_verdicts():
-    mean, low, high = findings.confidence_interval([1.0, 2.0, 3.0])
+    mean, low, high = pfedes_findings.confidence_interval([1.0, 2.0, 3.0])
     half = 4.302653 * 1.0 / np.sqrt(3)  # t(0.975, 2) * sd / sqrt(n)
     assert (mean, low, high) == pytest.approx((2.0, 2.0 - half, 2.0 + half), rel=1e-5)
-    assert findings.paired_verdict("x", [1, 2, 3], [0, 0, 0], +1).verdict == findings.INCONCLUSIVE
-    assert findings.paired_verdict("x", [5, 6, 7], [0, 0, 0], +1).verdict == findings.REPRODUCED
-    assert findings.paired_verdict("x", [5, 6, 7], [0, 0, 0], -1).verdict == findings.REFUTED
+    assert pfedes_findings.paired_verdict("x", [1, 2, 3], [0, 0, 0], +1).verdict == INCONCLUSIVE
+    assert pfedes_findings.paired_verdict("x", [5, 6, 7], [0, 0, 0], +1).verdict == REPRODUCED
+    assert pfedes_findings.paired_verdict("x", [5, 6, 7], [0, 0, 0], -1).verdict == REFUTED
     # a seed without a value leaves the interval unbounded: never a verdict on fewer seeds
-    assert findings.paired_verdict("x", [5, 6, np.nan], [0, 0, 0], +1).verdict == \
-        findings.INCONCLUSIVE
-    assert findings.within_verdict("x", [0.1, -0.1, 0.0], [0, 0, 0], 1.0).verdict == \
-        findings.REPRODUCED
-    assert findings.within_verdict("x", [5.0, 5.1, 4.9], [0, 0, 0], 1.0).verdict == \
-        findings.REFUTED
+    assert pfedes_findings.paired_verdict("x", [5, 6, np.nan], [0, 0, 0], +1).verdict == \
+        INCONCLUSIVE
+    assert pfedes_findings.within_verdict("x", [0.1, -0.1, 0.0], [0, 0, 0], 1.0).verdict == \
+        REPRODUCED
+    assert pfedes_findings.within_verdict("x", [5.0, 5.1, 4.9], [0, 0, 0], 1.0).verdict == \
+        REFUTED
 
 
 def _hetero(pfedes_by_ratio, fedavg=0.80, standalone=0.75):
     records = {}
-    for ratio, p in zip(findings.RATIOS, pfedes_by_ratio, strict=True):
+    for ratio, p in zip(pfedes_findings.RATIOS, pfedes_by_ratio, strict=True):
         records[f"hetero_r{ratio:g}_pfedes"] = _arm(p)
         records[f"hetero_r{ratio:g}_fedavg"] = _arm(fedavg, noise=-NOISE)
         records[f"hetero_r{ratio:g}_standalone"] = _arm(standalone)
@@ -84,48 +85,48 @@ def _hetero(pfedes_by_ratio, fedavg=0.80, standalone=0.75):
 
 def test_f1_rule_is_an_equivalence_test_gated_by_the_positive_control():
     base = quickstart.get_config()
-    f1 = findings.FINDINGS["F1"]
-    assert f1.analyse(_hetero([0.801, 0.8, 0.8]), base, {}, "").verdict == findings.REPRODUCED
-    assert f1.analyse(_hetero([0.75, 0.8, 0.8]), base, {}, "").verdict == findings.REFUTED
+    f1 = pfedes_findings.FINDINGS["F1"]
+    assert f1.analyse(_hetero([0.801, 0.8, 0.8]), base, {}, "").verdict == REPRODUCED
+    assert f1.analyse(_hetero([0.75, 0.8, 0.8]), base, {}, "").verdict == REFUTED
     # FedAvg no better than Standalone: the setup cannot show collaboration
     gated = f1.analyse(_hetero([0.801, 0.8, 0.8], standalone=0.85), base, {}, "")
-    assert gated.verdict == findings.INCONCLUSIVE and "positive control" in gated.reason
+    assert gated.verdict == INCONCLUSIVE and "positive control" in gated.reason
 
 
 def test_f2_rule_reads_the_lead_per_seed(tmp_path):
     base = quickstart.get_config()
-    variants = findings.variants_of([findings.FINDINGS["F2"]], base)
-    f2, figure = findings.FINDINGS["F2"], str(tmp_path / "f2.png")
+    variants = pfedes_findings.variants_of([pfedes_findings.FINDINGS["F2"]], base)
+    f2, figure = pfedes_findings.FINDINGS["F2"], str(tmp_path / "f2.png")
     assert f2.analyse(_hetero([0.80, 0.85, 0.95]), base, variants, figure).verdict == \
-        findings.REPRODUCED
+        REPRODUCED
     assert f2.analyse(_hetero([0.85, 0.82, 0.80]), base, variants, figure).verdict == \
-        findings.REFUTED
+        REFUTED
     # grows, but by less than 10 pp at 0.8: refuted on the second comparison
     assert f2.analyse(_hetero([0.80, 0.82, 0.84]), base, variants, figure).verdict == \
-        findings.REFUTED
+        REFUTED
 
 
 @pytest.mark.parametrize("g2,p2,verdict", [
-    (0.7, 0.8, findings.REPRODUCED), (0.6, 0.9, findings.INCONCLUSIVE),
-    (0.5, 0.95, findings.REFUTED)])
+    (0.7, 0.8, REPRODUCED), (0.6, 0.9, INCONCLUSIVE),
+    (0.5, 0.95, REFUTED)])
 def test_f3_rule(g2, p2, verdict, tmp_path):
     base = quickstart.get_config()  # lam 0.5: the default run is lam 0.5
-    records = {"lam0.1": _arm(0.9, 0.5), findings.DEFAULT: _arm(0.9, 0.6),
+    records = {"lam0.1": _arm(0.9, 0.5), pfedes_findings.DEFAULT: _arm(0.9, 0.6),
                "lam1": _arm(0.9, 0.6), "lam2": _arm(p2, g2, noise=NOISE[::-1])}
-    if verdict == findings.INCONCLUSIVE:  # same means, seed noise only
+    if verdict == INCONCLUSIVE:  # same means, seed noise only
         records["lam2"] = _arm(p2, g2, noise=3 * NOISE[::-1])
-    result = findings.FINDINGS["F3"].analyse(records, base, {}, str(tmp_path / "f3.png"))
+    result = pfedes_findings.FINDINGS["F3"].analyse(records, base, {}, str(tmp_path / "f3.png"))
     assert result.verdict == verdict and os.path.exists(result.figure)
 
 
 def test_a_diverged_seed_counts_and_can_flip_a_verdict(tmp_path):
     base = quickstart.get_config()
-    records = {"lam0.1": _arm(0.9, 0.5), findings.DEFAULT: _arm(0.9, 0.6),
+    records = {"lam0.1": _arm(0.9, 0.5), pfedes_findings.DEFAULT: _arm(0.9, 0.6),
                "lam1": _arm(0.9, 0.6), "lam2": _arm(0.8, 0.7)}
-    f3 = findings.FINDINGS["F3"]
-    assert f3.analyse(records, base, {}, str(tmp_path / "f.png")).verdict == findings.REPRODUCED
+    f3 = pfedes_findings.FINDINGS["F3"]
+    assert f3.analyse(records, base, {}, str(tmp_path / "f.png")).verdict == REPRODUCED
     records["lam2"][2]["diverged"] = True  # scores 0: global accuracy no longer clearly higher
-    assert f3.analyse(records, base, {}, str(tmp_path / "f.png")).verdict != findings.REPRODUCED
+    assert f3.analyse(records, base, {}, str(tmp_path / "f.png")).verdict != REPRODUCED
 
 
 def _curves(key, shape, noise=None):
@@ -145,23 +146,23 @@ SMOOTH = [2.0, 1.8, 1.6, 1.4, 1.2]
 def test_f5_rule_compares_each_variant_with_the_design(tmp_path):
     base = quickstart.get_config()
     key = "train_align_loss_mean"
-    records = {findings.F5_DESIGN: _curves(key, SMOOTH), "no_sg_proxy": _curves(key, ZIGZAG),
+    records = {pfedes_findings.F5_DESIGN: _curves(key, SMOOTH), "no_sg_proxy": _curves(key, ZIGZAG),
                "no_sg_local": _curves(key, ZIGZAG)}
-    f5 = findings.FINDINGS["F5"]
-    assert f5.analyse(records, base, {}, str(tmp_path / "f5.png")).verdict == findings.REPRODUCED
+    f5 = pfedes_findings.FINDINGS["F5"]
+    assert f5.analyse(records, base, {}, str(tmp_path / "f5.png")).verdict == REPRODUCED
     records["no_sg_local"] = _curves(key, SMOOTH, noise=NOISE[::-1])
     assert f5.analyse(records, base, {}, str(tmp_path / "f5.png")).verdict == \
-        findings.INCONCLUSIVE
-    records[findings.F5_DESIGN] = _curves(key, ZIGZAG)
+        INCONCLUSIVE
+    records[pfedes_findings.F5_DESIGN] = _curves(key, ZIGZAG)
     records["no_sg_proxy"] = _curves(key, SMOOTH)
-    assert f5.analyse(records, base, {}, str(tmp_path / "f5.png")).verdict == findings.REFUTED
+    assert f5.analyse(records, base, {}, str(tmp_path / "f5.png")).verdict == REFUTED
     # a diverged variant counts as oscillating
-    records = {findings.F5_DESIGN: _curves(key, SMOOTH), "no_sg_proxy": _curves(key, SMOOTH),
+    records = {pfedes_findings.F5_DESIGN: _curves(key, SMOOTH), "no_sg_proxy": _curves(key, SMOOTH),
                "no_sg_local": _curves(key, SMOOTH)}
     for name in ("no_sg_proxy", "no_sg_local"):
         for r in records[name]:
             r["diverged"] = True
-    assert f5.analyse(records, base, {}, str(tmp_path / "f5.png")).verdict == findings.REPRODUCED
+    assert f5.analyse(records, base, {}, str(tmp_path / "f5.png")).verdict == REPRODUCED
 
 
 def test_f6_rule_needs_both_faster_convergence_and_lower_early_loss(tmp_path):
@@ -169,12 +170,12 @@ def test_f6_rule_needs_both_faster_convergence_and_lower_early_loss(tmp_path):
     key = "train_align_loss_mean"
     slow = [2.0, 1.9, 1.8, 1.7, 1.6, 1.0, 0.9, 0.5]
     fast = [1.5, 0.7, 0.6, 0.55, 0.5, 0.5, 0.5, 0.5]
-    w = f"warmup{findings.WARMUP_STEPS}"
-    f6 = findings.FINDINGS["F6"]
-    records = {findings.DEFAULT: _curves(key, slow), w: _curves(key, fast)}
-    assert f6.analyse(records, base, {}, str(tmp_path / "f6.png")).verdict == findings.REPRODUCED
-    records = {findings.DEFAULT: _curves(key, fast), w: _curves(key, slow)}
-    assert f6.analyse(records, base, {}, str(tmp_path / "f6.png")).verdict == findings.REFUTED
+    w = f"warmup{pfedes_findings.WARMUP_STEPS}"
+    f6 = pfedes_findings.FINDINGS["F6"]
+    records = {pfedes_findings.DEFAULT: _curves(key, slow), w: _curves(key, fast)}
+    assert f6.analyse(records, base, {}, str(tmp_path / "f6.png")).verdict == REPRODUCED
+    records = {pfedes_findings.DEFAULT: _curves(key, fast), w: _curves(key, slow)}
+    assert f6.analyse(records, base, {}, str(tmp_path / "f6.png")).verdict == REFUTED
 
 
 def test_f4_rule_needs_a_jump_at_beta_zero(tmp_path):
@@ -195,48 +196,48 @@ def test_f4_rule_needs_a_jump_at_beta_zero(tmp_path):
                                    "train_align_loss_mean": [1.0, 0.9]}})
         return out
 
-    f4 = findings.FINDINGS["F4"]
-    records = {"beta0": arm("b0", 0.3), findings.DEFAULT: arm("b5", 0.05),
+    f4 = pfedes_findings.FINDINGS["F4"]
+    records = {"beta0": arm("b0", 0.3), pfedes_findings.DEFAULT: arm("b5", 0.05),
                "beta0.9": arm("b9", 0.01)}
-    assert f4.analyse(records, base, {}, str(tmp_path / "f4.png")).verdict == findings.REPRODUCED
-    records = {"beta0": arm("c0", 0.05), findings.DEFAULT: arm("c5", 0.3),
+    assert f4.analyse(records, base, {}, str(tmp_path / "f4.png")).verdict == REPRODUCED
+    records = {"beta0": arm("c0", 0.05), pfedes_findings.DEFAULT: arm("c5", 0.3),
                "beta0.9": arm("c9", 0.01)}
-    assert f4.analyse(records, base, {}, str(tmp_path / "f4.png")).verdict == findings.REFUTED
-    records = {"beta0": arm("d0", 0.0), findings.DEFAULT: arm("d5", 0.0),
+    assert f4.analyse(records, base, {}, str(tmp_path / "f4.png")).verdict == REFUTED
+    records = {"beta0": arm("d0", 0.0), pfedes_findings.DEFAULT: arm("d5", 0.0),
                "beta0.9": arm("d9", 0.0)}
     result = f4.analyse(records, base, {}, str(tmp_path / "f4.png"))
-    assert result.verdict == findings.INCONCLUSIVE and "does not arise" in result.reason
+    assert result.verdict == INCONCLUSIVE and "does not arise" in result.reason
 
 
 def test_f7_rule_reads_the_alignment_curves(tmp_path):
     base = quickstart.get_config()  # E = 2 is the default run
     key = "train_align_loss_mean"
-    records = {"epochs1": _curves(key, ZIGZAG), findings.DEFAULT: _curves(key, ZIGZAG),
+    records = {"epochs1": _curves(key, ZIGZAG), pfedes_findings.DEFAULT: _curves(key, ZIGZAG),
                "epochs3": _curves(key, SMOOTH)}
-    f7 = findings.FINDINGS["F7"]
-    assert f7.analyse(records, base, {}, str(tmp_path / "f7.png")).verdict == findings.REPRODUCED
+    f7 = pfedes_findings.FINDINGS["F7"]
+    assert f7.analyse(records, base, {}, str(tmp_path / "f7.png")).verdict == REPRODUCED
     records["epochs3"], records["epochs1"] = records["epochs1"], records["epochs3"]
-    assert f7.analyse(records, base, {}, str(tmp_path / "f7.png")).verdict == findings.REFUTED
+    assert f7.analyse(records, base, {}, str(tmp_path / "f7.png")).verdict == REFUTED
 
 
 def test_plateau_rule_by_hand():
     flat = {"personalized_accuracy": [0.2, 0.5, 0.7, 0.8, 0.80, 0.801, 0.802, 0.80, 0.803, 0.80]}
     rising = {"personalized_accuracy": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9]}
-    assert findings.at_plateau(flat) and not findings.at_plateau(rising)
-    assert not findings.at_plateau({**flat, "diverged": True})
-    assert not findings.at_plateau({"personalized_accuracy": [0.5]})
-    note = findings.plateau_note({"a": [flat, flat], "b": [rising]})
+    assert pfedes_findings.at_plateau(flat) and not pfedes_findings.at_plateau(rising)
+    assert not pfedes_findings.at_plateau({**flat, "diverged": True})
+    assert not pfedes_findings.at_plateau({"personalized_accuracy": [0.5]})
+    note = pfedes_findings.plateau_note({"a": [flat, flat], "b": [rising]})
     assert "2 of 3" in note and "still moving in b" in note
 
 
 def test_variants_are_shared_and_resolve_names_the_flag():
     base = quickstart.get_config()
-    variants = findings.variants_of(list(findings.FINDINGS.values()), base)
-    assert len(variants) == 21 and variants[findings.DEFAULT] == {}
+    variants = pfedes_findings.variants_of(list(pfedes_findings.FINDINGS.values()), base)
+    assert len(variants) == 21 and variants[pfedes_findings.DEFAULT] == {}
     assert variants["hetero_r0.8_fedavg"]["clients.architectures"] == \
         "convnet3:4,convnet5:4,vit:4,mlp:4,cnn_small:4"  # ratio 0.8 off the majority
     with pytest.raises(ValueError, match="--finding=F9"):
-        findings.resolve("F9")
+        pfedes_findings.resolve("F9")
 
 
 def test_launch_findings_writes_and_replaces_its_section(tmp_path):
@@ -254,7 +255,7 @@ def test_launch_findings_writes_and_replaces_its_section(tmp_path):
     assert "### breast_cancer F4" in text and "**Verdict: " in text
     assert (tmp_path / "figures" / "findings_breast_cancer_F4.png").exists()
     verdicts = json.loads((tmp_path / "runs" / "breast_cancer" / "findings.json").read_text())
-    assert verdicts["F4"]["verdict"] in findings.VERDICTS
+    assert verdicts["F4"]["verdict"] in pfedes_findings.VERDICTS
     rows = [json.loads(line) for line in
             open(tmp_path / "runs" / "breast_cancer" / "beta0" / "seed0" / "clients.jsonl")]
     assert all("align_loss_at_start" in r for r in rows if r["accepted"])
@@ -273,7 +274,7 @@ def test_a_run_that_stopped_early_counts_as_oscillating():
     """A diverged run stops early: its curve is padded with NaN and its oscillation is inf."""
     records = [_record(0.9, train_align_loss_mean=[1.0, 0.9, 0.8, 0.7]),
                _record(0.9, train_align_loss_mean=[1.0, 0.9, float("nan")])]
-    c = findings.curve(records, "train_align_loss_mean")
+    c = pfedes_findings.curve(records, "train_align_loss_mean")
     assert c.shape == (2, 4) and np.isnan(c[1, 2:]).all()
-    assert findings.oscillation(c[0]) == pytest.approx(0.0, abs=1e-9)
-    assert findings.oscillation(c[1]) == np.inf
+    assert pfedes_findings.oscillation(c[0]) == pytest.approx(0.0, abs=1e-9)
+    assert pfedes_findings.oscillation(c[1]) == np.inf

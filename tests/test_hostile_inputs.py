@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from fl_helpers import tiny_config
 
-from fedjax_pfedes.config_validation import ConfigError, validate_config
-from fedjax_pfedes.data.sources import DataError, LoadOptions, load_npz
-from fedjax_pfedes.simulation import NothingTrainedError, run_experiment
-from fedjax_pfedes.workdir import RunLockedError, WorkdirLock
+from fedjax_pfedes.data.sources import LoadOptions, load_npz
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError, DataError, NothingTrainedError
+from fedjax_pfedes.io.workdir import RunLockedError, WorkdirLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -53,7 +53,8 @@ def test_flax_style_is_the_identity_and_unknown_styles_are_refused():
 
 def test_pfedes_paper_checks_its_init_field():
     from configs import quickstart
-    from fedjax_pfedes.config_validation import ConfigError, validate_config
+    from fedjax_pfedes.engine.validate import validate_config
+    from fedjax_pfedes.errors import ConfigError
 
     config = quickstart.get_config()
     config.algorithm, config.data.name = "pfedes_paper", "digits"

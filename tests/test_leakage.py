@@ -7,31 +7,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfedes import leakage
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
+from fedjax_pfedes.studies.gradient_inversion import (
+    AttackConfig,
+    gradient,
+    invert,
+    observed_uploads,
+    psnr,
+    ssim,
+)
 
 
 def test_psnr_and_ssim_against_hand_values():
     a = np.zeros((8, 8, 1))
     b = np.full((8, 8, 1), 0.1)
-    assert leakage.psnr(a, b) == np.float64(20.0)  # MSE 0.01 -> 20 dB
+    assert psnr(a, b) == np.float64(20.0)  # MSE 0.01 -> 20 dB
     rng = np.random.default_rng(0)
     x = rng.random((16, 16, 1))
-    assert leakage.ssim(x, x) == np.float64(1.0)
-    assert leakage.ssim(x, rng.random((16, 16, 1))) < 0.2
+    assert ssim(x, x) == np.float64(1.0)
+    assert ssim(x, rng.random((16, 16, 1))) < 0.2
 
 
 def test_server_views_are_the_gradient_its_noisy_clip_and_the_sum():
     spec = InputSpec("image", (8, 8, 1), "float32", (0.5,), (0.25,))
-    model = registry.classifier_model("mlp_small", 3, spec)
+    model = architectures.classifier_model("mlp_small", 3, spec)
     rng = np.random.default_rng(0)
     images = rng.random((3, 8, 8, 1)).astype(np.float32)
     labels = np.array([0, 2, 1], np.int32)
     params = model.init(jax.random.key(0), jnp.asarray(images[:1]))
-    cfg = leakage.AttackConfig(clip_norm=1e-3, noise_multiplier=0.0, secagg_clients=3)
-    views = leakage.observed_uploads(model, params, images, labels, 1, jax.random.key(1), cfg)
-    grads = [leakage.gradient(model, params, jnp.asarray(images[i:i + 1]),
+    cfg = AttackConfig(clip_norm=1e-3, noise_multiplier=0.0, secagg_clients=3)
+    views = observed_uploads(model, params, images, labels, 1, jax.random.key(1), cfg)
+    grads = [gradient(model, params, jnp.asarray(images[i:i + 1]),
                               jnp.asarray(labels[i:i + 1])) for i in range(3)]
     jax.tree.map(np.testing.assert_allclose, views["none"][0], grads[1])
     norm = np.sqrt(sum(float(jnp.sum(a ** 2)) for a in jax.tree.leaves(views["dp"][0])))
@@ -44,15 +51,15 @@ def test_server_views_are_the_gradient_its_noisy_clip_and_the_sum():
 
 def test_inverting_an_unprotected_mlp_upload_beats_a_random_guess():
     spec = InputSpec("image", (8, 8, 1), "float32", (0.5,), (0.25,))
-    model = registry.classifier_model("mlp_small", 3, spec)
+    model = architectures.classifier_model("mlp_small", 3, spec)
     rng = np.random.default_rng(3)
     image = rng.random((1, 8, 8, 1)).astype(np.float32)
     params = model.init(jax.random.key(0), jnp.asarray(image))
-    g = leakage.gradient(model, params, jnp.asarray(image), jnp.array([1]))
-    out = leakage.invert(model, params, g, jnp.array([1]), image.shape, jax.random.key(2),
-                         leakage.AttackConfig(steps=150, tv_weight=0.0))
-    random_guess = leakage.psnr(rng.random(image.shape), image)
-    assert leakage.psnr(np.asarray(out), image) > random_guess + 5
+    g = gradient(model, params, jnp.asarray(image), jnp.array([1]))
+    out = invert(model, params, g, jnp.array([1]), image.shape, jax.random.key(2),
+                         AttackConfig(steps=150, tv_weight=0.0))
+    random_guess = psnr(rng.random(image.shape), image)
+    assert psnr(np.asarray(out), image) > random_guess + 5
 
 
 def test_leakage_command_writes_table_and_figure(tmp_path):

@@ -9,11 +9,10 @@ import optax
 import pytest
 
 from configs import tabular_hetero
-from fedjax_pfedes import local_training
-from fedjax_pfedes.algorithms import registry
+from fedjax_pfedes.algorithms import local_training, registry
 from fedjax_pfedes.algorithms.base import with_fresh_local_optimizer
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
 from tests.fl_helpers import SPEC, client_data
 
 
@@ -128,7 +127,8 @@ def test_method_sections_override_the_local_optimizer():
     ("batch_size", 0, r"config.fedmrl.batch_size must be an integer >= 1"),
 ])
 def test_bad_optimizer_override_names_the_field(field, value, message):
-    from fedjax_pfedes.config_validation import ConfigError, validate_config
+    from fedjax_pfedes.engine.validate import validate_config
+    from fedjax_pfedes.errors import ConfigError
 
     config = _tabular_config("fedmrl")
     config.fedmrl[field] = value

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from fedjax_pfedes import local_training
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.models import layers
 
@@ -183,7 +183,7 @@ def _run(tmp_path, name, **execution):
 
     import fl_helpers
 
-    from fedjax_pfedes.simulation import run_experiment
+    from fedjax_pfedes.engine.loop import run_experiment
     config = fl_helpers.tiny_config(rounds=2)
     for k, v in execution.items():
         config.execution[k] = v
@@ -224,13 +224,13 @@ def test_padded_step_fraction_counts_the_steps_each_strategy_runs(tmp_path, stra
 def test_jitted_initialization_equals_eager_initialization(modality, arch):
     """Cohort states are initialized in one compiled call; the weights must be exactly those of
     eager initialization (a fused scale changes the last bit, and a run's numbers with it)."""
-    from fedjax_pfedes import cohorts
     from fedjax_pfedes.data.spec import InputSpec
-    from fedjax_pfedes.models import registry
+    from fedjax_pfedes.engine import cohorts
+    from fedjax_pfedes.models import architectures
     spec = (InputSpec("image", (28, 28, 1), "float32", (0.1,), (0.3,)) if modality == "image"
             else InputSpec("text", (16,), "int32", vocab_size=50))
-    model = (registry.proxy_model("proxy_text", 16, spec) if arch == "proxy"
-             else registry.client_model(arch, 10, 16, spec))
+    model = (architectures.proxy_model("proxy_text", 16, spec) if arch == "proxy"
+             else architectures.client_model(arch, 10, 16, spec))
     x = spec.dummy_batch()
 
     def init(key, model=model, x=x):

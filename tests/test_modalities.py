@@ -7,8 +7,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from configs import agnews_hetero, cifar_hetero, femnist_natural, tabular_hetero, text_hetero
-from fedjax_pfedes.config_validation import validate_config
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.validate import validate_config
 
 
 def _check_run(workdir, summary, archs):

@@ -7,10 +7,10 @@ import pytest
 from flax import linen as nn
 
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
+from fedjax_pfedes.models.architectures import PROXY_BODIES
 from fedjax_pfedes.models.backbones import BACKBONES
 from fedjax_pfedes.models.layers import InputNormalization, max_pool_2x2
-from fedjax_pfedes.models.registry import PROXY_BODIES
 
 IMAGE_RGB = InputSpec("image", (32, 32, 3), "float32", (0.5,) * 3, (0.25,) * 3)
 IMAGE_GRAY = InputSpec("image", (28, 28, 1), "float32", (0.1,), (0.3,))
@@ -32,7 +32,7 @@ def _count(tree):
                                             ("cnn3", 32, 1000), ("cnn4", 32, 800),
                                             ("cnn5", 32, 500)])
 def test_published_cnn_sizes_on_cifar_shapes(arch, conv2, fc1):
-    model = registry.client_model(arch, 10, 128, IMAGE_RGB)
+    model = architectures.client_model(arch, 10, 128, IMAGE_RGB)
     params = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]
     # 32 -conv5-> 28 -pool-> 14 -conv5-> 10 -pool-> 5: flatten 5*5*conv2.
     expected_backbone = ((5 * 5 * 3 * 16 + 16) + (5 * 5 * 16 * conv2 + conv2)
@@ -58,7 +58,7 @@ def _spec_and_input(modality):
 def test_every_client_model_returns_logits_and_projected_features(arch):
     modality = BACKBONES[arch].modalities[-1]
     spec, x = _spec_and_input(modality)
-    model = registry.client_model(arch, 7, 16, spec)
+    model = architectures.client_model(arch, 7, 16, spec)
     logits, e_local = model.apply(model.init(jax.random.key(0), spec.dummy_batch()), x)
     assert logits.shape == (4, 7) and e_local.shape == (4, 16)
     assert np.all(np.isfinite(np.asarray(logits)))  # also for the all-padding text row
@@ -69,15 +69,15 @@ def test_batch_norm_backbones_are_refused_by_the_projected_models():
     spec, _ = _spec_and_input("image")
     with pytest.raises(ValueError, match="config.clients.architectures: 'convnet3_bn' has "
                                          "BatchNorm layers.*fedbn"):
-        registry.client_model("convnet3_bn", 7, 16, spec)
+        architectures.client_model("convnet3_bn", 7, 16, spec)
     with pytest.raises(ValueError, match="BatchNorm"):
-        registry.projected_classifier("convnet3_bn", 7, 16, spec)
+        architectures.projected_classifier("convnet3_bn", 7, 16, spec)
 
 
 @pytest.mark.parametrize("arch", sorted(PROXY_BODIES))
 def test_every_proxy_extractor_maps_its_modality_to_d(arch):
     spec, x = _spec_and_input(PROXY_BODIES[arch].modalities[-1])
-    proxy = registry.proxy_model(arch, 9, spec)
+    proxy = architectures.proxy_model(arch, 9, spec)
     out = proxy.apply(proxy.init(jax.random.key(0), spec.dummy_batch()), x)
     assert out.shape == (4, 9) and np.all(np.isfinite(np.asarray(out)))
 
@@ -87,7 +87,7 @@ def test_text_models_ignore_padding_tokens():
     short = jnp.asarray([[5, 9, 17, 0, 0, 0]], jnp.int32)
     longer = jnp.asarray([[5, 9, 17, 0, 0, 0, 0, 0, 0]], jnp.int32)
     for arch in ("embedbag", "text_cnn"):
-        model = registry.client_model(arch, 3, 8, TEXT)
+        model = architectures.client_model(arch, 3, 8, TEXT)
         params = model.init(jax.random.key(0), short)
         np.testing.assert_allclose(model.apply(params, short)[0], model.apply(params, longer)[0],
                                    rtol=1e-5, atol=1e-6)
@@ -95,7 +95,7 @@ def test_text_models_ignore_padding_tokens():
 
 @pytest.mark.slow  # ~4 s
 def test_text_transformer_output_does_not_depend_on_tokens_behind_padding_mask():
-    model = registry.client_model("text_transformer", 3, 8, TEXT)
+    model = architectures.client_model("text_transformer", 3, 8, TEXT)
     a = jnp.asarray([[5, 9, 17, 0, 0, 0]], jnp.int32)
     params = model.init(jax.random.key(0), a)
     """Padded positions must not reach real ones through attention: the same model on the
@@ -133,18 +133,18 @@ def test_tabular_normalization_standardizes_without_range_detection():
 
 def test_unknown_model_names_are_rejected_with_the_field():
     with pytest.raises(ValueError, match=r"config.clients.architectures: unknown model 'resnet'"):
-        registry.client_model("resnet", 10, 8, IMAGE_GRAY)
+        architectures.client_model("resnet", 10, 8, IMAGE_GRAY)
     with pytest.raises(ValueError, match=r"config.proxy_arch: unknown proxy extractor"):
-        registry.proxy_model("big", 8, IMAGE_GRAY)
+        architectures.proxy_model("big", 8, IMAGE_GRAY)
 
 
 def test_model_of_another_modality_is_rejected_with_the_alternatives():
     with pytest.raises(ValueError, match=r"model 'cnn1' takes image inputs but the dataset is "
                                          r"text; text models: \['embedbag'"):
-        registry.client_model("cnn1", 4, 8, TEXT)
+        architectures.client_model("cnn1", 4, 8, TEXT)
     with pytest.raises(ValueError, match=r"proxy extractor 'proxy_cnn' takes image inputs but "
                                          r"the dataset is tabular"):
-        registry.proxy_model("proxy_cnn", 8, TABULAR)
+        architectures.proxy_model("proxy_cnn", 8, TABULAR)
 
 
 def test_client_model_and_proxy_see_the_same_inputs_whatever_the_client_pixel_range():
@@ -154,8 +154,8 @@ def test_client_model_and_proxy_see_the_same_inputs_whatever_the_client_pixel_ra
     pixels = np.random.default_rng(0).integers(0, 256, (3, 28, 28, 1)).astype(np.uint8)
     views = [jnp.asarray(pixels), jnp.asarray(pixels, jnp.float32),
              jnp.asarray(pixels / 255.0, jnp.float32)]
-    model = registry.client_model("convnet3", 10, 8, spec)
-    proxy = registry.proxy_model("proxy_cnn", 8, spec)
+    model = architectures.client_model("convnet3", 10, 8, spec)
+    proxy = architectures.proxy_model("proxy_cnn", 8, spec)
     model_params = model.init(jax.random.key(0), spec.dummy_batch())
     proxy_params = proxy.init(jax.random.key(1), spec.dummy_batch())
     reference_logits, _ = model.apply(model_params, views[0])

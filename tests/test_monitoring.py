@@ -11,10 +11,11 @@ import fl_helpers
 import numpy as np
 import pytest
 
-from fedjax_pfedes import budget, system
-from fedjax_pfedes.builders import build_context, build_federated_data
-from fedjax_pfedes.report import write_report
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine import client_system
+from fedjax_pfedes.engine.build import build_context, build_federated_data
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.io.run_report import write_report
+from fedjax_pfedes.studies import round_budget
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
@@ -184,10 +185,10 @@ def test_budget_stages_match_a_hand_computation():
     config.system.deadline_s = 2.5
     config.upload.topk_fraction = 0.25
     ctx, state = build_context(config, build_federated_data(config))
-    stages = budget.client_stages(ctx)
+    stages = round_budget.client_stages(ctx)
     upload = ctx.upload_bytes["mlp"]
     # top-k 25 %: (int32 index, float32 value) per kept coordinate of E_proxy.
-    from fedjax_pfedes.rounds import tree_size
+    from fedjax_pfedes.tree_util import tree_size
 
     params = tree_size(ctx.algorithm.upload_template(state.server, "mlp"))[0]
     assert upload == pytest.approx(8 * int(np.ceil(0.25 * params)), rel=0.01)
@@ -197,21 +198,21 @@ def test_budget_stages_match_a_hand_computation():
     np.testing.assert_allclose(stages["compute_s"],
                                ctx.planned_steps * np.where(slow, 0.4, 0.1))
     np.testing.assert_allclose(stages["download_s"], ctx.download_bytes["mlp"] / 2e6)
-    replay = budget.replay_rounds(ctx)
+    replay = round_budget.replay_rounds(ctx)
     late = replay["past_deadline"] > 0
     np.testing.assert_array_equal(replay["round_s"][late], 2.5)
     assert np.all(replay["round_s"] <= 2.5)
-    rows = budget.budget_table(ctx)
+    rows = round_budget.budget_table(ctx)
     assert sum(r["clients"] for r in rows) == 8
     # --measure: this machine's step time per architecture, x the speed multipliers.
-    measured = budget.measure_step_times(ctx, state, repeats=1)
+    measured = round_budget.measure_step_times(ctx, state, repeats=1)
     assert set(measured) == {"mlp"} and 0 < measured["mlp"] < 1
-    timed = budget.with_step_times(ctx, {"mlp": 0.2})
-    np.testing.assert_allclose(budget.client_stages(timed)["compute_s"],
+    timed = round_budget.with_step_times(ctx, {"mlp": 0.2})
+    np.testing.assert_allclose(round_budget.client_stages(timed)["compute_s"],
                                ctx.planned_steps * np.where(slow, 0.8, 0.2))
-    np.testing.assert_allclose(budget.client_stages(ctx)["compute_s"],  # ctx left as it was
+    np.testing.assert_allclose(round_budget.client_stages(ctx)["compute_s"],  # ctx left as it was
                                ctx.planned_steps * np.where(slow, 0.4, 0.1))
-    assert system.PAST_DEADLINE == "deadline"
+    assert client_system.PAST_DEADLINE == "deadline"
 
 
 def test_tensorboard_writer_does_not_import_torch_and_torch_still_imports_after():

@@ -12,8 +12,8 @@ from fedjax_pfedes.algorithms.fedavg import fedavg
 from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.models import registry
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.models import architectures
 
 SPEC = fl_helpers.SPEC
 IMAGE = InputSpec("image", (8, 8, 1), "float32", (0.0,), (1.0,))
@@ -61,7 +61,7 @@ def test_scaffold_with_zero_controls_and_one_step_is_fedavg_and_control_is_the_g
         x, fa.cohort_program("mlp_small").init_client(jax.random.key(1)), data,
         jax.random.key(2))
     _close(upload["params"], fa_upload)
-    model = registry.classifier_model("mlp_small", 3, SPEC)
+    model = architectures.classifier_model("mlp_small", 3, SPEC)
     grad = jax.grad(lambda p: _ce(model, p, data))(x)
     _close(upload["control_delta"], grad, rtol=1e-4)  # option II: (x - y) / (K lr) = g
     _close(new_state.control, grad, rtol=1e-4)
@@ -82,7 +82,7 @@ def test_scaffold_step_uses_the_corrected_gradient_and_server_divides_by_cohort_
     state = prog.init_client(jax.random.key(1)).replace(control=ci)
     upload, _, _ = prog.client_update(alg.broadcast(server, "mlp_small"), state, data,
                                       jax.random.key(2))
-    model = registry.classifier_model("mlp_small", 3, SPEC)
+    model = architectures.classifier_model("mlp_small", 3, SPEC)
     grad = jax.grad(lambda p: _ce(model, p, data))(x)
     expected = jax.tree.map(lambda w, g, cs, cl: w - 0.1 * (g - cl + cs), x, grad, c, ci)
     _close(upload["params"], expected, rtol=1e-4)
@@ -153,7 +153,7 @@ def test_fednova_with_equal_steps_is_fedavg_and_with_unequal_steps_is_not():
 # --- FedBN ------------------------------------------------------------------------------------
 
 def test_batch_norm_statistics_ignore_padded_rows():
-    model = registry.classifier_model("convnet3_bn", 3, IMAGE, allow_batch_norm=True)
+    model = architectures.classifier_model("convnet3_bn", 3, IMAGE, allow_batch_norm=True)
     rng = np.random.default_rng(0)
     real = rng.normal(size=(3, 8, 8, 1)).astype(np.float32)
     padded = np.concatenate([real, 1e3 * np.ones((2, 8, 8, 1), np.float32)])
@@ -304,7 +304,7 @@ def test_fedgh_uploads_class_prototypes_of_its_trained_model_with_the_global_hea
     data = _data()
     up, state, _ = prog.client_update(server.head, prog.init_client(jax.random.key(1)), data,
                                       jax.random.key(2))
-    model = registry.projected_classifier("mlp", 3, 4, SPEC)
+    model = architectures.projected_classifier("mlp", 3, 4, SPEC)
     _, e = model.apply(state.params, data.x)
     protos, counts = class_prototypes(e, data.y, jnp.arange(8) < 8, 3)
     _close(up["prototypes"], protos)
@@ -373,7 +373,8 @@ def test_new_methods_run_through_the_simulator_with_hand_counted_uploads(algorit
 
 def test_batch_norm_backbones_are_refused_outside_fedbn():
     from configs import quickstart
-    from fedjax_pfedes.config_validation import ConfigError, validate_config
+    from fedjax_pfedes.engine.validate import validate_config
+    from fedjax_pfedes.errors import ConfigError
 
     config = quickstart.get_config()
     config.clients.architectures = "convnet3_bn,vit"
@@ -389,8 +390,9 @@ def test_scaffold_client_keeps_its_control_variate_when_its_upload_is_rejected(o
     """The server drops a rejected client's control delta, so the client must keep c_i: else
     c stops being the mean of the clients' controls (checked here: c = (1/N) sum_i c_i), with
     the states on the device and in host memory."""
-    from fedjax_pfedes import client_store, rounds
-    from fedjax_pfedes.builders import build_context, build_federated_data
+    from fedjax_pfedes.engine import rounds
+    from fedjax_pfedes.engine.build import build_context, build_federated_data
+    from fedjax_pfedes.execution import offload
 
     config = fl_helpers.tiny_config(rounds=2, num_clients=4)
     config.algorithm = "scaffold"
@@ -402,12 +404,12 @@ def test_scaffold_client_keeps_its_control_variate_when_its_upload_is_rejected(o
     ctx, state = build_context(config, build_federated_data(config))
     (cohort,) = ctx.cohorts
     everyone = np.arange(len(cohort.client_ids))
-    initial = client_store.read_rows(state.clients[cohort.arch], everyone)
+    initial = offload.read_rows(state.clients[cohort.arch], everyone)
     for r in range(2):
         state, _, rows, rejections = rounds.sync_round(ctx, state, r)
         assert [x["client"] for x in rejections] == [0]
         assert {x["client"] for x in rows if x["accepted"]} == {1, 2, 3}
-    controls = client_store.read_rows(state.clients[cohort.arch], everyone).control
+    controls = offload.read_rows(state.clients[cohort.arch], everyone).control
     jax.tree.map(lambda c, c0: np.testing.assert_array_equal(c[0], c0[0]), controls,
                  initial.control)
     moved = jax.tree.map(lambda c: float(np.abs(c[1:]).max()), controls)

@@ -5,7 +5,7 @@ import json
 
 from fl_helpers import tiny_config
 
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
 
 
 def test_U23_quantity_skew_sigma_2_rejects_no_honest_client_and_still_the_attacker(tmp_path):

@@ -74,7 +74,7 @@ def test_pathological_class_sets_are_drawn_at_random_independently_of_the_archit
     between a client's architecture and the classes it holds."""
     from scipy import stats
 
-    from fedjax_pfedes.cohorts import assign_architectures
+    from fedjax_pfedes.engine.cohorts import assign_architectures
 
     y = _labels(500)
     parts = partitions.pathological_partition(y, 100, 2, seed=seed)

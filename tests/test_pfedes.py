@@ -10,7 +10,7 @@ import pytest
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, ServerState, pfedes
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 
 SHAPE = (8, 8, 1)
 SPEC = InputSpec("image", SHAPE, "float32", (0.3,), (0.2,))
@@ -48,8 +48,8 @@ def _one_step(cfg, key: int):
     data = _client_data(n=8, capacity=8)
     upload, new_client, metrics = program.client_update(server.proxy_params, client, data,
                                                         jax.random.key(key))
-    model = registry.client_model("mlp", 4, 6, SPEC)
-    proxy = registry.proxy_model("proxy_mlp", 6, SPEC)
+    model = architectures.client_model("mlp", 4, 6, SPEC)
+    proxy = architectures.proxy_model("proxy_mlp", 6, SPEC)
     return upload, new_client, metrics, client, server, model, proxy, data
 
 
@@ -234,8 +234,8 @@ def test_three_steps_and_a_second_round_match_a_hand_reference_with_warmup():
                proxy_lr_ratio=0.3)
     _, program, server, client = _setup(cfg)
     data = _client_data(n=8, capacity=8)  # batch 8: each step sees all 8 rows (any order)
-    model = registry.client_model("mlp", 4, 6, SPEC)
-    proxy = registry.proxy_model("proxy_mlp", 6, SPEC)
+    model = architectures.client_model("mlp", 4, 6, SPEC)
+    proxy = architectures.proxy_model("proxy_mlp", 6, SPEC)
     x, y = jnp.asarray(data.x), jnp.asarray(data.y)
     params, trace = client.params, jax.tree.map(jnp.zeros_like, client.params)
     proxy_params, steps = server.proxy_params, 0
@@ -260,7 +260,7 @@ def test_three_steps_and_a_second_round_match_a_hand_reference_with_warmup():
 def test_infonce_equals_a_numpy_formula_over_the_real_rows(temperature):
     """InfoNCE (Oord et al., 2018): -mean_i log( exp(cos(a_i, b_i)/T) / sum_j exp(cos(a_i, b_j)/T) )
     over the real rows i, j only; padded rows neither count nor act as negatives."""
-    from fedjax_pfedes import alignment
+    from fedjax_pfedes.algorithms.pfedes import alignment
 
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=(6, 5)), rng.normal(size=(6, 5))
@@ -285,7 +285,7 @@ def test_removing_a_stop_gradient_lets_that_loss_reach_the_other_side(stop_proxy
     A(e_proxy(q), e_local(p)) with A = InfoNCE, each stop-gradient in place or not; and the
     coupled step is no rescaling of the design's: the private update is off the line of design
     updates over every lam', E_proxy's is not parallel to the design's."""
-    from fedjax_pfedes import alignment
+    from fedjax_pfedes.algorithms.pfedes import alignment
 
     cfg = _cfg(align="contrastive", stop_gradient_proxy=stop_proxy, stop_gradient_local=stop_local)
     upload, new_client, _, client, server, model, proxy, data = _one_step(cfg, 0)
@@ -335,7 +335,8 @@ def test_a_removed_stop_gradient_with_a_symmetric_loss_is_refused_as_a_rescaling
     """With align(a, b) = align(b, a) the coupled step is the design's with lam + 1 (private
     side) or a (1 + lam)x E_proxy step: shown here for one step, then refused by the config."""
     from configs import quickstart
-    from fedjax_pfedes.config_validation import ConfigError, validate_config
+    from fedjax_pfedes.engine.validate import validate_config
+    from fedjax_pfedes.errors import ConfigError
 
     coupled = _one_step(_cfg(align=align, **{field: False}), 0)
     if field == "stop_gradient_local":
@@ -356,8 +357,8 @@ def test_proxy_momentum_matches_heavy_ball_on_e_proxy_over_three_steps():
     data = _client_data(n=8, capacity=8)
     upload, state, _ = program.client_update(server.proxy_params, client, data,
                                              jax.random.key(2))
-    model = registry.client_model("mlp", 4, 6, SPEC)
-    proxy = registry.proxy_model("proxy_mlp", 6, SPEC)
+    model = architectures.client_model("mlp", 4, 6, SPEC)
+    proxy = architectures.proxy_model("proxy_mlp", 6, SPEC)
     params, _, proxy_params, _ = _reference_steps(
         cfg, model, proxy, client.params, jax.tree.map(jnp.zeros_like, client.params),
         server.proxy_params, 0, jnp.asarray(data.x), jnp.asarray(data.y), 3,
@@ -397,7 +398,7 @@ def test_multi_scale_alignment_matches_a_hand_computed_weighted_sum():
     CE + lam (w0 mse(P0(z), E0(x)) + w1 mse(P1(z), E1(x)))."""
     from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
     from fedjax_pfedes.data.spec import InputSpec
-    from fedjax_pfedes.models import registry
+    from fedjax_pfedes.models import architectures
 
     spec = InputSpec("image", (8, 8, 1), "float32", (0.0,), (1.0,))
     lam, w, lr = 0.7, (1.0, 0.25), 0.1
@@ -414,8 +415,8 @@ def test_multi_scale_alignment_matches_a_hand_computed_weighted_sum():
     y = jnp.asarray(rng.integers(0, 3, 8), jnp.int32)
     _, new_state, _ = program.client_update(proxy_params, state, ClientArrays(x, y, jnp.int32(8)),
                                             jax.random.key(2))
-    model = registry.client_model("convnet3", 3, 4, spec, projection_scales=2)
-    proxy = registry.proxy_model("proxy_cnn", 4, spec, scales=2)
+    model = architectures.client_model("convnet3", 3, 4, spec, projection_scales=2)
+    proxy = architectures.proxy_model("proxy_cnn", 4, spec, scales=2)
     e_proxy = proxy.apply(proxy_params, x)
     assert e_proxy.shape == (8, 2, 4)
 
@@ -431,7 +432,8 @@ def test_multi_scale_alignment_matches_a_hand_computed_weighted_sum():
 
 
 def test_proxy_scales_are_validated():
-    from fedjax_pfedes.config_validation import ConfigError, validate_config
+    from fedjax_pfedes.engine.validate import validate_config
+    from fedjax_pfedes.errors import ConfigError
     from tests.fl_helpers import tiny_config
 
     for value, message in (("1,x", "not a comma-separated list"), ("0,0", "not all 0"),
@@ -442,14 +444,14 @@ def test_proxy_scales_are_validated():
             validate_config(config)
     spec = InputSpec("image", (8, 8, 1), "float32", (0.0,), (1.0,))
     with pytest.raises(ValueError, match="5 weights, but E_proxy 'proxy_cnn' emits at most 4"):
-        registry.proxy_model("proxy_cnn", 4, spec, scales=5)
+        architectures.proxy_model("proxy_cnn", 4, spec, scales=5)
 
 
 def test_alignment_loss_at_start_and_end_of_a_participation():
     """align_loss_at_start: the starting private model against the received E_proxy;
     align_loss_at_end: the trained model against the client's trained E_proxy; both on the
     client's first batch of rows (F4's jump pairs them across participations)."""
-    from fedjax_pfedes.alignment import mse_alignment
+    from fedjax_pfedes.algorithms.pfedes.alignment import mse_alignment
     from fedjax_pfedes.data.spec import InputSpec
 
     spec = InputSpec("tabular", (5,), "float32", (0.0,) * 5, (1.0,) * 5)
@@ -462,8 +464,8 @@ def test_alignment_loss_at_start_and_end_of_a_participation():
     x = jnp.asarray(rng.normal(size=(8, 5)), jnp.float32)
     data = ClientArrays(x, jnp.asarray(rng.integers(0, 3, 8), jnp.int32), jnp.int32(3))
     upload, new_state, m = program.client_update(proxy_params, state, data, jax.random.key(2))
-    model = registry.client_model("mlp_small", 3, 4, spec)
-    proxy = registry.proxy_model("proxy_mlp", 4, spec)
+    model = architectures.client_model("mlp_small", 3, 4, spec)
+    proxy = architectures.proxy_model("proxy_mlp", 4, spec)
     mask = jnp.arange(4) < 3  # 3 real rows among the first batch of 4
     start = mse_alignment(model.apply(state.params, x[:4])[1], proxy.apply(proxy_params, x[:4]),
                           mask)

@@ -5,12 +5,22 @@ import numpy as np
 import pytest
 
 from configs import tabular_hetero
-from fedjax_pfedes import proxy_init
-from fedjax_pfedes.builders import build_context, build_federated_data, load_pool
-from fedjax_pfedes.config_validation import ConfigError, validate_config
+from fedjax_pfedes.algorithms.pfedes import proxy_init
+from fedjax_pfedes.algorithms.pfedes.pretraining import (
+    PretrainSettings,
+    pretrain_proxy,
+    save_pretrained,
+)
 from fedjax_pfedes.data.public import public_indices
-from fedjax_pfedes.models import registry
-from fedjax_pfedes.pretraining import PretrainSettings, pretrain_proxy, save_pretrained
+from fedjax_pfedes.engine.build import (
+    build_context,
+    build_federated_data,
+    load_pool,
+    load_validated_pool,
+)
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.models import architectures
 
 
 def _config(fraction=0.2):
@@ -43,7 +53,8 @@ def test_clients_never_own_a_public_sample():
 
 def test_pretrained_proxy_beats_the_majority_label_and_starts_the_run(tmp_path):
     config = _config()
-    params, report = pretrain_proxy(config, PretrainSettings(epochs=5), show_progress=False)
+    params, report = pretrain_proxy(config, PretrainSettings(epochs=5),
+        *load_validated_pool(config), show_progress=False)
     central, _ = load_pool(config)
     majority = np.bincount(central.y_test).max() / len(central.y_test)
     assert report["global_test_accuracy_linear_probe"] > majority + 0.1
@@ -65,7 +76,8 @@ def test_pretrained_proxy_beats_the_majority_label_and_starts_the_run(tmp_path):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     config = _config()
-    params, report = pretrain_proxy(config, PretrainSettings(epochs=1), show_progress=False)
+    params, report = pretrain_proxy(config, PretrainSettings(epochs=1),
+        *load_validated_pool(config), show_progress=False)
     path = str(tmp_path_factory.mktemp("proxy") / "proxy.msgpack")
     save_pretrained(path, config, params, report)
     return path
@@ -98,7 +110,7 @@ def test_missing_garbled_and_misshapen_files_name_the_problem(saved, tmp_path):
     with pytest.raises(ValueError, match="is not a saved E_proxy"):
         proxy_init.read(str(garbled))
     spec = load_pool(_config())[0].input_spec
-    other = registry.proxy_model("proxy_mlp", 16, spec).init(jax.random.key(0),
+    other = architectures.proxy_model("proxy_mlp", 16, spec).init(jax.random.key(0),
                                                               spec.dummy_batch())
     with pytest.raises(ValueError, match=r"parameter params/out/bias has shape \(32,\), "
                                          r"this run's E_proxy needs \(16,\)"):
@@ -107,7 +119,8 @@ def test_missing_garbled_and_misshapen_files_name_the_problem(saved, tmp_path):
 
 def test_pretraining_without_a_public_share_is_refused():
     with pytest.raises(ConfigError, match="config.data.public_fraction is 0"):
-        pretrain_proxy(_config(0.0), PretrainSettings(epochs=1), show_progress=False)
+        pretrain_proxy(_config(0.0), PretrainSettings(epochs=1),
+        *load_validated_pool(_config(0.0)), show_progress=False)
 
 
 def test_a_seed_placeholder_names_one_pretrained_file_per_seed(tmp_path):
@@ -117,7 +130,8 @@ def test_a_seed_placeholder_names_one_pretrained_file_per_seed(tmp_path):
     for seed in (0, 1):
         config = _config()
         config.seed = seed
-        params, report = pretrain_proxy(config, PretrainSettings(epochs=1), show_progress=False)
+        params, report = pretrain_proxy(config, PretrainSettings(epochs=1),
+        *load_validated_pool(config), show_progress=False)
         save_pretrained(proxy_init.resolve(pattern, seed), config, params, report)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["proxy_seed0.msgpack",
                                                           "proxy_seed1.msgpack"]

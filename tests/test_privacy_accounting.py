@@ -14,8 +14,9 @@ from dp_accounting import rdp
 from fl_helpers import tiny_config
 
 from configs import private_quickstart
-from fedjax_pfedes.config_validation import ConfigError, validate_config
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.upload import pipeline as upload_pipeline
 from fedjax_pfedes.upload import privacy
 

@@ -7,10 +7,10 @@ import sys
 import numpy as np
 import pytest
 
-from fedjax_pfedes import plotting
 from fedjax_pfedes.data.federated import FederatedData
 from fedjax_pfedes.data.profile import coefficient_of_variation, kl_divergence, profile_partition
 from fedjax_pfedes.data.sources import make_dataset
+from fedjax_pfedes.io import plotting
 
 
 def _hand_example():

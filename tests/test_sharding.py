@@ -12,8 +12,9 @@ import textwrap
 
 import pytest
 
-from fedjax_pfedes import execution
-from fedjax_pfedes.config_validation import ConfigError, validate_config
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.execution import runners
 from tests.fl_helpers import tiny_config
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -105,17 +106,17 @@ def test_a_cohort_that_fills_the_mesh_is_split_over_it_with_the_vmap_numbers():
 
 
 def test_row_spec_splits_only_counts_the_mesh_divides():
-    mesh = execution.client_mesh(0)
-    assert execution.row_spec((3 * mesh.size, 5), mesh) == execution.P(execution.CLIENT_AXIS)
+    mesh = runners.client_mesh(0)
+    assert runners.row_spec((3 * mesh.size, 5), mesh) == runners.P(runners.CLIENT_AXIS)
     if mesh.size > 1:
-        assert execution.row_spec((mesh.size + 1, 5), mesh) == execution.P()
+        assert runners.row_spec((mesh.size + 1, 5), mesh) == runners.P()
 
 
 @pytest.mark.slow  # two end-to-end runs with 4 simulated devices: ~1 min
 def test_shard_run_matches_vmap_run_end_to_end(tmp_path):
     result = _run_with_devices(f"""
         import json
-        from fedjax_pfedes.simulation import run_experiment
+        from fedjax_pfedes.engine.loop import run_experiment
         from tests.fl_helpers import small_config
         out = {{}}
         for strategy in ("vmap", "shard"):
@@ -142,7 +143,7 @@ def test_a_mesh_larger_than_the_devices_is_refused_naming_the_field():
 
 
 def test_auto_considers_shard_only_with_several_devices():
-    mesh = execution.client_mesh(0)
+    mesh = runners.client_mesh(0)
     expected = ("vmap", "loop", "scan") + (("shard",) if mesh.size > 1 else ())
-    assert execution.auto_candidates(mesh) == expected
-    assert execution.auto_candidates(None) == ("vmap", "loop", "scan")
+    assert runners.auto_candidates(mesh) == expected
+    assert runners.auto_candidates(None) == ("vmap", "loop", "scan")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from fl_helpers import small_config
 
-from fedjax_pfedes.builders import build_federated_data
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.build import build_federated_data
+from fedjax_pfedes.engine.loop import run_experiment
 
 # Written every round (README "Monitoring"), and the evaluation written at evaluated rounds.
 ROUND_KEYS = {
@@ -92,15 +92,15 @@ def test_per_client_accuracy_recomputed_from_the_saved_client_states(loop_run):
     each client's local test split, the per-architecture accuracies the run reported."""
     import jax
 
-    from fedjax_pfedes import checkpointing
-    from fedjax_pfedes.builders import build_context
-    from fedjax_pfedes.models import registry
+    from fedjax_pfedes.engine.build import build_context
+    from fedjax_pfedes.io import checkpoints
+    from fedjax_pfedes.models import architectures
 
     workdir, summary = loop_run
     config = small_config("loop")
     data = build_federated_data(config)
     ctx, state = build_context(config, data)
-    checkpointer = checkpointing.Checkpointer(str(workdir), 2)
+    checkpointer = checkpoints.Checkpointer(str(workdir), 2)
     assert checkpointer.check_config(config) is not None
     rounds_done, restored = checkpointer.restore(state.to_checkpoint())
     state = state.from_checkpoint(restored)
@@ -109,7 +109,7 @@ def test_per_client_accuracy_recomputed_from_the_saved_client_states(loop_run):
     c = data.central
     per_arch = {}
     for cohort in ctx.cohorts:
-        model = registry.client_model(cohort.arch, c.num_classes, config.proxy_dim,
+        model = architectures.client_model(cohort.arch, c.num_classes, config.proxy_dim,
                                       c.input_spec)
         states = state.clients[cohort.arch]
         scores = []

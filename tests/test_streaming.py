@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_pfedes import execution
 from fedjax_pfedes.algorithms import registry
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.execution import runners
 from fedjax_pfedes.upload import streaming
 
 
@@ -108,8 +108,8 @@ def test_a_rejected_upload_that_was_not_held_stops_the_round_naming_the_field():
 def test_a_reducer_needs_the_scan_strategy():
     from test_execution import _setup
     _, program, data, states, server = _setup("mlp")
-    runner = execution.make_runner(program, "vmap")
-    bcast = execution.Finishing(server.proxy_params, server.proxy_params,
+    runner = runners.make_runner(program, "vmap")
+    bcast = runners.Finishing(server.proxy_params, server.proxy_params,
                                 lambda u, t: {}, streaming.reducer(0, 2, True))
     with pytest.raises(ValueError, match="'scan' strategy"):
         runner.update(bcast, states, data, np.array([0, 1], np.int32),
@@ -122,7 +122,7 @@ def test_a_mean_server_step_takes_its_groups_reduced_to_one_row(name):
     """Conformance of `Algorithm.mean_server_step`: where a method claims it, its server step
     on each cohort's stacked uploads equals its step on the groups reduced to (weighted mean,
     total weight). Methods that do not claim it are skipped (the 'scan' strategy stacks)."""
-    from fedjax_pfedes.builders import build_context, build_federated_data
+    from fedjax_pfedes.engine.build import build_context, build_federated_data
     config = fl_helpers.tiny_config(rounds=1, num_clients=6)
     config.algorithm = name
     ctx, state = build_context(config, build_federated_data(config))
@@ -190,8 +190,8 @@ def test_a_streamed_scan_run_gives_the_loops_numbers(name, factor, tmp_path, mon
 def _last_round_counts(name: str, events: list) -> dict[int, int]:
     """{clients: entries appended to `events` during the third 'scan' round of `name`} for 8
     and 32 clients (4 and 16 participants)."""
-    from fedjax_pfedes import rounds
-    from fedjax_pfedes.builders import build_context, build_federated_data
+    from fedjax_pfedes.engine import rounds
+    from fedjax_pfedes.engine.build import build_context, build_federated_data
     counts = {}
     for clients in (8, 32):
         config = fl_helpers.tiny_config(rounds=3, num_clients=clients)

@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from fedjax_pfedes import sweep
-from fedjax_pfedes.builders import build_federated_data
-from fedjax_pfedes.config_validation import ConfigError
-from fedjax_pfedes.experiments import with_overrides
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.build import build_federated_data
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.studies import vectorized_sweep
+from fedjax_pfedes.studies.experiments import with_overrides
 from launch.cli import split_sweep_flags
 from tests.fl_helpers import small_config, tiny_config
 
@@ -33,7 +33,7 @@ def test_sweep_flags_are_split_from_the_rest():
 ])
 def test_fields_members_cannot_differ_in_are_refused_naming_them(field, message):
     with pytest.raises(ConfigError, match=rf"--sweep\.{field}: " + message):
-        sweep.check_float(tiny_config(), field)
+        vectorized_sweep.check_float(tiny_config(), field)
 
 
 def test_auto_cpu_kernels_are_refused_by_the_sweep(tmp_path):
@@ -41,7 +41,7 @@ def test_auto_cpu_kernels_are_refused_by_the_sweep(tmp_path):
     config.execution.cpu_kernels = "auto"
     with pytest.raises(ConfigError, match=r"config\.execution\.cpu_kernels='auto': "
                                           r"launch\.sweep compiles one program"):
-        sweep.run_sweep(config, "lam", [0.5, 1.0], str(tmp_path))
+        vectorized_sweep.run_sweep(config, "lam", [0.5, 1.0], str(tmp_path))
 
 
 def test_traced_fields_pass_the_trace_check_and_a_shape_field_fails_it(monkeypatch):
@@ -52,7 +52,7 @@ def test_traced_fields_pass_the_trace_check_and_a_shape_field_fails_it(monkeypat
     config = tiny_config()
     data = build_federated_data(config)
     for field in ("lam", "train.lr_local", "proxy_lr_ratio"):
-        sweep.check_field(config, data, field, ["mlp"])  # no error
+        vectorized_sweep.check_field(config, data, field, ["mlp"])  # no error
     # A method that reads proxy_lr_ratio as an array size: tracing it must fail, and the
     # sweep must say so instead of crashing (a stand-in for any shape-setting float).
     entry = registry.get("pfedes")
@@ -72,7 +72,7 @@ def test_traced_fields_pass_the_trace_check_and_a_shape_field_fails_it(monkeypat
                         dataclasses.replace(entry, build=build))
     with pytest.raises(ConfigError, match=r"--sweep\.proxy_lr_ratio: this field decides "
                                           "shapes or control flow"):
-        sweep.check_field(config, data, "proxy_lr_ratio", ["mlp"])
+        vectorized_sweep.check_field(config, data, "proxy_lr_ratio", ["mlp"])
 
 
 def _metrics(path):
@@ -84,8 +84,8 @@ def test_every_member_equals_a_separate_run_with_its_value(tmp_path):
     config = small_config("loop")
     config.train.rounds, config.checkpoint.every = 3, 0
     values = [0.1, 0.5, 2.0]
-    for axis in sweep.MEMBER_AXES:
-        records = sweep.run_sweep(config, "lam", values, str(tmp_path / axis),
+    for axis in vectorized_sweep.MEMBER_AXES:
+        records = vectorized_sweep.run_sweep(config, "lam", values, str(tmp_path / axis),
                                   show_progress=False, member_axis=axis)
         assert list(records) == ["lam=0.1", "lam=0.5", "lam=2"]
     finals = []
@@ -93,7 +93,7 @@ def test_every_member_equals_a_separate_run_with_its_value(tmp_path):
         member = with_overrides(config, {"lam": v})
         run_experiment(member, str(tmp_path / f"alone{v}"), show_progress=False)
         alone = _metrics(tmp_path / f"alone{v}")
-        for axis in sweep.MEMBER_AXES:
+        for axis in vectorized_sweep.MEMBER_AXES:
             swept = _metrics(tmp_path / axis / f"lam={v:g}")
             assert len(swept) == len(alone) == 3
             for a, b in zip(swept, alone, strict=True):

@@ -10,31 +10,34 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_pfedes import aggregation, local_training, sampling, system
-from fedjax_pfedes.asynchronous import rebase, staleness_weight
-from fedjax_pfedes.config_validation import ConfigError, validate_config
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.data.federated import ClientArrays
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine import client_system, sampling
+from fedjax_pfedes.engine.asynchronous import rebase, staleness_weight
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError
 
 
-def _system(**kw) -> system.SystemConfig:
+def _system(**kw) -> client_system.SystemConfig:
     base = dict(speed_classes=(1.0, 2.0, 4.0), step_time_s=0.1, upload_mbps=(8.0,),
                 download_mbps=(16.0,))
-    return system.SystemConfig(**{**base, **kw})
+    return client_system.SystemConfig(**{**base, **kw})
 
 
 def test_deadline_drops_exactly_the_clients_past_it():
     cfg = _system(deadline_s=3.0)
-    profiles = system.client_profiles(cfg, 12, seed=3)
+    profiles = client_system.client_profiles(cfg, 12, seed=3)
     clients = np.arange(12)
     steps = np.array([3, 5, 8, 10, 12, 4, 6, 9, 2, 7, 11, 1])
     up, down = np.full(12, 1e6), np.full(12, 2e6)  # 1 s up at 8 Mbit/s, 1 s down at 16 Mbit/s
-    timing = system.simulate_round(cfg, profiles, 3, 0, clients, steps, up, down)
+    timing = client_system.simulate_round(cfg, profiles, 3, 0, clients, steps, up, down)
     step_s = 0.1 * np.array([1.0, 2.0, 4.0])[profiles.speed_class]
     total = 1.0 + 1.0 + steps * step_s  # by hand
     late = total > 3.0
     assert late.any() and (~late).any()
-    np.testing.assert_array_equal(timing.status == system.PAST_DEADLINE, late)
+    np.testing.assert_array_equal(timing.status == client_system.PAST_DEADLINE, late)
     np.testing.assert_array_equal(timing.trains, ~late)
     np.testing.assert_allclose(timing.total_s[~late], total[~late])
     np.testing.assert_array_equal(timing.step_limit, np.where(late, 0, steps))
@@ -43,28 +46,28 @@ def test_deadline_drops_exactly_the_clients_past_it():
 
 def test_partial_work_runs_the_steps_that_fit_before_the_deadline():
     cfg = _system(deadline_s=2.6, deadline_policy="partial")
-    profiles = system.client_profiles(cfg, 9, seed=1)
+    profiles = client_system.client_profiles(cfg, 9, seed=1)
     steps = np.full(9, 10)
-    timing = system.simulate_round(cfg, profiles, 1, 0, np.arange(9), steps, np.full(9, 1e6),
+    timing = client_system.simulate_round(cfg, profiles, 1, 0, np.arange(9), steps, np.full(9, 1e6),
                                    np.full(9, 2e6))
     step_s = 0.1 * np.array([1.0, 2.0, 4.0])[profiles.speed_class]
     fits = np.floor((2.6 - 2.0) / step_s).astype(int)  # 6, 3, 1 steps
     expected = np.where(2.0 + 10 * step_s > 2.6, np.minimum(fits, 10), 10)
     np.testing.assert_array_equal(timing.step_limit, expected)
-    assert set(timing.status) == {system.PARTIAL}
+    assert set(timing.status) == {client_system.PARTIAL}
     assert np.all(timing.total_s <= 2.6 + 1e-9)
 
 
 def test_dropout_rate_and_availability_window():
     cfg = _system(dropout=0.3)
-    profiles = system.client_profiles(cfg, 200, seed=0)
-    dropped = [np.mean(system.simulate_round(cfg, profiles, 0, r, np.arange(200),
+    profiles = client_system.client_profiles(cfg, 200, seed=0)
+    dropped = [np.mean(client_system.simulate_round(cfg, profiles, 0, r, np.arange(200),
                                              np.ones(200), np.zeros(200), np.zeros(200)).status
-                       == system.DROPPED_OUT) for r in range(50)]
+                       == client_system.DROPPED_OUT) for r in range(50)]
     assert abs(np.mean(dropped) - 0.3) < 0.02  # 10,000 draws: 4.5 standard errors
     periodic = _system(availability=(1.0,), availability_period=4, availability_duty=0.5)
-    prof = system.client_profiles(periodic, 30, seed=0)
-    online = np.array([system.online_mask(periodic, prof, 0, r) for r in range(8)])
+    prof = client_system.client_profiles(periodic, 30, seed=0)
+    online = np.array([client_system.online_mask(periodic, prof, 0, r) for r in range(8)])
     for i in range(30):  # online exactly in rounds r with (r + phase) mod 4 < 2
         np.testing.assert_array_equal(online[:, i], (np.arange(8) + prof.phase[i]) % 4 < 2)
 

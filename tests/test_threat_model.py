@@ -20,21 +20,16 @@ import pytest
 from fl_helpers import tiny_config
 
 from configs import quickstart
-from fedjax_pfedes import attacks
-from fedjax_pfedes.config_validation import ConfigError, validate_config
 from fedjax_pfedes.data import partitions
 from fedjax_pfedes.data.federated import partition_dataset
-from fedjax_pfedes.data.sources import (
-    DataError,
-    DatasetUnavailableError,
-    LoadOptions,
-    load_npz,
-    make_dataset,
-)
-from fedjax_pfedes.simulation import DivergedError, run_experiment
+from fedjax_pfedes.data.sources import LoadOptions, load_npz, make_dataset
+from fedjax_pfedes.engine import attacks
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError, DivergedError
+from fedjax_pfedes.io.workdir import RunLockedError
 from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload.pipeline import CohortUploads, PipelineConfig, UploadPipeline
-from fedjax_pfedes.workdir import RunLockedError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "threat_model.md")

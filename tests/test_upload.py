@@ -13,7 +13,7 @@ from dp_accounting import rdp
 from scipy import stats
 
 from configs import tabular_hetero
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.upload import compression, privacy, robust, validation
 from fedjax_pfedes.upload import secure_aggregation as sa
 from fedjax_pfedes.upload.pipeline import CohortUploads, PipelineConfig, UploadPipeline
@@ -607,7 +607,7 @@ def test_secure_aggregation_dp_epsilon_composes_the_realized_noise_of_every_roun
 # --- sample-level DP-SGD --------------------------------------------------------------------------
 
 def test_private_gradient_clips_each_example_and_divides_by_the_batch_size():
-    from fedjax_pfedes.local_training import DPSGDConfig, private_gradient
+    from fedjax_pfedes.algorithms.local_training import DPSGDConfig, private_gradient
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
@@ -652,7 +652,8 @@ def test_dp_sgd_runs_for_fedavg_and_reports_per_client_epsilon(tmp_path):
 
 def test_dp_sgd_is_refused_where_it_is_not_built_in():
     from configs import quickstart
-    from fedjax_pfedes.config_validation import ConfigError, validate_config
+    from fedjax_pfedes.engine.validate import validate_config
+    from fedjax_pfedes.errors import ConfigError
 
     config = quickstart.get_config()
     config.dp_sgd.enabled = True
@@ -666,8 +667,8 @@ def test_dp_sgd_is_refused_where_it_is_not_built_in():
 
 def test_every_registered_algorithm_builds_with_the_aggregation_it_declares():
     from fedjax_pfedes.algorithms import registry
-    from fedjax_pfedes.builders import build_algorithm, build_federated_data
-    from fedjax_pfedes.config_validation import aggregation_kind
+    from fedjax_pfedes.engine.build import build_algorithm, build_federated_data
+    from fedjax_pfedes.engine.validate import aggregation_kind
 
     tabular = tabular_hetero.get_config()
     images = fl_helpers.small_config()

@@ -2,7 +2,8 @@
 
 Modelled on optax's `GradientTransformation` and FedJAX's `FederatedAlgorithm`: a frozen dataclass
 of pure functions over explicit pytree state. The per-client functions are written for ONE client;
-`fedjax_pfedes.execution` runs them over a cohort by `jax.vmap` or by a loop with identical results.
+`fedjax_pfedes.execution.runners` runs them over a cohort by `jax.vmap` or by a loop with
+identical results.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedjax_pfedes import local_training
+from fedjax_pfedes.algorithms import local_training
+from fedjax_pfedes.algorithms.local_training import LocalSchedule
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.local_training import LocalSchedule
 
 PyTree = Any
 Metrics = dict[str, jax.Array]

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import (
     Algorithm,
     CohortProgram,
@@ -33,7 +34,7 @@ from fedjax_pfedes.algorithms.base import (
     classifier_program,
 )
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 
 SERVER_OPTIMIZERS = ("none", "sgd_momentum", "adam")
 
@@ -91,9 +92,9 @@ def cohort_models(cfg: FedAvgConfig):
     """arch -> its `Classifier`, built once per architecture (FedAvg, SCAFFOLD, FedNova)."""
     models = {}
 
-    def model_of(arch: str) -> registry.Classifier:
+    def model_of(arch: str) -> architectures.Classifier:
         if arch not in models:
-            models[arch] = registry.classifier_model(arch, cfg.num_classes, cfg.input_spec)
+            models[arch] = architectures.classifier_model(arch, cfg.num_classes, cfg.input_spec)
         return models[arch]
 
     return model_of

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import optax
 from flax import struct, traverse_util
 
-from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 
 
 @struct.dataclass
@@ -77,7 +78,7 @@ def fedbn(cfg: FedAvgConfig) -> Algorithm:
 
     def model_of(arch: str):
         if arch not in models:
-            models[arch] = registry.classifier_model(arch, cfg.num_classes, cfg.input_spec,
+            models[arch] = architectures.classifier_model(arch, cfg.num_classes, cfg.input_spec,
                                                      allow_batch_norm=True)
             variables = jax.eval_shape(models[arch].init, jax.random.key(0), dummy_x)
             bn_of[arch] = batch_norm_modules(variables)

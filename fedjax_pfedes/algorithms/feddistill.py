@@ -25,7 +25,8 @@ import ml_collections
 import optax
 from flax import struct
 
-from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import (
     Algorithm,
     CohortProgram,
@@ -34,7 +35,7 @@ from fedjax_pfedes.algorithms.base import (
 )
 from fedjax_pfedes.algorithms.fedproto import class_prototypes
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 
 
 def check(section: ml_collections.ConfigDict | FedDistillConfig) -> None:
@@ -106,7 +107,7 @@ def feddistill(cfg: FedDistillConfig) -> Algorithm:
                            state.available | seen, state.round + 1)
 
     def cohort_program(arch: str) -> CohortProgram:
-        model = registry.classifier_model(arch, k, cfg.input_spec)
+        model = architectures.classifier_model(arch, k, cfg.input_spec)
 
         def init_client(rng: jax.Array) -> ClientState:
             params = model.init(rng, dummy_x)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedjax_pfedes import local_training
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedproto import class_prototypes
 from fedjax_pfedes.algorithms.lg_fedavg import (
@@ -31,7 +31,7 @@ from fedjax_pfedes.algorithms.lg_fedavg import (
     hetero_config,
 )
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 
 
 @struct.dataclass
@@ -66,7 +66,8 @@ def fedgh(cfg: HeteroConfig) -> Algorithm:
     dummy_x = cfg.input_spec.dummy_batch()
 
     def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
-        model = registry.projected_classifier(archs[0], cfg.num_classes, cfg.dim, cfg.input_spec)
+        model = architectures.projected_classifier(archs[0], cfg.num_classes, cfg.dim,
+                                                   cfg.input_spec)
         return ServerState(model.init(rng, dummy_x)["params"]["classifier"],
                            jnp.zeros((), jnp.int32))
 

@@ -30,11 +30,12 @@ import optax
 from flax import linen as nn
 from flax import struct
 
-from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 
 
 @struct.dataclass
@@ -89,8 +90,8 @@ def fedkd(cfg: HeteroConfig) -> Algorithm:
     """Builds FedKD for heterogeneous cohorts."""
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
-    mentee_model = registry.projected_classifier(
-        registry.shared_arch(cfg.shared_arch, cfg.input_spec), cfg.num_classes, cfg.dim,
+    mentee_model = architectures.projected_classifier(
+        architectures.shared_arch(cfg.shared_arch, cfg.input_spec), cfg.num_classes, cfg.dim,
         cfg.input_spec)
     hidden_map = nn.Dense(cfg.dim, use_bias=False)
 
@@ -113,7 +114,7 @@ def fedkd(cfg: HeteroConfig) -> Algorithm:
         return ServerState(jax.tree.map(jnp.add, state.mentee, mean_update), state.round + 1)
 
     def cohort_program(arch: str) -> CohortProgram:
-        model = registry.projected_classifier(arch, cfg.num_classes, cfg.dim, cfg.input_spec)
+        model = architectures.projected_classifier(arch, cfg.num_classes, cfg.dim, cfg.input_spec)
 
         def init_client(rng: jax.Array) -> ClientState:
             k1, k2 = jax.random.split(rng)

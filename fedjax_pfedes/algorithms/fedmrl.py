@@ -24,12 +24,13 @@ import optax
 from flax import linen as nn
 from flax import struct
 
-from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 from fedjax_pfedes.models.backbones import BACKBONES
 from fedjax_pfedes.models.layers import InputNormalization
 
@@ -84,11 +85,11 @@ def fedmrl(cfg: HeteroConfig) -> Algorithm:
                          f"{cfg.dim}] (0 = half of it), got {cfg.mrl_sub_dim}")
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
-    small = registry.shared_arch(cfg.shared_arch, cfg.input_spec)
+    small = architectures.shared_arch(cfg.shared_arch, cfg.input_spec)
 
     def model_of(arch: str) -> MatryoshkaModel:
-        registry.check_architecture(arch, modality=cfg.input_spec.modality)
-        if registry.uses_batch_norm(arch):
+        architectures.check_architecture(arch, modality=cfg.input_spec.modality)
+        if architectures.uses_batch_norm(arch):
             raise ValueError(f"config.clients.architectures: '{arch}' has BatchNorm layers, "
                              "which FedMRL does not handle; use it with config.algorithm='fedbn'")
         return MatryoshkaModel(arch, small, cfg.num_classes, cfg.dim, sub_dim, cfg.input_spec)

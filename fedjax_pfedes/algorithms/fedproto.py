@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 
 
 @struct.dataclass
@@ -85,7 +86,7 @@ def fedproto(cfg: HeteroConfig) -> Algorithm:
                            state.available | seen, state.round + 1)
 
     def cohort_program(arch: str) -> CohortProgram:
-        model = registry.projected_classifier(arch, cfg.num_classes, cfg.dim, cfg.input_spec)
+        model = architectures.projected_classifier(arch, cfg.num_classes, cfg.dim, cfg.input_spec)
 
         def init_client(rng: jax.Array) -> ClientState:
             params = model.init(rng, dummy_x)

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, check_range, hetero_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 
 
 @struct.dataclass
@@ -56,8 +57,9 @@ def fml(cfg: HeteroConfig) -> Algorithm:
     """Builds FML for heterogeneous cohorts."""
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
-    meme_model = registry.classifier_model(registry.shared_arch(cfg.shared_arch, cfg.input_spec),
-                                           cfg.num_classes, cfg.input_spec)
+    meme_model = architectures.classifier_model(
+        architectures.shared_arch(cfg.shared_arch, cfg.input_spec), cfg.num_classes,
+        cfg.input_spec)
 
     def init_server(rng: jax.Array, archs: tuple[str, ...] = ()) -> ServerState:
         del archs
@@ -72,7 +74,7 @@ def fml(cfg: HeteroConfig) -> Algorithm:
         return ServerState(aggregation.mean_over_cohorts(state.meme, groups), state.round + 1)
 
     def cohort_program(arch: str) -> CohortProgram:
-        model = registry.classifier_model(arch, cfg.num_classes, cfg.input_spec)
+        model = architectures.classifier_model(arch, cfg.num_classes, cfg.input_spec)
 
         def init_client(rng: jax.Array) -> ClientState:
             params = model.init(rng, dummy_x)

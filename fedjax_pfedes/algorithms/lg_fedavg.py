@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import (
     Algorithm,
     CohortProgram,
@@ -26,7 +27,7 @@ from fedjax_pfedes.algorithms.base import (
     classifier_program,
 )
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,7 @@ def global_head_program(arch: str, cfg: HeteroConfig, make_upload) -> CohortProg
     extra metrics) says what goes up."""
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
-    model = registry.projected_classifier(arch, cfg.num_classes, cfg.dim, cfg.input_spec)
+    model = architectures.projected_classifier(arch, cfg.num_classes, cfg.dim, cfg.input_spec)
 
     def init_client(rng: jax.Array) -> ClientState:
         params = model.init(rng, dummy_x)
@@ -116,7 +117,8 @@ def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
     dummy_x = cfg.input_spec.dummy_batch()
 
     def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
-        model = registry.projected_classifier(archs[0], cfg.num_classes, cfg.dim, cfg.input_spec)
+        model = architectures.projected_classifier(archs[0], cfg.num_classes, cfg.dim,
+                                                   cfg.input_spec)
         return ServerState(model.init(rng, dummy_x)["params"]["classifier"],
                            jnp.zeros((), jnp.int32))
 

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import (
     Algorithm,
     CohortProgram,
@@ -44,7 +45,7 @@ from fedjax_pfedes.algorithms.registry import (
     BuildInputs,
     register,
 )
-from fedjax_pfedes.models import init_styles, registry
+from fedjax_pfedes.models import architectures, init_styles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +104,7 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"config.pfedes_paper.schedule: unknown '{cfg.schedule}'; known: "
                          f"{list(SCHEDULES)}")
-    g_model = registry.ImageProxyG(cfg.input_spec)
+    g_model = architectures.ImageProxyG(cfg.input_spec)
     local_opt = paper_sgd(cfg.lr_local, cfg.local_momentum, cfg.weight_decay, cfg.grad_clip_norm)
     g_opt = paper_sgd(cfg.g_lr_ratio * cfg.lr_local, cfg.local_momentum, cfg.weight_decay,
                       cfg.grad_clip_norm)
@@ -125,7 +126,7 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
         return ServerState(new, state.round + 1)
 
     def cohort_program(arch: str) -> CohortProgram:
-        model = registry.classifier_model(arch, cfg.num_classes, cfg.input_spec)
+        model = architectures.classifier_model(arch, cfg.num_classes, cfg.input_spec)
 
         def init_client(rng: jax.Array) -> ClientState:
             params = init_styles.reinitialize(model.init(rng, dummy_x), rng, cfg.init)

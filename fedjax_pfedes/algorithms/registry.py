@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from fedjax_pfedes import local_training
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, with_fresh_local_optimizer
 from fedjax_pfedes.data.spec import InputSpec
 
@@ -73,7 +73,7 @@ class BuildInputs:
     """What `build` gets: the experiment config and the facts of the partitioned dataset.
 
     Attributes:
-      config: the experiment config (`configs/quickstart.py` documents every field).
+      config: the experiment config (`fedjax_pfedes/config/defaults.py` documents every field).
       num_classes: labels of the dataset.
       input_spec: modality, shape and normalization statistics of the inputs.
       local_epochs: the most local epochs any client runs (fewer are masked per client).

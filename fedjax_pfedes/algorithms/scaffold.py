@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedjax_pfedes import aggregation, local_training
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.fedavg import (
     FedAvgConfig,

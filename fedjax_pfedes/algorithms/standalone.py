@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedjax_pfedes import local_training
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 
 
 @struct.dataclass
@@ -49,7 +49,7 @@ def standalone(cfg: FedAvgConfig) -> Algorithm:
         return ServerState(state.round + 1)
 
     def cohort_program(arch: str) -> CohortProgram:
-        model = registry.classifier_model(arch, cfg.num_classes, cfg.input_spec)
+        model = architectures.classifier_model(arch, cfg.num_classes, cfg.input_spec)
 
         def init_client(rng: jax.Array) -> ClientState:
             params = model.init(rng, dummy_x)

@@ -22,7 +22,8 @@ class ClientArrays:
 
     `step_limit` [clients] (optional, training arrays only) caps the local steps a client takes
     this round: adaptive local epochs, the minimum-samples rule and partial work before a round
-    deadline (`fedjax_pfedes.system`) set it; None = no cap beyond the configured epochs.
+    deadline (`fedjax_pfedes.engine.client_system`) set it; None = no cap beyond the configured
+    epochs.
     """
 
     x: np.ndarray

@@ -15,12 +15,8 @@ import os
 
 import numpy as np
 
-from fedjax_pfedes.data.sources import (
-    CentralDataset,
-    DatasetUnavailableError,
-    LoadOptions,
-    make_dataset,
-)
+from fedjax_pfedes.data.sources import CentralDataset, LoadOptions, make_dataset
+from fedjax_pfedes.errors import DatasetUnavailableError
 
 FILES = {"femnist": ("fed_emnist_train.h5", "fed_emnist_test.h5", 62),
          "femnist_digits": ("fed_emnist_digitsonly_train.h5", "fed_emnist_digitsonly_test.h5",

@@ -3,7 +3,7 @@ before anyone trains on it.
 
 Per client: local train and test sizes, the label histogram, the KL divergence of its label
 distribution from the global one, and the number of classes it covers; over clients: the
-coefficient of variation of sizes. Plots live in `fedjax_pfedes.plotting`.
+coefficient of variation of sizes. Plots live in `fedjax_pfedes.io.plotting`.
 """
 
 from __future__ import annotations

@@ -16,15 +16,7 @@ import numpy as np
 
 from fedjax_pfedes.data import normalization
 from fedjax_pfedes.data.spec import MODALITIES, InputSpec
-
-
-class DatasetUnavailableError(RuntimeError):
-    """Raised when a dataset cannot be read on this machine (e.g. not prepared, no network)."""
-
-
-class DataError(ValueError):
-    """A dataset that cannot be trained on honestly; the message names the file or dataset, the
-    array and the first offending index."""
+from fedjax_pfedes.errors import DataError, DatasetUnavailableError
 
 
 def integer_labels(y: np.ndarray, where: str, array: str) -> np.ndarray:

@@ -16,12 +16,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from fedjax_pfedes.data import text
-from fedjax_pfedes.data.sources import (
-    CentralDataset,
-    DatasetUnavailableError,
-    LoadOptions,
-    make_dataset,
-)
+from fedjax_pfedes.data.sources import CentralDataset, LoadOptions, make_dataset
+from fedjax_pfedes.errors import DatasetUnavailableError
 
 # config name -> (tfds name, modality)
 TFDS_DATASETS: dict[str, tuple[str, str]] = {

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes import aggregation
+from fedjax_pfedes.tree_util import put_rows, take_rows
 from fedjax_pfedes.upload import compression, privacy, robust, stages, streaming, validation
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 
@@ -232,15 +233,6 @@ def _rows_or_template(keep, uploads, template):
                         uploads, template)
 
 
-def _take_rows(tree, rows):
-    return jax.tree.map(lambda m: jnp.take(m, rows, axis=0, mode="clip"), tree)
-
-
-def _put_rows(tree, rows, values):
-    """Rows out of range (padding, skipped clients) are dropped."""
-    return jax.tree.map(lambda m, r: m.at[rows].set(r, mode="drop"), tree, values)
-
-
 @functools.partial(jax.jit, static_argnums=2)
 def _client_keys(key: jax.Array, cohort_index: int, slots: int) -> jax.Array:
     """[slots] keys of a cohort's upload stages: split(fold_in(key, cohort_index), slots)."""
@@ -399,7 +391,7 @@ class UploadPipeline:
                 ok[:] = False
                 uploads = _replicate(c.template, len(ok))
             arrived[arch] = uploads
-            memory_rows = _take_rows(memories[arch], jnp.asarray(c.slots))
+            memory_rows = take_rows(memories[arch], jnp.asarray(c.slots))
             keys = _client_keys(key, k, len(ok))
             if self.active:
                 r.sent[arch], new_rows[arch], info = self._client_side(uploads, c.template,
@@ -449,7 +441,7 @@ class UploadPipeline:
             rows = jnp.asarray(c.slots)
             write = jnp.where(jnp.asarray(np.asarray(c.valid) & r.info[arch]["finite"]), rows,
                               members[arch])
-            new_memories[arch] = _put_rows(memories[arch], write, new_rows[arch])
+            new_memories[arch] = put_rows(memories[arch], write, new_rows[arch])
         upload_bytes = [(int(r.valid[a].sum()), compression.encoded_bytes(
             c.template, cfg.compression) + (4 if cfg.dp is not None else 0))
             for a, c in cohorts.items() if r.valid[a].any()]

@@ -20,19 +20,13 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fedjax_pfedes import attacks, client_store, execution, sampling, system
-from fedjax_pfedes.cohorts import Cohort
-from fedjax_pfedes.sim_state import SimState
+from fedjax_pfedes.engine import attacks, client_system, sampling
+from fedjax_pfedes.engine.cohorts import Cohort
+from fedjax_pfedes.engine.state import SimState
+from fedjax_pfedes.execution import offload, runners
+from fedjax_pfedes.tree_util import tree_size
 from fedjax_pfedes.upload import streaming, validation
 from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline, outlier_rule
-
-
-def tree_size(tree) -> tuple[int, int]:
-    """(number of parameters, bytes) of a pytree of arrays, dense."""
-    leaves = jax.tree.leaves(tree)
-    return (sum(int(np.prod(np.shape(x))) for x in leaves),
-            sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves))
-
 
 ATTACK_STREAM = 0x5EED_A77  # folded into the round key for the attackers' randomness
 
@@ -56,8 +50,8 @@ class RunContext:
     cohorts: list[Cohort]
     server_step: Any
     pipeline: UploadPipeline
-    system: system.SystemConfig
-    profiles: system.ClientProfiles
+    system: client_system.SystemConfig
+    profiles: client_system.ClientProfiles
     client_arch: list[str]       # [N] architecture of every client
     sizes: np.ndarray            # [N] local train samples
     epochs: np.ndarray           # [N] local epochs (adaptive / minimum-samples rule)
@@ -147,7 +141,7 @@ def sent_to_runner(finish, reducer, attack_active: bool, runner, bucket: int, br
     if finish is None or attack_active or not jax.tree.leaves(template):
         return broadcast
     streams = reducer is not None and runner.strategy == "scan"
-    return execution.Finishing(broadcast, template, finish, reducer(bucket) if streams else None)
+    return runners.Finishing(broadcast, template, finish, reducer(bucket) if streams else None)
 
 
 def train_arrays(ctx: RunContext, cohort: Cohort, step_limits: dict[int, int]):
@@ -182,7 +176,7 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         keys = participant_keys(round_key, jnp.asarray(ids))
         sent = sent_to_runner(ctx.finish, ctx.reducer, ctx.attack.active, cohort.runner,
                               cohort.bucket, broadcast, template)
-        finishing = isinstance(sent, execution.Finishing)
+        finishing = isinstance(sent, runners.Finishing)
         stacked, clients[cohort.arch], metrics = cohort.runner.update(
             sent, clients[cohort.arch], train_arrays(ctx, cohort, step_limits), slots, keys)
         reduced, stacked = ((stacked, None) if finishing and sent.reducer is not None
@@ -194,7 +188,7 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
                  if not finishing and valid.any() and jax.tree.leaves(template) else None)
         # One device-to-host transfer for the cohort's per-client metrics, norms and facts.
         host, norms = jax.device_get((metrics, norms))
-        facts = host.pop(execution.UPLOAD_FACTS, {})
+        facts = host.pop(runners.UPLOAD_FACTS, {})
         if UPLOAD_NORM in facts:
             norms = facts[UPLOAD_NORM]
         # The pipeline reads the facts only when it transforms nothing, where `upload_finish`
@@ -317,7 +311,7 @@ def participant_states(ctx: RunContext, clients: dict[str, Any], ids: np.ndarray
         local = np.flatnonzero(np.isin(cohort.client_ids, ids))
         if len(local):
             out[cohort.arch] = (cohort.client_ids[local], local,
-                                client_store.read_rows(clients[cohort.arch], local))
+                                offload.read_rows(clients[cohort.arch], local))
     return out
 
 
@@ -328,7 +322,7 @@ def restore_states(ctx: RunContext, clients: dict[str, Any], before: dict, rejec
     for arch, (ids, local, rows) in before.items():
         keep = np.isin(ids, rejected)
         if keep.any():
-            clients[arch] = client_store.replace_rows(
+            clients[arch] = offload.replace_rows(
                 clients[arch], local[keep], jax.tree.map(lambda r, k=keep: r[k], rows))
     return clients
 
@@ -349,7 +343,7 @@ def client_means(client_metrics: dict[int, dict[str, float]]) -> dict[str, float
     return out
 
 
-def client_report(ctx: RunContext, timing: system.RoundTiming, trained: Trained,
+def client_report(ctx: RunContext, timing: client_system.RoundTiming, trained: Trained,
                   rejected: set[int], staleness: dict[int, int] | None = None) -> list[dict]:
     """One row per selected client: outcome, samples, steps, local loss, update norm, times."""
     rows = []
@@ -375,7 +369,7 @@ def select_clients(ctx: RunContext, sampler: sampling.SamplerState, round_index:
     """This round's selection and the counts behind it (online, eligible, planned)."""
     cfg, n = ctx.config, ctx.num_clients
     t = cfg.train
-    online = system.online_mask(ctx.system, ctx.profiles, cfg.seed, round_index)
+    online = client_system.online_mask(ctx.system, ctx.profiles, cfg.seed, round_index)
     eligible = online & ctx.statically_eligible
     if excluded is not None:
         eligible &= ~excluded
@@ -420,21 +414,21 @@ def prefetch_upcoming(ctx: RunContext, clients: dict[str, Any], sampler: samplin
 
 
 def simulate_selected(ctx: RunContext, round_index: int, selected: np.ndarray
-                      ) -> system.RoundTiming:
+                      ) -> client_system.RoundTiming:
     archs = ctx.arch_of(selected)
-    return system.simulate_round(
+    return client_system.simulate_round(
         ctx.system, ctx.profiles, ctx.config.seed, round_index, selected,
         ctx.planned_steps[selected], [ctx.upload_bytes[a] for a in archs],
         [ctx.download_bytes[a] for a in archs])
 
 
-def outcome_counts(timing: system.RoundTiming, uploads_accepted: int) -> dict[str, Any]:
+def outcome_counts(timing: client_system.RoundTiming, uploads_accepted: int) -> dict[str, Any]:
     s = timing.status
     selected = len(s)
     return {"participants": int(timing.trains.sum()),
-            "dropped_out": int((s == system.DROPPED_OUT).sum()),
-            "past_deadline": int((s == system.PAST_DEADLINE).sum()),
-            "partial_work": int((s == system.PARTIAL).sum()),
+            "dropped_out": int((s == client_system.DROPPED_OUT).sum()),
+            "past_deadline": int((s == client_system.PAST_DEADLINE).sum()),
+            "partial_work": int((s == client_system.PARTIAL).sum()),
             "uploads_accepted": uploads_accepted,
             "upload_success_rate": uploads_accepted / selected if selected else None}
 
@@ -444,7 +438,7 @@ def count_dp_sgd_steps(steps: np.ndarray, rows: list[dict]) -> np.ndarray:
     or partial work: their noisy gradients were computed)."""
     steps = np.array(steps)
     for row in rows:
-        if row["status"] in (system.DELIVERED, system.PARTIAL):
+        if row["status"] in (client_system.DELIVERED, client_system.PARTIAL):
             steps[row["client"]] += row["local_steps"]
     return steps
 

@@ -27,15 +27,17 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedjax_pfedes import aggregation, alignment, local_training, proxy_init
+from fedjax_pfedes import aggregation
+from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import (
     Algorithm,
     CohortProgram,
     LocalTrainingConfig,
     classifier_metrics,
 )
+from fedjax_pfedes.algorithms.pfedes import alignment, proxy_init
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.models import architectures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +161,7 @@ def _freeze_backbone(grads: dict, frozen: jnp.ndarray) -> dict:
 def pfedes(cfg: PFedESConfig) -> Algorithm:
     """Builds the pFedES algorithm for a dataset described by `cfg`."""
     scales = len(cfg.proxy_scales)
-    proxy = registry.proxy_model(cfg.proxy_arch, cfg.proxy_dim, cfg.input_spec, scales)
+    proxy = architectures.proxy_model(cfg.proxy_arch, cfg.proxy_dim, cfg.input_spec, scales)
     align = alignment.multi_scale(alignment.get_alignment(cfg.align, cfg.contrastive_temperature),
                                   cfg.proxy_scales)
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
@@ -188,7 +190,7 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
         return ServerState(new_params, state.round + 1)
 
     def cohort_program(arch: str) -> CohortProgram:
-        model = registry.client_model(arch, cfg.num_classes, cfg.proxy_dim, cfg.input_spec,
+        model = architectures.client_model(arch, cfg.num_classes, cfg.proxy_dim, cfg.input_spec,
                                       cfg.projection_layernorm, scales)
 
         def init_client(rng: jax.Array) -> ClientState:

@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from fedjax_pfedes import distributed, execution
 from fedjax_pfedes.algorithms.base import PyTree
-from fedjax_pfedes.config_validation import ConfigError
 from fedjax_pfedes.data.federated import FederatedData
-from fedjax_pfedes.execution import CohortRunner
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.execution import distributed, runners
+from fedjax_pfedes.execution.runners import CohortRunner
 
 
 def field_value(config: ml_collections.ConfigDict, dotted: str) -> Any:
@@ -76,8 +76,8 @@ def check_float(config: ml_collections.ConfigDict, dotted: str) -> float:
 def traced_algorithm(config: ml_collections.ConfigDict, data: FederatedData, dotted: str,
                      value: jax.Array):
     """The configured method built with `dotted` = `value` (a tracer inside jit / vmap)."""
-    from fedjax_pfedes.builders import build_algorithm  # builders imports the whole engine
-    from fedjax_pfedes.experiments import with_overrides
+    from fedjax_pfedes.engine.build import build_algorithm  # builders imports the whole engine
+    from fedjax_pfedes.studies.experiments import with_overrides
     return build_algorithm(with_overrides(config, {dotted: value}, type_safe=False), data)
 
 
@@ -85,7 +85,7 @@ def check_field(config: ml_collections.ConfigDict, data: FederatedData, dotted: 
                 archs: list[str]) -> None:
     """ConfigError naming the field unless it is a float the client update can take traced."""
     current = check_float(config, dotted)
-    from fedjax_pfedes.builders import build_algorithm
+    from fedjax_pfedes.engine.build import build_algorithm
     concrete = build_algorithm(config, data)
     server = concrete.init_server(jax.random.key(0), tuple(dict.fromkeys(archs)))
     rows = data.client_arrays(np.array([0]), "train")
@@ -154,7 +154,7 @@ class Coordinator:
         pass over the member's stacked uploads after the batched update: the members' finishing
         functions are distinct objects, so they cannot share the batched program."""
         def update(broadcast, states, train, slots, keys):
-            finishing = broadcast if isinstance(broadcast, execution.Finishing) else None
+            finishing = broadcast if isinstance(broadcast, runners.Finishing) else None
             if finishing is not None and finishing.reducer is not None:
                 raise ConfigError("launch.sweep needs config.execution.strategy='loop' (a "
                                   "streaming reducer came with the broadcast)")
@@ -163,7 +163,7 @@ class Coordinator:
                 member, arch, _Call(plain, states, train, np.asarray(slots), keys))
             if finishing is not None:
                 facts = _stacked_facts(finishing.fn)(uploads, finishing.operand)
-                metrics = {**metrics, execution.UPLOAD_FACTS: facts}
+                metrics = {**metrics, runners.UPLOAD_FACTS: facts}
             return uploads, states, metrics
         return dataclasses.replace(inner, update=update)
 
@@ -218,7 +218,7 @@ class Coordinator:
                 return jax.lax.map(lambda m: one(*m, train_row, key), (values, broadcasts, rows))
 
         @functools.partial(jax.jit, donate_argnums=(2, 6, 7), compiler_options=(
-            execution.kernel_options(config.execution.cpu_kernels) or None))
+            runners.kernel_options(config.execution.cpu_kernels) or None))
         def step(values, broadcasts, states, train, i, key, uploads, metrics, j):
             rows = jax.tree.map(lambda *a: jnp.stack(a), *[_row(s, i) for s in states])
             stacked = jax.tree.map(lambda *a: jnp.stack(a), *broadcasts)
@@ -270,9 +270,9 @@ def _stacked_facts(fn: Callable) -> Callable:
     return _FACTS[fn]
 
 
-_row = execution._row  # noqa: SLF001 - the runners' own row helpers
-_set_row = execution._set_row  # noqa: SLF001
-_zeros_in_slots = execution._zeros_in_slots  # noqa: SLF001
+_row = runners._row  # noqa: SLF001 - the runners' own row helpers
+_set_row = runners._set_row  # noqa: SLF001
+_zeros_in_slots = runners._zeros_in_slots  # noqa: SLF001
 
 
 def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float],
@@ -282,11 +282,11 @@ def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float
     batched by a `Coordinator`; returns {member name: its `experiments.run_record`}."""
     import os
 
-    from fedjax_pfedes.builders import build_federated_data
-    from fedjax_pfedes.cohorts import assign_architectures
-    from fedjax_pfedes.config_validation import validate_config
-    from fedjax_pfedes.experiments import run_record, with_overrides
-    from fedjax_pfedes.simulation import run_experiment
+    from fedjax_pfedes.engine.build import build_federated_data
+    from fedjax_pfedes.engine.cohorts import assign_architectures
+    from fedjax_pfedes.engine.loop import run_experiment
+    from fedjax_pfedes.engine.validate import validate_config
+    from fedjax_pfedes.studies.experiments import run_record, with_overrides
 
     if len(values) < 1 or len(set(values)) != len(values):
         raise ConfigError(f"--sweep.{dotted}: give distinct values, got {values}")

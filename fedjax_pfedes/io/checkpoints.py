@@ -27,8 +27,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.config_validation import ConfigError, shipped_defaults
-from fedjax_pfedes.metrics_io import flatten, to_builtin
+from fedjax_pfedes.config.defaults import default_values
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.io.metrics import flatten, to_builtin
 
 # Fields that may differ between the checkpointed run and the resumed one: they change what is
 # logged or how it is computed, not the numbers (strategies agree up to float reassociation).
@@ -52,9 +53,9 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     train.rounds may grow (a run continued for longer) unless the run depends on the total:
     a DP noise multiplier calibrated to a target epsilon, or FedKD's energy schedule. A field
     the checkpoint lacks (added to the code after it was written) is no change at its shipped
-    default (`shipped_defaults`): new fields default to the old behaviour."""
+    default (`default_values`): new fields default to the old behaviour."""
     a, b = flatten(to_builtin(saved), "."), flatten(to_builtin(current), ".")
-    default = flatten(shipped_defaults(), ".")
+    default = flatten(default_values(), ".")
     known = algorithm_registry.entries()
     depends_on_total = (a.get("dp.enabled") and a.get("dp.target_epsilon", 0) > 0) or (
         a.get("algorithm") in known and known[a["algorithm"]].schedule_depends_on_rounds)

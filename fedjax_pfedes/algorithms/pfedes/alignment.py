@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from fedjax_pfedes.local_training import masked_mean
+from fedjax_pfedes.algorithms.local_training import masked_mean
 
 AlignLoss = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray], jnp.ndarray]
 

@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from fedjax_pfedes import local_training
+from fedjax_pfedes.algorithms import local_training
 
 METHODS = ("uniform", "poisson", "stratified", "coverage")
 BELOW_MIN = ("skip", "one_epoch")

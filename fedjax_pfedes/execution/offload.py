@@ -26,10 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfedes import execution
 from fedjax_pfedes.algorithms.base import PyTree
 from fedjax_pfedes.data.federated import ClientArrays
-from fedjax_pfedes.execution import CohortRunner
+from fedjax_pfedes.execution import runners
+from fedjax_pfedes.execution.runners import CohortRunner
+from fedjax_pfedes.tree_util import tree_size
 
 PLACEMENTS = ("device", "offload")
 INIT_CHUNK = 256  # clients initialized per compiled call when states are offloaded
@@ -90,7 +91,6 @@ def check_budget(row_shapes: dict[str, PyTree], members: dict[str, int],
     """Whether the cohorts' states ([members] rows of `row_shapes` each) fit in `budget_gb` of
     host memory (else they go to disk). BudgetError naming the field when even one round's
     participants ([bucket] rows per cohort, which must be in memory together) do not fit."""
-    from fedjax_pfedes.rounds import tree_size  # rounds imports cohorts, which imports this
     row_bytes = {a: tree_size(shapes)[1] for a, shapes in row_shapes.items()}
     per_round = sum(row_bytes[a] * buckets[a] for a in row_shapes)
     budget = budget_gb * 2**30
@@ -293,7 +293,7 @@ def offloaded_runner(inner: CohortRunner, bucket: int, on_disk: bool = False) ->
                                     global_y)
 
     def evaluate(broadcast, states, test, global_x=None, global_y=None):
-        return execution.evaluate_in_buckets(evaluate_slots, broadcast, states, test,
+        return runners.evaluate_in_buckets(evaluate_slots, broadcast, states, test,
                                              np.arange(test.num_clients), bucket, global_x,
                                              global_y)
 

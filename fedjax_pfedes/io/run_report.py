@@ -15,8 +15,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from fedjax_pfedes.metrics_io import read_jsonl
-from fedjax_pfedes.plotting import MaxNLocator, _save, plt
+from fedjax_pfedes.io.metrics import read_jsonl
+from fedjax_pfedes.io.plotting import MaxNLocator, _save, plt
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

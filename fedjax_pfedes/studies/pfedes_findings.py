@@ -27,7 +27,11 @@ from collections.abc import Callable, Sequence
 import ml_collections
 import numpy as np
 
-from fedjax_pfedes.experiments import heterogeneous_architectures, mean_std, student_t_interval
+from fedjax_pfedes.studies.experiments import (
+    heterogeneous_architectures,
+    mean_std,
+    student_t_interval,
+)
 
 Records = dict[str, list[dict]]  # variant name -> one record per seed (experiments.run_grid)
 

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfedes import rounds, sampling, system
-from fedjax_pfedes.sim_state import SimState
+from fedjax_pfedes.engine import client_system, rounds, sampling
+from fedjax_pfedes.engine.state import SimState
 
 
 def client_stages(ctx: rounds.RunContext) -> dict[str, np.ndarray]:
@@ -55,8 +55,8 @@ def replay_rounds(ctx: rounds.RunContext) -> dict[str, np.ndarray]:
         out["delivered"].append(len(delivered))
         out["round_s"].append(timing.round_s)
         out["waiting_s"].append(timing.round_s - float(np.median(totals)) if len(totals) else 0)
-        out["past_deadline"].append(int((timing.status == system.PAST_DEADLINE).sum()))
-        out["dropped_out"].append(int((timing.status == system.DROPPED_OUT).sum()))
+        out["past_deadline"].append(int((timing.status == client_system.PAST_DEADLINE).sum()))
+        out["dropped_out"].append(int((timing.status == client_system.DROPPED_OUT).sum()))
     return {k: np.asarray(v) for k, v in out.items()}
 
 

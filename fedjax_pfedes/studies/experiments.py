@@ -17,8 +17,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from fedjax_pfedes.config_validation import shipped_defaults
-from fedjax_pfedes.simulation import run_experiment
+from fedjax_pfedes.config.defaults import default_values
+from fedjax_pfedes.engine.loop import run_experiment
 
 
 def heterogeneous_architectures(num_clients: int, ratio: float, majority: str,
@@ -84,7 +84,8 @@ def run_record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -
 def same_config(old: Any, new: Any, default: Any) -> bool:
     """Whether a finished run's config `old` is `new`: every field equal, except a field `old`
     lacks (added to the code after the run was made) whose value in `new` is its shipped
-    default (`default`, configs/quickstart.py): new fields default to the old behaviour."""
+    default (`default`, fedjax_pfedes/config/defaults.py): new fields default to the old
+    behaviour."""
     if isinstance(old, dict) and isinstance(new, dict):
         default = default if isinstance(default, dict) else {}
         for key, value in new.items():
@@ -126,7 +127,7 @@ def finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | None
         summary = json.load(f)
     normalized = json.loads(json.dumps(config.to_dict()))
     same = same_config(_without_neutral(summary.get("config")), _without_neutral(normalized),
-                       _without_neutral(shipped_defaults()))
+                       _without_neutral(default_values()))
     return summary if same else None
 
 

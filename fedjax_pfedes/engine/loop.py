@@ -20,19 +20,10 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from fedjax_pfedes import (
-    asynchronous,
-    checkpointing,
-    client_store,
-    compilation,
-    distributed,
-    metrics_io,
-    rounds,
-)
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.builders import build_context, build_federated_data, write_data_profile
-from fedjax_pfedes.config_validation import ConfigError, validate_config
-from fedjax_pfedes.evaluation import (
+from fedjax_pfedes.engine import asynchronous, rounds
+from fedjax_pfedes.engine.build import build_context, build_federated_data, write_data_profile
+from fedjax_pfedes.engine.evaluation import (
     dp_sgd_metrics,
     evaluate,
     evaluation_sample,
@@ -42,17 +33,11 @@ from fedjax_pfedes.evaluation import (
     privacy_metrics,
     privacy_statement,
 )
-from fedjax_pfedes.workdir import WorkdirLock, data_fingerprint
-
-
-class NothingTrainedError(ConfigError):
-    """No participant's update reached the server in any round (and
-    `config.train.allow_untrained` is False): every figure describes the initial models."""
-
-
-class DivergedError(RuntimeError):
-    """Training went non-finite (and `config.train.allow_divergence` is False); the summary with
-    `diverged: true` has been written."""
+from fedjax_pfedes.engine.validate import validate_config
+from fedjax_pfedes.errors import ConfigError, DivergedError, NothingTrainedError
+from fedjax_pfedes.execution import compilation, distributed, offload
+from fedjax_pfedes.io import checkpoints, metrics
+from fedjax_pfedes.io.workdir import WorkdirLock, data_fingerprint
 
 
 def local_optimizer_note(config) -> dict:
@@ -141,13 +126,13 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
             ckpt_dir = os.path.join(workdir, "checkpoints")
             if not ck.resume and os.path.isdir(ckpt_dir):
                 shutil.rmtree(ckpt_dir)  # start this workdir over
-            checkpointer = checkpointing.Checkpointer(workdir, ck.max_to_keep)
+            checkpointer = checkpoints.Checkpointer(workdir, ck.max_to_keep)
             meta = checkpointer.check_config(config)  # before any data is loaded
         # Over several processes: process 0 chose the round; the others read that checkpoint.
         chosen = distributed.from_process_0(
             checkpointer.step if writer and meta is not None else -1)
         if not writer and chosen >= 0:
-            checkpointer = checkpointing.Checkpointer(workdir, ck.max_to_keep, read_only=True)
+            checkpointer = checkpoints.Checkpointer(workdir, ck.max_to_keep, read_only=True)
             meta = checkpointer.use_step(chosen, config)
         if meta is not None and checkpointer.step > config.train.rounds:
             raise ConfigError(
@@ -171,15 +156,15 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
         first_round, restored = checkpointer.restore(
             distributed.process_local(state.to_checkpoint()))
         if config.execution.client_states == "offload":  # back into the host / disk store
-            restored["clients"] = {a: client_store.refill(state.clients[a], r)
+            restored["clients"] = {a: offload.refill(state.clients[a], r)
                                    for a, r in restored["clients"].items()}
         state = state.from_checkpoint(restored, meta["history"])
         ctx.pipeline.round_noise_multipliers = list(meta.get("dp_round_noise_multipliers",
                                                              []))[:first_round]
         logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
-    writers = metrics_io.RunWriters(out_dir, first_round, config.monitor.tensorboard,
+    writers = metrics.RunWriters(out_dir, first_round, config.monitor.tensorboard,
                                     config.monitor.client_report)
-    rejected_total = sum(1 for _ in metrics_io.read_jsonl(writers.rejections.path))
+    rejected_total = sum(1 for _ in metrics.read_jsonl(writers.rejections.path))
     batch_size = algorithm_registry.local_optimizer(config)["batch_size"]
     batch_rate = {int(cid): min(1.0, min(batch_size, c.train.capacity) / max(n, 1))
                   for c in ctx.cohorts
@@ -228,7 +213,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
             writers.flush()
             bar.set_postfix(pacc=f"{last['personalized_accuracy_mean']:.3f}",
                             gacc=f"{last['global_accuracy_mean']:.3f}")
-        if checkpointing.due(ck.every, r + 1, rounds_total):
+        if checkpoints.due(ck.every, r + 1, rounds_total):
             # Every process takes the snapshot (gathering client states split over processes
             # is a collective); process 0 saves it.
             snapshot = distributed.process_local(state.to_checkpoint())
@@ -275,7 +260,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
         "wall_time_s": time.time() - start,
         "config": config.to_dict(),
     }
-    metrics_io.write_json(f"{out_dir}/summary.json", summary)
+    metrics.write_json(f"{out_dir}/summary.json", summary)
     if diverged is not None and not config.train.allow_divergence:
         dp = ctx.pipeline.cfg.dp
         cause = ("Lower the learning rate or lambda" if dp is None else

@@ -1,5 +1,6 @@
 """Buffered asynchronous aggregation (FedBuff; Nguyen et al., "Federated Learning with Buffered
-Asynchronous Aggregation", AISTATS 2022), driven by the simulated clock of `fedjax_pfedes.system`.
+Asynchronous Aggregation", AISTATS 2022), driven by the simulated clock of
+`fedjax_pfedes.engine.client_system`.
 
 `concurrency` clients train at any time, each from the server version current when it started.
 Their updates arrive after their simulated download + compute + upload time. The server waits for
@@ -27,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfedes import rounds, sampling, system
-from fedjax_pfedes.config_validation import STALENESS
-from fedjax_pfedes.sim_state import SimState
+from fedjax_pfedes.engine import client_system, rounds, sampling
+from fedjax_pfedes.engine.state import SimState
+from fedjax_pfedes.engine.validate import STALENESS
 from fedjax_pfedes.upload import validation
 
 
@@ -94,7 +95,7 @@ def next_arrivals(in_flight: InFlight, buffer_size: int) -> np.ndarray:
 
 def launch(ctx: rounds.RunContext, server_state, clients: dict[str, Any], in_flight: InFlight,
            sampler: sampling.SamplerState, round_index: int, clock_s: float
-           ) -> tuple[dict[str, Any], system.RoundTiming, rounds.Trained, dict[str, Any]]:
+           ) -> tuple[dict[str, Any], client_system.RoundTiming, rounds.Trained, dict[str, Any]]:
     """Fills the free slots: selects clients not in flight, trains them from the current server
     state (their private states change now: the new `clients` is returned) and parks their
     updates in `in_flight` until they arrive."""
@@ -176,14 +177,15 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
     rejections = summary.pop("rejections")
     rejected = {r["client"] for r in rejections}
     sampler.record_outcome(arrivals, np.zeros(0, np.int64))
-    timing = system.RoundTiming(
-        arrivals, np.full(len(slots), system.DELIVERED), in_flight.steps[slots],
+    timing = client_system.RoundTiming(
+        arrivals, np.full(len(slots), client_system.DELIVERED), in_flight.steps[slots],
         in_flight.timing[slots, 0], in_flight.timing[slots, 1], in_flight.timing[slots, 2],
         in_flight.timing[slots, 3], new_clock - clock_s)
     staleness = dict(zip(arrivals.tolist(), tau.tolist(), strict=True))
     in_flight.client[slots] = -1
     accepted = len(set(arrivals.tolist()) - rejected)
-    record = {**counts, "dropped_out": int((launch_timing.status == system.DROPPED_OUT).sum()),
+    dropped = int((launch_timing.status == client_system.DROPPED_OUT).sum())
+    record = {**counts, "dropped_out": dropped,
               "participants": len(slots), "uploads_accepted": accepted,
               "upload_success_rate": accepted / len(slots) if len(slots) else None,
               **rounds.client_means(arrived.client_metrics),
@@ -194,7 +196,7 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
               "in_flight": int((in_flight.client >= 0).sum())}
     rows = rounds.client_report(ctx, timing, arrived, rejected, staleness) + [
         row for row in rounds.client_report(ctx, launch_timing, rounds.Trained({}, {}, []), set())
-        if row["status"] == system.DROPPED_OUT]
+        if row["status"] == client_system.DROPPED_OUT]
     state = state.replace(server=server_state, clients=clients, memories=memories,
                           dp_sgd_steps=rounds.count_dp_sgd_steps(state.dp_sgd_steps, rows),
                           clock_s=new_clock)

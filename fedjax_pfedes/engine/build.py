@@ -19,29 +19,21 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fedjax_pfedes import (
-    asynchronous,
-    attacks,
-    client_store,
-    compilation,
-    execution,
-    plotting,
-    rounds,
-    sampling,
-    strategy_choice,
-    system,
-)
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.cohorts import Offload, assign_architectures, build_cohorts
-from fedjax_pfedes.config_validation import ConfigError, check_against_data
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.federated import FederatedData, partition_dataset
 from fedjax_pfedes.data.profile import DataProfile, profile_partition
 from fedjax_pfedes.data.public import split_public
 from fedjax_pfedes.data.sources import CentralDataset, LoadOptions
-from fedjax_pfedes.metrics_io import write_json
-from fedjax_pfedes.rounds import tree_size
-from fedjax_pfedes.sim_state import SimState
+from fedjax_pfedes.engine import asynchronous, attacks, client_system, rounds, sampling
+from fedjax_pfedes.engine.cohorts import Offload, assign_architectures, build_cohorts
+from fedjax_pfedes.engine.state import SimState
+from fedjax_pfedes.engine.validate import check_against_data, validate_config
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.execution import choice, compilation, offload, runners
+from fedjax_pfedes.io import plotting
+from fedjax_pfedes.io.metrics import write_json
+from fedjax_pfedes.tree_util import tree_size
 from fedjax_pfedes.upload import compression
 from fedjax_pfedes.upload.pipeline import UploadPipeline, pipeline_config
 
@@ -53,6 +45,22 @@ def load_options(config: ml_collections.ConfigDict) -> LoadOptions:
                        data_dir=d.data_dir, path=d.path, max_train_samples=d.max_train_samples,
                        text_max_length=d.text_max_length, text_vocab_size=d.text_vocab_size,
                        shifted_samples=d.shifted_samples)
+
+
+def load_validated_pool(config: ml_collections.ConfigDict
+                        ) -> tuple[CentralDataset, tuple[np.ndarray, np.ndarray]]:
+    """Validates `config`, loads its dataset and checks the config against the data.
+
+    Args:
+      config: an experiment config.
+
+    Returns:
+      (the dataset without the public share, the public share (x, y)), as `load_pool`.
+    """
+    validate_config(config)
+    central, pool = load_pool(config)
+    check_against_data(config, central)
+    return central, pool
 
 
 def load_pool(config: ml_collections.ConfigDict
@@ -172,15 +180,15 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     states that exceed their memory budget go under it)."""
     algorithm = build_algorithm(config, data)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
-    requested = execution.resolve_strategy(config.execution.strategy)
-    mesh = (execution.client_mesh(config.execution.devices)
+    requested = runners.resolve_strategy(config.execution.strategy)
+    mesh = (runners.client_mesh(config.execution.devices)
             if requested in ("shard", "auto") else None)
-    candidates = execution.auto_candidates(mesh) if requested == "auto" else (requested,)
-    kernel_set = execution.kernel_candidates(config.execution.cpu_kernels)
+    candidates = runners.auto_candidates(mesh) if requested == "auto" else (requested,)
+    kernel_set = runners.kernel_candidates(config.execution.cpu_kernels)
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
     threads = config.execution.loop_threads
     # arch -> runner name -> runner: every (strategy, kernels) pair 'auto' may pick.
-    runners = {a: {r.name: r for r in (execution.make_runner(p, s, mesh, threads, k,
+    arch_runners = {a: {r.name: r for r in (runners.make_runner(p, s, mesh, threads, k,
                                                              config.execution.scan_chunk)
                                        for s in candidates for k in kernel_set)}
                for a, p in programs.items()}
@@ -198,19 +206,19 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     upload_key = jax.random.fold_in(root, 7)  # compression / DP noise / secure-agg stream
     try:
         cohorts, client_states = build_cohorts(
-            data, archs, programs, {a: next(iter(r.values())) for a, r in runners.items()},
+            data, archs, programs, {a: next(iter(r.values())) for a, r in arch_runners.items()},
             slots_per_round, client_key, mesh.size if "shard" in candidates else 1,
             offload_spec(config, workdir), same_init=config.clients.same_init)
-    except client_store.BudgetError as e:
+    except offload.BudgetError as e:
         raise ConfigError(str(e)) from None
     server_state = jax.jit(algorithm.init_server, static_argnums=1, compiler_options={
         "xla_backend_optimization_level": 1})(server_key, tuple(c.arch for c in cohorts))
     pipeline = build_pipeline(config, algorithm, n)
     try:
-        sys_cfg = system.system_config(config)
+        sys_cfg = client_system.system_config(config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    profiles = system.client_profiles(sys_cfg, n, config.seed)
+    profiles = client_system.client_profiles(sys_cfg, n, config.seed)
     sizes = np.array([len(i) for i in data.train_indices], np.int64)
     epochs = client_epochs(config, sizes)
     capacity = np.zeros(n, np.int64)
@@ -231,10 +239,10 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     # Clients that train per round, on average (FedBuff: the buffer's worth of arrivals).
     launches_per_round = (config.asynchronous.buffer_size if config.asynchronous.enabled
                           else t.client_fraction * n)
-    if measured and strategies and all(strategies.get(c.arch) in runners[c.arch]
+    if measured and strategies and all(strategies.get(c.arch) in arch_runners[c.arch]
                                        for c in cohorts):
         for c in cohorts:
-            c.runner = runners[c.arch][strategies[c.arch]]
+            c.runner = arch_runners[c.arch][strategies[c.arch]]
             choices[c.arch] = {"strategy": strategies[c.arch], "from_checkpoint": True}
     elif measured:
         if strategies:
@@ -242,28 +250,28 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
                 "the checkpoint's execution runners %s are not among this run's candidates %s "
                 "(another backend or config.execution settings?): measuring anew, so the "
                 "resumed rounds may differ from the original run's in the last float bits",
-                strategies, sorted(next(iter(runners.values()))))
+                strategies, sorted(next(iter(arch_runners.values()))))
         cache_dir = compilation.configure_cache(config.execution.compilation_cache_dir)
         for c in cohorts:
             broadcast = algorithm.broadcast(server_state, c.arch)
             sent = functools.partial(rounds.sent_to_runner, finish, reducer, attack.active,
                                      bucket=c.bucket, broadcast=broadcast,
                                      template=algorithm.upload_template(server_state, c.arch))
-            choice = strategy_choice.choose(strategy_choice.Trial(
-                f"{algorithm.name}/{c.arch}", runners[c.arch], broadcast,
+            picked = choice.choose(choice.Trial(
+                f"{algorithm.name}/{c.arch}", arch_runners[c.arch], broadcast,
                 client_states[c.arch], c.train, c.bucket,
                 launches_per_round * len(c.client_ids) / n, planned[c.client_ids],
                 int(epochs.max()), batch_size, sent=lambda r, sent=sent: sent(runner=r)),
                 cache_dir)
-            c.runner = runners[c.arch][choice.strategy]
-            choices[c.arch] = choice.as_dict()
+            c.runner = arch_runners[c.arch][picked.strategy]
+            choices[c.arch] = picked.as_dict()
     for c in cohorts:  # 'shard' reads data and states on its mesh: put them there once
         # (samples only: the sizes stay on the default device, where rounds read them)
         if c.runner.strategy == "shard" and config.execution.client_states == "device":
-            c.train, c.test = (a.replace(x=execution.client_rows(a.x, mesh),
-                                         y=execution.client_rows(a.y, mesh))
+            c.train, c.test = (a.replace(x=runners.client_rows(a.x, mesh),
+                                         y=runners.client_rows(a.y, mesh))
                                for a in (c.train, c.test))
-            client_states[c.arch] = execution.client_rows(client_states[c.arch], mesh)
+            client_states[c.arch] = runners.client_rows(client_states[c.arch], mesh)
     m = sampling.participants_per_round(n, t.client_fraction)
     if t.sampling == "coverage" and sampling.coverage_pool_size(m, t.coverage_candidates) >= n:
         logging.warning(

@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfedes import client_store
 from fedjax_pfedes.algorithms.base import CohortProgram, PyTree
 from fedjax_pfedes.data.federated import ClientArrays, FederatedData
-from fedjax_pfedes.execution import CohortRunner
-from fedjax_pfedes.models.registry import check_architecture
+from fedjax_pfedes.execution.runners import CohortRunner
+from fedjax_pfedes.models.architectures import check_architecture
 
 
 def assign_architectures(spec: str, num_clients: int) -> list[str]:
@@ -118,7 +117,7 @@ def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, Coh
     in_memory = True
     if offload is not None:
         rows = {a: jax.eval_shape(programs[a].init_client, rng) for a in members}
-        in_memory = client_store.check_budget(rows, {a: len(i) for a, i in members.items()},
+        in_memory = offload.check_budget(rows, {a: len(i) for a, i in members.items()},
                                               buckets, offload.budget_gb)
     cohorts, states_of = [], {}
     for arch, ids in members.items():
@@ -132,15 +131,15 @@ def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, Coh
             train = jax.device_put(data.client_arrays(ids, "train"))
             test = jax.device_put(data.client_arrays(ids, "test"))
         else:
-            store = client_store.allocate(
+            store = offload.allocate(
                 rows[arch], len(ids),
                 None if in_memory else os.path.join(offload.directory, arch))
-            states_of[arch] = client_store.initialize(init, ids, store)
-            train, test = (client_store.RaggedClientArrays.from_indices(
+            states_of[arch] = offload.initialize(init, ids, store)
+            train, test = (offload.RaggedClientArrays.from_indices(
                 data.central.x_train, data.central.y_train,
                 [chosen[int(k)] for k in ids])
                 for chosen in (data.train_indices, data.test_indices))
-            runner = client_store.offloaded_runner(runner, buckets[arch], on_disk=not in_memory)
+            runner = offload.offloaded_runner(runner, buckets[arch], on_disk=not in_memory)
         cohorts.append(Cohort(arch=arch, client_ids=ids, train=train, test=test,
                               program=programs[arch], runner=runner, bucket=buckets[arch]))
     return cohorts, states_of

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fedjax_pfedes.sampling import SamplerState
+from fedjax_pfedes.engine.sampling import SamplerState
 
 PyTree = Any
 

@@ -19,11 +19,11 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from fedjax_pfedes import local_training, proxy_init
-from fedjax_pfedes.algorithms.pfedes import parse_scales, pool_of
-from fedjax_pfedes.builders import load_pool
-from fedjax_pfedes.config_validation import ConfigError, check_against_data, validate_config
-from fedjax_pfedes.models import registry
+from fedjax_pfedes.algorithms import local_training
+from fedjax_pfedes.algorithms.pfedes import parse_scales, pool_of, proxy_init
+from fedjax_pfedes.data.sources import CentralDataset
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.models import architectures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,18 +44,29 @@ class PretrainSettings:
 
 
 def pretrain_proxy(config: ml_collections.ConfigDict, settings: PretrainSettings,
+                   central: CentralDataset, pool: tuple[np.ndarray, np.ndarray],
                    show_progress: bool = True) -> tuple[Any, dict]:
     """Trains E_proxy (config.proxy_arch, config.proxy_dim) with a linear head on the public
-    share; returns (E_proxy parameters, report with accuracies and sample counts)."""
-    validate_config(config)
-    central, (x, y) = load_pool(config)
-    check_against_data(config, central)
+    share.
+
+    Args:
+      config: the run's config, validated against `central`.
+      settings: epochs, learning rate, momentum and batch size of the pretraining.
+      central: the dataset (its input spec, class count and global test set).
+      pool: the public share (x, y), held out of every client's data
+        (`fedjax_pfedes.engine.build.load_validated_pool` returns `central` and `pool`).
+      show_progress: a progress bar over epochs.
+
+    Returns:
+      (E_proxy parameters, a report with accuracies and sample counts).
+    """
+    x, y = pool
     if len(y) == 0:
         raise ConfigError("config.data.public_fraction is 0: there is no public data to pretrain "
                           "E_proxy on (e.g. --config.data.public_fraction=0.1)")
     spec = central.input_spec
     scales = len(parse_scales(config.proxy_scales))
-    proxy = registry.proxy_model(config.proxy_arch, config.proxy_dim, spec, scales)
+    proxy = architectures.proxy_model(config.proxy_arch, config.proxy_dim, spec, scales)
     head = nn.Dense(central.num_classes)
     k_proxy, k_head = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 31))
     params = (proxy.init(k_proxy, spec.dummy_batch()),

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_pfedes import local_training
+from fedjax_pfedes.algorithms import local_training
 
 
 @dataclasses.dataclass(frozen=True)

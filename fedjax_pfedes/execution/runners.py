@@ -52,6 +52,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fedjax_pfedes.algorithms.base import CohortProgram, Metrics, PyTree, global_accuracy
+from fedjax_pfedes.tree_util import put_rows, take_rows
 
 STRATEGIES = ("vmap", "loop", "shard", "scan")
 CPU_KERNELS = ("xla", "eigen")
@@ -160,14 +161,6 @@ def local_copy(tree: PyTree) -> PyTree:
         return jax.device_put(x.addressable_shards[0].data, device)
 
     return jax.tree.map(local, tree)
-
-
-def _take(tree: PyTree, idx: jax.Array) -> PyTree:
-    return jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode="clip"), tree)
-
-
-def _put(tree: PyTree, idx: jax.Array, rows: PyTree) -> PyTree:
-    return jax.tree.map(lambda a, r: a.at[idx].set(r, mode="drop"), tree, rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,25 +347,26 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
     @functools.partial(jit, donate_argnums=1)
     def mapped_update(broadcast, states, train, slots, keys):
         valid = slots < train.sizes.shape[0]
-        rows = _take(train, slots)
+        rows = take_rows(train, slots)
         # Padded slots hold no samples, so they take no local steps (their results are dropped).
         rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
-        uploads, new_rows, metrics = client_update(broadcast, _take(states, slots), rows, keys)
+        uploads, new_rows, metrics = client_update(broadcast, take_rows(states, slots), rows, keys)
         zero_padded = lambda a: jnp.where(valid.reshape((-1,) + (1,) * (a.ndim - 1)), a,  # noqa: E731
                                           jnp.zeros((), a.dtype))  # keeps bools bools
         return (gathered(jax.tree.map(zero_padded, uploads)),
-                kept(_put(states, slots, new_rows)), gathered(jax.tree.map(zero_padded, metrics)))
+                kept(put_rows(states, slots, new_rows)),
+                gathered(jax.tree.map(zero_padded, metrics)))
 
     @jit
     def mapped_evaluate_slots(broadcast, states, test, slots):
         valid = slots < test.sizes.shape[0]
-        metrics = client_evaluate(broadcast, _take(states, slots), _take(test, slots))
+        metrics = client_evaluate(broadcast, take_rows(states, slots), take_rows(test, slots))
         return gathered(jax.tree.map(lambda a: jnp.where(valid, a, 0), metrics))
 
     @jit
     def mapped_global_slots(broadcast, states, sizes, slots, global_x, global_y):
         valid = slots < sizes.shape[0]
-        accuracy = client_global(broadcast, _take(states, slots), global_x, global_y)
+        accuracy = client_global(broadcast, take_rows(states, slots), global_x, global_y)
         return gathered(jnp.where(valid, accuracy, 0))
 
     def update(broadcast, states, train, slots, keys):
@@ -435,11 +429,11 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
         return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:])[:bucket], tree)
 
     def rows_at(tree: PyTree, slot: jax.Array) -> PyTree:
-        return _row(tree, slot) if chunk == 1 else _take(tree, slot)
+        return _row(tree, slot) if chunk == 1 else take_rows(tree, slot)
 
     def write_rows(tree: PyTree, slot: jax.Array, valid: jax.Array, rows: PyTree) -> PyTree:
         if chunk > 1:
-            return _put(tree, slot, rows)  # out-of-range slots are dropped
+            return put_rows(tree, slot, rows)  # out-of-range slots are dropped
         i = jnp.minimum(slot, jax.tree.leaves(tree)[0].shape[0] - 1)
         return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(
             a, jnp.where(valid, r, jax.lax.dynamic_index_in_dim(a, i, keepdims=False)), i, 0),

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfedes import execution
 from fedjax_pfedes.algorithms.base import PyTree
+from fedjax_pfedes.execution import runners
 
 CACHE_FILE = "strategy_choices.json"
 
@@ -72,7 +72,7 @@ class Trial:
     """One cohort's measurement inputs (see `choose`)."""
 
     name: str
-    runners: dict[str, execution.CohortRunner]
+    runners: dict[str, runners.CohortRunner]
     broadcast: PyTree
     states: PyTree
     train: PyTree
@@ -83,7 +83,7 @@ class Trial:
     batch_size: int
     # runner -> what a round passes its update as the broadcast (`rounds.sent_to_runner`: an
     # `execution.Finishing` that streams under 'scan'); None: `broadcast` itself
-    sent: Callable[[execution.CohortRunner], PyTree] | None = None
+    sent: Callable[[runners.CohortRunner], PyTree] | None = None
 
     def inputs(self):
         """(one-step train arrays, slots, keys) of the measurement: every client keeps one full
@@ -98,14 +98,14 @@ class Trial:
         return one_step, slots, keys
 
 
-def _run_once(runner: execution.CohortRunner, broadcast, states, train, slots, keys):
+def _run_once(runner: runners.CohortRunner, broadcast, states, train, slots, keys):
     copy = jax.tree.map(jnp.copy, states)  # update donates the states it is given
     out = runner.update(broadcast, copy, train, slots, keys)
     jax.block_until_ready(out)
     return out
 
 
-def _time_update(runner: execution.CohortRunner, broadcast, states, train, slots, keys,
+def _time_update(runner: runners.CohortRunner, broadcast, states, train, slots, keys,
                  repeats: int) -> float:
     out = _run_once(runner, broadcast, states, train, slots, keys)  # compiled (or cached)
     best = float("inf")

@@ -5,27 +5,29 @@ Every error names the offending field, e.g. `config.lam must be >= 0, got -1.0`.
 
 from __future__ import annotations
 
-import json
 import math
 
 import ml_collections
 
-from fedjax_pfedes import alignment, attacks, client_store, distributed, execution
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.cohorts import assign_architectures
+from fedjax_pfedes.algorithms.pfedes import alignment
 from fedjax_pfedes.data import augmentation
 from fedjax_pfedes.data.catalog import LOADERS
 from fedjax_pfedes.data.federated import PARTITIONS
 from fedjax_pfedes.data.sources import CentralDataset
-from fedjax_pfedes.models.registry import (
+from fedjax_pfedes.engine import attacks
+from fedjax_pfedes.engine.client_system import system_config
+from fedjax_pfedes.engine.cohorts import assign_architectures
+from fedjax_pfedes.engine.sampling import BELOW_MIN
+from fedjax_pfedes.engine.sampling import METHODS as SAMPLING_METHODS
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.execution import distributed, offload, runners
+from fedjax_pfedes.models.architectures import (
     check_architecture,
     check_proxy,
     shared_arch,
     uses_batch_norm,
 )
-from fedjax_pfedes.sampling import BELOW_MIN
-from fedjax_pfedes.sampling import METHODS as SAMPLING_METHODS
-from fedjax_pfedes.system import system_config
 from fedjax_pfedes.upload.pipeline import check_compatible, pipeline_config
 
 STALENESS = ("constant", "polynomial", "hinge")
@@ -37,21 +39,6 @@ MAX_PROXY_DIM = 65536
 def aggregation_kind(algorithm: str) -> str:
     """`Algorithm.aggregation` of a method, known before it is built (for config checks)."""
     return algorithm_registry.get(algorithm).aggregation
-
-
-def shipped_defaults() -> dict:
-    """The shipped default config (configs/quickstart.py, installed with this package) as plain
-    JSON values; {} without the `configs` package. A field an older run's config lacks was added
-    to the code later, and at this default it keeps the old behaviour (reuse and resume use it)."""
-    try:
-        from configs import quickstart
-    except ImportError:
-        return {}
-    return json.loads(json.dumps(quickstart.get_config().to_dict()))
-
-
-class ConfigError(ValueError):
-    """A config field with a value the simulator cannot run."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -94,9 +81,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     try:
         alignment.get_alignment(config.align)
         check_proxy(config.proxy_arch)
-        execution.resolve_strategy(config.execution.strategy)
+        runners.resolve_strategy(config.execution.strategy)
         if config.execution.strategy in ("shard", "auto"):
-            execution.client_mesh(config.execution.devices)
+            runners.client_mesh(config.execution.devices)
         _check_client_states(config.execution)
         distributed.settings(config)
         distributed.check_supported(config)
@@ -202,10 +189,10 @@ def _check_client_states(ex: ml_collections.ConfigDict) -> None:
     _require(isinstance(ex.scan_held_uploads, int) and ex.scan_held_uploads >= 1,
              "config.execution.scan_held_uploads must be an integer >= 1, got "
              f"{ex.scan_held_uploads!r}")
-    _require(ex.cpu_kernels in execution.KERNEL_SETTINGS, "config.execution.cpu_kernels: "
-             f"unknown '{ex.cpu_kernels}'; known: {list(execution.KERNEL_SETTINGS)}")
-    _require(ex.client_states in client_store.PLACEMENTS, f"config.execution.client_states: "
-             f"unknown '{ex.client_states}'; known: {list(client_store.PLACEMENTS)}")
+    _require(ex.cpu_kernels in runners.KERNEL_SETTINGS, "config.execution.cpu_kernels: "
+             f"unknown '{ex.cpu_kernels}'; known: {list(runners.KERNEL_SETTINGS)}")
+    _require(ex.client_states in offload.PLACEMENTS, f"config.execution.client_states: "
+             f"unknown '{ex.client_states}'; known: {list(offload.PLACEMENTS)}")
     if ex.client_states == "offload":
         _require(ex.client_state_budget_gb > 0, "config.execution.client_state_budget_gb must "
                  f"be > 0, got {ex.client_state_budget_gb}")

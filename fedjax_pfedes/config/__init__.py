@@ -1,0 +1,1 @@
+"""The config schema: every field with its default (`defaults.default_config`)."""
