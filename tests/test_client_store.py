@@ -200,13 +200,13 @@ def test_rounds_prefetch_the_next_rounds_participants_from_disk(tmp_path, monkey
     assert ctx.cohorts[0].runner.prefetch is None
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_same_init_starts_every_client_of_an_architecture_from_one_model(tmp_path, offload):
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_same_init_starts_every_client_of_an_architecture_from_one_model(tmp_path, offloaded):
     from fedjax_pfedes.engine.build import build_context, build_federated_data
 
     config = tiny_config(rounds=1)
     config.clients.architectures = "mlp,mlp_small"
-    if offload:
+    if offloaded:
         config.execution.client_states = "offload"
         config.execution.client_state_dir = str(tmp_path / "states")
     states = {}

@@ -221,16 +221,16 @@ def test_auto_strategy_picks_the_cheaper_expected_round_and_caches_it(tmp_path):
                                      expected_participants=participants, planned_steps=steps,
                                      epochs=1, batch_size=1)
 
-    choice = choice.choose(trial("alg/arch", 2.0, planned), str(tmp_path), repeats=1)
-    loop_call, vmap_call = choice.seconds_per_call["loop"], choice.seconds_per_call["vmap"]
+    picked = choice.choose(trial("alg/arch", 2.0, planned), str(tmp_path), repeats=1)
+    loop_call, vmap_call = picked.seconds_per_call["loop"], picked.seconds_per_call["vmap"]
     assert loop_call == pytest.approx(0.04, rel=0.5) and vmap_call == pytest.approx(0.03, rel=0.5)
     # Expected round: loop = per-client step x mean steps x participants; vmap = x max steps.
-    assert choice.expected_round_s["loop"] == pytest.approx(loop_call / 4 * 4.0 * 2.0)
-    assert choice.expected_round_s["vmap"] == pytest.approx(vmap_call * 10.0)
-    assert choice.strategy == "loop" and not choice.cached
+    assert picked.expected_round_s["loop"] == pytest.approx(loop_call / 4 * 4.0 * 2.0)
+    assert picked.expected_round_s["vmap"] == pytest.approx(vmap_call * 10.0)
+    assert picked.strategy == "loop" and not picked.cached
     again = choice.choose(trial("alg/arch", 2.0, planned), str(tmp_path), repeats=1)
     assert again.cached and again.strategy == "loop"
-    assert again.seconds_per_call == choice.seconds_per_call
+    assert again.seconds_per_call == picked.seconds_per_call
     # Equal step counts: vmap's single batched call wins.
     even = choice.choose(trial("alg/arch2", 4.0, np.full(4, 3)), None, repeats=1)
     assert even.strategy == "vmap"
@@ -256,13 +256,13 @@ def test_auto_kernels_are_candidates_of_their_own_and_keyed_apart_in_the_cache(t
                                      expected_participants=2.0, planned_steps=planned,
                                      epochs=1, batch_size=1)
 
-    choice = choice.choose(trial(both), str(tmp_path), repeats=1)
-    assert choice.strategy == "loop/eigen" and not choice.cached
+    picked = choice.choose(trial(both), str(tmp_path), repeats=1)
+    assert picked.strategy == "loop/eigen" and not picked.cached
     # Both loop variants are priced by the loop's rule: the call's 4 slots ran one step each;
     # a round runs 4 mean planned steps for each of 2 expected participants.
     for name in ("loop", "loop/eigen"):
-        assert choice.expected_round_s[name] == pytest.approx(
-            choice.seconds_per_call[name] / 4 * 4.0 * 2.0)
+        assert picked.expected_round_s[name] == pytest.approx(
+            picked.seconds_per_call[name] / 4 * 4.0 * 2.0)
     # Another candidate set is measured anew; the same one is read back.
     without = choice.choose(trial({k: both[k] for k in ("loop", "vmap")}),
                                      str(tmp_path), repeats=1)

@@ -385,8 +385,9 @@ def test_batch_norm_backbones_are_refused_outside_fedbn():
     validate_config(config)
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_scaffold_client_keeps_its_control_variate_when_its_upload_is_rejected(offload, tmp_path):
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_scaffold_client_keeps_its_control_variate_when_its_upload_is_rejected(offloaded,
+                                                                               tmp_path):
     """The server drops a rejected client's control delta, so the client must keep c_i: else
     c stops being the mean of the clients' controls (checked here: c = (1/N) sum_i c_i), with
     the states on the device and in host memory."""
@@ -396,7 +397,7 @@ def test_scaffold_client_keeps_its_control_variate_when_its_upload_is_rejected(o
 
     config = fl_helpers.tiny_config(rounds=2, num_clients=4)
     config.algorithm = "scaffold"
-    if offload:
+    if offloaded:
         config.execution.client_states = "offload"
         config.execution.client_state_dir = str(tmp_path / "states")
     config.train.client_fraction = 1.0

@@ -12,6 +12,7 @@ import numpy as np
 
 from fedjax_pfedes.algorithms.base import CohortProgram, PyTree
 from fedjax_pfedes.data.federated import ClientArrays, FederatedData
+from fedjax_pfedes.execution import offload as client_states
 from fedjax_pfedes.execution.runners import CohortRunner
 from fedjax_pfedes.models.architectures import check_architecture
 
@@ -117,8 +118,8 @@ def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, Coh
     in_memory = True
     if offload is not None:
         rows = {a: jax.eval_shape(programs[a].init_client, rng) for a in members}
-        in_memory = offload.check_budget(rows, {a: len(i) for a, i in members.items()},
-                                              buckets, offload.budget_gb)
+        in_memory = client_states.check_budget(rows, {a: len(i) for a, i in members.items()},
+                                               buckets, offload.budget_gb)
     cohorts, states_of = [], {}
     for arch, ids in members.items():
         init = functools.partial(_init_states, programs[arch].init_client, rng)
@@ -131,15 +132,15 @@ def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, Coh
             train = jax.device_put(data.client_arrays(ids, "train"))
             test = jax.device_put(data.client_arrays(ids, "test"))
         else:
-            store = offload.allocate(
+            store = client_states.allocate(
                 rows[arch], len(ids),
                 None if in_memory else os.path.join(offload.directory, arch))
-            states_of[arch] = offload.initialize(init, ids, store)
-            train, test = (offload.RaggedClientArrays.from_indices(
+            states_of[arch] = client_states.initialize(init, ids, store)
+            train, test = (client_states.RaggedClientArrays.from_indices(
                 data.central.x_train, data.central.y_train,
                 [chosen[int(k)] for k in ids])
                 for chosen in (data.train_indices, data.test_indices))
-            runner = offload.offloaded_runner(runner, buckets[arch], on_disk=not in_memory)
+            runner = client_states.offloaded_runner(runner, buckets[arch], on_disk=not in_memory)
         cohorts.append(Cohort(arch=arch, client_ids=ids, train=train, test=test,
                               program=programs[arch], runner=runner, bucket=buckets[arch]))
     return cohorts, states_of
