@@ -1,7 +1,84 @@
 """fedjax_pfedes: a JAX/Flax simulator for model-heterogeneous personalized federated learning.
 
-The flagship algorithm is pFedES (proxy feature extractor sharing); see
-`fedjax_pfedes.algorithms.pfedes`.
+The flagship algorithm is pFedES (Yi et al., "pFedES: Generalized Proxy Feature Extractor Sharing
+for Model Heterogeneous Personalized Federated Learning", AAAI 2025), in
+`fedjax_pfedes.algorithms.pfedes`; 16 other methods sit beside it in `fedjax_pfedes.algorithms`.
+
+The public API:
+
+  config = fedjax_pfedes.default_config()         # every field, at its default (the quick start)
+  config.algorithm = "pfedes"
+  summary = fedjax_pfedes.run(config, "runs/mine")
+
+and, to bring your own model, data or method:
+
+  fedjax_pfedes.register_architecture("mynet", MyFlaxModule(), modalities=("image",))
+  fedjax_pfedes.register_dataset("mydata", lambda options: fedjax_pfedes.from_arrays(
+      "mydata", x_train, y_train, x_test, y_test, options=options))
+  fedjax_pfedes.register_algorithm(fedjax_pfedes.AlgorithmEntry("mymethod", build=...))
+
+notebooks/own_model_and_data.ipynb runs pFedES on a Flax module and arrays defined in the
+notebook.
 """
 
+from __future__ import annotations
+
+import ml_collections
+
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs
+from fedjax_pfedes.algorithms.registry import register as register_algorithm
+from fedjax_pfedes.config.defaults import default_config
+from fedjax_pfedes.data.catalog import register_dataset
+from fedjax_pfedes.data.sources import CentralDataset, LoadOptions, from_arrays
+from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.errors import (
+    ConfigError,
+    DataError,
+    DatasetUnavailableError,
+    DivergedError,
+    NothingTrainedError,
+)
+from fedjax_pfedes.models.backbones import register_architecture
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "Algorithm",
+    "AlgorithmEntry",
+    "BuildInputs",
+    "CentralDataset",
+    "CohortProgram",
+    "ConfigError",
+    "DataError",
+    "DatasetUnavailableError",
+    "DivergedError",
+    "InputSpec",
+    "LoadOptions",
+    "NothingTrainedError",
+    "default_config",
+    "from_arrays",
+    "register_algorithm",
+    "register_architecture",
+    "register_dataset",
+    "run",
+]
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
+    """Runs one federated experiment.
+
+    Args:
+      config: an experiment config (`default_config()` and its overrides, or a file of
+        `configs/`); checked up front, a bad field raises `ConfigError` naming it.
+      workdir: where metrics.jsonl (one record per round), clients.jsonl, checkpoints and
+        summary.json go. A workdir holding a checkpoint of the same config resumes from it.
+      progress: show a progress bar over rounds.
+
+    Returns:
+      The run's summary (as summary.json): `final` holds the last evaluation (personalized and
+      global accuracy per client, per architecture and on average), plus privacy, timing and
+      upload figures.
+    """
+    return run_experiment(config, workdir, show_progress=progress)

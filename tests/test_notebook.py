@@ -30,6 +30,19 @@ def test_notebook_cells_run_on_a_tiny_config(tmp_path):
     assert (tmp_path / "runs" / "notebook" / "metrics.jsonl").exists()
 
 
+OWN = pathlib.Path(__file__).parents[1] / "notebooks" / "own_model_and_data.ipynb"
+
+
+def test_own_model_and_data_notebook_runs(tmp_path):
+    """pFedES on the notebook's own Flax module and arrays (2 rounds), then Standalone."""
+    nb = _run_tiny(OWN, tmp_path, {"ROUNDS = 20": "ROUNDS = 2"})
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                   for o in c.get("outputs", []))
+    assert "personalized accuracy by architecture: {'my_cnn':" in text, text
+    assert "standalone: mean personalized accuracy" in text, text
+    assert (tmp_path / "runs" / "own_model_and_data" / "metrics.jsonl").exists()
+
+
 COLAB = pathlib.Path(__file__).parents[1] / "notebooks" / "colab_tpu.ipynb"
 
 

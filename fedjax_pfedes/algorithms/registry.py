@@ -158,7 +158,20 @@ _DISCOVERED = False
 
 
 def register(entry: AlgorithmEntry) -> AlgorithmEntry:
-    """Adds `entry` (called at import by the method's module); a name may be taken once."""
+    """Makes a method usable by name in `config.algorithm`.
+
+    The shipped methods call it when their module is imported (every module of
+    `fedjax_pfedes/algorithms/` is discovered); a researcher's method calls it from its own code
+    before the run starts.
+
+    Args:
+      entry: the method's name, `build` (BuildInputs -> Algorithm), capabilities and config
+        check.
+
+    Returns:
+      `entry`. A name may be taken once: registering another entry under a taken name raises
+      ValueError.
+    """
     if entry.name in _ENTRIES and _ENTRIES[entry.name] != entry:
         raise ValueError(f"algorithm '{entry.name}' is registered twice")
     _ENTRIES[entry.name] = entry

@@ -32,8 +32,26 @@ LOADERS: dict[str, Callable[[LoadOptions], CentralDataset]] = {
     **{name: femnist_loader(name) for name in FEMNIST_FILES},
 }
 
-OFFLINE = ("mnist5k", "mnist_shifted", "digits", "breast_cancer", "wine", "iris",
-           "synthetic_text", "npz")
+BUILT_IN = frozenset(LOADERS)
+
+
+def register_dataset(name: str, loader: Callable[[LoadOptions], CentralDataset]) -> None:
+    """Makes a dataset usable by name in `config.data.name`.
+
+    Args:
+      name: the name configs use; a built-in name is refused, a name registered earlier in this
+        process is replaced.
+      loader: a function of the `LoadOptions` (seed, subsampling, paths) returning the dataset,
+        typically `lambda options: sources.from_arrays(name, x_train, y_train, x_test, y_test,
+        options=options)`; pass `client_ids=` there to give each client its own natural group
+        (`config.data.partition='natural'`).
+    """
+    if name in BUILT_IN:
+        raise ValueError(f"register_dataset: '{name}' is a built-in dataset; choose another name")
+    if not callable(loader):
+        raise ValueError(f"register_dataset('{name}'): loader must be a function of the "
+                         f"LoadOptions, got {type(loader).__name__}")
+    LOADERS[name] = loader
 
 
 def load_dataset(name: str, options: LoadOptions | None = None) -> CentralDataset:

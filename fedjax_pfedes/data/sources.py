@@ -333,26 +333,66 @@ def load_npz(options: LoadOptions) -> CentralDataset:
     missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]
     if missing:
         raise DataError(f"{where} lacks the arrays {missing}; it has {sorted(arrays)}")
-    x_train, x_test = arrays["x_train"], arrays["x_test"]
-    default_modality = "image" if x_train.ndim in (3, 4) else "tabular"
-    modality = str(arrays["modality"]) if "modality" in arrays else default_modality
+    name = os.path.splitext(os.path.basename(path))[0]
+    return from_arrays(name, arrays["x_train"], arrays["y_train"], arrays["x_test"],
+                       arrays["y_test"], modality=_stored(arrays, "modality", str),
+                       num_classes=_stored(arrays, "num_classes"),
+                       vocab_size=_stored(arrays, "vocab_size"),
+                       client_ids=arrays.get("groups_train"), options=options, source=where)
+
+
+def _stored(arrays: dict, key: str, kind=None):
+    """An optional array of an .npz file: None when absent."""
+    if key not in arrays:
+        return None
+    return kind(arrays[key]) if kind else arrays[key]
+
+
+def from_arrays(name: str, x_train, y_train, x_test, y_test, *, modality: str | None = None,
+                num_classes=None, vocab_size=None, client_ids=None,
+                options: LoadOptions | None = None, source: str = "") -> CentralDataset:
+    """A dataset from a user's arrays (the `.npz` source reads its file through this).
+
+    Args:
+      name: the dataset's name in reports.
+      x_train, y_train: the pool partitioned across clients; integer labels from 0.
+      x_test, y_test: the global test set.
+      modality: 'image' | 'text' | 'tabular'; None: 'image' for [N, H, W] or [N, H, W, C]
+        inputs, else 'tabular'. [N, H, W] images get a channel axis.
+      num_classes: None: largest label + 1 (refused when it leaves a class empty); stated:
+        classes without samples are allowed.
+      vocab_size: text: number of token ids (None: largest id + 1).
+      client_ids: a natural group (e.g. a writer or a device) per training sample, for
+        `config.data.partition='natural'` (one client per group).
+      options: loader options (seed, subsampling); defaults when None.
+      source: how error messages name the data (default: the dataset's name).
+
+    Returns:
+      The checked dataset with its input statistics. `DataError` names the array and the first
+      offending index for mismatched lengths or shapes, bad labels or non-finite inputs.
+    """
+    options = options or LoadOptions()
+    where = source or f"dataset '{name}'"
+    x_train, x_test = np.asarray(x_train), np.asarray(x_test)
+    modality = modality or ("image" if x_train.ndim in (3, 4) else "tabular")
     if modality == "image" and x_train.ndim == 3:
         x_train, x_test = x_train[..., None], x_test[..., None]
-    y_train = integer_labels(arrays["y_train"], where, "y_train")
-    y_test = integer_labels(arrays["y_test"], where, "y_test")
-    if "num_classes" in arrays:  # stated: classes without samples are allowed
-        num_classes = _stated_int(arrays["num_classes"], where, "num_classes")
+    y_train = integer_labels(y_train, where, "y_train")
+    y_test = integer_labels(y_test, where, "y_test")
+    if num_classes is not None:  # stated: classes without samples are allowed
+        num_classes = _stated_int(num_classes, where, "num_classes")
     else:
         num_classes = _inferred_classes(y_train, y_test, where)
-    vocab_size = 0
     if modality == "text":
         x_train = check_inputs(x_train, where, "x_train", modality)
         x_test = check_inputs(x_test, where, "x_test", modality)
-        vocab_size = (_stated_int(arrays["vocab_size"], where, "vocab_size")
-                      if "vocab_size" in arrays else int(max(x_train.max(), x_test.max()) + 1))
-    name = os.path.splitext(os.path.basename(path))[0]
+        vocab_size = (_stated_int(vocab_size, where, "vocab_size") if vocab_size is not None
+                      else int(max(x_train.max(), x_test.max()) + 1))
+    else:
+        vocab_size = 0
+    groups = None if client_ids is None else np.asarray(client_ids)
     return make_dataset(name, modality, x_train, y_train, x_test, y_test, num_classes, options,
-                        vocab_size, arrays.get("groups_train"), source=where)
+                        vocab_size, groups, source=where)
 
 
 def _stated_int(value: np.ndarray, where: str, array: str) -> int:

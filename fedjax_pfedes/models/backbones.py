@@ -252,3 +252,42 @@ BACKBONES: dict[str, Backbone] = {
     "text_cnn": Backbone(("text",), lambda s: TextCNN(s.vocab_size)),
     "text_transformer": Backbone(("text",), lambda s: TextTransformer(s.vocab_size)),
 }
+BUILT_IN = frozenset(BACKBONES)
+
+
+def register_architecture(name: str, module: nn.Module | Callable[[InputSpec], nn.Module], *,
+                          modalities: tuple[str, ...] = ("image",),
+                          batch_norm: bool = False) -> None:
+    """Makes a Flax module a client backbone F_k, usable by name in
+    `config.clients.architectures` (and `clients.shared_arch`) by every method.
+
+    The module maps a batch of normalized inputs (images [B, H, W, C] in standardized units,
+    tabular [B, F], text token ids [B, L]) to features z [B, f]; each method adds its own heads
+    (pFedES: the projection P_k to the common space and the classifier H_k).
+
+    Args:
+      name: the name configs use; a built-in name is refused, a name registered earlier in this
+        process is replaced.
+      module: a `flax.linen.Module` (each client model gets a fresh copy) or a function of the
+        dataset's `InputSpec` returning one (for a module that needs the input shape or the
+        vocabulary size).
+      modalities: the input kinds it accepts ('image', 'tabular', 'text'); checked against the
+        dataset when a run starts.
+      batch_norm: True if it holds BatchNorm layers: it is then called as
+        `module(x, train, mask)` with a 'batch_stats' collection, and only FedBN runs it.
+    """
+    if name in BUILT_IN:
+        raise ValueError(f"register_architecture: '{name}' is a built-in architecture; "
+                         "choose another name")
+    unknown = [m for m in modalities if m not in ("image", "tabular", "text")]
+    if unknown or not modalities:
+        raise ValueError(f"register_architecture('{name}'): modalities must be a non-empty "
+                         f"subset of ('image', 'tabular', 'text'), got {modalities}")
+    if isinstance(module, nn.Module):
+        build = lambda spec, m=module: m.clone()  # noqa: E731
+    elif callable(module):
+        build = module
+    else:
+        raise ValueError(f"register_architecture('{name}'): module must be a flax.linen.Module "
+                         f"or a function of the InputSpec, got {type(module).__name__}")
+    BACKBONES[name] = Backbone(tuple(modalities), build, batch_norm)
