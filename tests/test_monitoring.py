@@ -1,4 +1,4 @@
-"""Per-round monitoring: every metric key the README documents appears in metrics.jsonl, the CSV
+"""Per-round monitoring: every metric key docs/guide.md documents appears in metrics.jsonl, the CSV
 and TensorBoard files hold the same numbers, the report writes its PNGs, and the round-time
 budget's stages match a hand computation."""
 
@@ -17,12 +17,14 @@ from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.io.run_report import write_report
 from fedjax_pfedes.studies import round_budget
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                     "guide.md")
 
 
 def documented_keys() -> dict[str, str]:
-    """{key: when} from the README table under 'What a run writes' (incl. 'also `k`' keys)."""
-    text = open(README).read()
+    """{key: when} from docs/guide.md's table under 'What a run writes' (incl. 'also `k`'
+    keys)."""
+    text = open(GUIDE).read()
     section = text[text.index("## What a run writes"):]
     end = section.find("\n## ", 5)
     section = section if end < 0 else section[:end]
@@ -93,7 +95,7 @@ def test_every_documented_metric_key_is_written(private_run, async_run):
         if when == "every round" and key not in ("participants",):
             for r in sync_rows:
                 assert key in r or key in pfedes_only, (key, r["round"])
-    # Nothing undocumented: every written key is in the README.
+    # Nothing undocumented: every written key is in docs/guide.md.
     assert written_sync - set(keys) == set()
     assert written_async - set(keys) == set()
 
@@ -221,8 +223,8 @@ def test_tensorboard_writer_does_not_import_torch_and_torch_still_imports_after(
     import subprocess
     import sys
     code = ("import importlib.util, sys\n"
-            "from fedjax_pfedes import metrics_io\n"
-            "metrics_io.summary_writer_class()\n"
+            "from fedjax_pfedes.io import metrics\n"
+            "metrics.summary_writer_class()\n"
             "assert 'tensorboardX' in sys.modules and 'torch' not in sys.modules, 'torch loaded'\n"
             "if importlib.util.find_spec('torch') is not None:\n"
             "    import torch\n"

@@ -9,7 +9,7 @@ from fl_helpers import small_config
 from fedjax_pfedes.engine.build import build_federated_data
 from fedjax_pfedes.engine.loop import run_experiment
 
-# Written every round (README "Monitoring"), and the evaluation written at evaluated rounds.
+# Written every round (docs/guide.md "Monitoring"), and the evaluation written at evaluated rounds.
 ROUND_KEYS = {
     "round", "planned_participants", "online_clients", "selected", "participants",
     "dropped_out", "past_deadline", "partial_work", "uploads_accepted", "upload_success_rate",

@@ -4,7 +4,7 @@ An entry says what the rest of the simulator needs to know before and after buil
 its config name, how the server combines uploads (`aggregation`, which tells the upload pipeline
 what it may do), its capabilities (buffered asynchronous rounds, sample-level DP-SGD, BatchNorm
 backbones) and `build`, which turns the experiment config plus the dataset's facts into an
-`Algorithm`. `simulation` and `config_validation` read only this registry; there are no name
+`Algorithm`. `engine.loop` and `engine.validate` read only this registry; there are no name
 tables elsewhere. Adding a method = one module under `fedjax_pfedes/algorithms/` that calls
 `register(...)` at import, its config fields, a test and a row in the README's methods table.
 
@@ -129,7 +129,7 @@ class AlgorithmEntry:
         optimizer fresh (the FedAvg family: the local model restarts from the global one).
       proxy_init: can start its shared E_proxy from a saved one (`config.proxy_init`).
       check: config -> None, raising ValueError naming the field, for the method's own config
-        section (run by `config_validation` before anything is built).
+        section (run by `engine.validate` before anything is built).
       summary: one line for listings, with the paper.
     """
 

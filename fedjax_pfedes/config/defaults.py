@@ -20,10 +20,10 @@ def default_config() -> ml_collections.ConfigDict:
     """
     config = ml_collections.ConfigDict()
     config.seed = 0                      # seeds data split, model init, sampling and batches
-    # Any registered method: `python -m launch.methods` lists them (README "Methods").
+    # Any registered method: `python -m launch.methods` lists them (docs/guide.md "Methods").
     config.algorithm = "pfedes"
 
-    # pFedES (README "Configs" gives the usual ranges).
+    # pFedES (docs/guide.md "Configs" gives the usual ranges).
     config.lam = 0.5                     # weight of the alignment loss; 0.1-1.0, 2.0 collapses
     config.align = "mse"                 # 'mse' | 'cosine' | 'contrastive' (InfoNCE)
     config.contrastive_temperature = 0.1  # InfoNCE temperature (align='contrastive' only)
@@ -47,7 +47,7 @@ def default_config() -> ml_collections.ConfigDict:
     # every round, as E_proxy arrives fresh from the server).
     config.proxy_momentum = 0.0
     # Start E_proxy from a saved one instead of a random initialization ('' = random), e.g. one
-    # pretrained on the public share of the data: python -m launch.pretrain_proxy (README).
+    # pretrained on the public share of the data: python -m launch.pretrain_proxy (docs/guide.md).
     config.proxy_init = ""
     # Multi-scale alignment: one weight per E_proxy scale ('1.0' = single scale). E.g. '1.0,0.5'
     # also aligns a second client projection head with E_proxy's last conv layer (proxy_cnn).
@@ -112,7 +112,7 @@ def default_config() -> ml_collections.ConfigDict:
     config.fedmrl.local_momentum = 0.0
 
     config.data = ml_collections.ConfigDict()
-    # Datasets (README "Datasets"): offline 'mnist5k' | 'mnist_shifted' | 'digits' |
+    # Datasets (docs/guide.md "Datasets"): offline 'mnist5k' | 'mnist_shifted' | 'digits' |
     # 'breast_cancer' | 'wine' | 'iris' | 'synthetic_text' | 'npz'; tfds 'cifar10' | 'cifar100' |
     # 'mnist' | 'fashion_mnist' | 'emnist_balanced' | 'emnist_byclass' | 'ag_news'; TFF files
     # 'femnist' | 'femnist_digits'.
@@ -197,7 +197,7 @@ def default_config() -> ml_collections.ConfigDict:
     # dropped or late) stops with an error (exit 2); True accepts it.
     config.train.allow_untrained = False
 
-    # The upload pipeline (README "Uploads: validation, compression, privacy").
+    # The upload pipeline (docs/guide.md "Uploads: validation, compression, privacy").
     config.upload = ml_collections.ConfigDict()
     config.upload.reject_nonfinite = True  # NaN/Inf uploads are rejected, the round goes on
     # Reject an update whose norm is > factor x the round's median (0 = off; not applied
@@ -245,7 +245,7 @@ def default_config() -> ml_collections.ConfigDict:
     config.secagg.min_senders = 3         # fewer senders in a round: no update, no release
     config.secagg.simulation = "sum"      # 'sum': the protocol's output | 'protocol': run it
 
-    # Unreliable clients (README "Unreliable clients"); the defaults model none.
+    # Unreliable clients (docs/guide.md "Unreliable clients"); the defaults model none.
     config.system = ml_collections.ConfigDict()
     config.system.availability = "1.0"   # P(online) per round; '0.9,0.5' = classes, equal shares
     config.system.availability_period = 0  # > 0: reachable only in a window of duty x period
@@ -277,7 +277,7 @@ def default_config() -> ml_collections.ConfigDict:
     config.checkpoint.max_to_keep = 2
     config.checkpoint.resume = True      # resume from <workdir>/checkpoints if there is one
 
-    # Per-round monitoring (README "Monitoring").
+    # Per-round monitoring (docs/guide.md "Monitoring").
     config.monitor = ml_collections.ConfigDict()
     # Participants' local-test loss before/after the server step; under pFedES also each
     # client's alignment loss at the start and end of its update (finding F4's jump).
@@ -320,7 +320,7 @@ def default_config() -> ml_collections.ConfigDict:
     config.execution.cpu_kernels = "xla"
     # Where the clients' private states and local data live: 'device' (stacked on the
     # accelerator: fastest for small populations) | 'offload' (host memory, gathered per round
-    # for the participants only: populations of 10,000+ clients, README "Scale").
+    # for the participants only: populations of 10,000+ clients, docs/guide.md "Scale").
     config.execution.client_states = "device"
     # 'offload': host memory all cohorts' states may take; above it they are memory-mapped
     # files in client_state_dir ('' = <workdir>/client_states).
@@ -334,7 +334,7 @@ def default_config() -> ml_collections.ConfigDict:
     # /fedjax_pfedes/jax; '' = off).
     config.execution.compilation_cache_dir = "default"
 
-    # Several processes (hosts) in one run (`jax.distributed`; README "Several hosts"): start
+    # Several processes (hosts) in one run (`jax.distributed`; docs/guide.md "Scale"): start
     # the same command once per process with its own process_id. '' = one process; 'host:port' of
     # process 0; 'auto' = read the cluster's environment (TPU pod slice, SLURM).
     config.distributed = ml_collections.ConfigDict()

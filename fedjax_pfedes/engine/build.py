@@ -176,7 +176,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     `strategies` (arch -> runner name, e.g. 'loop' | 'vmap' | 'loop/eigen') fixes the cohorts'
     runners where `config.execution.strategy` or `config.execution.cpu_kernels` is 'auto' (a
     resumed run keeps its original choice, so its numbers continue bit for bit); otherwise
-    'auto' measures them (`strategy_choice`). `workdir`: the run's folder (offloaded client
+    'auto' measures them (`execution.choice`). `workdir`: the run's folder (offloaded client
     states that exceed their memory budget go under it)."""
     algorithm = build_algorithm(config, data)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
@@ -303,7 +303,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
 
 
 def initial_state(ctx: rounds.RunContext, server_state, clients: dict[str, Any]) -> SimState:
-    """The run's state at round 0 (what a checkpoint holds, see `checkpointing`)."""
+    """The run's state at round 0 (what a checkpoint holds, see `io.checkpoints`)."""
     pipeline, algorithm = ctx.pipeline, ctx.algorithm
     memories = {c.arch: pipeline.init_memory(algorithm.upload_template(server_state, c.arch),
                                              len(c.client_ids))

@@ -107,7 +107,7 @@ def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, Coh
     `bucket_multiple`: every cohort's participant slots are rounded up to a multiple of it
     (the 'shard' strategy splits the slots evenly over the devices of its mesh; the extra
     slots are padding, they take no steps and carry no weight).
-    `offload`: keep states and data on the host (`client_store`); the cohorts' runners are
+    `offload`: keep states and data on the host (`execution.offload`); the cohorts' runners are
     wrapped to gather each round's participants. None: everything stacked on the device.
     `same_init`: every client of an architecture starts from the same private state (the key
     of the cohort's first client), as the published pFedES runs do; else each its own."""

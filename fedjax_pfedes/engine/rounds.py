@@ -56,7 +56,7 @@ class RunContext:
     sizes: np.ndarray            # [N] local train samples
     epochs: np.ndarray           # [N] local epochs (adaptive / minimum-samples rule)
     planned_steps: np.ndarray    # [N] local steps without a deadline
-    strategy_choices: dict       # arch -> strategy_choice.Choice as a dict ('auto' only)
+    strategy_choices: dict       # arch -> execution.choice.Choice as a dict ('auto' only)
     statically_eligible: np.ndarray  # [N] False below the minimum-samples threshold ('skip')
     strata: np.ndarray           # [N] stratum of every client (stratified sampling)
     label_counts: np.ndarray     # [N, C] local train labels (coverage sampling, monitoring)
@@ -99,9 +99,9 @@ UPLOAD_NORM = "update_norm"  # `upload_finish`'s entry of the update norm
 
 
 def upload_finish(algorithm, pipeline: UploadPipeline):
-    """The per-client function a cohort's program runs on each upload (`execution.Finishing`,
-    with the upload template as its operand): the update norm the monitoring reports, and,
-    when the upload pipeline transforms nothing, its checks' facts
+    """The per-client function a cohort's program runs on each upload
+    (`execution.runners.Finishing`, with the upload template as its operand): the update norm the
+    monitoring reports, and, when the upload pipeline transforms nothing, its checks' facts
     (`UploadPipeline.client_facts`: 'finite', 'norm'). Computed while the client's upload is in
     cache, instead of passes over the stacked uploads after the round's training. Build it
     once per run: it is part of the compiled program's identity."""
@@ -134,10 +134,10 @@ def stream_reducer(config: ml_collections.ConfigDict, algorithm, pipeline: Uploa
 def sent_to_runner(finish, reducer, attack_active: bool, runner, bucket: int, broadcast,
                    template):
     """What a round passes a cohort's `runner.update` as its broadcast: the plain broadcast, or
-    an `execution.Finishing` that computes `finish` per client in the training program (not
+    an `execution.runners.Finishing` that computes `finish` per client in the training program (not
     when an attack rewrites the uploads after it, nor for methods that upload nothing) and,
     for a 'scan' runner with a `reducer` (bucket -> reducer, `stream_reducer`), streams the
-    uploads. `strategy_choice` times the runners with the same."""
+    uploads. `execution.choice` times the runners with the same."""
     if finish is None or attack_active or not jax.tree.leaves(template):
         return broadcast
     streams = reducer is not None and runner.strategy == "scan"

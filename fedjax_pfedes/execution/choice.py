@@ -2,7 +2,7 @@
 strategy and CPU kernels by timing them.
 
 For every cohort, every candidate runner (the strategies 'loop', 'vmap' and 'scan', each with the
-kernel choices `execution.kernel_candidates` gives) runs the cohort's local update on a full
+kernel choices `execution.runners.kernel_candidates` gives) runs the cohort's local update on a full
 bucket of participants with every client cut to one batch of rows (one local step per epoch), on the
 backend the run uses. The compiled programs are the run's own (sizes are data, not shapes), so the
 winner's compilation is reused by the rounds. From the per-call times the expected cost of a real
@@ -82,7 +82,7 @@ class Trial:
     epochs: int
     batch_size: int
     # runner -> what a round passes its update as the broadcast (`rounds.sent_to_runner`: an
-    # `execution.Finishing` that streams under 'scan'); None: `broadcast` itself
+    # `execution.runners.Finishing` that streams under 'scan'); None: `broadcast` itself
     sent: Callable[[runners.CohortRunner], PyTree] | None = None
 
     def inputs(self):

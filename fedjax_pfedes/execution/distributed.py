@@ -6,8 +6,8 @@ sampler, and runs the same server step. What is split is the work of each round'
 and the clients: under `config.execution.strategy='shard'` the mesh spans the devices of all
 processes, so each process's devices train their share of the participant slots and hold their
 share of the clients' states and samples (when a cohort's client count is a multiple of the
-device count, `execution.row_spec`; else every device holds all of them); uploads and metrics
-are gathered back to every process (`execution`). Only process 0 writes the run's files
+device count, `execution.runners.row_spec`; else every device holds all of them); uploads and
+metrics are gathered back to every process (`execution`). Only process 0 writes the run's files
 (metrics, summary, report inputs, checkpoints); the others write into a temporary folder that is
 removed at the end. On resume process 0 picks the checkpoint (integrity checks, corrupt steps
 set aside) and tells the others its round; every process then reads that checkpoint from

@@ -27,7 +27,7 @@ give the same numbers (up to float reassociation):
 
 Which one is faster depends on the models, the bucket and the backend (on CPU vmapped per-client
 convolutions become grouped convolutions); 'auto' measures both per cohort at start-up
-(`strategy_choice`), see benchmarks/execution_strategies.py for the side-by-side numbers.
+(`execution.choice`), see benchmarks/execution_strategies.py for the side-by-side numbers.
 
 On a CPU backend the client programs can also be compiled with two kernel libraries
 (`config.execution.cpu_kernels`, `kernel_options`): which is faster depends on the CPU and the
@@ -62,7 +62,7 @@ CLIENT_AXIS = "clients"  # the mesh axis the participant slots are split over
 
 def resolve_strategy(name: str) -> str:
     """Checks `config.execution.strategy`: 'loop', 'vmap', 'shard', or 'auto' (chosen per
-    cohort by timing the applicable ones on the run's backend, see `strategy_choice`)."""
+    cohort by timing the applicable ones on the run's backend, see `execution.choice`)."""
     if name == "auto" or name in STRATEGIES:
         return name
     raise ValueError(f"config.execution.strategy: unknown strategy '{name}'; "
@@ -86,7 +86,7 @@ def kernel_options(cpu_kernels: str) -> dict[str, str]:
 
 def kernel_candidates(cpu_kernels: str) -> tuple[str, ...]:
     """The kernel choices a run compiles for `config.execution.cpu_kernels`: the one given, or
-    for 'auto' both of `CPU_KERNELS` on a CPU backend (timed per cohort, `strategy_choice`) and
+    for 'auto' both of `CPU_KERNELS` on a CPU backend (timed per cohort, `execution.choice`) and
     'xla' elsewhere (the option only exists for XLA:CPU)."""
     if cpu_kernels == "auto":
         return CPU_KERNELS if jax.default_backend() == "cpu" else ("xla",)
@@ -200,7 +200,7 @@ class CohortRunner:
     @property
     def name(self) -> str:
         """The strategy, with '/eigen' when the client programs use XLA's Eigen kernels: what
-        summary.json and a checkpoint record, and how `strategy_choice` tells runners apart."""
+        summary.json and a checkpoint record, and how `execution.choice` tells runners apart."""
         return self.strategy if self.kernels == "xla" else f"{self.strategy}/{self.kernels}"
 
 
@@ -303,7 +303,7 @@ def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None,
                                                                                mesh=mesh),
                                            mesh, jit=jit))
     raise ValueError(f"make_runner: strategy must be 'loop', 'vmap', 'shard' or 'scan' ('auto' is "
-                     f"resolved per cohort by strategy_choice), got '{strategy}'")
+                     f"resolved per cohort by execution.choice), got '{strategy}'")
 
 
 def _vmapped(fn: Callable, in_axes: tuple) -> Callable:
@@ -326,7 +326,7 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
     client_evaluate = map_clients(program.evaluate, (None, 0, 0))
     client_global = map_clients(functools.partial(global_accuracy, program), (None, 0, None, None))
     # 'shard': the cohort's samples and stacked states live on the mesh, split by client where
-    # `row_spec` allows (put there once, `builders.build_context`); a broadcast, the sizes and
+    # `row_spec` allows (put there once, `engine.build.build_context`); a broadcast, the sizes and
     # this round's slots are replicated per call; uploads and metrics go back to the default
     # device, where the server step runs.
     on_mesh = (lambda tree: tree) if mesh is None else functools.partial(replicated, mesh=mesh)

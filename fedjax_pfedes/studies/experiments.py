@@ -2,7 +2,7 @@
 
 `launch.compare` (methods side by side) and `launch.sweep_heterogeneity` (findings F1/F2 of
 docs/design.md) are thin wrappers around `run_grid`. Every run is a fresh
-`simulation.run_experiment` in the same process: algorithms are rebuilt from the config each time,
+`engine.loop.run_experiment` in the same process: algorithms are rebuilt from the config each time,
 so no state carries over.
 """
 

@@ -449,7 +449,7 @@ def _f4(records: Records, base, variants, figure: str) -> Verdict:
 # ---------------------------------------------------------------------------- F5 stop-gradients
 
 # With the symmetric default losses a removed stop-gradient is only a rescaled lam or E_proxy
-# step (refused; algorithms/pfedes.py), so F5 runs all three arms with InfoNCE alignment.
+# step (refused; algorithms/pfedes/__init__.py), so F5 runs all three arms with InfoNCE alignment.
 F5_ALIGN = "contrastive"
 F5_DESIGN = "f5_design"
 F5_VARIANTS = {F5_DESIGN: f"both stop-gradients (design), align={F5_ALIGN}",

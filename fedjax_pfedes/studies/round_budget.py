@@ -11,9 +11,9 @@ and system model (availability, drop-outs, deadline, jitter) for every round wit
 so they are the simulated times a run of this config will report (`simulated_round_s`), except
 that adaptive effects of rejected uploads on sampling are not replayed.
 
-`measure_step_times` replaces the configured `system.step_time_s` by the time one local step of
-each architecture takes on this machine (compiled, best of a few runs), so the compute stage is a
-budget for the hardware at hand (x the speed-class multipliers).
+`measure_step_times` replaces the configured `engine.client_system.step_time_s` by the time one
+local step of each architecture takes on this machine (compiled, best of a few runs), so the
+compute stage is a budget for the hardware at hand (x the speed-class multipliers).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ participant: the client update vmapped over a leading member axis, with the swep
 input (the method is built with that field set to a tracer, so any float the client update reads
 can be swept: lam, train.lr_local, proxy_lr_ratio, …). Everything else of a round — upload
 checks, server step, evaluation, metrics files — is each member's own ordinary run
-(`simulation.run_experiment` in a thread, its cohorts' `update` routed here), so every member
+(`engine.loop.run_experiment` in a thread, its cohorts' `update` routed here), so every member
 writes the usual workdir and its numbers equal a separate run with that value up to float
 reassociation.
 
@@ -76,7 +76,7 @@ def check_float(config: ml_collections.ConfigDict, dotted: str) -> float:
 def traced_algorithm(config: ml_collections.ConfigDict, data: FederatedData, dotted: str,
                      value: jax.Array):
     """The configured method built with `dotted` = `value` (a tracer inside jit / vmap)."""
-    from fedjax_pfedes.engine.build import build_algorithm  # builders imports the whole engine
+    from fedjax_pfedes.engine.build import build_algorithm  # build imports the whole engine
     from fedjax_pfedes.studies.experiments import with_overrides
     return build_algorithm(with_overrides(config, {dotted: value}, type_safe=False), data)
 
@@ -150,9 +150,9 @@ class Coordinator:
     def runner(self, member: int, arch: str, inner: CohortRunner) -> CohortRunner:
         """`inner` (the member's own runner, kept for evaluation) with its update routed here.
 
-        A round that asks for per-client upload facts (`execution.Finishing`) gets them from a
-        pass over the member's stacked uploads after the batched update: the members' finishing
-        functions are distinct objects, so they cannot share the batched program."""
+        A round that asks for per-client upload facts (`execution.runners.Finishing`) gets them
+        from a pass over the member's stacked uploads after the batched update: the members'
+        finishing functions are distinct objects, so they cannot share the batched program."""
         def update(broadcast, states, train, slots, keys):
             finishing = broadcast if isinstance(broadcast, runners.Finishing) else None
             if finishing is not None and finishing.reducer is not None:

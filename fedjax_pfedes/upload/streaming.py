@@ -50,7 +50,7 @@ class HeldUploadsExceeded(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class StreamingMean:
-    """The reducer of `execution.Finishing` for 'samples'-weighted means (see the module).
+    """The reducer of `execution.runners.Finishing` for 'samples'-weighted means (see the module).
 
     Attributes:
       hold: the most uploads of a cohort the norm rule may reject in a round (0: the rule is

@@ -42,7 +42,7 @@ from fedjax_pfedes.models import architectures
 
 @dataclasses.dataclass(frozen=True)
 class PFedESConfig(LocalTrainingConfig):
-    """Hyper-parameters of pFedES (defaults inside the ranges of the README's Configs table).
+    """Hyper-parameters of pFedES (defaults inside the ranges of docs/guide.md, "Configs").
 
     `stop_gradient_proxy` / `stop_gradient_local` (both True in the design, docs/design.md):
     whether E_proxy's output is a constant target in the local step, and whether the private

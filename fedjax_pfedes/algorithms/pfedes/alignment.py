@@ -1,8 +1,8 @@
 """Feature-alignment losses between a client's projected features and the proxy's features.
 
-pFedES as implemented here (`algorithms/pfedes.py`) aligns with mean-squared error or negative
-cosine similarity; a contrastive (InfoNCE; van den Oord et al., 2018) variant is added. Each
-returns the masked mean over the batch, `align(a, b, mask)`; which side carries a stop-gradient
+pFedES as implemented here (`algorithms/pfedes/__init__.py`) aligns with mean-squared error or
+negative cosine similarity; a contrastive (InfoNCE; van den Oord et al., 2018) variant is added.
+Each returns the masked mean over the batch, `align(a, b, mask)`; which side carries a stop-gradient
 is the caller's choice.
 """
 

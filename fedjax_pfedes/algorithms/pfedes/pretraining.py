@@ -3,7 +3,7 @@
 Supervised: E_proxy followed by a linear classifier head, trained with SGD on cross-entropy over
 the public samples, which no client owns (`data.public`). Only E_proxy is kept; the head is a
 probe whose accuracy on the global test set is reported. A run then starts from it with
-`config.proxy_init` (`algorithms/pfedes.py`).
+`config.proxy_init` (`algorithms/pfedes/__init__.py`).
 """
 
 from __future__ import annotations
