@@ -151,6 +151,14 @@ class Algorithm:
         one row, the group's weighted mean, with the group's total weight: the 'scan' strategy
         then sums the uploads as they are made instead of stacking them (`upload.streaming`).
         A conformance test checks the claim for every method that makes it.
+      client_report_metrics: per-client training metrics (of `client_update`) that go into
+        clients.jsonl next to the engine's own columns (pFedES: its alignment loss at the start
+        and end of local training, for finding F4).
+
+    Every evaluation metric named `test_<name>_loss` is also measured on the round's
+    participants right before and after the server step while `config.monitor.aggregation_loss`
+    is on (`loss_before_aggregation` for the cross-entropy, `<name>_loss_before_aggregation` for
+    the others).
     """
 
     name: str
@@ -165,6 +173,7 @@ class Algorithm:
     norm_keys: tuple[str, ...] = ()
     server_metrics: Callable[[PyTree, PyTree], dict[str, jax.Array]] | None = None
     mean_server_step: bool = False
+    client_report_metrics: tuple[str, ...] = ()
 
 
 def with_fresh_local_optimizer(program: CohortProgram) -> CohortProgram:

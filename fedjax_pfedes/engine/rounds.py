@@ -229,13 +229,12 @@ def cohort_uploads(ctx: RunContext, cohort: Cohort, stacked, template, slots: np
 
 
 def participants_metrics(ctx: RunContext, server_state, clients: dict[str, Any],
-                      ids: np.ndarray,
-                      keys: tuple[str, ...] = ("test_ce_loss", "test_align_loss")
-                      ) -> dict[str, float]:
-    """Mean local-test metrics `keys` of the clients `ids` with `server_state`'s broadcast and
-    their private states in `clients` (the model each would predict with): by default
-    'test_ce_loss', and 'test_align_loss' for methods that report one (pFedES: alignment to the
-    broadcast E_proxy). Empty when nobody is given."""
+                         ids: np.ndarray, keys: tuple[str, ...] | None = None
+                         ) -> dict[str, float]:
+    """Mean local-test metrics `keys` (None: every metric named `test_<name>_loss`, the
+    cross-entropy and e.g. pFedES's alignment to the broadcast E_proxy) of the clients `ids`
+    with `server_state`'s broadcast and their private states in `clients` (the model each
+    would predict with). Empty when nobody is given."""
     losses: dict[str, list] = {}
     for cohort in ctx.cohorts:
         slots = cohort.slots(ids)
@@ -244,7 +243,9 @@ def participants_metrics(ctx: RunContext, server_state, clients: dict[str, Any],
             continue
         m = cohort.runner.evaluate_slots(ctx.algorithm.broadcast(server_state, cohort.arch),
                                          clients[cohort.arch], cohort.test, slots)
-        for key in keys:
+        wanted = keys if keys is not None else [k for k in m if k.startswith("test_")
+                                                and k.endswith("_loss")]
+        for key in wanted:
             if key in m:
                 losses.setdefault(key, []).append(np.asarray(m[key])[valid])
     return {k: float(np.concatenate(v).mean()) for k, v in losses.items()}
@@ -281,24 +282,14 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
                            per_client.tolist(), strict=True))
     if "upload_bytes_per_client" in report:  # counted from the encoded form
         summary["upload_bytes_per_client"] = report["upload_bytes_per_client"]
-    for r in report.get("robust_aggregation_skipped", []) + report.get("secagg_skipped", []):
-        logging.warning("round %d: no server update for %s", round_index + 1, r)
-    realized = report.get("dp_realized_noise_multiplier")
-    if realized is not None and realized < ctx.pipeline.noise_multiplier:
-        logging.warning("round %d: the secure sum carries noise multiplier %.3f, below the "
-                        "configured %.3f (fewer senders than expected); accounted as it is",
-                        round_index + 1, realized, ctx.pipeline.noise_multiplier)
-    for k in ("secagg_senders", "secagg_dropped_after_upload", "secagg_failures",
-              "secagg_skipped", "secagg_quantization_error_bound",
-              "dp_realized_noise_multiplier", "robust_aggregation_skipped"):
-        if k in report:
-            summary[k] = report[k]
+    summary.update({k: report[k] for k in ctx.pipeline.report_keys if k in report})
     if monitor:
         summary["loss_before_aggregation"] = before.get("test_ce_loss")
         summary["loss_after_aggregation"] = after.get("test_ce_loss")
-        if "test_align_loss" in before:  # pFedES: the jump of the alignment target (F4)
-            summary["align_loss_before_aggregation"] = before["test_align_loss"]
-            summary["align_loss_after_aggregation"] = after["test_align_loss"]
+        for key in sorted(set(before) - {"test_ce_loss"}):  # e.g. pFedES's alignment (F4)
+            name = key[len("test_"):]
+            summary[f"{name}_before_aggregation"] = before[key]
+            summary[f"{name}_after_aggregation"] = after[key]
     return server_state, memories, summary
 
 
@@ -356,7 +347,7 @@ def client_report(ctx: RunContext, timing: client_system.RoundTiming, trained: T
                "train_loss": m.get("train_ce_loss"), "update_norm": m.get("update_norm"),
                "download_s": float(timing.download_s[k]), "compute_s": float(timing.compute_s[k]),
                "upload_s": float(timing.upload_s[k]), "total_s": float(timing.total_s[k])}
-        row.update({k: v for k, v in m.items() if k.startswith("align_loss_at_")})
+        row.update({k: m[k] for k in ctx.algorithm.client_report_metrics if k in m})
         if staleness is not None and cid in staleness:
             row["staleness"] = staleness[cid]
         rows.append(row)

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from fedjax_pfedes import aggregation
 from fedjax_pfedes.tree_util import put_rows, take_rows
@@ -301,7 +302,6 @@ class UploadPipeline:
             lambda xs: self._one_client(xs[0], template, xs[1], xs[2])[1:],
             (uploads, memory, keys)))
         self._rogue_side = jax.jit(jax.vmap(self._one_rogue_client, in_axes=(0, None, 0)))
-        self.rejections: list[tuple[int, int, str]] = []
         self._compiled_shapes: set[tuple[str, int]] = set()  # (arch, slots) seen by process
         # Per round: the smallest noise multiplier any released aggregate carried (None: nothing
         # was released). Under secure aggregation the clients add the noise, so fewer senders
@@ -468,11 +468,20 @@ class UploadPipeline:
             self.round_noise_multipliers[round_index] = realized
             if realized is not None:
                 report["dp_realized_noise_multiplier"] = realized
+                if realized < self.noise_multiplier:
+                    logging.warning("round %d: the secure sum carries noise multiplier %.3f, "
+                                    "below the configured %.3f (fewer senders than expected); "
+                                    "accounted as it is", round_index + 1, realized,
+                                    self.noise_multiplier)
         return groups, new_memories, report
+
+    @property
+    def report_keys(self) -> tuple[str, ...]:
+        """The round report's entries the stages declare for the monitoring record."""
+        return tuple(dict.fromkeys(k for s in self.stages for k in s.report_keys))
 
     def _reject(self, round_index: int, ids: np.ndarray, reason: str, report: dict) -> None:
         for cid in np.asarray(ids).tolist():
-            self.rejections.append((round_index + 1, int(cid), reason))
             report["rejections"].append({"client": int(cid), "reason": reason})
             report["rejected"] += 1
 

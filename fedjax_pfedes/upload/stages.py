@@ -12,6 +12,8 @@ In the spirit of `optax.chain`, a stage has up to two halves:
   dict of per-client facts later stages read on the server (e.g. 'finite', 'norm').
 - `server(r: RoundUploads)`: what the server does with the round's uploads (host side, in chain
   order): reject clients, set aggregation weights, or compute the aggregate.
+- `report_keys`: the entries of the round's report the stage writes that go into the round's
+  monitoring record (metrics.jsonl); the engine copies what the stages declare and names none.
 
 `transforms` says whether a stage changes the values of accepted uploads; when no stage does, the
 algorithm receives the uploads exactly as they arrived (bit for bit). A new transform is one
@@ -28,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from fedjax_pfedes.upload import compression, privacy, robust, validation
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
@@ -95,6 +98,7 @@ class UploadStage:
 
     name = "identity"
     transforms = False
+    report_keys: tuple[str, ...] = ()
 
     def server_enforced(self, secagg: bool) -> bool:
         del secagg
@@ -292,6 +296,7 @@ class RobustAggregation(UploadStage):
     trim_fraction: float = 0.1
     name = "robust_aggregation"
     transforms = True
+    report_keys = ("robust_aggregation_skipped",)
 
     def __post_init__(self):
         self._robust = jax.jit(self._aggregate)
@@ -307,9 +312,9 @@ class RobustAggregation(UploadStage):
             stacked, ok, _ = r.scope_arrays(scope)
             if ok.sum() < robust.MIN_ROBUST_UPLOADS:
                 # A median / trimmed mean of 1-2 uploads is their mean: no protection. Skip.
-                r.report.setdefault("robust_aggregation_skipped", []).append(
-                    f"{'+'.join(scope)}: {int(ok.sum())} valid upload(s), config.upload."
-                    f"aggregator='{self.aggregator}' needs >= {robust.MIN_ROBUST_UPLOADS}")
+                _skip(r, "robust_aggregation_skipped",
+                      f"{'+'.join(scope)}: {int(ok.sum())} valid upload(s), config.upload."
+                      f"aggregator='{self.aggregator}' needs >= {robust.MIN_ROBUST_UPLOADS}")
                 agg = r.skip_scope(scope)
             else:
                 agg = self._robust(stacked, jnp.asarray(ok))
@@ -325,6 +330,7 @@ class DPNoisyMean(UploadStage):
     clip_norm: float = 1.0
     name = "dp_noisy_mean"
     transforms = True
+    report_keys = ("dp_realized_noise_multiplier",)  # written by the pipeline for the accountant
 
     def __post_init__(self):
         self._noisy_mean = jax.jit(self._mean)
@@ -343,6 +349,12 @@ class DPNoisyMean(UploadStage):
             denominator = r.expected_in_scope(sum(r.members[a] for a in scope))
             agg = self._noisy_mean(stacked, jnp.asarray(ok), key, jnp.float32(denominator))
             r.aggregates.update({a: agg for a in scope})
+
+
+def _skip(r: RoundUploads, key: str, why: str) -> None:
+    """A scope that gets no server update this round: said in the report and the log."""
+    r.report.setdefault(key, []).append(why)
+    logging.warning("round %d: no server update for %s", r.round_index + 1, why)
 
 
 def scope_key(r: RoundUploads, s_idx: int) -> jax.Array:
@@ -368,6 +380,9 @@ class SecureAggregation(UploadStage):
     simulation: str = "sum"  # `secure_aggregation.secure_sum`: its output, or every party
     name = "secure_aggregation"
     transforms = True
+    report_keys = ("secagg_senders", "secagg_dropped_after_upload", "secagg_failures",
+                   "secagg_skipped", "secagg_quantization_error_bound",
+                   "dp_realized_noise_multiplier")
 
     def server(self, r: RoundUploads) -> None:
         r.aggregates = {}
@@ -387,9 +402,8 @@ class SecureAggregation(UploadStage):
         w = np.asarray(w, np.float64)
         if ok.sum() < self.min_senders:
             # Too few senders: the "secure" sum would reveal (nearly) one client's update.
-            report.setdefault("secagg_skipped", []).append(
-                f"{'+'.join(scope)}: {int(ok.sum())} sender(s), config.secagg.min_senders="
-                f"{self.min_senders}")
+            _skip(r, "secagg_skipped", f"{'+'.join(scope)}: {int(ok.sum())} sender(s), "
+                  f"config.secagg.min_senders={self.min_senders}")
             return None
         noise_std = 0.0
         if self.dp:  # distributed noise: each client adds its share of the variance
@@ -425,9 +439,8 @@ class SecureAggregation(UploadStage):
                 continue
             vectors[int(ids[j])] = x[i]
         if len(vectors) < self.min_senders:
-            report.setdefault("secagg_skipped", []).append(
-                f"{'+'.join(scope)}: {len(vectors)} sender(s) within range, "
-                f"config.secagg.min_senders={self.min_senders}")
+            _skip(r, "secagg_skipped", f"{'+'.join(scope)}: {len(vectors)} sender(s) within "
+                  f"range, config.secagg.min_senders={self.min_senders}")
             return None
         drop = frozenset(u for u in vectors if rng.random() < self.dropout_after_upload)
         threshold = max(2, math.ceil(self.threshold_fraction * len(vectors)))

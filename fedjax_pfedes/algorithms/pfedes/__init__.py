@@ -328,7 +328,8 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
 
     return Algorithm("pfedes", init_server, broadcast, broadcast, server_update, cohort_program,
                      dp_sgd_releases_per_step=2, server_metrics=server_metrics,
-                     mean_server_step=True)
+                     mean_server_step=True,
+                     client_report_metrics=("align_loss_at_start", "align_loss_at_end"))
 
 def _build(inputs: BuildInputs) -> Algorithm:
     c = inputs.config
