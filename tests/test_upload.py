@@ -158,6 +158,63 @@ def test_the_chain_follows_the_config_and_a_new_stage_is_one_class():
     np.testing.assert_allclose(groups["a"][0]["w"], [[2.0, 3.0], [4.0, 3.0]])
 
 
+def test_a_registered_stage_joins_the_chain_at_its_position():
+    from fedjax_pfedes.upload import stages
+    from fedjax_pfedes.upload.pipeline import build_stages
+
+    @dataclasses.dataclass
+    class Shift(stages.UploadStage):  # a client-side transform, on when topk_fraction < 1
+        amount: float = 1.0
+        name, transforms, position = "shift_test", True, 25
+
+        @classmethod
+        def from_config(cls, cfg, noise_multiplier):
+            return cls(0.5) if cfg.compression.topk_fraction < 1 else None
+
+        def client(self, delta, memory, key, info):
+            return jax.tree.map(lambda d: d + self.amount, delta), memory, info
+
+    stages.register_stage(Shift)
+    try:
+        names = [s.name for s in build_stages(PipelineConfig(), 0.0)]
+        assert "shift_test" not in names
+        cfg = PipelineConfig(compression=compression.CompressionConfig(topk_fraction=0.5))
+        names = [s.name for s in build_stages(cfg, 0.0)]
+        assert names == ["finite_check", "compression", "shift_test", "norm_outlier_check",
+                         "weighting"]
+
+        class Twin(stages.UploadStage):
+            name = "shift_test"
+
+        with pytest.raises(ValueError, match="'shift_test' is registered twice"):
+            stages.register_stage(Twin)
+    finally:
+        stages.STAGES.remove(Shift)
+
+
+def test_the_registry_builds_the_chain_the_config_describes():
+    """Against the chain written out by hand: checks, compression, norm, clip under DP,
+    weighting, then at most one aggregator (secure sum, else DP noisy mean, else robust)."""
+    from fedjax_pfedes.upload.pipeline import build_stages
+
+    dp = privacy.ClientDPConfig(clip_norm=1.0, noise_multiplier=1.0)
+    for use_dp in (False, True):
+        for secagg in (False, True):
+            for aggregator in ("mean", "median", "trimmed_mean"):
+                cfg = PipelineConfig(dp=dp if use_dp else None, secagg=secagg,
+                                     aggregator=aggregator)
+                expected = ["finite_check", "compression", "norm_outlier_check"]
+                expected += ["clip"] if use_dp else []
+                expected += ["weighting"]
+                if secagg:
+                    expected += ["secure_aggregation"]
+                elif use_dp:
+                    expected += ["dp_noisy_mean"]
+                elif aggregator != "mean":
+                    expected += ["robust_aggregation"]
+                assert [s.name for s in build_stages(cfg, 1.0)] == expected, cfg
+
+
 # --- robust aggregation and weights -------------------------------------------------------------
 
 def test_median_and_trimmed_mean_match_numpy_over_valid_clients():
@@ -541,7 +598,7 @@ def test_when_most_uploads_are_non_finite_the_broadcast_is_blamed():
 
 
 def test_the_median_norm_rule_is_off_where_it_would_break_dp_or_secure_aggregation():
-    from fedjax_pfedes.upload.pipeline import outlier_rule
+    from fedjax_pfedes.upload.stages import outlier_rule
     dp = privacy.ClientDPConfig(clip_norm=1.0)
     assert outlier_rule(PipelineConfig())[0] == 10.0
     factor, why = outlier_rule(PipelineConfig(dp=dp, weighting="uniform"))

@@ -26,7 +26,8 @@ from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.execution import offload, runners
 from fedjax_pfedes.tree_util import tree_size
 from fedjax_pfedes.upload import streaming, validation
-from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline, outlier_rule
+from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
+from fedjax_pfedes.upload.stages import outlier_rule
 
 ATTACK_STREAM = 0x5EED_A77  # folded into the round key for the attackers' randomness
 

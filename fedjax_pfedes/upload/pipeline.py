@@ -9,7 +9,7 @@ the updates are measured from), the sample counts and which slots are real. The 
    compresses it (top-k with error feedback kept per client, then bf16 or QSGD values) and, with
    DP, clips it to L2 <= C;
 3. rejects non-finite updates and norm outliers (norm per local sample > `norm_outlier_factor`
-   x the median of the uploads aggregated together; see `outlier_rule` for where it is off),
+   x the median of the uploads aggregated together; see `stages.outlier_rule` for where it is off),
    logged with the client id and reason; the weights of the rest are used as they are, i.e.
    renormalized; under secure aggregation the checks run on the client, and values beyond the
    fixed-point range are rejected before masking (a malicious client skips all client halves:
@@ -245,30 +245,12 @@ def _sub(a, b):
 
 
 def build_stages(cfg: PipelineConfig, noise_multiplier: float) -> list[stages.UploadStage]:
-    """The ordered stage list of `cfg`: checks and client-side transforms in the order a client
-    applies them (finite check on the raw update, compression, norm measured on what is sent,
-    DP clipping), then the server's weighting and aggregation."""
-    factor, _ = outlier_rule(cfg)
-    chain: list[stages.UploadStage] = [
-        stages.FiniteCheck(cfg.reject_nonfinite, "non-finite values (client-side check)"
-                           if cfg.secagg else "non-finite values"),
-        stages.Compression(cfg.compression),
-        stages.NormOutlierCheck(factor, cfg.norm_keys),
-    ]
-    if cfg.dp is not None:
-        chain.append(stages.Clip(cfg.dp.clip_norm))
-    chain.append(stages.Weighting(cfg.weighting))
-    if cfg.secagg:
-        chain.append(stages.SecureAggregation(
-            cfg.secagg_threshold_fraction, cfg.secagg_dropout_after_upload,
-            cfg.secagg_min_senders, cfg.encoding, noise_multiplier,
-            cfg.dp.clip_norm if cfg.dp is not None else 1.0, cfg.dp is not None,
-            cfg.secagg_simulation))
-    elif cfg.dp is not None:
-        chain.append(stages.DPNoisyMean(noise_multiplier, cfg.dp.clip_norm))
-    elif cfg.aggregator != "mean":
-        chain.append(stages.RobustAggregation(cfg.aggregator, cfg.trim_fraction))
-    return chain
+    """The ordered stage list of `cfg`: every registered stage (`stages.STAGES`, in `position`
+    order) that `cfg` asks for — checks and client-side transforms in the order a client applies
+    them (finite check on the raw update, compression, norm measured on what is sent, DP
+    clipping), then the server's weighting and aggregation."""
+    chain = [cls.from_config(cfg, noise_multiplier) for cls in stages.STAGES]
+    return [stage for stage in chain if stage is not None]
 
 
 class UploadPipeline:
@@ -292,7 +274,7 @@ class UploadPipeline:
         if cfg.secagg:
             check_secagg_range(cfg, self.noise_multiplier, clients_per_round, expected_participants,
                                num_clients)
-        self.outlier_note = outlier_rule(cfg)[1]
+        self.outlier_note = stages.outlier_rule(cfg)[1]
         self.stages = (build_stages(cfg, self.noise_multiplier) if stages_override is None
                        else list(stages_override))
         self._client_side = jax.jit(jax.vmap(self._one_client, in_axes=(0, None, 0, 0)))
@@ -526,21 +508,3 @@ def check_secagg_range(cfg: PipelineConfig, noise_multiplier: float, clients_per
             f"the {need:.3g} a round needs: every upload would be rejected before masking; "
             f"{fix}")
 
-
-def outlier_rule(cfg: PipelineConfig) -> tuple[float, str]:
-    """(the norm-outlier factor in force, why) — the median rule is off where it cannot hold:
-    under client-level DP (whether one client is counted would depend on the others' data, which
-    voids the sensitivity bound; clipping to C bounds every client instead) and under secure
-    aggregation (the server never sees an individual norm; a range check before masking applies
-    instead)."""
-    if cfg.norm_outlier_factor <= 0:
-        return 0.0, "off (config.upload.norm_outlier_factor=0)"
-    if cfg.dp is not None:
-        return 0.0, ("off under config.dp.enabled: clipping to config.dp.clip_norm bounds every "
-                     "update instead")
-    if cfg.secagg:
-        return 0.0, ("off under config.secagg.enabled: the server sees no individual norm; "
-                     "values are range-checked before masking instead")
-    return cfg.norm_outlier_factor, (f"updates with norm per local sample > "
-                                     f"{cfg.norm_outlier_factor:g} x the round's median are "
-                                     "rejected")

@@ -16,8 +16,12 @@ In the spirit of `optax.chain`, a stage has up to two halves:
   monitoring record (metrics.jsonl); the engine copies what the stages declare and names none.
 
 `transforms` says whether a stage changes the values of accepted uploads; when no stage does, the
-algorithm receives the uploads exactly as they arrived (bit for bit). A new transform is one
-class here (or in its own module) and one line in `build_stages`.
+algorithm receives the uploads exactly as they arrived (bit for bit).
+
+A stage class registers itself (`@register_stage`) with its `position` in the chain and a
+`from_config(cfg, noise_multiplier)` that returns the stage a run's `pipeline.PipelineConfig`
+asks for, or None; `pipeline.build_stages` builds the chain from the registry. A new stage is
+one class (here or in its own module, imported by the package) with its registration.
 """
 
 from __future__ import annotations
@@ -99,6 +103,21 @@ class UploadStage:
     name = "identity"
     transforms = False
     report_keys: tuple[str, ...] = ()
+    position = 0  # where in the chain (`register_stage`): lower runs first
+
+    @classmethod
+    def from_config(cls, cfg, noise_multiplier: float) -> UploadStage | None:
+        """The stage a run's `pipeline.PipelineConfig` asks for, or None (not in this chain).
+
+        Args:
+          cfg: the run's `PipelineConfig`.
+          noise_multiplier: the client-level DP noise multiplier in force (0 without DP).
+
+        Returns:
+          A configured stage, or None.
+        """
+        del cfg, noise_multiplier
+        return None
 
     def server_enforced(self, secagg: bool) -> bool:
         del secagg
@@ -121,6 +140,47 @@ class UploadStage:
 
 # --- checks -----------------------------------------------------------------------------------
 
+STAGES: list[type[UploadStage]] = []
+
+
+def register_stage(cls: type[UploadStage]) -> type[UploadStage]:
+    """Adds a stage class to the chain `pipeline.build_stages` builds (in `position` order).
+
+    Args:
+      cls: an `UploadStage` subclass with a `position` and a `from_config`.
+
+    Returns:
+      `cls` (use as a class decorator). A second class under a registered `name` raises.
+    """
+    taken = {c.name: c for c in STAGES}
+    if cls.name in taken and taken[cls.name] is not cls:
+        raise ValueError(f"upload stage '{cls.name}' is registered twice")
+    if cls not in STAGES:
+        STAGES.append(cls)
+        STAGES.sort(key=lambda c: c.position)
+    return cls
+
+
+def outlier_rule(cfg) -> tuple[float, str]:
+    """(the norm-outlier factor in force, why) — the median rule is off where it cannot hold:
+    under client-level DP (whether one client is counted would depend on the others' data, which
+    voids the sensitivity bound; clipping to C bounds every client instead) and under secure
+    aggregation (the server never sees an individual norm; a range check before masking applies
+    instead)."""
+    if cfg.norm_outlier_factor <= 0:
+        return 0.0, "off (config.upload.norm_outlier_factor=0)"
+    if cfg.dp is not None:
+        return 0.0, ("off under config.dp.enabled: clipping to config.dp.clip_norm bounds every "
+                     "update instead")
+    if cfg.secagg:
+        return 0.0, ("off under config.secagg.enabled: the server sees no individual norm; "
+                     "values are range-checked before masking instead")
+    return cfg.norm_outlier_factor, (f"updates with norm per local sample > "
+                                     f"{cfg.norm_outlier_factor:g} x the round's median are "
+                                     "rejected")
+
+
+@register_stage
 @dataclasses.dataclass
 class FiniteCheck(UploadStage):
     """Rejects uploads with NaN/Inf values (when `reject`). When at least half of the round's
@@ -130,6 +190,13 @@ class FiniteCheck(UploadStage):
     reject: bool = True
     reason: str = "non-finite values"
     name = "finite_check"
+    position = 10  # on the raw update
+
+    @classmethod
+    def from_config(cls, cfg, noise_multiplier):
+        del noise_multiplier
+        return cls(cfg.reject_nonfinite, "non-finite values (client-side check)"
+                   if cfg.secagg else "non-finite values")
 
     def client(self, delta, memory, key, info):
         return delta, memory, {**info, "finite": validation.all_finite(delta)}
@@ -155,6 +222,7 @@ class FiniteCheck(UploadStage):
             r.valid[arch] &= ~bad[arch]
 
 
+@register_stage
 @dataclasses.dataclass
 class NormOutlierCheck(UploadStage):
     """Measures each update's L2 norm where it stands in the chain (after compression, before
@@ -172,6 +240,12 @@ class NormOutlierCheck(UploadStage):
     factor: float = 0.0
     keys: tuple[str, ...] = ()  # the upload's model part (`Algorithm.norm_keys`; () = all)
     name = "norm_outlier_check"
+    position = 30  # measured on what is sent
+
+    @classmethod
+    def from_config(cls, cfg, noise_multiplier):
+        del noise_multiplier
+        return cls(outlier_rule(cfg)[0], cfg.norm_keys)
 
     def client(self, delta, memory, key, info):
         norm = validation.update_norms(jax.tree.map(
@@ -211,12 +285,19 @@ class NormOutlierCheck(UploadStage):
 
 # --- client-side transforms ---------------------------------------------------------------------
 
+@register_stage
 @dataclasses.dataclass
 class Compression(UploadStage):
     """Top-k with error feedback (the client's `memory`), then bf16 or QSGD values."""
 
     cfg: compression.CompressionConfig = compression.CompressionConfig()
     name = "compression"
+    position = 20
+
+    @classmethod
+    def from_config(cls, cfg, noise_multiplier):
+        del noise_multiplier
+        return cls(cfg.compression)
 
     @property
     def transforms(self) -> bool:
@@ -234,6 +315,7 @@ class Compression(UploadStage):
         return delta, memory, info
 
 
+@register_stage
 @dataclasses.dataclass
 class Clip(UploadStage):
     """Client-level DP: the update scaled to L2 norm <= `clip_norm`."""
@@ -241,6 +323,12 @@ class Clip(UploadStage):
     clip_norm: float = 1.0
     name = "clip"
     transforms = True
+    position = 40
+
+    @classmethod
+    def from_config(cls, cfg, noise_multiplier):
+        del noise_multiplier
+        return cls(cfg.dp.clip_norm) if cfg.dp is not None else None
 
     def client(self, delta, memory, key, info):
         delta, _ = privacy.clip_update(delta, self.clip_norm)
@@ -254,6 +342,7 @@ class Clip(UploadStage):
 
 # --- server-side weights and aggregation --------------------------------------------------------
 
+@register_stage
 @dataclasses.dataclass
 class Weighting(UploadStage):
     """Zeroes the rejected slots' values (NaN x weight 0 is still NaN) and sets the weights:
@@ -262,6 +351,12 @@ class Weighting(UploadStage):
 
     weighting: str = "samples"
     name = "weighting"
+    position = 50
+
+    @classmethod
+    def from_config(cls, cfg, noise_multiplier):
+        del noise_multiplier
+        return cls(cfg.weighting)
 
     @property
     def transforms(self) -> bool:
@@ -287,6 +382,7 @@ def _zero_rejected_rows(ok: jax.Array, sent: Any) -> Any:
                         sent)
 
 
+@register_stage
 @dataclasses.dataclass
 class RobustAggregation(UploadStage):
     """Coordinate-wise median or trimmed mean per scope; a scope with fewer than
@@ -297,6 +393,14 @@ class RobustAggregation(UploadStage):
     name = "robust_aggregation"
     transforms = True
     report_keys = ("robust_aggregation_skipped",)
+    position = 60  # one aggregator: secure sum, else DP noisy mean, else median / trimmed mean
+
+    @classmethod
+    def from_config(cls, cfg, noise_multiplier):
+        del noise_multiplier
+        if cfg.secagg or cfg.dp is not None or cfg.aggregator == "mean":
+            return None
+        return cls(cfg.aggregator, cfg.trim_fraction)
 
     def __post_init__(self):
         self._robust = jax.jit(self._aggregate)
@@ -321,6 +425,7 @@ class RobustAggregation(UploadStage):
             r.aggregates.update({a: agg for a in scope})
 
 
+@register_stage
 @dataclasses.dataclass
 class DPNoisyMean(UploadStage):
     """DP-FedAvg: the sum of the clipped updates plus N(0, (sigma C)^2), divided by the expected
@@ -331,6 +436,13 @@ class DPNoisyMean(UploadStage):
     name = "dp_noisy_mean"
     transforms = True
     report_keys = ("dp_realized_noise_multiplier",)  # written by the pipeline for the accountant
+    position = 60
+
+    @classmethod
+    def from_config(cls, cfg, noise_multiplier):
+        if cfg.secagg or cfg.dp is None:
+            return None
+        return cls(noise_multiplier, cfg.dp.clip_norm)
 
     def __post_init__(self):
         self._noisy_mean = jax.jit(self._mean)
@@ -362,6 +474,7 @@ def scope_key(r: RoundUploads, s_idx: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(r.key, 1000 + s_idx), r.round_index)
 
 
+@register_stage
 @dataclasses.dataclass
 class SecureAggregation(UploadStage):
     """Bonawitz et al. 2017 over each scope's valid clients (`secure_aggregation.secure_sum`):
@@ -383,6 +496,16 @@ class SecureAggregation(UploadStage):
     report_keys = ("secagg_senders", "secagg_dropped_after_upload", "secagg_failures",
                    "secagg_skipped", "secagg_quantization_error_bound",
                    "dp_realized_noise_multiplier")
+    position = 60
+
+    @classmethod
+    def from_config(cls, cfg, noise_multiplier):
+        if not cfg.secagg:
+            return None
+        return cls(cfg.secagg_threshold_fraction, cfg.secagg_dropout_after_upload,
+                   cfg.secagg_min_senders, cfg.encoding, noise_multiplier,
+                   cfg.dp.clip_norm if cfg.dp is not None else 1.0, cfg.dp is not None,
+                   cfg.secagg_simulation)
 
     def server(self, r: RoundUploads) -> None:
         r.aggregates = {}
