@@ -388,3 +388,35 @@ def test_zero_buffers_of_a_tree_compile_one_program_and_are_independent():
     before = len(compiles)
     runners._zeros_in_slots(shapes, 7)
     assert len(compiles) == before  # cached: the same tree of shapes compiles nothing more
+
+
+def test_a_registered_strategy_runs_by_name_and_joins_auto():
+    """A new strategy is one `register_strategy`: `make_runner` builds it by name (same numbers
+    as the runner it wraps here), 'auto' times it, and a mesh strategy is left out of 'auto'
+    without a multi-device mesh."""
+    name = "loop_again_test"
+    runners.register_strategy(runners.Strategy(
+        name, lambda program, o: runners.strategy("loop").build(program, o)))
+    runners.register_strategy(runners.Strategy(
+        "mesh_only_test", lambda program, o: runners.strategy("loop").build(program, o),
+        needs_mesh=True))
+    try:
+        assert name in runners.auto_candidates(None)
+        assert "mesh_only_test" not in runners.auto_candidates(None)
+        assert runners.needs_mesh("mesh_only_test") and not runners.needs_mesh(name)
+        _, program, data, states, server = _setup("convnet3", num_clients=4)
+        slots = jnp.array([2, 0, 4], jnp.int32)  # one padded slot
+        keys = jax.random.split(jax.random.key(3), 3)
+        mine = runners.make_runner(program, name)
+        assert mine.strategy == name
+        out_mine = mine.update(server.proxy_params, _copy(states), data, slots, keys)
+        out_loop = runners.make_runner(program, "loop").update(
+            server.proxy_params, _copy(states), data, slots, keys)
+        chex.assert_trees_all_equal(out_mine, out_loop)
+        with pytest.raises(ValueError, match="'loop_again_test' is registered twice"):
+            runners.register_strategy(runners.Strategy(name, mine.update))
+        with pytest.raises(ValueError, match="needs a mesh"):
+            runners.make_runner(program, "mesh_only_test")
+    finally:
+        runners._STRATEGIES.pop(name, None)
+        runners._STRATEGIES.pop("mesh_only_test", None)

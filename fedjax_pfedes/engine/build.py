@@ -182,7 +182,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     archs = assign_architectures(config.clients.architectures, data.num_clients)
     requested = runners.resolve_strategy(config.execution.strategy)
     mesh = (runners.client_mesh(config.execution.devices)
-            if requested in ("shard", "auto") else None)
+            if runners.needs_mesh(requested) else None)
     candidates = runners.auto_candidates(mesh) if requested == "auto" else (requested,)
     kernel_set = runners.kernel_candidates(config.execution.cpu_kernels)
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
@@ -207,7 +207,8 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     try:
         cohorts, client_states = build_cohorts(
             data, archs, programs, {a: next(iter(r.values())) for a, r in arch_runners.items()},
-            slots_per_round, client_key, mesh.size if "shard" in candidates else 1,
+            slots_per_round, client_key,
+            mesh.size if any(runners.strategy(s).needs_mesh for s in candidates) else 1,
             offload_spec(config, workdir), same_init=config.clients.same_init)
     except offload.BudgetError as e:
         raise ConfigError(str(e)) from None
@@ -265,9 +266,10 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
                 cache_dir)
             c.runner = arch_runners[c.arch][picked.strategy]
             choices[c.arch] = picked.as_dict()
-    for c in cohorts:  # 'shard' reads data and states on its mesh: put them there once
-        # (samples only: the sizes stay on the default device, where rounds read them)
-        if c.runner.strategy == "shard" and config.execution.client_states == "device":
+    for c in cohorts:  # a mesh strategy reads data and states on its mesh: put them there
+        # once (samples only: the sizes stay on the default device, where rounds read them)
+        if (runners.strategy(c.runner.strategy).needs_mesh
+                and config.execution.client_states == "device"):
             c.train, c.test = (a.replace(x=runners.client_rows(a.x, mesh),
                                          y=runners.client_rows(a.y, mesh))
                                for a in (c.train, c.test))

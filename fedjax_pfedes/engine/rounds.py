@@ -141,7 +141,7 @@ def sent_to_runner(finish, reducer, attack_active: bool, runner, bucket: int, br
     uploads. `execution.choice` times the runners with the same."""
     if finish is None or attack_active or not jax.tree.leaves(template):
         return broadcast
-    streams = reducer is not None and runner.strategy == "scan"
+    streams = reducer is not None and runners.strategy(runner.strategy).streams_uploads
     return runners.Finishing(broadcast, template, finish, reducer(bucket) if streams else None)
 
 

@@ -82,7 +82,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         alignment.get_alignment(config.align)
         check_proxy(config.proxy_arch)
         runners.resolve_strategy(config.execution.strategy)
-        if config.execution.strategy in ("shard", "auto"):
+        if runners.needs_mesh(config.execution.strategy):
             runners.client_mesh(config.execution.devices)
         _check_client_states(config.execution)
         distributed.settings(config)

@@ -148,22 +148,23 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
     cached = cached_choice(trial, cache_dir)
     if cached is not None:
         return cached
-    runners, bucket, epochs = trial.runners, trial.bucket, trial.epochs
+    trial_runners, bucket, epochs = trial.runners, trial.bucket, trial.epochs
     planned_steps, expected_participants = trial.planned_steps, trial.expected_participants
     one_step, slots, keys = trial.inputs()
     per_call = {s: _time_update(r, trial.broadcast if trial.sent is None else trial.sent(r),
                                 trial.states, one_step, slots, keys, repeats)
-                for s, r in runners.items()}
+                for s, r in trial_runners.items()}
     # A call ran `epochs` steps of every slot. The loop pays per participant and step; vmap
     # (and shard: vmap per device) pays per iteration of the whole bucket, until the longest
     # schedule ends.
     mean_steps, max_steps = float(np.mean(planned_steps)), float(np.max(planned_steps))
     # 'scan' pays per participant and step like the loop (padded slots take no step).
     per_participant = mean_steps * expected_participants / (epochs * bucket)
-    calls_per_round = {"loop": per_participant, "scan": per_participant,
-                       "vmap": max_steps / epochs, "shard": max_steps / epochs}
-    expected = {name: seconds * calls_per_round[runners[name].strategy]
-                for name, seconds in per_call.items()}
+    calls_per_round = {"per_participant": per_participant,
+                       "longest_schedule": max_steps / epochs}
+    expected = {name: seconds * calls_per_round[
+        runners.strategy(trial_runners[name].strategy).cost]
+        for name, seconds in per_call.items()}
     choice = Choice(min(expected, key=expected.get), per_call, expected)
     if cache_dir:  # re-read: another run may have added its decisions meanwhile
         path = os.path.join(cache_dir, CACHE_FILE)

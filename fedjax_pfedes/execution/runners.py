@@ -54,19 +54,102 @@ from jax.sharding import PartitionSpec as P
 from fedjax_pfedes.algorithms.base import CohortProgram, Metrics, PyTree, global_accuracy
 from fedjax_pfedes.tree_util import put_rows, take_rows
 
-STRATEGIES = ("vmap", "loop", "shard", "scan")
 CPU_KERNELS = ("xla", "eigen")
 KERNEL_SETTINGS = CPU_KERNELS + ("auto",)  # what config.execution.cpu_kernels accepts
 CLIENT_AXIS = "clients"  # the mesh axis the participant slots are split over
 
 
+@dataclasses.dataclass(frozen=True)
+class RunnerOptions:
+    """What a strategy's runner is built with (`make_runner`).
+
+    Attributes:
+      mesh: the device mesh of `client_mesh` (strategies that `needs_mesh`), else None.
+      loop_threads: host threads of the loop (already resolved: >= 1).
+      scan_chunk: participants vmapped together per iteration of the scan.
+      jit: `jax.jit` with the run's compiler options (CPU kernels).
+    """
+
+    mesh: Mesh | None
+    loop_threads: int
+    scan_chunk: int
+    jit: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """An execution strategy: how a cohort's per-client functions run over the participants
+    (`config.execution.strategy`). Every strategy computes the same numbers up to float
+    reassociation (tests/test_execution.py checks each registered one against the loop).
+
+    Attributes:
+      name: the config name.
+      build: (program, RunnerOptions) -> CohortRunner.
+      cost: how `execution.choice` prices a round from one timed call: 'per_participant' (each
+        participant's own steps: loop, scan) or 'longest_schedule' (every slot iterates until
+        the bucket's longest schedule ends: vmap, shard).
+      needs_mesh: runs over a device mesh (states and samples are put on it; buckets are
+        multiples of its size); 'auto' considers it only with more than one device.
+      streams_uploads: sums the uploads as they are made when the server step allows it
+        (`upload.streaming`).
+      auto: a candidate of `strategy='auto'`.
+    """
+
+    name: str
+    build: Callable[[CohortProgram, RunnerOptions], CohortRunner]
+    cost: str = "per_participant"
+    needs_mesh: bool = False
+    streams_uploads: bool = False
+    auto: bool = True
+
+    def __post_init__(self):
+        if self.cost not in ("per_participant", "longest_schedule"):
+            raise ValueError(f"strategy '{self.name}': cost must be 'per_participant' or "
+                             f"'longest_schedule', got '{self.cost}'")
+
+
+_STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(strategy: Strategy) -> Strategy:
+    """Makes an execution strategy usable by name in `config.execution.strategy`.
+
+    Args:
+      strategy: its name, runner factory, cost model and needs.
+
+    Returns:
+      `strategy`. A name may be taken once.
+    """
+    if strategy.name in _STRATEGIES or strategy.name == "auto":
+        raise ValueError(f"execution strategy '{strategy.name}' is registered twice")
+    _STRATEGIES[strategy.name] = strategy
+    return strategy
+
+
+def strategy(name: str) -> Strategy:
+    """The registered strategy `name` (ValueError naming the config field when unknown)."""
+    if name not in _STRATEGIES:
+        raise ValueError(f"config.execution.strategy: unknown strategy '{name}'; "
+                         f"known: {['auto', *_STRATEGIES]}")
+    return _STRATEGIES[name]
+
+
+def strategy_names() -> tuple[str, ...]:
+    """Every registered strategy's name, in registration order."""
+    return tuple(_STRATEGIES)
+
+
 def resolve_strategy(name: str) -> str:
-    """Checks `config.execution.strategy`: 'loop', 'vmap', 'shard', or 'auto' (chosen per
+    """Checks `config.execution.strategy`: a registered strategy, or 'auto' (chosen per
     cohort by timing the applicable ones on the run's backend, see `execution.choice`)."""
-    if name == "auto" or name in STRATEGIES:
-        return name
-    raise ValueError(f"config.execution.strategy: unknown strategy '{name}'; "
-                     f"known: ['auto', 'loop', 'vmap', 'shard', 'scan']")
+    if name != "auto":
+        strategy(name)
+    return name
+
+
+def needs_mesh(requested: str) -> bool:
+    """Whether `config.execution.strategy` = `requested` builds a device mesh."""
+    return requested == "auto" or strategy(requested).needs_mesh
 
 
 def kernel_options(cpu_kernels: str) -> dict[str, str]:
@@ -95,9 +178,10 @@ def kernel_candidates(cpu_kernels: str) -> tuple[str, ...]:
 
 
 def auto_candidates(mesh: Mesh | None) -> tuple[str, ...]:
-    """The strategies 'auto' times: 'shard' only when the mesh has more than one device."""
-    return ("vmap", "loop", "scan") + (("shard",) if mesh is not None and mesh.size > 1
-                                       else ())
+    """The strategies 'auto' times: those on a mesh only when it has more than one device."""
+    multi_device = mesh is not None and mesh.size > 1
+    return tuple(s.name for s in _STRATEGIES.values()
+                 if s.auto and (multi_device or not s.needs_mesh))
 
 
 def client_mesh(devices: int) -> Mesh:
@@ -267,14 +351,15 @@ def finishing_program(program: CohortProgram) -> CohortProgram:
     return dataclasses.replace(program, client_update=client_update)
 
 
-def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None,
+def make_runner(program: CohortProgram, strategy_name: str, mesh: Mesh | None = None,
                 loop_threads: int = 1, cpu_kernels: str = "xla", scan_chunk: int = 1
                 ) -> CohortRunner:
     """Builds the jitted update/evaluate functions of a cohort.
 
     Args:
       program: the cohort's per-client functions.
-      strategy: 'vmap' | 'loop' | 'shard' | 'scan' ('shard' needs `mesh`).
+      strategy_name: a registered strategy ('loop', 'vmap', 'scan', 'shard', ...; one that
+        `needs_mesh` needs `mesh`).
       mesh: the mesh of `client_mesh` ('shard' only).
       loop_threads: host threads of 'loop' (0 = `default_loop_threads()`).
       cpu_kernels: see `kernel_options`.
@@ -289,21 +374,15 @@ def make_runner(program: CohortProgram, strategy: str, mesh: Mesh | None = None,
     # Off the CPU backend the option does not exist: the runner's kernels are XLA's own.
     with_kernels = functools.partial(dataclasses.replace,
                                      kernels=cpu_kernels if options else "xla")
-    if strategy == "vmap":
-        return with_kernels(_mapped_runner(program, "vmap", _vmapped, jit=jit))
-    if strategy == "loop":
-        return with_kernels(_loop_runner(program, loop_threads or default_loop_threads(),
-                                         jit=jit))
-    if strategy == "scan":
-        return with_kernels(_scan_runner(program, scan_chunk, jit=jit))
-    if strategy == "shard":
-        if mesh is None:
-            raise ValueError("make_runner: strategy 'shard' needs a mesh (execution.client_mesh)")
-        return with_kernels(_mapped_runner(program, "shard", functools.partial(_sharded,
-                                                                               mesh=mesh),
-                                           mesh, jit=jit))
-    raise ValueError(f"make_runner: strategy must be 'loop', 'vmap', 'shard' or 'scan' ('auto' is "
-                     f"resolved per cohort by execution.choice), got '{strategy}'")
+    if strategy_name == "auto":
+        raise ValueError("make_runner: 'auto' is resolved per cohort by execution.choice")
+    chosen = strategy(strategy_name)
+    if chosen.needs_mesh and mesh is None:
+        raise ValueError(f"make_runner: strategy '{strategy_name}' needs a mesh "
+                         "(execution.client_mesh)")
+    runner = chosen.build(program, RunnerOptions(mesh, loop_threads or default_loop_threads(),
+                                                 scan_chunk, jit))
+    return with_kernels(runner, strategy=chosen.name)
 
 
 def _vmapped(fn: Callable, in_axes: tuple) -> Callable:
@@ -729,3 +808,14 @@ def _zeros_in_slots(shapes: PyTree, bucket: int) -> PyTree:
     leaves, treedef = jax.tree.flatten(shapes)
     return _zeros_program(treedef, tuple(((bucket,) + tuple(s.shape), jnp.dtype(s.dtype).name)
                                          for s in leaves))()
+
+
+register_strategy(Strategy("vmap", lambda program, o: _mapped_runner(
+    program, "vmap", _vmapped, jit=o.jit), cost="longest_schedule"))
+register_strategy(Strategy("loop", lambda program, o: _loop_runner(
+    program, o.loop_threads, jit=o.jit)))
+register_strategy(Strategy("scan", lambda program, o: _scan_runner(
+    program, o.scan_chunk, jit=o.jit), streams_uploads=True))
+register_strategy(Strategy("shard", lambda program, o: _mapped_runner(
+    program, "shard", functools.partial(_sharded, mesh=o.mesh), o.mesh, jit=o.jit),
+    cost="longest_schedule", needs_mesh=True))
