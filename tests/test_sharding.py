@@ -34,19 +34,19 @@ def test_shard_runner_equals_vmap_on_four_devices():
     3 real) equal 'vmap''s; padded slots upload zeros; non-participants keep their states."""
     result = _run_with_devices("""
         import json, jax, jax.numpy as jnp, numpy as np
-        from fedjax_pfedes import execution
+        from fedjax_pfedes.execution import runners
         from tests.test_execution import _setup, _copy
         _, program, data, states, server = _setup("convnet3", num_clients=5)
         slots = np.array([2, 0, 4, 5, 5, 5, 5, 5], np.int32)  # 3 clients, 5 padded slots
         keys = jax.random.split(jax.random.key(7), 8)
-        mesh = execution.client_mesh(0)
-        out = {s: execution.make_runner(program, s, mesh).update(
+        mesh = runners.client_mesh(0)
+        out = {s: runners.make_runner(program, s, mesh).update(
                    server.proxy_params, _copy(states), data, slots, keys)
                for s in ("vmap", "shard")}
         diff = lambda a, b: max(float(jnp.abs(jnp.asarray(x) - jnp.asarray(y)).max())
                                 for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
         (up_v, st_v, m_v), (up_s, st_s, m_s) = out["vmap"], out["shard"]
-        ev = {s: execution.make_runner(program, s, mesh).evaluate(
+        ev = {s: runners.make_runner(program, s, mesh).evaluate(
                   server.proxy_params, st_v, data, data.x[0], data.y[0]) for s in out}
         print(json.dumps({
             "devices": mesh.size,
@@ -72,29 +72,29 @@ def test_a_cohort_that_fills_the_mesh_is_split_over_it_with_the_vmap_numbers():
     after an update, and give 'vmap''s uploads, states and evaluation."""
     result = _run_with_devices("""
         import json, jax, jax.numpy as jnp, numpy as np
-        from fedjax_pfedes import execution
+        from fedjax_pfedes.execution import runners
         from tests.test_execution import _setup, _copy
         _, program, data, states, server = _setup("convnet3", num_clients=8)
-        mesh = execution.client_mesh(0)
+        mesh = runners.client_mesh(0)
         slots = np.array([6, 1, 3, 8], np.int32)  # 3 clients, one padded slot
         keys = jax.random.split(jax.random.key(7), 4)
-        placed = data.replace(x=execution.client_rows(data.x, mesh),
-                              y=execution.client_rows(data.y, mesh))
-        split_states = execution.client_rows(_copy(states), mesh)
-        up_v, st_v, _ = execution.make_runner(program, "vmap").update(
+        placed = data.replace(x=runners.client_rows(data.x, mesh),
+                              y=runners.client_rows(data.y, mesh))
+        split_states = runners.client_rows(_copy(states), mesh)
+        up_v, st_v, _ = runners.make_runner(program, "vmap").update(
             server.proxy_params, _copy(states), data, slots, keys)
-        shard = execution.make_runner(program, "shard", mesh)
+        shard = runners.make_runner(program, "shard", mesh)
         up_s, st_s, _ = shard.update(server.proxy_params, split_states, placed, slots, keys)
         diff = lambda a, b: max(float(jnp.abs(jnp.asarray(x) - jnp.asarray(y)).max())
                                 for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-        ev_v = execution.make_runner(program, "vmap").evaluate(
+        ev_v = runners.make_runner(program, "vmap").evaluate(
             server.proxy_params, st_v, data, data.x[0], data.y[0])
         ev_s = shard.evaluate(server.proxy_params, st_s, placed, data.x[0], data.y[0])
         leaf = jax.tree.leaves(st_s)[0]
         print(json.dumps({
             "uploads": diff(up_v, up_s), "states": diff(st_v.params, st_s.params),
             "evaluate": diff(ev_v, ev_s),
-            "split": leaf.sharding.spec == execution.P(execution.CLIENT_AXIS),
+            "split": leaf.sharding.spec == runners.P(runners.CLIENT_AXIS),
             "rows_per_device": [s.data.shape[0] for s in leaf.addressable_shards],
             "x_rows_per_device": [s.data.shape[0] for s in placed.x.addressable_shards]}))
     """)
