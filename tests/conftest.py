@@ -1,9 +1,10 @@
 """Test tiers: end-to-end tests are marked `slow` automatically.
 
 A test is `slow` when it, a fixture it uses, or a helper of its module that either calls (two
-levels deep) runs whole experiments or processes: `run_experiment`, `run_grid`, `subprocess`, or
-the notebook. `python -m pytest tests -m "not slow"` is the fast tier (unit tests of every module
-against independent references); `python -m pytest tests` runs everything (CI).
+levels deep) runs whole experiments or processes: `run_experiment`, `fedjax_pfedes.run`,
+`run_grid`, `subprocess`, or the notebook. `python -m pytest tests -m "not slow"` is the fast tier
+(unit tests of every module against independent references); `python -m pytest tests` runs
+everything (CI).
 """
 
 import inspect
@@ -12,7 +13,8 @@ import re
 
 import pytest
 
-SLOW_CALLS = ("run_experiment(", "run_grid(", "subprocess.", "NotebookClient(")
+SLOW_CALLS = ("run_experiment(", "fedjax_pfedes.run(", "run_grid(", "subprocess.",
+              "NotebookClient(")
 
 
 def _source(func) -> str:
