@@ -8,6 +8,8 @@ import pytest
 
 from configs import tabular_hetero
 from fedjax_pfedes.algorithms.fedavg import fedavg
+from fedjax_pfedes.algorithms.fedproto import FedProtoConfig
+from fedjax_pfedes.algorithms.lg_fedavg import LGFedAvgConfig
 from fedjax_pfedes.algorithms.standalone import standalone
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
@@ -310,19 +312,18 @@ def test_published_pfedes_paper_step_counts_per_phase():
     assert float(metrics["local_steps"]) == 1 * 2 + (1 + 3) * 2
 
 
-def _hetero(**kw):
-    from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig
-
+def _hetero(config_class, **kw):
+    """`config_class` (a method's config) with small settings."""
     base = dict(num_classes=3, input_spec=SPEC, dim=4, lr_local=0.1, batch_size=4)
     base.update(kw)
-    return HeteroConfig(**base)
+    return config_class(**base)
 
 
 def test_fedproto_uploads_numpy_class_means_of_its_embeddings():
     from fedjax_pfedes.algorithms.fedproto import fedproto
     from fedjax_pfedes.models import architectures
 
-    alg = fedproto(_hetero())
+    alg = fedproto(_hetero(FedProtoConfig))
     server = alg.init_server(jax.random.key(0))
     program = alg.cohort_program("mlp_small")
     data = _data(n=6, capacity=8, seed=3)
@@ -341,7 +342,7 @@ def test_fedproto_uploads_numpy_class_means_of_its_embeddings():
 def test_fedproto_server_takes_count_weighted_class_means_and_keeps_unseen_classes():
     from fedjax_pfedes.algorithms.fedproto import fedproto, nearest_prototype
 
-    alg = fedproto(_hetero(num_classes=3, dim=2))
+    alg = fedproto(_hetero(FedProtoConfig, num_classes=3, dim=2))
     server = alg.init_server(jax.random.key(0))
     server = server.replace(prototypes=jnp.full((3, 2), 7.0))
     protos_a = jnp.array([[[1.0, 0.0], [2.0, 2.0], [0.0, 0.0]],
@@ -363,7 +364,7 @@ def test_fedproto_server_takes_count_weighted_class_means_and_keeps_unseen_class
 def test_lg_fedavg_shares_only_the_head():
     from fedjax_pfedes.algorithms.lg_fedavg import lg_fedavg
 
-    alg = lg_fedavg(_hetero())
+    alg = lg_fedavg(_hetero(LGFedAvgConfig))
     server = alg.init_server(jax.random.key(0), ("mlp_small", "mlp"))
     program = alg.cohort_program("mlp")
     state = program.init_client(jax.random.key(1))

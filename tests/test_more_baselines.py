@@ -1,6 +1,8 @@
 """SCAFFOLD, FedNova, FedBN, FML, FedKD, FedGH and FedMRL: defining math against hand-derived or
 numpy references, and runs through the simulator with hand-counted upload sizes."""
 
+import dataclasses
+
 import fl_helpers
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,9 @@ import pytest
 
 from configs import tabular_hetero
 from fedjax_pfedes.algorithms.fedavg import fedavg
-from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig
+from fedjax_pfedes.algorithms.fedgh import FedGHConfig
+from fedjax_pfedes.algorithms.fedkd import FedKDConfig
+from fedjax_pfedes.algorithms.fedmrl import FedMRLConfig
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.engine.loop import run_experiment
@@ -22,11 +26,13 @@ IMAGE = InputSpec("image", (8, 8, 1), "float32", (0.0,), (1.0,))
 _cfg = fl_helpers.fedavg_config
 
 
-def _hetero(**kw):
+def _hetero(config_class, **kw):
+    """`config_class` (a method's config) with small settings, where it has those fields."""
     base = dict(num_classes=3, input_spec=SPEC, dim=4, lr_local=0.1, batch_size=4,
                 shared_arch="mlp_small")
     base.update(kw)
-    return HeteroConfig(**base)
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    return config_class(**{k: v for k, v in base.items() if k in fields})
 
 
 _data = fl_helpers.client_data
@@ -244,7 +250,7 @@ def test_fedkd_svd_keeps_the_fewest_singular_values_reaching_the_energy():
     tree = {"kernel": jnp.asarray(m, jnp.float32), "bias": jnp.ones(5)}
     _, sent = compress_update(tree, 0.9)
     assert float(sent) == 2 * (6 + 5 + 1) + 5
-    cfg = _hetero(rounds=11, kd_energy_start=0.9, kd_energy_end=0.95)
+    cfg = _hetero(FedKDConfig, rounds=11, kd_energy_start=0.9, kd_energy_end=0.95)
     np.testing.assert_allclose([energy_threshold(0, cfg), energy_threshold(5, cfg),
                                 energy_threshold(10, cfg)], [0.9, 0.925, 0.95], rtol=1e-6)
 
@@ -252,7 +258,7 @@ def test_fedkd_svd_keeps_the_fewest_singular_values_reaching_the_energy():
 def test_fedkd_uploads_the_compressed_mentee_update_and_server_adds_the_mean():
     from fedjax_pfedes.algorithms.fedkd import fedkd
 
-    alg = fedkd(_hetero(kd_energy_start=0.5, kd_energy_end=0.5))
+    alg = fedkd(_hetero(FedKDConfig, kd_energy_start=0.5, kd_energy_end=0.5))
     server = alg.init_server(jax.random.key(0), ("mlp",))
     prog = alg.cohort_program("mlp")
     up, _, m = prog.client_update(alg.broadcast(server, "mlp"), prog.init_client(
@@ -298,7 +304,7 @@ def test_fedgh_uploads_class_prototypes_of_its_trained_model_with_the_global_hea
     from fedjax_pfedes.algorithms.fedgh import fedgh
     from fedjax_pfedes.algorithms.fedproto import class_prototypes
 
-    alg = fedgh(_hetero())
+    alg = fedgh(_hetero(FedGHConfig))
     server = alg.init_server(jax.random.key(0), ("mlp",))
     prog = alg.cohort_program("mlp")
     data = _data()
@@ -316,7 +322,7 @@ def test_fedgh_uploads_class_prototypes_of_its_trained_model_with_the_global_hea
 def test_fedmrl_shares_the_small_model_and_its_header_reads_only_the_nested_prefix():
     from fedjax_pfedes.algorithms.fedmrl import SHARED_KEYS, MatryoshkaModel, fedmrl
 
-    alg = fedmrl(_hetero(dim=6, mrl_sub_dim=2))
+    alg = fedmrl(_hetero(FedMRLConfig, dim=6, mrl_sub_dim=2))
     server = alg.init_server(jax.random.key(0), ("mlp",))
     assert set(server.shared) == set(SHARED_KEYS)
     assert server.shared["shared_header"]["kernel"].shape == (2, 3)

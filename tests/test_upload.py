@@ -844,11 +844,10 @@ def test_the_norm_rule_measures_only_the_uploads_model_part():
     assert rejected(()) == [3]           # the scalar dominates the whole upload's norm
     assert rejected(("model",)) == []    # the model parts are identical
     from fedjax_pfedes.algorithms.fednova import fednova
-    from fedjax_pfedes.algorithms.fedproto import fedproto
-    from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig
+    from fedjax_pfedes.algorithms.fedproto import FedProtoConfig, fedproto
     assert fednova(fl_helpers.fedavg_config()).norm_keys == ("normalized_update",)
-    assert fedproto(HeteroConfig(num_classes=3, input_spec=fl_helpers.SPEC, dim=4, lr_local=0.1,
-                                 batch_size=4, shared_arch="mlp_small")).norm_keys == \
+    assert fedproto(FedProtoConfig(num_classes=3, input_spec=fl_helpers.SPEC, dim=4,
+                                   lr_local=0.1, batch_size=4)).norm_keys == \
         ("prototypes",)
 
 

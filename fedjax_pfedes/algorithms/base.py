@@ -191,3 +191,14 @@ def with_fresh_local_optimizer(program: CohortProgram) -> CohortProgram:
         return program.client_update(broadcast, fresh, data, rng)
 
     return dataclasses.replace(program, client_update=client_update)
+
+
+def check_range(value, low, high, field: str, low_open: bool = False,
+                high_open: bool = False) -> None:
+    """ValueError naming `field` unless low <(=) value <(=) high (None = unbounded)."""
+    ok = ((low is None or (value > low if low_open else value >= low))
+          and (high is None or (value < high if high_open else value <= high)))
+    if not ok:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        raise ValueError(f"{field} must be in {lo}{low}, {high}{hi}, got {value}")

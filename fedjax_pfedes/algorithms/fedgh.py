@@ -14,6 +14,7 @@ global header. Only prototypes go up (classes x d numbers + counts per client).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -22,16 +23,30 @@ import optax
 from flax import struct
 
 from fedjax_pfedes.algorithms import local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, check_range
 from fedjax_pfedes.algorithms.fedproto import class_prototypes
-from fedjax_pfedes.algorithms.lg_fedavg import (
-    HeteroConfig,
-    check_range,
-    global_head_program,
-    hetero_config,
-)
-from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
+from fedjax_pfedes.algorithms.lg_fedavg import LGFedAvgConfig, global_head_program
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.models import architectures
+
+
+@dataclasses.dataclass(frozen=True)
+class FedGHConfig(LGFedAvgConfig):
+    """FedGH's settings: LG-FedAvg's, and the server's training of the global header.
+
+    Attributes:
+      gh_server_lr, gh_server_epochs: the server's SGD on the uploaded prototypes
+        (config.fedgh.server_lr / server_epochs).
+    """
+
+    gh_server_lr: float = 0.05
+    gh_server_epochs: int = 1
+
+
+def _config(inputs: BuildInputs) -> FedGHConfig:
+    c = inputs.config
+    return FedGHConfig(**inputs.local_training(), dim=c.proxy_dim,
+                       gh_server_lr=c.fedgh.server_lr, gh_server_epochs=c.fedgh.server_epochs)
 
 
 @struct.dataclass
@@ -61,7 +76,7 @@ def train_header_on_prototypes(head: dict, head_apply, prototypes: jnp.ndarray,
     return jax.lax.scan(one_epoch, head, None, length=epochs)[0]
 
 
-def fedgh(cfg: HeteroConfig) -> Algorithm:
+def fedgh(cfg: FedGHConfig) -> Algorithm:
     """Builds FedGH for heterogeneous cohorts."""
     dummy_x = cfg.input_spec.dummy_batch()
 
@@ -110,7 +125,7 @@ def fedgh(cfg: HeteroConfig) -> Algorithm:
                      cohort_program, aggregation="custom")
 
 register(AlgorithmEntry(
-    "fedgh", lambda inputs: fedgh(hetero_config(inputs)), aggregation="custom",
+    "fedgh", lambda inputs: fedgh(_config(inputs)), aggregation="custom",
     check=lambda c: (check_range(c.fedgh.server_lr, 0, None, "config.fedgh.server_lr",
                                  low_open=True),
                      check_range(c.fedgh.server_epochs, 1, None, "config.fedgh.server_epochs")),

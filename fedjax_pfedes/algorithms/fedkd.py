@@ -2,7 +2,7 @@
 
 Wu et al., "Communication-efficient federated learning via knowledge distillation", Nature
 Communications 13, 2032 (2022). Every client holds a private mentor (its own architecture), a copy
-of the shared mentee (one small architecture, `HeteroConfig.shared_arch`) and a private linear map
+of the shared mentee (one small architecture, `FedKDConfig.shared_arch`) and a private linear map
 W_h between their hidden representations. Both models end in the common d-dimensional feature
 space of `ProjectedClassifier` (h = P(F(x))), so W_h is d x d. One local step minimizes
 
@@ -22,6 +22,7 @@ is not compressed here (the paper compresses it too). Inference uses the mentor.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -32,10 +33,41 @@ from flax import struct
 
 from fedjax_pfedes import aggregation
 from fedjax_pfedes.algorithms import local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
-from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, check_range, hetero_config
-from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
+from fedjax_pfedes.algorithms.base import (
+    Algorithm,
+    CohortProgram,
+    LocalTrainingConfig,
+    check_range,
+    classifier_program,
+)
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.models import architectures
+
+
+@dataclasses.dataclass(frozen=True)
+class FedKDConfig(LocalTrainingConfig):
+    """FedKD's settings.
+
+    Attributes:
+      dim: the hidden dimension both mentor and mentee project to (config.proxy_dim).
+      shared_arch: the shared mentee ('' = the modality's default small model;
+        config.clients.shared_arch).
+      kd_energy_start, kd_energy_end, rounds: the SVD energy threshold, raised linearly from
+        start (round 1) to end (round `rounds`) (config.fedkd.*, config.train.rounds).
+    """
+
+    dim: int = 128
+    shared_arch: str = ""
+    kd_energy_start: float = 0.95
+    kd_energy_end: float = 0.98
+    rounds: int = 1
+
+
+def _config(inputs: BuildInputs) -> FedKDConfig:
+    c = inputs.config
+    return FedKDConfig(**inputs.local_training(), dim=c.proxy_dim,
+                       shared_arch=c.clients.shared_arch, kd_energy_start=c.fedkd.energy_start,
+                       kd_energy_end=c.fedkd.energy_end, rounds=c.train.rounds)
 
 
 @struct.dataclass
@@ -79,14 +111,14 @@ def compress_update(update: dict, energy: jax.Array) -> tuple[dict, jax.Array]:
     return jax.tree.unflatten(treedef, out), sent
 
 
-def energy_threshold(round_index: jax.Array, cfg: HeteroConfig) -> jax.Array:
+def energy_threshold(round_index: jax.Array, cfg: FedKDConfig) -> jax.Array:
     """T for 0-based `round_index`: kd_energy_start at the first round, kd_energy_end at the
     last."""
     frac = jnp.clip(round_index / max(cfg.rounds - 1, 1), 0.0, 1.0)
     return cfg.kd_energy_start + (cfg.kd_energy_end - cfg.kd_energy_start) * frac
 
 
-def fedkd(cfg: HeteroConfig) -> Algorithm:
+def fedkd(cfg: FedKDConfig) -> Algorithm:
     """Builds FedKD for heterogeneous cohorts."""
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
@@ -170,7 +202,7 @@ def fedkd(cfg: HeteroConfig) -> Algorithm:
                      cohort_program)
 
 register(AlgorithmEntry(
-    "fedkd", lambda inputs: fedkd(hetero_config(inputs)), shared_model=True,
+    "fedkd", lambda inputs: fedkd(_config(inputs)), shared_model=True,
     schedule_depends_on_rounds=True,
     check=lambda c: [check_range(c.fedkd[k], 0, 1, f"config.fedkd.{k}", low_open=True)
                      for k in ("energy_start", "energy_end")],

@@ -2,7 +2,7 @@
 
 Yi et al., "Federated Model Heterogeneous Matryoshka Representation Learning", NeurIPS 2024.
 Every client model has two feature extractors on the same input: the shared homogeneous small
-extractor G (architecture `HeteroConfig.shared_arch`, its ReLU features) and the client's
+extractor G (architecture `FedMRLConfig.shared_arch`, its ReLU features) and the client's
 private heterogeneous extractor F_k. A private lightweight projector fuses them,
 r = P_k([G(x), F_k(x)]) in R^d, and two headers read nested prefixes of r (Matryoshka
 representation learning, Kusupati et al., NeurIPS 2022): the shared header reads r[:d1]
@@ -16,6 +16,7 @@ Parameter subtrees: 'shared_backbone', 'shared_header' (uploaded) and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -26,15 +27,44 @@ from flax import struct
 
 from fedjax_pfedes import aggregation
 from fedjax_pfedes.algorithms import local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
-from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, check_range, hetero_config
-from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
+from fedjax_pfedes.algorithms.base import (
+    Algorithm,
+    CohortProgram,
+    LocalTrainingConfig,
+    check_range,
+    classifier_program,
+)
+from fedjax_pfedes.algorithms.lg_fedavg import ClientState
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import architectures
 from fedjax_pfedes.models.backbones import BACKBONES
 from fedjax_pfedes.models.layers import InputNormalization
 
 SHARED_KEYS = ("shared_backbone", "shared_header")
+
+
+@dataclasses.dataclass(frozen=True)
+class FedMRLConfig(LocalTrainingConfig):
+    """FedMRL's settings.
+
+    Attributes:
+      dim: the fused representation's dimension d (config.proxy_dim).
+      shared_arch: the shared small extractor ('' = the modality's default small model;
+        config.clients.shared_arch).
+      mrl_sub_dim: the nested (Matryoshka) dimension read by the shared header (<= dim;
+        0 = dim // 2; config.fedmrl.sub_dim).
+    """
+
+    dim: int = 128
+    shared_arch: str = ""
+    mrl_sub_dim: int = 0
+
+
+def _config(inputs: BuildInputs) -> FedMRLConfig:
+    c = inputs.config
+    return FedMRLConfig(**inputs.local_training(), dim=c.proxy_dim,
+                        shared_arch=c.clients.shared_arch, mrl_sub_dim=c.fedmrl.sub_dim)
 
 
 @struct.dataclass
@@ -77,7 +107,7 @@ def with_shared(params: dict, shared: dict) -> dict:
     return {**params, "params": {**params["params"], **shared}}
 
 
-def fedmrl(cfg: HeteroConfig) -> Algorithm:
+def fedmrl(cfg: FedMRLConfig) -> Algorithm:
     """Builds FedMRL for heterogeneous cohorts."""
     sub_dim = cfg.mrl_sub_dim or cfg.dim // 2
     if not 0 < sub_dim <= cfg.dim:
@@ -147,7 +177,7 @@ def fedmrl(cfg: HeteroConfig) -> Algorithm:
                      mean_server_step=True)
 
 register(AlgorithmEntry(
-    "fedmrl", lambda inputs: fedmrl(hetero_config(inputs)), asynchronous=True,
+    "fedmrl", lambda inputs: fedmrl(_config(inputs)), asynchronous=True,
     shared_model=True,
     check=lambda c: check_range(c.fedmrl.sub_dim, 0, c.proxy_dim,
                                 f"config.fedmrl.sub_dim (0 = half of config.proxy_dim="

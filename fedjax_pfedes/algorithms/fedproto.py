@@ -13,6 +13,7 @@ nearest global prototype (over classes that have one).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -22,10 +23,34 @@ from flax import struct
 
 from fedjax_pfedes import aggregation
 from fedjax_pfedes.algorithms import local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
-from fedjax_pfedes.algorithms.lg_fedavg import ClientState, HeteroConfig, check_range, hetero_config
-from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
+from fedjax_pfedes.algorithms.base import (
+    Algorithm,
+    CohortProgram,
+    LocalTrainingConfig,
+    check_range,
+    classifier_program,
+)
+from fedjax_pfedes.algorithms.lg_fedavg import ClientState
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.models import architectures
+
+
+@dataclasses.dataclass(frozen=True)
+class FedProtoConfig(LocalTrainingConfig):
+    """FedProto's settings.
+
+    Attributes:
+      dim: the dimension d of the prototype space (config.proxy_dim).
+      proto_lambda: the weight of the prototype-regularization term (config.fedproto.lam).
+    """
+
+    dim: int = 128
+    proto_lambda: float = 1.0
+
+
+def _config(inputs: BuildInputs) -> FedProtoConfig:
+    c = inputs.config
+    return FedProtoConfig(**inputs.local_training(), dim=c.proxy_dim, proto_lambda=c.fedproto.lam)
 
 
 @struct.dataclass
@@ -58,7 +83,7 @@ def prototype_logits(embeddings: jnp.ndarray, prototypes: jnp.ndarray, available
     return jnp.where(available[None], -d2, -1e9)
 
 
-def fedproto(cfg: HeteroConfig) -> Algorithm:
+def fedproto(cfg: FedProtoConfig) -> Algorithm:
     """Builds FedProto for heterogeneous cohorts."""
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
@@ -133,7 +158,7 @@ def fedproto(cfg: HeteroConfig) -> Algorithm:
                      cohort_program, aggregation="custom", norm_keys=("prototypes",))
 
 register(AlgorithmEntry(
-    "fedproto", lambda inputs: fedproto(hetero_config(inputs)), aggregation="custom",
+    "fedproto", lambda inputs: fedproto(_config(inputs)), aggregation="custom",
     check=lambda c: check_range(c.fedproto.lam, 0, None, "config.fedproto.lam"),
     private_optimizer=True,
     summary="FedProto (Tan et al., AAAI 2022): class prototypes instead of parameters"))

@@ -2,7 +2,7 @@
 
 Shen et al., "Federated Mutual Learning", 2020 (arXiv:2006.16765). Every client holds its private
 model (any architecture, never uploaded) and a copy of the shared "meme" model (one small
-architecture for all clients, `HeteroConfig.shared_arch`). Each round a participant receives the
+architecture for all clients, `FMLConfig.shared_arch`). Each round a participant receives the
 global meme, trains both models together by deep mutual learning on every batch:
 
   L_private = alpha * CE(private) + (1 - alpha) * KL(p_meme || p_private)
@@ -15,6 +15,7 @@ private model's optimizer state persists across rounds; the meme's is fresh ever
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -24,10 +25,37 @@ from flax import struct
 
 from fedjax_pfedes import aggregation
 from fedjax_pfedes.algorithms import local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
-from fedjax_pfedes.algorithms.lg_fedavg import HeteroConfig, check_range, hetero_config
-from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
+from fedjax_pfedes.algorithms.base import (
+    Algorithm,
+    CohortProgram,
+    LocalTrainingConfig,
+    check_range,
+    classifier_program,
+)
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.models import architectures
+
+
+@dataclasses.dataclass(frozen=True)
+class FMLConfig(LocalTrainingConfig):
+    """FML's settings.
+
+    Attributes:
+      shared_arch: the small "meme" model every client shares ('' = the modality's default,
+        `architectures.DEFAULT_SHARED_ARCH`; config.clients.shared_arch).
+      fml_alpha, fml_beta: the CE weights of the private and the shared model; the rest of each
+        loss is the KL term to the other model (config.fml.alpha / beta).
+    """
+
+    shared_arch: str = ""
+    fml_alpha: float = 0.5
+    fml_beta: float = 0.5
+
+
+def _config(inputs: BuildInputs) -> FMLConfig:
+    c = inputs.config
+    return FMLConfig(**inputs.local_training(), shared_arch=c.clients.shared_arch,
+                     fml_alpha=c.fml.alpha, fml_beta=c.fml.beta)
 
 
 @struct.dataclass
@@ -53,7 +81,7 @@ def mutual_losses(private_logits, meme_logits, labels, mask, alpha: float, beta:
     return loss_p, loss_m, ce_p, ce_m
 
 
-def fml(cfg: HeteroConfig) -> Algorithm:
+def fml(cfg: FMLConfig) -> Algorithm:
     """Builds FML for heterogeneous cohorts."""
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
@@ -116,7 +144,7 @@ def fml(cfg: HeteroConfig) -> Algorithm:
                      mean_server_step=True)
 
 register(AlgorithmEntry(
-    "fml", lambda inputs: fml(hetero_config(inputs)), asynchronous=True, shared_model=True,
+    "fml", lambda inputs: fml(_config(inputs)), asynchronous=True, shared_model=True,
     check=lambda c: [check_range(c.fml[k], 0, 1, f"config.fml.{k}") for k in ("alpha", "beta")],
     private_optimizer=True,
     summary="FML (Shen et al., 2020): mutual learning with a shared meme model"))

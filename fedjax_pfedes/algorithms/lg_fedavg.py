@@ -31,35 +31,14 @@ from fedjax_pfedes.models import architectures
 
 
 @dataclasses.dataclass(frozen=True)
-class HeteroConfig(LocalTrainingConfig):
-    """Local training and common-space settings of the model-heterogeneous baselines
-    (LG-FedAvg, FedProto, FML, FedKD, FedGH, FedMRL).
+class LGFedAvgConfig(LocalTrainingConfig):
+    """LG-FedAvg's settings: local training and the common feature dimension.
 
     Attributes:
-      dim: the common feature dimension d (config.proxy_dim).
-      proto_lambda: FedProto's weight of the prototype-regularization term.
-      shared_arch: the small model every client shares in FML, FedKD and FedMRL ('' = the
-        modality's default, `registry.DEFAULT_SHARED_ARCH`).
-      fml_alpha, fml_beta: FML's CE weights of the private and the shared (meme) model; the rest
-        of each loss is the KL term to the other model.
-      kd_energy_start, kd_energy_end, rounds: FedKD's SVD energy threshold, raised linearly from
-        start (round 1) to end (round `rounds`).
-      gh_server_lr, gh_server_epochs: FedGH's server SGD on the uploaded prototypes.
-      mrl_sub_dim: FedMRL's nested (Matryoshka) dimension read by the shared header (<= dim;
-        0 = dim // 2).
+      dim: the dimension d of the projection the shared head reads (config.proxy_dim).
     """
 
     dim: int = 128
-    proto_lambda: float = 1.0
-    shared_arch: str = ""
-    fml_alpha: float = 0.5
-    fml_beta: float = 0.5
-    kd_energy_start: float = 0.95
-    kd_energy_end: float = 0.98
-    rounds: int = 1
-    gh_server_lr: float = 0.05
-    gh_server_epochs: int = 1
-    mrl_sub_dim: int = 0
 
 
 @struct.dataclass
@@ -79,7 +58,7 @@ def with_head(params: dict, head: dict) -> dict:
     return {**params, "params": {**params["params"], "classifier": head}}
 
 
-def global_head_program(arch: str, cfg: HeteroConfig, make_upload) -> CohortProgram:
+def global_head_program(arch: str, cfg: LGFedAvgConfig, make_upload) -> CohortProgram:
     """Clients that replace their head with the broadcast global head, train their whole
     `ProjectedClassifier` with CE for E local epochs, and predict with their own F_k, P_k and the
     global head (LG-FedAvg, FedGH). `make_upload(model, params, data, global_head)` -> (upload,
@@ -112,7 +91,7 @@ def global_head_program(arch: str, cfg: HeteroConfig, make_upload) -> CohortProg
     return classifier_program(init_client, client_update, predict)
 
 
-def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
+def lg_fedavg(cfg: LGFedAvgConfig) -> Algorithm:
     """Builds LG-FedAvg for heterogeneous cohorts."""
     dummy_x = cfg.input_spec.dummy_batch()
 
@@ -140,31 +119,11 @@ def lg_fedavg(cfg: HeteroConfig) -> Algorithm:
     return Algorithm("lg_fedavg", init_server, broadcast, broadcast, server_update,
                      cohort_program, mean_server_step=True)
 
-def hetero_config(inputs: BuildInputs) -> HeteroConfig:
-    """`HeteroConfig` of the model-heterogeneous baselines from their config sections
-    (`config.fedproto`, `config.fml`, `config.fedkd`, `config.fedgh`, `config.fedmrl`) and
-    `config.clients.shared_arch`."""
-    c = inputs.config
-    return HeteroConfig(
-        **inputs.local_training(), dim=c.proxy_dim, proto_lambda=c.fedproto.lam,
-        shared_arch=c.clients.shared_arch, fml_alpha=c.fml.alpha, fml_beta=c.fml.beta,
-        kd_energy_start=c.fedkd.energy_start, kd_energy_end=c.fedkd.energy_end,
-        rounds=c.train.rounds, gh_server_lr=c.fedgh.server_lr,
-        gh_server_epochs=c.fedgh.server_epochs, mrl_sub_dim=c.fedmrl.sub_dim)
-
-
-def check_range(value, low, high, field: str, low_open: bool = False,
-                high_open: bool = False) -> None:
-    """ValueError naming `field` unless low <(=) value <(=) high (None = unbounded)."""
-    ok = ((low is None or (value > low if low_open else value >= low))
-          and (high is None or (value < high if high_open else value <= high)))
-    if not ok:
-        lo = "(" if low_open else "["
-        hi = ")" if high_open else "]"
-        raise ValueError(f"{field} must be in {lo}{low}, {high}{hi}, got {value}")
+def _config(inputs: BuildInputs) -> LGFedAvgConfig:
+    return LGFedAvgConfig(**inputs.local_training(), dim=inputs.config.proxy_dim)
 
 
 register(AlgorithmEntry(
-    "lg_fedavg", lambda inputs: lg_fedavg(hetero_config(inputs)), asynchronous=True,
+    "lg_fedavg", lambda inputs: lg_fedavg(_config(inputs)), asynchronous=True,
     private_optimizer=True,
     summary="LG-FedAvg (Liang et al., 2020): local representations, one global head"))
