@@ -3,6 +3,7 @@
   python -m benchmarks.behaviour record --out=/tmp/before    # on the old code
   python -m benchmarks.behaviour record --out=/tmp/after     # on the new code
   python -m benchmarks.behaviour compare /tmp/before /tmp/after
+  python -m benchmarks.behaviour record --out=/tmp/some --only=quickstart,method_fml
 
 `record` runs, through the command line (`python -m launch.main`, so it does not depend on the
 package's module layout), the quick start, the private and the unreliable quick starts and 3
@@ -44,9 +45,11 @@ def runs() -> dict[str, list[str]]:
     return table
 
 
-def record(out: str) -> None:
+def record(out: str, only: list[str] | None = None) -> None:
     os.makedirs(out, exist_ok=True)
     for name, flags in runs().items():
+        if only and name not in only:
+            continue
         with tempfile.TemporaryDirectory() as work:
             cmd = [sys.executable, "-m", "launch.main", *flags, f"--workdir={work}",
                    "--noprogress"]
@@ -74,9 +77,10 @@ def _numbers(record_: dict, prefix: str = "") -> dict[str, float]:
     return flat
 
 
-def compare(before: str, after: str, rtol: float) -> int:
+def compare(before: str, after: str, rtol: float, partial: bool = False) -> int:
     worst_all, failed = 0.0, False
-    for name in sorted(os.listdir(before)):
+    for name in sorted(set(os.listdir(before)) & set(os.listdir(after)) if partial
+                       else os.listdir(before)):
         b_path, a_path = os.path.join(before, name), os.path.join(after, name)
         if not os.path.exists(a_path):
             print(f"{name}: missing in {after}")
@@ -114,15 +118,18 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record")
     rec.add_argument("--out", required=True)
+    rec.add_argument("--only", default="", help="comma-separated run names (default: all)")
     cmp_ = sub.add_parser("compare")
     cmp_.add_argument("before")
     cmp_.add_argument("after")
     cmp_.add_argument("--rtol", type=float, default=1e-5)
+    cmp_.add_argument("--partial", action="store_true",
+                      help="compare only the runs both records hold")
     args = parser.parse_args()
     if args.command == "record":
-        record(args.out)
+        record(args.out, [n for n in args.only.split(",") if n])
     else:
-        sys.exit(compare(args.before, args.after, args.rtol))
+        sys.exit(compare(args.before, args.after, args.rtol, args.partial))
 
 
 if __name__ == "__main__":
