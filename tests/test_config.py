@@ -51,6 +51,17 @@ def test_bad_fields_are_named(overrides, field):
         validate_config(_config(**overrides))
 
 
+def test_a_methods_own_fields_are_checked_by_that_method_only():
+    """pFedES's fields (lam, align, proxy_arch, ...) are checked by pFedES's registry entry:
+    another method that never reads them is not refused for them."""
+    config = quickstart.get_config()
+    config.lam, config.align = -1.0, "no_such_loss"
+    with pytest.raises(ConfigError, match=r"config\.lam must be >= 0, got -1\.0"):
+        validate_config(config)
+    config.algorithm = "fedavg"
+    validate_config(config)
+
+
 def test_more_clients_than_samples_is_named():
     config = _config(data__num_clients=5000)
     validate_config(config)

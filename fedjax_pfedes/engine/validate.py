@@ -10,7 +10,6 @@ import math
 import ml_collections
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.algorithms.pfedes import alignment
 from fedjax_pfedes.data import augmentation
 from fedjax_pfedes.data.catalog import LOADERS
 from fedjax_pfedes.data.federated import PARTITIONS
@@ -66,21 +65,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(str(e)) from None
     _require(isinstance(config.seed, int) and 0 <= config.seed < 2 ** 32,
              f"config.seed must be an integer in [0, 2**32), got {config.seed!r}")
-    _require(config.lam >= 0, f"config.lam must be >= 0, got {config.lam}")
+    # the common feature dimension d of pFedES and the heterogeneous baselines
     _require(0 < config.proxy_dim <= MAX_PROXY_DIM,
              f"config.proxy_dim must be in [1, {MAX_PROXY_DIM}], got {config.proxy_dim}")
-    _require(config.proxy_lr_ratio >= 0,
-             f"config.proxy_lr_ratio must be >= 0 (0 = E_proxy frozen), got "
-             f"{config.proxy_lr_ratio}")
-    _require(0 <= config.server_momentum < 1,
-             f"config.server_momentum must be in [0, 1), got {config.server_momentum}")
-    _require(config.warmup_steps >= 0,
-             f"config.warmup_steps must be >= 0, got {config.warmup_steps}")
-    _require(config.contrastive_temperature > 0, "config.contrastive_temperature must be > 0, "
-             f"got {config.contrastive_temperature}")
     try:
-        alignment.get_alignment(config.align)
-        check_proxy(config.proxy_arch)
         runners.resolve_strategy(config.execution.strategy)
         if runners.needs_mesh(config.execution.strategy):
             runners.client_mesh(config.execution.devices)

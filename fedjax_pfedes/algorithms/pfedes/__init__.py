@@ -400,6 +400,20 @@ def check_proxy_init(config) -> None:
 
 
 def _check(config) -> None:
+    for ok, message in (
+            (config.lam >= 0, f"config.lam must be >= 0, got {config.lam}"),
+            (config.proxy_lr_ratio >= 0, "config.proxy_lr_ratio must be >= 0 (0 = E_proxy "
+             f"frozen), got {config.proxy_lr_ratio}"),
+            (0 <= config.server_momentum < 1,
+             f"config.server_momentum must be in [0, 1), got {config.server_momentum}"),
+            (config.warmup_steps >= 0,
+             f"config.warmup_steps must be >= 0, got {config.warmup_steps}"),
+            (config.contrastive_temperature > 0, "config.contrastive_temperature must be > 0, "
+             f"got {config.contrastive_temperature}")):
+        if not ok:
+            raise ValueError(message)
+    alignment.get_alignment(config.align)
+    architectures.check_proxy(config.proxy_arch)
     scales = parse_scales(config.proxy_scales)
     if len(scales) > 1 and config.proxy_arch not in MULTI_SCALE_BODIES:
         raise ValueError(f"config.proxy_scales: {len(scales)} scales need a conv E_proxy "
