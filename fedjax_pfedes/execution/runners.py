@@ -79,8 +79,9 @@ class RunnerOptions:
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """An execution strategy: how a cohort's per-client functions run over the participants
-    (`config.execution.strategy`). Every strategy computes the same numbers up to float
-    reassociation (tests/test_execution.py checks each registered one against the loop).
+    (`config.execution.strategy`). Every strategy must compute the same numbers up to float
+    reassociation (tests/test_execution.py and tests/test_sharding.py check the shipped four
+    against each other; a new one needs its own such test).
 
     Attributes:
       name: the config name.
@@ -120,7 +121,9 @@ def register_strategy(strategy: Strategy) -> Strategy:
     Returns:
       `strategy`. A name may be taken once.
     """
-    if strategy.name in _STRATEGIES or strategy.name == "auto":
+    if strategy.name == "auto":
+        raise ValueError("execution strategy 'auto' is reserved (the per-cohort choice)")
+    if strategy.name in _STRATEGIES:
         raise ValueError(f"execution strategy '{strategy.name}' is registered twice")
     _STRATEGIES[strategy.name] = strategy
     return strategy
