@@ -179,7 +179,7 @@ def test_f6_rule_needs_both_faster_convergence_and_lower_early_loss(tmp_path):
 
 
 def test_f4_rule_needs_a_jump_at_beta_zero(tmp_path):
-    base = quickstart.get_config()  # beta 0.5 is the default run
+    base = quickstart.get_config()
 
     def arm(name, jump):
         out = []
@@ -197,14 +197,14 @@ def test_f4_rule_needs_a_jump_at_beta_zero(tmp_path):
         return out
 
     f4 = pfedes_findings.FINDINGS["F4"]
-    records = {"beta0": arm("b0", 0.3), pfedes_findings.DEFAULT: arm("b5", 0.05),
-               "beta0.9": arm("b9", 0.01)}
+    records = {"f4_beta0": arm("b0", 0.3), "f4_beta0.5": arm("b5", 0.05),
+               "f4_beta0.9": arm("b9", 0.01)}
     assert f4.analyse(records, base, {}, str(tmp_path / "f4.png")).verdict == REPRODUCED
-    records = {"beta0": arm("c0", 0.05), pfedes_findings.DEFAULT: arm("c5", 0.3),
-               "beta0.9": arm("c9", 0.01)}
+    records = {"f4_beta0": arm("c0", 0.05), "f4_beta0.5": arm("c5", 0.3),
+               "f4_beta0.9": arm("c9", 0.01)}
     assert f4.analyse(records, base, {}, str(tmp_path / "f4.png")).verdict == REFUTED
-    records = {"beta0": arm("d0", 0.0), pfedes_findings.DEFAULT: arm("d5", 0.0),
-               "beta0.9": arm("d9", 0.0)}
+    records = {"f4_beta0": arm("d0", 0.0), "f4_beta0.5": arm("d5", 0.0),
+               "f4_beta0.9": arm("d9", 0.0)}
     result = f4.analyse(records, base, {}, str(tmp_path / "f4.png"))
     assert result.verdict == INCONCLUSIVE and "does not arise" in result.reason
 
@@ -233,9 +233,11 @@ def test_plateau_rule_by_hand():
 def test_variants_are_shared_and_resolve_names_the_flag():
     base = quickstart.get_config()
     variants = pfedes_findings.variants_of(list(pfedes_findings.FINDINGS.values()), base)
-    assert len(variants) == 21 and variants[pfedes_findings.DEFAULT] == {}
+    assert len(variants) == 22 and variants[pfedes_findings.DEFAULT] == {}
     assert variants["hetero_r0.8_fedavg"]["clients.architectures"] == \
         "convnet3:4,convnet5:4,vit:4,mlp:4,cnn_small:4"  # ratio 0.8 off the majority
+    assert variants["f4_beta0"] == {**pfedes_findings.F4_SETUP, "server_momentum": 0.0}
+    assert pfedes_findings.F4_SETUP["train.client_fraction"] < base.train.client_fraction
     with pytest.raises(ValueError, match="--finding=F9"):
         pfedes_findings.resolve("F9")
 
@@ -257,7 +259,7 @@ def test_launch_findings_writes_and_replaces_its_section(tmp_path):
     verdicts = json.loads((tmp_path / "runs" / "breast_cancer" / "findings.json").read_text())
     assert verdicts["F4"]["verdict"] in pfedes_findings.VERDICTS
     rows = [json.loads(line) for line in
-            open(tmp_path / "runs" / "breast_cancer" / "beta0" / "seed0" / "clients.jsonl")]
+            open(tmp_path / "runs" / "breast_cancer" / "f4_beta0" / "seed0" / "clients.jsonl")]
     assert all("align_loss_at_start" in r for r in rows if r["accepted"])
 
 
