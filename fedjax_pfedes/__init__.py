@@ -16,12 +16,16 @@ and, to bring your own model, data or method:
   fedjax_pfedes.register_dataset("mydata", lambda options: fedjax_pfedes.from_arrays(
       "mydata", x_train, y_train, x_test, y_test, options=options))
   fedjax_pfedes.register_algorithm(fedjax_pfedes.AlgorithmEntry("mymethod", build=...))
+  fedjax_pfedes.register_stage(MyStage)                  # an UploadStage subclass
+  fedjax_pfedes.run(config, "runs/mine", callbacks=[MyCallback()])   # per-round hooks
 
 notebooks/own_model_and_data.ipynb runs pFedES on a Flax module and arrays defined in the
 notebook.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import ml_collections
 
@@ -32,6 +36,7 @@ from fedjax_pfedes.config.defaults import default_config
 from fedjax_pfedes.data.catalog import register_dataset
 from fedjax_pfedes.data.sources import CentralDataset, LoadOptions, from_arrays
 from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.engine.callbacks import Callback, RoundEnd, RunInfo
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.errors import (
     ConfigError,
@@ -41,6 +46,7 @@ from fedjax_pfedes.errors import (
     NothingTrainedError,
 )
 from fedjax_pfedes.models.backbones import register_architecture
+from fedjax_pfedes.upload.stages import UploadStage, register_stage
 
 __version__ = "0.1.0"
 
@@ -48,6 +54,7 @@ __all__ = [
     "Algorithm",
     "AlgorithmEntry",
     "BuildInputs",
+    "Callback",
     "CentralDataset",
     "CohortProgram",
     "ConfigError",
@@ -57,16 +64,21 @@ __all__ = [
     "InputSpec",
     "LoadOptions",
     "NothingTrainedError",
+    "RoundEnd",
+    "RunInfo",
+    "UploadStage",
     "default_config",
     "from_arrays",
     "register_algorithm",
     "register_architecture",
     "register_dataset",
+    "register_stage",
     "run",
 ]
 
 
-def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
+def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
+        callbacks: Sequence[Callback] = ()) -> dict:
     """Runs one federated experiment.
 
     Args:
@@ -75,10 +87,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
       workdir: where metrics.jsonl (one record per round), clients.jsonl, checkpoints and
         summary.json go. A workdir holding a checkpoint of the same config resumes from it.
       progress: show a progress bar over rounds.
+      callbacks: `Callback`s called after every round, in order, after the round's evaluation
+        and before its record is written (what they add to `end.record` lands in
+        metrics.jsonl; `end.stop = True` ends the run early). See `fedjax_pfedes.engine.callbacks`.
 
     Returns:
       The run's summary (as summary.json): `final` holds the last evaluation (personalized and
       global accuracy per client, per architecture and on average), plus privacy, timing and
       upload figures.
     """
-    return run_experiment(config, workdir, show_progress=progress)
+    return run_experiment(config, workdir, show_progress=progress, callbacks=callbacks)

@@ -118,10 +118,11 @@ def test_the_readme_python_example_runs_as_written(tmp_path, capsys):
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     start = readme.index("```python\n") + len("```python\n")
     code = readme[start:readme.index("```", start)]
-    run_line = 'summary = fedjax_pfedes.run(config, "runs/mine")'
+    run_line = 'summary = fedjax_pfedes.run(config, "runs/mine", callbacks=[StopAt()])'
     assert run_line in code
     code = code.replace(run_line, "config.train.rounds = 2\n"
-                        f"summary = fedjax_pfedes.run(config, {str(tmp_path)!r}, progress=False)")
+                        f"summary = fedjax_pfedes.run(config, {str(tmp_path)!r}, "
+                        "progress=False, callbacks=[StopAt()])")
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "'mynet':" in printed and "'mlp':" in printed, printed

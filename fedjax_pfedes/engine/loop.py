@@ -11,25 +11,32 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
 from absl import logging
-from tqdm.auto import tqdm
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.engine import asynchronous, rounds
 from fedjax_pfedes.engine.build import build_context, build_federated_data, write_data_profile
+from fedjax_pfedes.engine.callbacks import (
+    Callback,
+    Checkpointing,
+    DivergenceCheck,
+    Evaluation,
+    MetricsWriter,
+    ProgressBar,
+    RoundEnd,
+    RunInfo,
+    some,
+)
 from fedjax_pfedes.engine.evaluation import (
-    dp_sgd_metrics,
-    evaluate,
     evaluation_sample,
     global_test_set,
     majority_class_accuracy,
-    non_finite_metrics,
     privacy_metrics,
     privacy_statement,
 )
@@ -53,18 +60,13 @@ def local_optimizer_note(config) -> dict:
             "batch_size": opt["batch_size"], "state": state}
 
 
-def _some(names: list[str], shown: int = 3) -> str:
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
-
-
 def run_experiment(config: ml_collections.ConfigDict, workdir: str,
-                   show_progress: bool = True,
-                   adapt_context: Callable[[rounds.RunContext], None] | None = None
+                   show_progress: bool = True, callbacks: Sequence[Callback] = ()
                    ) -> dict[str, Any]:
     """Runs (or resumes) a full experiment; see `_run`. Holds `<workdir>/.lock` meanwhile, so
-    two runs never write the same workdir. `adapt_context` may change the run's context before
-    round 1 (`sweep` routes the cohorts' updates through its batched program).
+    two runs never write the same workdir. `callbacks` run after the evaluation of every
+    round (`engine.callbacks`; `sweep` routes the cohorts' updates through its batched program
+    with one).
 
     Over several processes (`config.distributed`) every process calls this with the same config;
     process 0 writes `workdir`, the others a temporary folder removed at the end."""
@@ -79,7 +81,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     if not distributed.is_writer():
         scratch = tempfile.mkdtemp(prefix=f"fedjax_pfedes_process{jax.process_index()}_")
         try:
-            return _run(config, workdir, False, adapt_context, out_dir=scratch)
+            return _run(config, workdir, False, callbacks, out_dir=scratch)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     if os.path.exists(workdir) and not os.path.isdir(workdir):
@@ -91,14 +93,13 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     lock = WorkdirLock(workdir)
     lock.acquire()
     try:
-        return _run(config, workdir, show_progress, adapt_context)
+        return _run(config, workdir, show_progress, callbacks)
     finally:
         lock.release()
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
-         adapt_context: Callable[[rounds.RunContext], None] | None = None,
-         out_dir: str | None = None) -> dict[str, Any]:
+         callbacks: Sequence[Callback] = (), out_dir: str | None = None) -> dict[str, Any]:
     """Runs (or resumes) a full experiment; writes metrics.jsonl / .csv, clients.jsonl,
     rejections.jsonl, TensorBoard events, checkpoints and summary.json into `workdir`.
     `out_dir`: where this process writes instead (the other processes of a multi-process run:
@@ -150,8 +151,6 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
     write_data_profile(data, config.data.partition, out_dir)
     ctx, state = build_context(config, data, (meta or {}).get("execution_strategy_by_arch"),
                                out_dir)
-    if adapt_context is not None:
-        adapt_context(ctx)
     if meta is not None:
         first_round, restored = checkpointer.restore(
             distributed.process_local(state.to_checkpoint()))
@@ -163,104 +162,52 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
                                                              []))[:first_round]
         logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
     writers = metrics.RunWriters(out_dir, first_round, config.monitor.tensorboard,
-                                    config.monitor.client_report)
+                                 config.monitor.client_report)
     rejected_total = sum(1 for _ in metrics.read_jsonl(writers.rejections.path))
     batch_size = algorithm_registry.local_optimizer(config)["batch_size"]
     batch_rate = {int(cid): min(1.0, min(batch_size, c.train.capacity) / max(n, 1))
                   for c in ctx.cohorts
                   for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
-    eval_sample = evaluation_sample(config, ctx.num_clients)
-    chosen = sorted({c.runner.name for c in ctx.cohorts})
-    strategy = chosen[0] if len(chosen) == 1 else "+".join(chosen)
+    divergence = DivergenceCheck()
+    chain = [Evaluation(global_test_set(data, config), evaluation_sample(config, ctx.num_clients),
+                        batch_rate),
+             divergence, *callbacks, MetricsWriter(writers), ProgressBar(show_progress),
+             Checkpointing(checkpointer, writer, fingerprint)]
+    run = RunInfo(config, ctx, out_dir, first_round, config.train.rounds, start)
     last = state.history[-1] if state.history else {}
-    rounds_total = config.train.rounds
-    global_test = global_test_set(data, config)
-    diverged = None
-    bar = tqdm(range(first_round, rounds_total), desc=f"{config.algorithm} [{strategy}]",
-               disable=not show_progress, unit="round", initial=first_round, total=rounds_total)
-    for r in bar:
-        t0 = time.time()
-        round_fn = asynchronous.async_round if config.asynchronous.enabled else rounds.sync_round
-        state, record, rows, rejections = round_fn(ctx, state, r)
-        jax.block_until_ready(state.server)
-        rejected_total += record["uploads_rejected"]
-        record = {"round": r + 1, **record, "uploads_rejected_total": rejected_total,
-                  "simulated_clock_s": state.clock_s,
-                  "participation_min": int(state.sampler.selected.min()),
-                  "participation_max": int(state.sampler.selected.max()),
-                  **privacy_metrics(ctx.pipeline, r + 1)}
-        # Evaluated every eval.every rounds, at the end, and in the round that diverged.
-        evaluated = ((r + 1) % config.eval.every == 0 or r + 1 == rounds_total
-                     or bool(non_finite_metrics(record)))
-        if evaluated:
-            steps = {i: int(s) for i, s in enumerate(state.dp_sgd_steps) if s > 0}
-            record.update(dp_sgd_metrics(config, steps, batch_rate,
-                                         ctx.algorithm.dp_sgd_releases_per_step))
-            record.update(evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients,
-                                   *global_test, eval_sample))
-        bad = non_finite_metrics(record)
-        if bad:
-            record["diverged"] = True
-            diverged = {"round": r + 1, "metrics": bad}
-            logging.warning("round %d: training diverged (%s non-finite); stopping. Lower the "
-                            "learning rate or lambda; config.train.allow_divergence=True "
-                            "keeps the exit status 0", r + 1, _some(bad))
-        record.update(round_time_s=time.time() - t0, elapsed_s=time.time() - start)
-        writers.write_round(record, rows, rejections)
-        if evaluated:
-            state = state.replace(history=(*state.history, record))
-            last = record
-            writers.flush()
-            bar.set_postfix(pacc=f"{last['personalized_accuracy_mean']:.3f}",
-                            gacc=f"{last['global_accuracy_mean']:.3f}")
-        if checkpoints.due(ck.every, r + 1, rounds_total):
-            # Every process takes the snapshot (gathering client states split over processes
-            # is a collective); process 0 saves it.
-            snapshot = distributed.process_local(state.to_checkpoint())
-            if writer:
-                checkpointer.save(r + 1, snapshot, {
-                    "history": list(state.history), "config": config.to_dict(),
-                    "dp_round_noise_multipliers": ctx.pipeline.round_noise_multipliers[:r + 1],
-                    "execution_strategy_by_arch": {c.arch: c.runner.name
-                                                   for c in ctx.cohorts},
-                    "data_fingerprint": fingerprint})
-        if diverged is not None:
-            break
-    bar.close()
-    writers.close()
-    if checkpointer is not None:
-        checkpointer.close()
-    history = state.history
-    if not history:
-        raise ConfigError(f"nothing to run: the checkpoint in {workdir} is at round "
-                          f"{first_round} and config.train.rounds is {rounds_total}")
-    finite = [h for h in history if not h.get("diverged")] or history
-    best = max(finite, key=lambda h: h["personalized_accuracy_mean"])
-    summary = {
-        "final": last,
-        "diverged": diverged is not None,
-        **({"diverged_at": diverged} if diverged is not None else {}),
-        "data_fingerprint": fingerprint,
-        "majority_class_accuracy_mean": majority_class_accuracy(data),
-        "best_personalized_accuracy": best["personalized_accuracy_mean"],
-        "best_round": best["round"],
-        **privacy_statement(ctx.pipeline.cfg.dp, config),
-        "norm_outlier_rejection": ctx.pipeline.outlier_note,
-        "local_optimizer": local_optimizer_note(config),
-        "execution_strategy": strategy,
-        "execution_strategy_by_arch": {c.arch: c.runner.name for c in ctx.cohorts},
-        **({"strategy_choice": ctx.strategy_choices} if ctx.strategy_choices else {}),
-        "platform": jax.default_backend(),
-        "clients_per_arch": {c.arch: len(c.client_ids) for c in ctx.cohorts},
-        "participation": {"selected": state.sampler.selected.tolist(),
-                          "completed": state.sampler.completed.tolist()},
-        "simulated_time_s": state.clock_s,
-        "resumed_from_round": first_round,
-        "clients_trained": int((state.sampler.completed > 0).sum()),
-        "wall_time_s": time.time() - start,
-        "config": config.to_dict(),
-    }
+    stopped = None
+    round_fn = asynchronous.async_round if config.asynchronous.enabled else rounds.sync_round
+    try:
+        for cb in chain:
+            cb.on_run_start(run)
+        for r in range(first_round, run.rounds):
+            t0 = time.time()
+            state, record, rows, rejections = round_fn(ctx, state, r)
+            jax.block_until_ready(state.server)
+            rejected_total += record["uploads_rejected"]
+            record = {"round": r + 1, **record, "uploads_rejected_total": rejected_total,
+                      "simulated_clock_s": state.clock_s,
+                      "participation_min": int(state.sampler.selected.min()),
+                      "participation_max": int(state.sampler.selected.max()),
+                      **privacy_metrics(ctx.pipeline, r + 1)}
+            end = RoundEnd(r + 1, state, record, rows, rejections, t0)
+            for cb in chain:
+                cb.on_round_end(run, end)
+            state = end.state
+            if end.evaluated:
+                last = end.record
+            if end.stop:
+                stopped = end
+                break
+        summary = _summary(run, state, last, data, fingerprint, divergence.diverged,
+                           stopped, workdir)
+        for cb in chain:
+            cb.on_run_end(run, summary)
+    finally:
+        for cb in chain:
+            cb.close()
     metrics.write_json(f"{out_dir}/summary.json", summary)
+    diverged = divergence.diverged
     if diverged is not None and not config.train.allow_divergence:
         dp = ctx.pipeline.cfg.dp
         cause = ("Lower the learning rate or lambda" if dp is None else
@@ -268,14 +215,56 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
                  f"{dp.clip_norm:g} on the sum: lower config.dp.noise_multiplier / raise "
                  "config.dp.target_epsilon or config.dp.clip_norm, or lower the learning rate")
         raise DivergedError(
-            f"training diverged in round {diverged['round']} ({_some(diverged['metrics'])} "
+            f"training diverged in round {diverged['round']} ({some(diverged['metrics'])} "
             f"non-finite); summary in {workdir}/summary.json. {cause}, "
             "or set --config.train.allow_divergence=True to accept it")
     if not int(state.sampler.completed.sum()) and not config.train.get("allow_untrained",
                                                                         False):
         raise NothingTrainedError(
-            f"no participant's update reached the server in any of the {rounds_total} rounds "
-            "(config.system availability, dropout or deadline_s leave no client able to train): "
+            f"no participant's update reached the server in any of the {config.train.rounds} "
+            "rounds (config.system availability, dropout or deadline_s leave no client able to "
+            "train): "
             f"every figure in {workdir}/summary.json describes the initial models; set "
             "--config.train.allow_untrained=True to accept that")
     return summary
+
+
+def _summary(run: RunInfo, state, last: dict, data, fingerprint: str,
+             diverged: dict | None, stopped: RoundEnd | None, workdir: str) -> dict[str, Any]:
+    """summary.json: the final evaluation, the best round, privacy, participation, timings."""
+    config, ctx = run.config, run.ctx
+    history = state.history
+    if not history:
+        raise ConfigError(f"nothing to run: the checkpoint in {workdir} is at round "
+                          f"{run.first_round} and config.train.rounds is {run.rounds}")
+    finite = [h for h in history if not h.get("diverged")] or history
+    best = max(finite, key=lambda h: h["personalized_accuracy_mean"])
+    by_arch = {c.arch: c.runner.name for c in ctx.cohorts}
+    chosen = sorted(set(by_arch.values()))
+    early = stopped is not None and diverged is None
+    return {
+        "final": last,
+        "diverged": diverged is not None,
+        **({"diverged_at": diverged} if diverged is not None else {}),
+        **({"stopped_early": {"round": stopped.round, "reason": stopped.stop_reason}}
+           if early else {}),
+        "data_fingerprint": fingerprint,
+        "majority_class_accuracy_mean": majority_class_accuracy(data),
+        "best_personalized_accuracy": best["personalized_accuracy_mean"],
+        "best_round": best["round"],
+        **privacy_statement(ctx.pipeline.cfg.dp, config),
+        "norm_outlier_rejection": ctx.pipeline.outlier_note,
+        "local_optimizer": local_optimizer_note(config),
+        "execution_strategy": "+".join(chosen),
+        "execution_strategy_by_arch": by_arch,
+        **({"strategy_choice": ctx.strategy_choices} if ctx.strategy_choices else {}),
+        "platform": jax.default_backend(),
+        "clients_per_arch": {c.arch: len(c.client_ids) for c in ctx.cohorts},
+        "participation": {"selected": state.sampler.selected.tolist(),
+                          "completed": state.sampler.completed.tolist()},
+        "simulated_time_s": state.clock_s,
+        "resumed_from_round": run.first_round,
+        "clients_trained": int((state.sampler.completed > 0).sum()),
+        "wall_time_s": time.time() - run.start_s,
+        "config": config.to_dict(),
+    }

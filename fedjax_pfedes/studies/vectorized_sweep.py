@@ -32,6 +32,7 @@ import numpy as np
 
 from fedjax_pfedes.algorithms.base import PyTree
 from fedjax_pfedes.data.federated import FederatedData
+from fedjax_pfedes.engine.callbacks import Callback, RunInfo
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import distributed, runners
 from fedjax_pfedes.execution.runners import CohortRunner
@@ -275,6 +276,17 @@ _set_row = runners._set_row  # noqa: SLF001
 _zeros_in_slots = runners._zeros_in_slots  # noqa: SLF001
 
 
+class _Route(Callback):
+    """Routes member m's cohorts through the coordinator's batched program."""
+
+    def __init__(self, coordinator: Coordinator, member: int):
+        self.coordinator, self.member = coordinator, member
+
+    def on_run_start(self, run: RunInfo) -> None:
+        for c in run.ctx.cohorts:
+            c.runner = self.coordinator.runner(self.member, c.arch, c.runner)
+
+
 def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float],
               workdir: str, show_progress: bool = True, member_axis: str = "vmap"
               ) -> dict[str, dict]:
@@ -318,13 +330,10 @@ def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float
     errors: dict[str, BaseException] = {}
 
     def run(m: int, name: str, member: ml_collections.ConfigDict) -> None:
-        def route(ctx):
-            for c in ctx.cohorts:
-                c.runner = coordinator.runner(m, c.arch, c.runner)
         try:
             run_dir = os.path.join(workdir, name)
             summary = run_experiment(member, run_dir, show_progress=show_progress and m == 0,
-                                     adapt_context=route)
+                                     callbacks=[_Route(coordinator, m)])
             summaries[name] = run_record(member, summary, run_dir)
         except BaseException as e:  # noqa: BLE001 - reported after every member ended
             errors[name] = e

@@ -1,0 +1,225 @@
+"""Callbacks: what the host loop does around a round, as objects in one ordered list.
+
+After each round the host loop (`engine.loop`) hands a `RoundEnd` (the new state, the record
+being built for metrics.jsonl, the clients' and rejections' rows) to every callback in turn;
+each may add to the record, replace the state or ask the loop to stop. The loop's own work is
+built the same way, in this order:
+
+  Evaluation      decides whether the round is evaluated (every `eval.every` rounds, the last
+                  round, a round whose losses went non-finite) and adds the evaluation
+  DivergenceCheck marks a non-finite record `diverged` and stops the run
+  <your callbacks, in the order given to `fedjax_pfedes.run(..., callbacks=[...])`>
+  MetricsWriter   times the round, writes metrics.jsonl / clients.jsonl / rejections.jsonl /
+                  TensorBoard, keeps evaluated records in `SimState.history`
+  ProgressBar     the tqdm bar with the latest accuracies
+  Checkpointing   saves the state every `checkpoint.every` rounds and at the end
+
+so a user callback sees the round's evaluation, and what it adds to `end.record` is written
+with the round. The pattern follows pfl-research's training-process callbacks.
+
+Example, early stopping on personalized accuracy:
+
+  class StopAt(fedjax_pfedes.Callback):
+      def on_round_end(self, run, end):
+          if end.evaluated and end.record["personalized_accuracy_mean"] >= 0.9:
+              end.stop, end.stop_reason = True, "reached 0.9"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import ml_collections
+from absl import logging
+from tqdm.auto import tqdm
+
+from fedjax_pfedes.engine.evaluation import dp_sgd_metrics, evaluate, non_finite_metrics
+from fedjax_pfedes.engine.rounds import RunContext
+from fedjax_pfedes.engine.state import SimState
+from fedjax_pfedes.execution import distributed
+from fedjax_pfedes.io import checkpoints, metrics
+
+
+@dataclasses.dataclass
+class RunInfo:
+    """The run the callbacks belong to.
+
+    Attributes:
+      config: the run's config (read it, do not change it).
+      ctx: the run's context: cohorts with their runners, the algorithm, the upload pipeline.
+        `on_run_start` may change it (e.g. route a cohort through another runner).
+      out_dir: where this process writes its outputs (the workdir on process 0).
+      first_round: rounds already done when this run started (> 0 after a resume).
+      rounds: `config.train.rounds`.
+      start_s: `time.time()` when the run started.
+    """
+
+    config: ml_collections.ConfigDict
+    ctx: RunContext
+    out_dir: str
+    first_round: int
+    rounds: int
+    start_s: float
+
+
+@dataclasses.dataclass
+class RoundEnd:
+    """One finished round, passed through the callbacks in order.
+
+    Attributes:
+      round: the round just run, counted from 1.
+      state: the state after it; a callback may replace it (the next round starts from it).
+      record: the round's metrics.jsonl record, written after the callbacks before
+        `MetricsWriter` have added to it.
+      client_rows: the participants' clients.jsonl rows.
+      rejections: the rejected uploads' rejections.jsonl rows.
+      started_s: `time.time()` when the round started.
+      evaluated: whether the record holds an evaluation (set by `Evaluation`).
+      stop: set True to end the run after this round (its record is still written; its state
+        is saved only when a checkpoint is due anyway, so a diverged state is never saved
+        unless it falls on the schedule).
+      stop_reason: why, for summary.json (`stopped_early`).
+    """
+
+    round: int
+    state: SimState
+    record: dict[str, Any]
+    client_rows: list[dict[str, Any]]
+    rejections: list[dict[str, Any]]
+    started_s: float
+    evaluated: bool = False
+    stop: bool = False
+    stop_reason: str = ""
+
+
+class Callback:
+    """A hook into the host loop; override the methods you need (each does nothing here)."""
+
+    def on_run_start(self, run: RunInfo) -> None:
+        """Before the first round this process runs (after a checkpoint is restored)."""
+
+    def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
+        """After every round, in the order of the callback list."""
+
+    def on_run_end(self, run: RunInfo, summary: dict[str, Any]) -> None:
+        """After the last round, before summary.json is written; may add entries to
+        `summary`. Not called when a round raised."""
+
+    def close(self) -> None:
+        """Releases what the callback holds (files, bars); called once at the end of the run,
+        also when a round raised."""
+
+
+class Evaluation(Callback):
+    """Evaluates every `eval.every` rounds, at the last round and in a round that diverged
+    (personalized and global accuracy, per-architecture means, the DP-SGD accountant)."""
+
+    def __init__(self, global_test, eval_sample, batch_rate: dict[int, float]):
+        self.global_test, self.eval_sample, self.batch_rate = global_test, eval_sample, batch_rate
+
+    def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
+        r = end.round
+        end.evaluated = (r % run.config.eval.every == 0 or r == run.rounds
+                         or bool(non_finite_metrics(end.record)))
+        if not end.evaluated:
+            return
+        steps = {i: int(s) for i, s in enumerate(end.state.dp_sgd_steps) if s > 0}
+        end.record.update(dp_sgd_metrics(run.config, steps, self.batch_rate,
+                                         run.ctx.algorithm.dp_sgd_releases_per_step))
+        end.record.update(evaluate(run.ctx.algorithm, end.state.server, run.ctx.cohorts,
+                                   end.state.clients, *self.global_test, self.eval_sample))
+
+
+def some(names: list[str], shown: int = 3) -> str:
+    """'a, b, c and 4 more'."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+class DivergenceCheck(Callback):
+    """Stops the run in the round where a metric went non-finite; `diverged` then says where
+    and which metrics."""
+
+    def __init__(self):
+        self.diverged: dict[str, Any] | None = None
+
+    def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
+        bad = non_finite_metrics(end.record)
+        if not bad:
+            return
+        end.record["diverged"] = True
+        self.diverged = {"round": end.round, "metrics": bad}
+        end.stop = True
+        logging.warning("round %d: training diverged (%s non-finite); stopping. Lower the "
+                        "learning rate or lambda; config.train.allow_divergence=True "
+                        "keeps the exit status 0", end.round, some(bad))
+
+
+class MetricsWriter(Callback):
+    """Times the round, writes its rows (`io.metrics.RunWriters`) and keeps evaluated records
+    in `SimState.history`."""
+
+    def __init__(self, writers: metrics.RunWriters):
+        self.writers = writers
+
+    def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
+        now = time.time()
+        end.record.update(round_time_s=now - end.started_s, elapsed_s=now - run.start_s)
+        self.writers.write_round(end.record, end.client_rows, end.rejections)
+        if end.evaluated:
+            end.state = end.state.replace(history=(*end.state.history, end.record))
+            self.writers.flush()
+
+    def close(self) -> None:
+        self.writers.close()
+
+
+class ProgressBar(Callback):
+    """A tqdm bar over rounds showing the latest personalized and global accuracy."""
+
+    def __init__(self, show: bool):
+        self.show, self.bar = show, None
+
+    def on_run_start(self, run: RunInfo) -> None:
+        chosen = sorted({c.runner.name for c in run.ctx.cohorts})
+        self.bar = tqdm(desc=f"{run.config.algorithm} [{'+'.join(chosen)}]",
+                        disable=not self.show, unit="round", initial=run.first_round,
+                        total=run.rounds)
+
+    def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
+        self.bar.update(1)
+        if end.evaluated:
+            self.bar.set_postfix(pacc=f"{end.record['personalized_accuracy_mean']:.3f}",
+                                 gacc=f"{end.record['global_accuracy_mean']:.3f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Checkpointing(Callback):
+    """Saves the state every `checkpoint.every` rounds and at the last round; process 0
+    writes, every process takes the snapshot (gathering client states split over processes is
+    a collective)."""
+
+    def __init__(self, checkpointer: checkpoints.Checkpointer | None, writer: bool,
+                 fingerprint: str):
+        self.checkpointer, self.writer, self.fingerprint = checkpointer, writer, fingerprint
+
+    def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
+        if not checkpoints.due(run.config.checkpoint.every, end.round, run.rounds):
+            return
+        snapshot = distributed.process_local(end.state.to_checkpoint())
+        if self.writer:
+            self.checkpointer.save(end.round, snapshot, {
+                "history": list(end.state.history), "config": run.config.to_dict(),
+                "dp_round_noise_multipliers": run.ctx.pipeline.round_noise_multipliers[:end.round],
+                "execution_strategy_by_arch": {c.arch: c.runner.name for c in run.ctx.cohorts},
+                "data_fingerprint": self.fingerprint})
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
