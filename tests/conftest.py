@@ -1,10 +1,11 @@
-"""Test tiers: end-to-end tests are marked `slow` automatically.
+"""Test tiers: end-to-end tests carry an explicit `@pytest.mark.slow`, and collection checks it.
 
-A test is `slow` when it, a fixture it uses, or a helper of its module that either calls (two
-levels deep) runs whole experiments or processes: `run_experiment`, `fedjax_pfedes.run`,
-`run_grid`, `subprocess`, or the notebook. `python -m pytest tests -m "not slow"` is the fast tier
-(unit tests of every module against independent references); `python -m pytest tests` runs
-everything (CI).
+A test must be marked `slow` when it, a fixture it uses, or a helper of its module that either
+calls (two levels deep) runs whole experiments or processes: `run_experiment`,
+`fedjax_pfedes.run`, `run_grid`, `subprocess`, or the notebook; an unmarked one stops the
+collection naming it. Other tests may be marked slow too. `python -m pytest tests -m "not slow"`
+is the fast tier (unit tests of every module against independent references);
+`python -m pytest tests` runs everything (CI).
 """
 
 import inspect
@@ -56,6 +57,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if _is_slow(item):
-            item.add_marker(pytest.mark.slow)
+    unmarked = sorted({item.nodeid.split("[")[0] for item in items
+                       if item.get_closest_marker("slow") is None and _is_slow(item)})
+    if unmarked:
+        raise pytest.UsageError(
+            f"{len(unmarked)} test(s) run whole experiments or processes but are not marked "
+            f"@pytest.mark.slow: {', '.join(unmarked)}")

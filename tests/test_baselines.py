@@ -169,6 +169,7 @@ def test_tree_size_counts_parameters_and_bytes():
     assert tree_size(tree) == (17, 12 * 4 + 5 * 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["pfedes", "fedavg", "standalone"])
 def test_runs_report_upload_and_download_sizes(algorithm, tmp_path):
     config = tabular_hetero.get_config()
@@ -378,6 +379,7 @@ def test_lg_fedavg_shares_only_the_head():
                  upload)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["lg_fedavg", "fedproto", "fedprox", "fedavgm"])
 def test_heterogeneous_and_drift_methods_run_through_the_simulator(algorithm, tmp_path):
     config = tabular_hetero.get_config()

@@ -46,6 +46,7 @@ class Recorder(fedjax_pfedes.Callback):
         self.calls.append(("close",))
 
 
+@pytest.mark.slow
 def test_a_callback_sees_evaluated_rounds_and_its_metrics_are_written(tmp_path):
     recorder = Recorder()
     summary = fedjax_pfedes.run(_config(), str(tmp_path), progress=False,
@@ -60,6 +61,7 @@ def test_a_callback_sees_evaluated_rounds_and_its_metrics_are_written(tmp_path):
     assert "stopped_early" not in written and summary["final"]["user_metric"] == 40.0
 
 
+@pytest.mark.slow
 def test_a_callback_stops_the_run_and_the_run_resumes_to_the_same_numbers(tmp_path):
     whole = fedjax_pfedes.run(_config(every_checkpoint=2), str(tmp_path / "whole"),
                               progress=False)
@@ -79,6 +81,7 @@ class Boom(fedjax_pfedes.Callback):
         raise RuntimeError(f"boom in round {end.round}")
 
 
+@pytest.mark.slow
 def test_every_callback_is_closed_when_a_round_raises(tmp_path):
     recorder = Recorder()
     with pytest.raises(RuntimeError, match="boom in round 1"):

@@ -45,6 +45,7 @@ def _saved_rounds(workdir):
     return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     unbroken, killed = tmp_path / "unbroken", tmp_path / "killed"
@@ -92,6 +93,7 @@ def checkpointed(tmp_path_factory):
     ("clients.architectures", "mlp,convnet3", "config.clients.architectures"),
     ("algorithm", "fedavg", "config.algorithm: 'pfedes' in the checkpoint, 'fedavg' now"),
 ])
+@pytest.mark.slow
 def test_resume_with_a_corrupting_config_change_is_refused(checkpointed, field, value, expect):
     changed = _small(rounds=4)
     section, _, name = field.rpartition(".")
@@ -101,6 +103,7 @@ def test_resume_with_a_corrupting_config_change_is_refused(checkpointed, field, 
     assert "--config.checkpoint.resume=False" in str(e.value)
 
 
+@pytest.mark.slow
 def test_resume_false_starts_the_workdir_over(checkpointed):
     changed = _small(rounds=2)
     changed.algorithm = "fedavg"
@@ -115,6 +118,7 @@ def test_resume_false_starts_the_workdir_over(checkpointed):
     ("auto", "xla", {"loop", "vmap", "scan"}),
     ("loop", "auto", {"loop", "loop/eigen"}),  # the CPU kernels, timed like the strategies
 ])
+@pytest.mark.slow
 def test_auto_strategy_is_measured_once_and_kept_on_resume(tmp_path, strategy, kernels,
                                                            candidates):
     if kernels == "auto" and jax.default_backend() != "cpu":

@@ -100,6 +100,7 @@ def _run_main(*args, timeout=120):
     return proc, time.time() - start
 
 
+@pytest.mark.slow
 def test_cli_reports_a_bad_override_and_exits_2(tmp_path):
     proc, _ = _run_main("--config=configs/quickstart.py", "--config.lam=-1",
                         f"--workdir={tmp_path}")
@@ -107,6 +108,7 @@ def test_cli_reports_a_bad_override_and_exits_2(tmp_path):
     assert "config.lam must be >= 0, got -1" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cifar_config_stops_with_preparation_instructions(tmp_path):
     empty = tmp_path / "tfds"
     empty.mkdir()

@@ -70,6 +70,7 @@ def test_candidate_set_bounds_starvation_and_m_candidates_is_uniform():
             sampling.uniform_sample(3, r, 20, 5 / 20))
 
 
+@pytest.mark.slow
 def test_a_coverage_run_reports_full_label_coverage(tmp_path):
     config = tiny_config(rounds=3, num_clients=8)
     config.data.partition = "pathological"

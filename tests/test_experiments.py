@@ -27,6 +27,7 @@ def test_heterogeneity_ratio_assigns_the_minority_in_turn():
         experiments.heterogeneous_architectures(10, 1.5, "a", ["b"])
 
 
+@pytest.mark.slow
 def test_methods_in_one_process_equal_separate_runs(tmp_path):
     config = _tiny()
     results = experiments.run_grid(config, {"pfedes": {"algorithm": "pfedes"},
@@ -60,6 +61,7 @@ def test_curves_over_seeds_keep_a_seed_that_stopped_early_for_the_rounds_it_reac
     assert open(png, "rb").read(4) == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_compare_cli_refuses_a_method_that_does_not_fit_before_running(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "launch.compare", "--config=configs/tabular_hetero.py",
@@ -70,6 +72,7 @@ def test_compare_cli_refuses_a_method_that_does_not_fit_before_running(tmp_path)
     assert not (tmp_path / "fedavg").exists()  # nothing ran
 
 
+@pytest.mark.slow
 def test_compare_tunes_each_methods_learning_rate_on_the_grid(tmp_path):
     cmd = [sys.executable, "-m", "launch.compare", "--config=configs/tabular_hetero.py",
            "--config.train.rounds=2", "--config.eval.every=2", "--config.checkpoint.every=0",
@@ -127,6 +130,7 @@ def test_a_finished_run_is_reused_across_fields_added_later_at_their_default():
                                        default)
 
 
+@pytest.mark.slow
 def test_run_grid_without_running_collects_only_finished_runs(tmp_path):
     config = _tiny()
     out = experiments.run_grid(config, {"a": {}, "b": {"train.lr_local": 0.5}}, 2,

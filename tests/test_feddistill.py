@@ -76,6 +76,7 @@ def test_its_config_section_is_checked_naming_the_field():
         validate_config(config)
 
 
+@pytest.mark.slow
 def test_feddistill_runs_and_beats_the_majority_class(tmp_path):
     config = tabular_hetero.get_config()
     config.algorithm = "feddistill"

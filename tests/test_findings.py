@@ -242,6 +242,7 @@ def test_variants_are_shared_and_resolve_names_the_flag():
         pfedes_findings.resolve("F9")
 
 
+@pytest.mark.slow
 def test_launch_findings_writes_and_replaces_its_section(tmp_path):
     output = tmp_path / "findings.md"
     output.write_text("# Findings\n\n<!-- findings:other -->\nkept\n<!-- /findings:other -->\n")
@@ -263,6 +264,7 @@ def test_launch_findings_writes_and_replaces_its_section(tmp_path):
     assert all("align_loss_at_start" in r for r in rows if r["accepted"])
 
 
+@pytest.mark.slow
 def test_launch_findings_refuses_an_unknown_finding(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launch.findings",
                            "--config=configs/tabular_hetero.py", "--finding=F8",

@@ -95,6 +95,7 @@ def _secagg_config(**secagg):
     return config
 
 
+@pytest.mark.slow
 def test_C39_a_32_bit_ring_trains_with_sample_count_weights(tmp_path):
     """Weights are sent relative to the round's mean: sample counts of ~100 no longer exceed
     the 32-bit ring's range (every upload was rejected before)."""
@@ -108,6 +109,7 @@ def test_C39_a_32_bit_ring_trains_with_sample_count_weights(tmp_path):
                           r"that works is fraction_bits=\d+"),
     ("min_senders", 1000, r"config.secagg.min_senders=1000 exceeds the 4 senders"),
 ])
+@pytest.mark.slow
 def test_C40_C41_secure_aggregation_settings_that_could_never_sum_are_refused(
         tmp_path, field, value, message):
     with pytest.raises(ConfigError, match=message):
@@ -142,6 +144,7 @@ def test_R13_an_unwritable_workdir_is_one_line(tmp_path, monkeypatch):
         WorkdirLock(str(tmp_path)).acquire()
 
 
+@pytest.mark.slow
 def test_R14_a_run_in_which_nobody_ever_trained_stops_with_an_error(tmp_path):
     config = tiny_config(rounds=2, num_clients=6)
     config.system.dropout = 0.99
@@ -169,6 +172,7 @@ COMPARE_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(COMPARE_CASES))
 def test_compare_command_line_errors_are_one_line_with_exit_status_2(case, tmp_path):
     args, message = COMPARE_CASES[case]
@@ -186,6 +190,7 @@ def test_compare_command_line_errors_are_one_line_with_exit_status_2(case, tmp_p
     assert "report_only" not in errors[0]
 
 
+@pytest.mark.slow
 def test_L16_an_absurd_target_epsilon_is_one_line_from_launch_main(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "launch.main", "--config=configs/private_quickstart.py",

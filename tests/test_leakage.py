@@ -6,6 +6,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import architectures
@@ -62,6 +63,7 @@ def test_inverting_an_unprotected_mlp_upload_beats_a_random_guess():
     assert psnr(np.asarray(out), image) > random_guess + 5
 
 
+@pytest.mark.slow
 def test_leakage_command_writes_table_and_figure(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "launch.leakage", "--config=configs/quickstart.py",

@@ -79,6 +79,7 @@ def test_fresh_optimizer_trains_like_a_newly_initialized_one():
                            reset.params["params"]["classifier"]["kernel"])
 
 
+@pytest.mark.slow
 def test_reset_changes_a_run_only_when_there_is_momentum(tmp_path):
     accuracies = {}
     for momentum in (0.9, 0.0):
@@ -96,6 +97,7 @@ def test_reset_changes_a_run_only_when_there_is_momentum(tmp_path):
     assert accuracies[0.9, False] != accuracies[0.9, True]
 
 
+@pytest.mark.slow
 def test_fedavg_reports_a_fresh_optimizer_every_round(tmp_path):
     config = _tabular_config("fedavg")
     config.train.rounds = 1

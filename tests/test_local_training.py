@@ -193,6 +193,7 @@ def _run(tmp_path, name, **execution):
     return rows, clients, config
 
 
+@pytest.mark.slow
 def test_simulation_numbers_equal_the_padded_unrolled_schedule(tmp_path):
     """The rolled per-client loop changes how the work is executed, not the work."""
     rolled, _, _ = _run(tmp_path, "rolled")
@@ -203,6 +204,7 @@ def test_simulation_numbers_equal_the_padded_unrolled_schedule(tmp_path):
                 assert v == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["loop", "vmap"])
 def test_padded_step_fraction_counts_the_steps_each_strategy_runs(tmp_path, strategy):
     rows, clients, config = _run(tmp_path, strategy, strategy=strategy)

@@ -4,6 +4,7 @@ CIFAR-10 config runs a round on tfds mock data through the real tfds.data_source
 import json
 
 import numpy as np
+import pytest
 import tensorflow_datasets as tfds
 
 from configs import agnews_hetero, cifar_hetero, femnist_natural, tabular_hetero, text_hetero
@@ -28,6 +29,7 @@ def test_shipped_modality_configs_are_valid():
         validate_config(module.get_config())
 
 
+@pytest.mark.slow
 def test_tabular_config_runs_and_beats_the_majority_class(tmp_path):
     config = tabular_hetero.get_config()
     config.train.rounds = 10
@@ -40,6 +42,7 @@ def test_tabular_config_runs_and_beats_the_majority_class(tmp_path):
         summary["majority_class_accuracy_mean"] + 0.05
 
 
+@pytest.mark.slow
 def test_text_config_runs_and_beats_the_majority_class(tmp_path):
     config = text_hetero.get_config()
     config.data.num_clients = 6
@@ -69,6 +72,7 @@ def _one_mock_cifar_round(config, tmp_path):
         return run_experiment(config, str(tmp_path / "run"), show_progress=False)
 
 
+@pytest.mark.slow
 def test_cifar_config_runs_a_round_on_tfds_mock_data(tmp_path):
     summary = _one_mock_cifar_round(cifar_hetero.get_config(), tmp_path)
     _check_run(tmp_path / "run", summary, [f"cnn{k}" for k in range(1, 6)])
@@ -77,6 +81,7 @@ def test_cifar_config_runs_a_round_on_tfds_mock_data(tmp_path):
     assert profile["classes_covered"]["max"] == 2  # pathological, 2 classes per client
 
 
+@pytest.mark.slow
 def test_the_authors_cifar_run_config_runs_a_round_on_tfds_mock_data(tmp_path):
     """configs/cifar_hetero_paper.py: pfedes_paper with batch 512, augmentation on uint8 pixels
     inside the step, PyTorch-style and identical starting models, all-sample weights and the

@@ -79,6 +79,7 @@ def _rows(workdir):
     return [json.loads(line) for line in open(workdir / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_every_documented_metric_key_is_written(private_run, async_run):
     keys = documented_keys()
     assert len(keys) > 40 and "loss_before_aggregation" in keys
@@ -100,6 +101,7 @@ def test_every_documented_metric_key_is_written(private_run, async_run):
     assert written_async - set(keys) == set()
 
 
+@pytest.mark.slow
 def test_round_records_are_consistent(private_run):
     workdir, summary = private_run
     rows = _rows(workdir)
@@ -144,6 +146,7 @@ def _tensorboard_scalars(logdir) -> dict[str, dict[int, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_csv_and_tensorboard_hold_the_jsonl_numbers(private_run):
     workdir, _ = private_run
     rows = _rows(workdir)
@@ -161,6 +164,7 @@ def test_csv_and_tensorboard_hold_the_jsonl_numbers(private_run):
                 np.testing.assert_allclose(scalars[key][r["round"]], r[key], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_report_writes_the_plots_and_a_markdown_summary(private_run, async_run):
     workdir, _ = private_run
     plots = write_report(str(workdir))
@@ -217,6 +221,7 @@ def test_budget_stages_match_a_hand_computation():
     assert client_system.PAST_DEADLINE == "deadline"
 
 
+@pytest.mark.slow
 def test_tensorboard_writer_does_not_import_torch_and_torch_still_imports_after():
     """tensorboardX imports PyTorch when it is installed (seconds of start-up); our writer hides
     it during that import, and a later `import torch` (if installed) still works."""

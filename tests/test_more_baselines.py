@@ -357,6 +357,7 @@ UPLOADS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", [*UPLOADS, "fedkd"])
 def test_new_methods_run_through_the_simulator_with_hand_counted_uploads(algorithm, tmp_path):
     config = tabular_hetero.get_config()

@@ -4,6 +4,8 @@ import ast
 import json
 import pathlib
 
+import pytest
+
 NOTEBOOK = pathlib.Path(__file__).parents[1] / "notebooks" / "quickstart.ipynb"
 
 
@@ -21,6 +23,7 @@ def test_notebook_cells_parse_and_import_existing_names():
         assert hasattr(__import__(module, fromlist=[name]), name), f"{module}.{name}"
 
 
+@pytest.mark.slow
 def test_notebook_cells_run_on_a_tiny_config(tmp_path):
     """Executes every code cell with each get_config() shrunk to a 2-round, 6-client digits
     run; a cell that raises fails the test."""
@@ -33,6 +36,7 @@ def test_notebook_cells_run_on_a_tiny_config(tmp_path):
 OWN = pathlib.Path(__file__).parents[1] / "notebooks" / "own_model_and_data.ipynb"
 
 
+@pytest.mark.slow
 def test_own_model_and_data_notebook_runs(tmp_path):
     """pFedES on the notebook's own Flax module and arrays (2 rounds), then Standalone."""
     nb = _run_tiny(OWN, tmp_path, {"ROUNDS = 20": "ROUNDS = 2"})
@@ -46,6 +50,7 @@ def test_own_model_and_data_notebook_runs(tmp_path):
 COLAB = pathlib.Path(__file__).parents[1] / "notebooks" / "colab_tpu.ipynb"
 
 
+@pytest.mark.slow
 def test_colab_notebook_runs_on_a_tiny_config(tmp_path):
     """The Colab notebook (install skipped: the package is importable here) on a 2-round digits
     config: the shard-strategy quick start and the vectorized lambda sweep both finish."""

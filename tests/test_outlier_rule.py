@@ -3,11 +3,13 @@
 
 import json
 
+import pytest
 from fl_helpers import tiny_config
 
 from fedjax_pfedes.engine.loop import run_experiment
 
 
+@pytest.mark.slow
 def test_U23_quantity_skew_sigma_2_rejects_no_honest_client_and_still_the_attacker(tmp_path):
     """FedAvg on mnist5k, 20 clients of LogNormal(0, 2) sizes (40 to 834 samples), 20 rounds:
     raw update norms of one round differ ~20x and the raw 10x-median rule rejected the largest

@@ -34,6 +34,7 @@ def _dp_config(rounds: int, num_clients: int, fraction: float, sampling: str = "
     return config
 
 
+@pytest.mark.slow
 def test_P11_poisson_epsilon_is_accounted_at_the_rate_the_sampler_draws_at(tmp_path):
     """8 clients at C = 0.3: the sampler includes each with probability 0.3, although
     round(0.3 x 8) / 8 = 0.25 is what a fixed-size round would hold."""
@@ -53,6 +54,7 @@ def test_P11_poisson_epsilon_is_accounted_at_the_rate_the_sampler_draws_at(tmp_p
     assert summary["final"]["dp_epsilon"] > at_quarter.get_epsilon(1e-5)
 
 
+@pytest.mark.slow
 def test_P12_fixed_size_epsilon_uses_the_replace_one_sensitivity_every_round(tmp_path):
     """Every round's metrics.jsonl epsilon: m of N without replacement, replace-one, noise std
     sigma C over sensitivity 2C."""
@@ -119,6 +121,7 @@ def test_P15_selection_that_reads_private_data_is_refused_under_client_dp(change
     validate_config(config)  # fine without DP
 
 
+@pytest.mark.slow
 def test_P16_deadline_without_failure_decay_is_accounted_without_amplification(tmp_path):
     """A deadline with failure_decay = 1 changes only whether a client itself delivers: no
     amplification is claimed, and the plain Gaussian at sensitivity 2C is what is reported."""
@@ -135,6 +138,7 @@ def test_P16_deadline_without_failure_decay_is_accounted_without_amplification(t
                                                            rel=1e-9)
 
 
+@pytest.mark.slow
 def test_P17_secure_aggregation_with_drop_outs_composes_the_noise_of_the_honest_senders(
         tmp_path):
     """Fixed-size selection with drop-outs before upload (no amplification) and senders lost

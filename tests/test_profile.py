@@ -55,6 +55,7 @@ def test_profile_plots_are_written(tmp_path):
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_profile_cli_prints_the_table_and_writes_files(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "launch.profile_data", "--config=configs/tabular_hetero.py",

@@ -46,6 +46,7 @@ def _config(name: str, arch: str):
     return config
 
 
+@pytest.mark.slow
 def test_pfedes_runs_on_a_users_flax_module_and_arrays(tmp_path):
     x_train, y_train, x_test, y_test, writers = _digits_with_writers()
     fedjax_pfedes.register_architecture("tiny_user_net", TinyNet(), modalities=("image",))
@@ -93,6 +94,7 @@ def test_registering_over_a_built_in_name_or_a_non_module_is_refused():
     assert "other_net" not in backbones.BACKBONES
 
 
+@pytest.mark.slow
 def test_an_unregistered_name_is_a_config_error_naming_the_field(tmp_path):
     config = _config("mnist5k", "not_registered_net")
     with pytest.raises(fedjax_pfedes.ConfigError, match="config.clients.architectures"):
@@ -111,6 +113,7 @@ def test_every_public_name_is_documented():
             assert "Returns:" in doc, f"fedjax_pfedes.{name} lacks a Returns: block"
 
 
+@pytest.mark.slow
 def test_the_readme_python_example_runs_as_written(tmp_path, capsys):
     """The README's "Use it from Python" block, executed (2 rounds, in a scratch workdir)."""
     import pathlib

@@ -67,10 +67,10 @@ def test_A03_a_rogue_client_skips_the_range_check_and_wraps_around_the_ring():
 
 
 def test_A04_a_rogue_client_adds_no_noise_and_the_accountant_counts_only_honest_shares():
-    _, _, pipe = _aggregate([True] + [False] * (N - 1), dp_sigma=1.2, secagg=True)
-    assert pipe.round_noise_multipliers == [pytest.approx(1.2 * math.sqrt((N - 1) / N))]
-    _, _, honest = _aggregate([False] * N, dp_sigma=1.2, secagg=True)
-    assert honest.round_noise_multipliers == [pytest.approx(1.2)]
+    _, report, _ = _aggregate([True] + [False] * (N - 1), dp_sigma=1.2, secagg=True)
+    assert report["dp_round_noise_multiplier"] == pytest.approx(1.2 * math.sqrt((N - 1) / N))
+    _, honest, _ = _aggregate([False] * N, dp_sigma=1.2, secagg=True)
+    assert honest["dp_round_noise_multiplier"] == pytest.approx(1.2)
 
 
 def test_A05_without_secure_aggregation_the_server_checks_a_rogue_nan_itself():

@@ -29,6 +29,7 @@ def _run_with_devices(code: str, devices: int = 4, timeout: int = 600) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_shard_runner_equals_vmap_on_four_devices():
     """One cohort round: uploads, new states and metrics of 'shard' (4 devices, 8 slots of which
     3 real) equal 'vmap''s; padded slots upload zeros; non-participants keep their states."""
@@ -67,6 +68,7 @@ def test_shard_runner_equals_vmap_on_four_devices():
     assert result["moved"] > 1e-3  # the participants did train
 
 
+@pytest.mark.slow
 def test_a_cohort_that_fills_the_mesh_is_split_over_it_with_the_vmap_numbers():
     """8 clients on 4 devices: states and samples are split by client (2 per device), stay so
     after an update, and give 'vmap''s uploads, states and evaluation."""

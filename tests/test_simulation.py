@@ -36,6 +36,7 @@ def loop_run(tmp_path_factory):
     return workdir, run_experiment(small_config("loop"), str(workdir), show_progress=False)
 
 
+@pytest.mark.slow
 def test_run_writes_metrics_and_summary(loop_run):
     workdir, summary = loop_run
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
@@ -59,6 +60,7 @@ def test_run_writes_metrics_and_summary(loop_run):
                                                         for r in rows)
 
 
+@pytest.mark.slow
 def test_personalized_accuracy_is_the_mean_of_per_client_accuracies(loop_run):
     _, summary = loop_run
     final = summary["final"]
@@ -68,6 +70,7 @@ def test_personalized_accuracy_is_the_mean_of_per_client_accuracies(loop_run):
                                (by_arch["mlp"] + by_arch["convnet3"]) / 2, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_training_beats_the_local_majority_class(loop_run):
     """Each client's local-test majority class is the best label-only guess; learning beats it."""
     _, summary = loop_run
@@ -79,6 +82,7 @@ def test_training_beats_the_local_majority_class(loop_run):
     assert summary["final"]["personalized_accuracy_mean"] > majority + 0.1
 
 
+@pytest.mark.slow
 def test_same_seed_same_numbers_and_vmap_matches_loop(loop_run, tmp_path):
     _, loop_summary = loop_run
     vmap_summary = run_experiment(small_config("vmap"), str(tmp_path), show_progress=False)
@@ -87,6 +91,7 @@ def test_same_seed_same_numbers_and_vmap_matches_loop(loop_run, tmp_path):
                                    rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_per_client_accuracy_recomputed_from_the_saved_client_states(loop_run):
     """Restores the last checkpoint's private models and recomputes, by plain numpy argmax over
     each client's local test split, the per-architecture accuracies the run reported."""

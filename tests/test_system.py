@@ -173,6 +173,7 @@ def test_fedbuff_staleness_weights_and_rebase_by_hand():
     np.testing.assert_allclose(mean["w"], [2.0, 2.25])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.3, 0.6])
 def test_dropouts_never_crash_and_are_counted(tmp_path, dropout):
     config = fl_helpers.tiny_config(rounds=6)
@@ -200,6 +201,7 @@ def test_dropouts_never_crash_and_are_counted(tmp_path, dropout):
     assert sum(summary["participation"]["completed"]) == sum(r["participants"] for r in rows)
 
 
+@pytest.mark.slow
 def test_asynchronous_rounds_and_their_resume(tmp_path):
     def config(rounds):
         c = fl_helpers.tiny_config(rounds)
@@ -253,6 +255,7 @@ def test_bad_runtime_fields_are_refused_with_the_field_named():
         validate_config(config)
 
 
+@pytest.mark.slow
 def test_poisson_sampling_runs_and_its_pld_epsilon_equals_dp_accounting(tmp_path):
     """Poisson sampling: each client joins each round independently with probability q, so the
     round size varies; client-level DP is accounted as a Poisson-sampled Gaussian with PLD."""
@@ -279,6 +282,7 @@ def test_poisson_sampling_runs_and_its_pld_epsilon_equals_dp_accounting(tmp_path
                                                            rel=1e-9)
 
 
+@pytest.mark.slow
 def test_drop_partial_batch_runs_whole_batches_only(tmp_path):
     """config.train.drop_partial_batch: a client of n >= B rows takes E * floor(n / B) steps,
     one below B takes E."""

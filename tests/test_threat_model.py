@@ -124,6 +124,7 @@ CLI_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CLI_CASES))
 def test_command_line_errors_are_one_line_with_exit_status_2(case, tmp_path):
     args, message = CLI_CASES[case]
@@ -302,6 +303,7 @@ def test_uploads_for_another_model_are_rejected_naming_the_leaf(case):
     assert float(groups["a"][1].sum()) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("defended", [True, False])
 def test_U10_a_wild_client_in_a_real_run_is_contained_by_default(tmp_path, defended):
     config = tiny_config(rounds=3, num_clients=6)
@@ -332,6 +334,7 @@ def test_P05_zero_noise_reports_infinite_epsilon_and_silent_rounds_cost_nothing(
 
 # --- R: runs and checkpoints --------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_R01_R02_a_diverging_run_stops_and_says_so(tmp_path):
     config = tiny_config(rounds=4, num_clients=6)
     config.train.lr_local = 1e4
@@ -345,6 +348,7 @@ def test_R01_R02_a_diverging_run_stops_and_says_so(tmp_path):
     assert summary["diverged"] is True and summary["final"]["round"] == 1
 
 
+@pytest.mark.slow
 def test_R03_R04_a_workdir_written_by_a_live_process_is_locked(tmp_path):
     config = tiny_config(rounds=1, num_clients=6)
     lock = tmp_path / ".lock"
@@ -372,6 +376,7 @@ def _largest_file(directory):
     return max(files, key=os.path.getsize)
 
 
+@pytest.mark.slow
 def test_R05_R06_R07_corrupt_checkpoints_fall_back_and_rounds_cannot_shrink(tmp_path, caplog):
     _checkpointed_run(tmp_path, 3)
     victim = _largest_file(tmp_path / "checkpoints" / "3")
@@ -392,6 +397,7 @@ def test_R05_R06_R07_corrupt_checkpoints_fall_back_and_rounds_cannot_shrink(tmp_
         _checkpointed_run(tmp_path, 2)
 
 
+@pytest.mark.slow
 def test_R08_resume_with_changed_data_contents_is_refused(tmp_path):
     path = tmp_path / "data.npz"
     np.savez(path, **_arrays(n=240))

@@ -175,6 +175,7 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
     server_state, memories, summary = rounds.aggregate(ctx, server_state, clients, arrived,
                                                        memories, round_index)
     rejections = summary.pop("rejections")
+    noise = summary.pop("dp_round_noise_multiplier", rounds.NO_DP)
     rejected = {r["client"] for r in rejections}
     sampler.record_outcome(arrivals, np.zeros(0, np.int64))
     timing = client_system.RoundTiming(
@@ -200,7 +201,7 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
     state = state.replace(server=server_state, clients=clients, memories=memories,
                           dp_sgd_steps=rounds.count_dp_sgd_steps(state.dp_sgd_steps, rows),
                           clock_s=new_clock)
-    return state, record, rows, rejections
+    return rounds.with_noise(state, round_index, noise), record, rows, rejections
 
 
 def _stored_norms(in_flight: InFlight, ctx: rounds.RunContext, slots: np.ndarray,

@@ -215,7 +215,7 @@ class Checkpointing(Callback):
         if self.writer:
             self.checkpointer.save(end.round, snapshot, {
                 "history": list(end.state.history), "config": run.config.to_dict(),
-                "dp_round_noise_multipliers": run.ctx.pipeline.round_noise_multipliers[:end.round],
+                "dp_round_noise_multipliers": list(end.state.dp_noise_multipliers),
                 "execution_strategy_by_arch": {c.arch: c.runner.name for c in run.ctx.cohorts},
                 "data_fingerprint": self.fingerprint})
 

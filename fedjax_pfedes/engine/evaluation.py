@@ -6,6 +6,7 @@ local test split and on the global test set, the label-only reference, the priva
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -80,13 +81,13 @@ def evaluate(algorithm, server_state, cohorts: list[Cohort], clients: dict[str, 
     }
 
 
-def privacy_metrics(pipeline: UploadPipeline, rounds_done: int) -> dict[str, float]:
-    """dp_epsilon (at dp_delta) spent after `rounds_done` rounds, from dp_accounting composed
-    over the noise each round really released."""
+def privacy_metrics(pipeline: UploadPipeline, realized: Sequence[float | None]
+                    ) -> dict[str, float]:
+    """dp_epsilon (at dp_delta) spent so far, from dp_accounting composed over the noise each
+    round really released (`SimState.dp_noise_multipliers`; None: a round released nothing)."""
     dp = pipeline.cfg.dp
     if dp is None:
         return {}
-    realized = pipeline.round_noise_multipliers[:rounds_done]
     eps = privacy.epsilon_of_rounds(dp, realized, pipeline.num_clients,
                                     pipeline.clients_per_round)
     return {"dp_epsilon": eps, "dp_delta": dp.delta,

@@ -157,9 +157,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
         if config.execution.client_states == "offload":  # back into the host / disk store
             restored["clients"] = {a: offload.refill(state.clients[a], r)
                                    for a, r in restored["clients"].items()}
-        state = state.from_checkpoint(restored, meta["history"])
-        ctx.pipeline.round_noise_multipliers = list(meta.get("dp_round_noise_multipliers",
-                                                             []))[:first_round]
+        state = state.from_checkpoint(
+            restored, meta["history"],
+            list(meta.get("dp_round_noise_multipliers", []))[:first_round])
         logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
     writers = metrics.RunWriters(out_dir, first_round, config.monitor.tensorboard,
                                  config.monitor.client_report)
@@ -189,7 +189,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
                       "simulated_clock_s": state.clock_s,
                       "participation_min": int(state.sampler.selected.min()),
                       "participation_max": int(state.sampler.selected.max()),
-                      **privacy_metrics(ctx.pipeline, r + 1)}
+                      **privacy_metrics(ctx.pipeline, state.dp_noise_multipliers)}
             end = RoundEnd(r + 1, state, record, rows, rejections, t0)
             for cb in chain:
                 cb.on_round_end(run, end)

@@ -284,6 +284,8 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
     if "upload_bytes_per_client" in report:  # counted from the encoded form
         summary["upload_bytes_per_client"] = report["upload_bytes_per_client"]
     summary.update({k: report[k] for k in ctx.pipeline.report_keys if k in report})
+    if "dp_round_noise_multiplier" in report:  # for SimState, popped by the round
+        summary["dp_round_noise_multiplier"] = report["dp_round_noise_multiplier"]
     if monitor:
         summary["loss_before_aggregation"] = before.get("test_ce_loss")
         summary["loss_after_aggregation"] = after.get("test_ce_loss")
@@ -435,6 +437,14 @@ def count_dp_sgd_steps(steps: np.ndarray, rows: list[dict]) -> np.ndarray:
     return steps
 
 
+NO_DP = object()  # the round's report holds no DP noise multiplier (client-level DP is off)
+
+
+def with_noise(state: SimState, round_index: int, noise) -> SimState:
+    """`state` with the round's released DP noise multiplier recorded (unchanged without DP)."""
+    return state if noise is NO_DP else state.with_round_noise(round_index, noise)
+
+
 def sync_round(ctx: RunContext, state: SimState, round_index: int
                ) -> tuple[SimState, dict[str, Any], list[dict], list[dict]]:
     """One synchronous round: (new state, record, client rows, rejections). `state` itself is
@@ -460,6 +470,7 @@ def sync_round(ctx: RunContext, state: SimState, round_index: int
     server_state, memories, summary = aggregate(ctx, state.server, clients, trained,
                                                 state.memories, round_index)
     rejections = summary.pop("rejections")
+    noise = summary.pop("dp_round_noise_multiplier", NO_DP)
     rejected = {r["client"] for r in rejections}
     if before is not None and rejected:
         clients = restore_states(ctx, clients, before, np.array(sorted(rejected), np.int64))
@@ -472,4 +483,5 @@ def sync_round(ctx: RunContext, state: SimState, round_index: int
     state = state.replace(server=server_state, clients=clients, memories=memories,
                           dp_sgd_steps=count_dp_sgd_steps(state.dp_sgd_steps, rows),
                           clock_s=state.clock_s + timing.round_s)
-    return state, record, rows, rejections
+    return with_noise(state, round_index, noise), record, rows, rejections
+

@@ -33,6 +33,10 @@ class SimState:
         updates (`asynchronous.InFlight`); None for synchronous rounds.
       history: the evaluated rounds' records so far (host side; a checkpoint keeps it in its
         JSON meta, next to the arrays of `to_checkpoint`).
+      dp_noise_multipliers: under client-level DP, per round so far the noise multiplier the
+        released aggregate really carried (None: nothing released); the accountant composes
+        these (`engine.evaluation.privacy_metrics`). Empty without DP. Host side, kept in the
+        checkpoint's JSON meta like `history`.
     """
 
     server: PyTree
@@ -43,6 +47,7 @@ class SimState:
     clock_s: float
     in_flight: Any = None
     history: tuple[dict[str, Any], ...] = ()
+    dp_noise_multipliers: tuple[float | None, ...] = ()
 
     def replace(self, **changes) -> SimState:
         return dataclasses.replace(self, **changes)
@@ -68,9 +73,16 @@ class SimState:
             out["in_flight"] = self.in_flight.arrays()
         return out
 
-    def from_checkpoint(self, restored: dict[str, Any], history=()) -> SimState:
-        """The state restored from `restored` (a checkpoint of a state shaped like `self`) and
-        the checkpoint's evaluated `history`."""
+    def with_round_noise(self, round_index: int, realized: float | None) -> SimState:
+        """The state with round `round_index`'s released noise multiplier recorded."""
+        kept = self.dp_noise_multipliers[:round_index]
+        return self.replace(dp_noise_multipliers=(
+            *kept, *([None] * (round_index - len(kept))), realized))
+
+    def from_checkpoint(self, restored: dict[str, Any], history=(),
+                        dp_noise_multipliers=()) -> SimState:
+        """The state restored from `restored` (a checkpoint of a state shaped like `self`), the
+        checkpoint's evaluated `history` and its rounds' DP noise multipliers."""
         in_flight = None
         if self.in_flight is not None:
             in_flight = type(self.in_flight)(**{
@@ -81,4 +93,5 @@ class SimState:
             memories=restored["memories"],
             sampler=SamplerState(**{k: np.array(v) for k, v in restored["sampler"].items()}),
             dp_sgd_steps=np.array(restored["dp_sgd_steps"]),
-            clock_s=float(restored["clock_s"]), in_flight=in_flight, history=tuple(history))
+            clock_s=float(restored["clock_s"]), in_flight=in_flight, history=tuple(history),
+            dp_noise_multipliers=tuple(dp_noise_multipliers))

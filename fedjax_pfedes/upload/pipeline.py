@@ -254,9 +254,9 @@ def build_stages(cfg: PipelineConfig, noise_multiplier: float) -> list[stages.Up
 
 
 class UploadPipeline:
-    """Runs the stage chain (`build_stages`) every round; holds the jitted client side, the noise
-    multiplier and the noise each round really released (`round_noise_multipliers`, for the
-    accountant)."""
+    """Runs the stage chain (`build_stages`) every round; holds the jitted client side and the
+    noise multiplier. What each round really released is in its report
+    (`dp_round_noise_multiplier`); the run keeps that history in its `SimState`."""
 
     def __init__(self, cfg: PipelineConfig, aggregation: str, algorithm: str, num_clients: int,
                  expected_participants: float, clients_per_round: int, rounds: int,
@@ -285,10 +285,6 @@ class UploadPipeline:
             (uploads, memory, keys)))
         self._rogue_side = jax.jit(jax.vmap(self._one_rogue_client, in_axes=(0, None, 0)))
         self._compiled_shapes: set[tuple[str, int]] = set()  # (arch, slots) seen by process
-        # Per round: the smallest noise multiplier any released aggregate carried (None: nothing
-        # was released). Under secure aggregation the clients add the noise, so fewer senders
-        # than expected release less of it; the accountant composes what really happened.
-        self.round_noise_multipliers: list[float | None] = []
 
     @property
     def active(self) -> bool:
@@ -344,12 +340,14 @@ class UploadPipeline:
     def process(self, round_index: int, cohorts: dict[str, CohortUploads],
                 memories: dict[str, Any], members: dict[str, int], key: jax.Array
                 ) -> tuple[dict[str, tuple[Any, jax.Array]], dict[str, Any], dict[str, Any]]:
-        """Returns ({arch: (uploads, weights)} for the server step, new memories, report)."""
+        """Returns ({arch: (uploads, weights)} for the server step, new memories, report).
+
+        Under client-level DP the report's `dp_round_noise_multiplier` is the smallest noise
+        multiplier any aggregate released this round carried (None: nothing was released).
+        Under secure aggregation the clients add the noise, so fewer senders than expected
+        release less of it; the accountant composes what really happened."""
         cfg = self.cfg
         report: dict[str, Any] = {"rejected": 0, "rejections": []}
-        del self.round_noise_multipliers[round_index:]  # a resumed round is recounted
-        self.round_noise_multipliers.extend([None] * (round_index + 1
-                                                      - len(self.round_noise_multipliers)))
         if self.aggregation == "none":  # nothing is uploaded (Standalone)
             return ({a: (c.uploads, jnp.zeros(len(c.valid), jnp.float32))
                      for a, c in cohorts.items()}, memories, report)
@@ -447,7 +445,7 @@ class UploadPipeline:
             # The server adds sigma C itself; under secure aggregation the senders did.
             realized = (report.get("dp_realized_noise_multiplier") if cfg.secagg
                         else self.noise_multiplier)
-            self.round_noise_multipliers[round_index] = realized
+            report["dp_round_noise_multiplier"] = realized
             if realized is not None:
                 report["dp_realized_noise_multiplier"] = realized
                 if realized < self.noise_multiplier:
