@@ -100,7 +100,7 @@ def same_config(old: Any, new: Any, default: Any) -> bool:
 
 # Fields that change what a run reports or keeps, or how fast it runs, never its numbers:
 # ignored when a finished run is matched for reuse. (`loop_threads` gives bit-identical
-# numbers: tests/test_execution.py.)
+# numbers: tests/execution/test_execution.py.)
 RESULT_NEUTRAL = (("train", "allow_divergence"), ("train", "allow_untrained"),
                   ("monitor", "tensorboard"),
                   ("checkpoint", "every"), ("checkpoint", "max_to_keep"),

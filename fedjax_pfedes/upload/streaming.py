@@ -24,7 +24,7 @@ stages decide after the scan exactly as on stacked uploads:
   (a row read there makes XLA:CPU copy the whole buffer every iteration).
 
 The result equals the weighted mean of the accepted stacked uploads up to the order of the
-float32 additions (tested against it in tests/test_streaming.py).
+float32 additions (tested against it in tests/upload/test_streaming.py).
 """
 
 from __future__ import annotations

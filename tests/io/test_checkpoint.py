@@ -47,7 +47,7 @@ def _saved_rounds(workdir):
 
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_metrics(tmp_path):
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     unbroken, killed = tmp_path / "unbroken", tmp_path / "killed"
     subprocess.run(_main(unbroken), cwd=repo, check=True, capture_output=True)
 

@@ -17,8 +17,8 @@ from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.io.run_report import write_report
 from fedjax_pfedes.studies import round_budget
 
-GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                     "guide.md")
+GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                     "docs", "guide.md")
 
 
 def documented_keys() -> dict[str, str]:

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fl_helpers import small_config
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.algorithms.base import global_accuracy
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
-from tests.fl_helpers import small_config
 
 SPEC = InputSpec("image", (8, 8, 1), "float32", (0.3,), (0.3,))  # pfedes_paper needs images
 

@@ -11,13 +11,13 @@ import sys
 import textwrap
 
 import pytest
+from fl_helpers import tiny_config
 
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import runners
-from tests.fl_helpers import tiny_config
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 
 
 def _run_with_devices(code: str, devices: int = 4, timeout: int = 600) -> dict:
@@ -36,7 +36,7 @@ def test_shard_runner_equals_vmap_on_four_devices():
     result = _run_with_devices("""
         import json, jax, jax.numpy as jnp, numpy as np
         from fedjax_pfedes.execution import runners
-        from tests.test_execution import _setup, _copy
+        from test_execution import _setup, _copy
         _, program, data, states, server = _setup("convnet3", num_clients=5)
         slots = np.array([2, 0, 4, 5, 5, 5, 5, 5], np.int32)  # 3 clients, 5 padded slots
         keys = jax.random.split(jax.random.key(7), 8)
@@ -75,7 +75,7 @@ def test_a_cohort_that_fills_the_mesh_is_split_over_it_with_the_vmap_numbers():
     result = _run_with_devices("""
         import json, jax, jax.numpy as jnp, numpy as np
         from fedjax_pfedes.execution import runners
-        from tests.test_execution import _setup, _copy
+        from test_execution import _setup, _copy
         _, program, data, states, server = _setup("convnet3", num_clients=8)
         mesh = runners.client_mesh(0)
         slots = np.array([6, 1, 3, 8], np.int32)  # 3 clients, one padded slot
@@ -119,7 +119,7 @@ def test_shard_run_matches_vmap_run_end_to_end(tmp_path):
     result = _run_with_devices(f"""
         import json
         from fedjax_pfedes.engine.loop import run_experiment
-        from tests.fl_helpers import small_config
+        from fl_helpers import small_config
         out = {{}}
         for strategy in ("vmap", "shard"):
             c = small_config(strategy)

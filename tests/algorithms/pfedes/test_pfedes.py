@@ -432,9 +432,10 @@ def test_multi_scale_alignment_matches_a_hand_computed_weighted_sum():
 
 
 def test_proxy_scales_are_validated():
+    from fl_helpers import tiny_config
+
     from fedjax_pfedes.engine.validate import validate_config
     from fedjax_pfedes.errors import ConfigError
-    from tests.fl_helpers import tiny_config
 
     for value, message in (("1,x", "not a comma-separated list"), ("0,0", "not all 0"),
                            ("1,0.5", r"need a conv E_proxy \(\['proxy_cnn'\]\)")):
@@ -489,9 +490,10 @@ def test_alignment_loss_at_start_and_end_of_a_participation():
 def test_the_alignment_diagnostics_follow_the_aggregation_loss_monitor(monkeypatch):
     import collections
 
+    from fl_helpers import tiny_config
+
     import fedjax_pfedes.algorithms.pfedes as module
     from fedjax_pfedes.algorithms.registry import BuildInputs, get
-    from tests.fl_helpers import tiny_config
 
     built = []
     monkeypatch.setattr(module, "pfedes", built.append)

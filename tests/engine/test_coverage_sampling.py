@@ -4,12 +4,12 @@ import json
 
 import numpy as np
 import pytest
+from fl_helpers import tiny_config
 
 from fedjax_pfedes.engine import sampling
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError
-from tests.fl_helpers import tiny_config
 
 
 def _one_class_population(clients_per_class=3, classes=4, samples=10):

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from fl_helpers import SPEC, client_data
 
 from configs import tabular_hetero
 from fedjax_pfedes.algorithms import local_training, registry
 from fedjax_pfedes.algorithms.base import with_fresh_local_optimizer
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
 from fedjax_pfedes.engine.loop import run_experiment
-from tests.fl_helpers import SPEC, client_data
 
 
 def _tabular_config(algorithm):

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fl_helpers import small_config, tiny_config
+from test_execution import _copy, _setup
 
 from fedjax_pfedes.data.federated import stack_clients
 from fedjax_pfedes.engine import cohorts
@@ -15,8 +17,6 @@ from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import offload, runners
-from tests.fl_helpers import small_config, tiny_config
-from tests.test_execution import _copy, _setup
 
 
 def test_ragged_rows_equal_the_padded_stack():

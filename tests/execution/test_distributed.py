@@ -14,16 +14,16 @@ import sys
 import textwrap
 
 import pytest
+from fl_helpers import small_config
 
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import distributed
-from tests.fl_helpers import small_config
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 
 CONFIG = """
-from tests.fl_helpers import small_config
+from fl_helpers import small_config
 
 
 def get_config():
