@@ -43,9 +43,9 @@ class AttackConfig:
         return self.kind != "none" and bool(self.clients)
 
 
-def attack_config(config, num_clients: int) -> AttackConfig:
-    """`AttackConfig` from `config.attack` (ValueError naming the field for a bad value)."""
-    a = config.attack
+def attack_config(a, num_clients: int) -> AttackConfig:
+    """`AttackConfig` from the config's `attack` section (ValueError naming the field for a
+    bad value)."""
     if a.kind not in KINDS:
         raise ValueError(f"config.attack.kind must be one of {KINDS}, got '{a.kind}'")
     try:

@@ -27,6 +27,7 @@ from fedjax_pfedes.data.public import split_public
 from fedjax_pfedes.data.sources import CentralDataset, LoadOptions
 from fedjax_pfedes.engine import asynchronous, attacks, client_system, rounds, sampling
 from fedjax_pfedes.engine.cohorts import Offload, assign_architectures, build_cohorts
+from fedjax_pfedes.engine.sections import pipeline_config
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
 from fedjax_pfedes.errors import ConfigError
@@ -35,7 +36,7 @@ from fedjax_pfedes.io import plotting
 from fedjax_pfedes.io.metrics import write_json
 from fedjax_pfedes.tree_util import tree_size
 from fedjax_pfedes.upload import compression
-from fedjax_pfedes.upload.pipeline import UploadPipeline, pipeline_config
+from fedjax_pfedes.upload.pipeline import UploadPipeline
 
 
 def load_options(config: ml_collections.ConfigDict) -> LoadOptions:
@@ -216,7 +217,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         "xla_backend_optimization_level": 1})(server_key, tuple(c.arch for c in cohorts))
     pipeline = build_pipeline(config, algorithm, n)
     try:
-        sys_cfg = client_system.system_config(config)
+        sys_cfg = client_system.system_config(config.system)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     profiles = client_system.client_profiles(sys_cfg, n, config.seed)
@@ -229,7 +230,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     planned = sampling.planned_steps(sizes, capacity, batch_size, epochs,
                                      t.drop_partial_batch)
     try:
-        attack = attacks.attack_config(config, n)
+        attack = attacks.attack_config(config.attack, n)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     # Per-client facts (and streaming under 'scan') in the training program: built once, the

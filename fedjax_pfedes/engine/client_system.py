@@ -71,9 +71,9 @@ class SystemConfig:
                 and self.dropout == 0 and self.deadline_s == 0)
 
 
-def system_config(config: ml_collections.ConfigDict) -> SystemConfig:
-    """Reads and checks `config.system`; a ValueError names the offending field."""
-    s = config.system
+def system_config(s: ml_collections.ConfigDict) -> SystemConfig:
+    """Reads and checks the config's `system` section; a ValueError names the offending
+    field."""
     cfg = SystemConfig(
         availability=_floats(s.availability, "config.system.availability"),
         availability_period=int(s.availability_period),

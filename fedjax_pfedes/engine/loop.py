@@ -71,7 +71,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     Over several processes (`config.distributed`) every process calls this with the same config;
     process 0 writes `workdir`, the others a temporary folder removed at the end."""
     try:
-        distributed.initialize(config)  # before anything touches a JAX backend
+        # before anything touches a JAX backend
+        distributed.initialize(distributed.settings(config.get("distributed")))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     except RuntimeError as e:  # the coordinator did not answer, or a process is missing

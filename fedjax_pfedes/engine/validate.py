@@ -19,6 +19,7 @@ from fedjax_pfedes.engine.client_system import system_config
 from fedjax_pfedes.engine.cohorts import assign_architectures
 from fedjax_pfedes.engine.sampling import BELOW_MIN
 from fedjax_pfedes.engine.sampling import METHODS as SAMPLING_METHODS
+from fedjax_pfedes.engine.sections import pipeline_config
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import distributed, offload, runners
 from fedjax_pfedes.models.architectures import (
@@ -27,7 +28,7 @@ from fedjax_pfedes.models.architectures import (
     shared_arch,
     uses_batch_norm,
 )
-from fedjax_pfedes.upload.pipeline import check_compatible, pipeline_config
+from fedjax_pfedes.upload.pipeline import check_compatible
 
 STALENESS = ("constant", "polynomial", "hinge")
 # Largest representation width of the proxy / projection: a classifier over 2**16 features per
@@ -55,6 +56,30 @@ def _non_finite_fields(config: ml_collections.ConfigDict, prefix: str = "config"
     return out
 
 
+def _check_multi_process(s: distributed.Settings, config: ml_collections.ConfigDict
+                         ) -> None:
+    """The features that do not run across processes yet: ValueError naming the field."""
+    if not s.multi_process:
+        return
+    refusals = [
+        (config.execution.strategy != "shard", "config.execution.strategy must be 'shard' "
+         f"across processes (the mesh spans all processes' devices), got "
+         f"'{config.execution.strategy}'"),
+        (config.execution.cpu_kernels == "auto", "config.execution.cpu_kernels='auto' is not "
+         "supported across processes (each would time its own); use 'xla' or 'eigen'"),
+        (config.execution.devices != 0, "config.execution.devices must be 0 (all devices of "
+         f"all processes) across processes, got {config.execution.devices}"),
+        (config.execution.client_states != "device", "config.execution.client_states="
+         f"'{config.execution.client_states}' is not supported across processes yet; use "
+         "'device'"),
+        (config.asynchronous.enabled, "config.asynchronous.enabled: asynchronous rounds are not "
+         "supported across processes yet"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise ValueError(message)
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first invalid field."""
     bad = _non_finite_fields(config)
@@ -73,10 +98,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         if runners.needs_mesh(config.execution.strategy):
             runners.client_mesh(config.execution.devices)
         _check_client_states(config.execution)
-        distributed.settings(config)
-        distributed.check_supported(config)
+        _check_multi_process(distributed.settings(config.get("distributed")), config)
         archs = assign_architectures(config.clients.architectures, config.data.num_clients)
-        attacks.attack_config(config, config.data.num_clients)
+        attacks.attack_config(config.attack, config.data.num_clients)
         algorithm_registry.check_optimizer_overrides(config)
         if entry.check is not None:
             entry.check(config)
@@ -194,7 +218,7 @@ def _check_client_states(ex: ml_collections.ConfigDict) -> None:
 def _validate_runtime(config: ml_collections.ConfigDict) -> None:
     """config.system, config.asynchronous, config.checkpoint."""
     try:
-        sys_cfg = system_config(config)
+        sys_cfg = system_config(config.system)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     ck = config.checkpoint

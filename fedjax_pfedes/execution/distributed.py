@@ -52,9 +52,9 @@ class Settings:
 CPU_COLLECTIVES = ("gloo", "mpi")
 
 
-def settings(config: ml_collections.ConfigDict) -> Settings:
-    """`config.distributed`, checked (ValueError naming the field); one process if absent."""
-    section = config.get("distributed")
+def settings(section: ml_collections.ConfigDict | None) -> Settings:
+    """`Settings` from the config's `distributed` section, checked (ValueError naming the
+    field); one process when the section is absent (None)."""
     if section is None:
         return Settings()
     s = Settings(str(section.get("coordinator_address", "")),
@@ -78,33 +78,9 @@ def settings(config: ml_collections.ConfigDict) -> Settings:
     return s
 
 
-def check_supported(config: ml_collections.ConfigDict) -> None:
-    """The features that do not run across processes yet: ValueError naming the field."""
-    if not settings(config).multi_process:
-        return
-    refusals = [
-        (config.execution.strategy != "shard", "config.execution.strategy must be 'shard' "
-         f"across processes (the mesh spans all processes' devices), got "
-         f"'{config.execution.strategy}'"),
-        (config.execution.cpu_kernels == "auto", "config.execution.cpu_kernels='auto' is not "
-         "supported across processes (each would time its own); use 'xla' or 'eigen'"),
-        (config.execution.devices != 0, "config.execution.devices must be 0 (all devices of "
-         f"all processes) across processes, got {config.execution.devices}"),
-        (config.execution.client_states != "device", "config.execution.client_states="
-         f"'{config.execution.client_states}' is not supported across processes yet; use "
-         "'device'"),
-        (config.asynchronous.enabled, "config.asynchronous.enabled: asynchronous rounds are not "
-         "supported across processes yet"),
-    ]
-    for refused, message in refusals:
-        if refused:
-            raise ValueError(message)
-
-
-def initialize(config: ml_collections.ConfigDict) -> None:
+def initialize(s: Settings) -> None:
     """Joins this process to the run's other processes (`jax.distributed.initialize`) before
     anything touches a JAX backend; nothing for a one-process run. Idempotent."""
-    s = settings(config)
     if not s.multi_process or jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", s.cpu_collectives)

@@ -80,8 +80,8 @@ class RunnerOptions:
 class Strategy:
     """An execution strategy: how a cohort's per-client functions run over the participants
     (`config.execution.strategy`). Every strategy must compute the same numbers up to float
-    reassociation (tests/execution/test_execution.py and tests/execution/test_sharding.py check the shipped four
-    against each other; a new one needs its own such test).
+    reassociation (tests/execution/test_execution.py and tests/execution/test_sharding.py
+    check the shipped four against each other; a new one needs its own such test).
 
     Attributes:
       name: the config name.

@@ -303,7 +303,7 @@ def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float
     if len(values) < 1 or len(set(values)) != len(values):
         raise ConfigError(f"--sweep.{dotted}: give distinct values, got {values}")
     check_float(config, dotted)
-    if distributed.settings(config).multi_process:
+    if distributed.settings(config.get("distributed")).multi_process:
         raise ConfigError("config.distributed: launch.sweep runs in one process; run each "
                           "member with launch.main across processes instead")
     ex = config.execution

@@ -142,8 +142,9 @@ def test_what_does_not_run_across_processes_yet_is_refused(field, value, match):
 
 
 def test_one_process_is_the_default_and_a_config_without_the_section_is_one_process():
-    assert not distributed.settings(small_config()).multi_process
+    assert not distributed.settings(small_config().distributed).multi_process
     config = small_config()
     del config["distributed"]
-    assert distributed.settings(config) == distributed.Settings()
-    assert distributed.settings(_distributed(coordinator_address="auto")).multi_process
+    assert distributed.settings(config.get("distributed")) == distributed.Settings()
+    assert distributed.settings(
+        _distributed(coordinator_address="auto").distributed).multi_process

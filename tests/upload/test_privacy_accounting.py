@@ -14,10 +14,10 @@ from dp_accounting import rdp
 from fl_helpers import tiny_config
 
 from configs import private_quickstart
+from fedjax_pfedes.engine import sections
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.upload import pipeline as upload_pipeline
 from fedjax_pfedes.upload import privacy
 
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
@@ -76,7 +76,7 @@ def test_P13_calibrated_sigma_spends_the_target_under_the_stated_relation():
     independent replace-one accountant gives <= 8 (to the search tolerance) at the calibrated
     sigma, and more than 8 just below it."""
     config = private_quickstart.get_config()
-    cfg = upload_pipeline.pipeline_config(config).dp
+    cfg = sections.pipeline_config(config).dp
     sigma = privacy.resolve_noise_multiplier(cfg, 20, 10, 20)
 
     def independent(s):
@@ -98,7 +98,7 @@ def test_P13_calibrated_sigma_spends_the_target_under_the_stated_relation():
 def test_P14_an_absurd_target_epsilon_is_refused_in_one_line(target, words):
     config = private_quickstart.get_config()
     config.dp.target_epsilon = target
-    cfg = upload_pipeline.pipeline_config(config).dp
+    cfg = sections.pipeline_config(config).dp
     with pytest.raises(ValueError, match=words) as e:
         privacy.resolve_noise_multiplier(cfg, 20, 10, 20)
     assert "config.dp.target_epsilon" in str(e.value) and "\n" not in str(e.value)
