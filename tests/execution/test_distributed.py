@@ -21,6 +21,8 @@ from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import distributed
 
 ROOT = pathlib.Path(__file__).parents[2]
+# What a child process needs to import: the repository, the tests' helpers and this folder.
+CHILD_PATH = os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "tests" / "execution"))
 
 CONFIG = """
 from fl_helpers import small_config
@@ -45,7 +47,7 @@ def _free_port() -> int:
 
 def _main(config: pathlib.Path, workdir: pathlib.Path, extra_env: dict, *flags: str
           ) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=CHILD_PATH)
     env.pop("XLA_FLAGS", None)
     env.update(extra_env)
     return subprocess.Popen([sys.executable, "-m", "launch.main", f"--config={config}",

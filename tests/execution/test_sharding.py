@@ -18,11 +18,13 @@ from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import runners
 
 ROOT = pathlib.Path(__file__).parents[2]
+# What a child process needs to import: the repository, the tests' helpers and this folder.
+CHILD_PATH = os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "tests" / "execution"))
 
 
 def _run_with_devices(code: str, devices: int = 4, timeout: int = 600) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+               JAX_PLATFORMS="cpu", PYTHONPATH=CHILD_PATH)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
