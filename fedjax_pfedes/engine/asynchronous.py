@@ -137,9 +137,9 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
                 ) -> tuple[SimState, dict[str, Any], list[dict], list[dict]]:
     """One server step of FedBuff: (new state, record, client rows, rejections). `state` itself
     is not changed (its device buffers may be donated: use the returned state)."""
-    a = ctx.config.asynchronous
+    a = ctx.settings.asynchronous
     state = state.with_host_copies()
-    server_state, memories, in_flight = state.server, state.memories, state.in_flight
+    server_state, in_flight = state.server, state.in_flight
     sampler, clock_s = state.sampler, state.clock_s
     counts, launch_timing, launched, clients = launch(ctx, server_state, state.clients, in_flight,
                                                       sampler, round_index, clock_s)
@@ -172,11 +172,6 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
                  "local_steps": float(in_flight.steps[s]),
                  "update_norm": float(factors[k] * norms[k])}
         for k, (s, c) in enumerate(zip(slots, arrivals, strict=True))}, launched.traffic)
-    server_state, memories, summary = rounds.aggregate(ctx, server_state, clients, arrived,
-                                                       memories, round_index)
-    rejections = summary.pop("rejections")
-    noise = summary.pop("dp_round_noise_multiplier", rounds.NO_DP)
-    rejected = {r["client"] for r in rejections}
     sampler.record_outcome(arrivals, np.zeros(0, np.int64))
     timing = client_system.RoundTiming(
         arrivals, np.full(len(slots), client_system.DELIVERED), in_flight.steps[slots],
@@ -184,24 +179,27 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
         in_flight.timing[slots, 3], new_clock - clock_s)
     staleness = dict(zip(arrivals.tolist(), tau.tolist(), strict=True))
     in_flight.client[slots] = -1
-    accepted = len(set(arrivals.tolist()) - rejected)
     dropped = int((launch_timing.status == client_system.DROPPED_OUT).sum())
-    record = {**counts, "dropped_out": dropped,
-              "participants": len(slots), "uploads_accepted": accepted,
-              "upload_success_rate": accepted / len(slots) if len(slots) else None,
-              **rounds.client_means(arrived.client_metrics),
-              **launched.padded_step_fraction(),  # of this step's launches
-              **summary, "simulated_round_s": new_clock - clock_s,
+
+    def head(accepted: int) -> dict[str, Any]:
+        return {**counts, "dropped_out": dropped, "participants": len(slots),
+                "uploads_accepted": accepted,
+                "upload_success_rate": accepted / len(slots) if len(slots) else None}
+
+    def client_rows(rejected: set[int]) -> list[dict]:
+        return rounds.client_report(ctx, timing, arrived, rejected, staleness) + [
+            row for row in rounds.client_report(ctx, launch_timing, rounds.Trained({}, {}, []),
+                                                set())
+            if row["status"] == client_system.DROPPED_OUT]
+
+    return rounds.conclude(
+        ctx, state, round_index, arrived, clients, head=head, rows=client_rows,
+        padded=launched.padded_step_fraction(),  # of this step's launches
+        tail={"simulated_round_s": new_clock - clock_s,
               "staleness_mean": float(tau.mean()) if len(tau) else 0.0,
               "staleness_max": int(tau.max()) if len(tau) else 0,
-              "in_flight": int((in_flight.client >= 0).sum())}
-    rows = rounds.client_report(ctx, timing, arrived, rejected, staleness) + [
-        row for row in rounds.client_report(ctx, launch_timing, rounds.Trained({}, {}, []), set())
-        if row["status"] == client_system.DROPPED_OUT]
-    state = state.replace(server=server_state, clients=clients, memories=memories,
-                          dp_sgd_steps=rounds.count_dp_sgd_steps(state.dp_sgd_steps, rows),
-                          clock_s=new_clock)
-    return rounds.with_noise(state, round_index, noise), record, rows, rejections
+              "in_flight": int((in_flight.client >= 0).sum())},
+        clock_s=new_clock)
 
 
 def _stored_norms(in_flight: InFlight, ctx: rounds.RunContext, slots: np.ndarray,

@@ -27,7 +27,7 @@ from fedjax_pfedes.data.public import split_public
 from fedjax_pfedes.data.sources import CentralDataset, LoadOptions
 from fedjax_pfedes.engine import asynchronous, attacks, client_system, rounds, sampling
 from fedjax_pfedes.engine.cohorts import Offload, assign_architectures, build_cohorts
-from fedjax_pfedes.engine.sections import pipeline_config
+from fedjax_pfedes.engine.sections import pipeline_config, round_settings
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
 from fedjax_pfedes.errors import ConfigError
@@ -236,7 +236,8 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     # Per-client facts (and streaming under 'scan') in the training program: built once, the
     # same objects for the strategy measurement and the rounds (part of the programs' identity).
     finish = rounds.upload_finish(algorithm, pipeline)
-    reducer = rounds.stream_reducer(config, algorithm, pipeline)
+    settings = round_settings(config)
+    reducer = rounds.stream_reducer(settings, algorithm, pipeline)
     choices = {}
     # Clients that train per round, on average (FedBuff: the buffer's worth of arrivals).
     launches_per_round = (config.asynchronous.buffer_size if config.asynchronous.enabled
@@ -287,7 +288,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         raise ConfigError(f"config.train.min_samples={t.min_samples}: no client has that many "
                           f"local samples (largest: {sizes.max()})")
     ctx = rounds.RunContext(
-        config=config, algorithm=algorithm, cohorts=cohorts,
+        settings=settings, algorithm=algorithm, cohorts=cohorts,
         server_step=jax.jit(algorithm.server_update),
         server_metrics=(jax.jit(algorithm.server_metrics) if algorithm.server_metrics else None),
         pipeline=pipeline, system=sys_cfg,
@@ -312,9 +313,9 @@ def initial_state(ctx: rounds.RunContext, server_state, clients: dict[str, Any])
                                              len(c.client_ids))
                 for c in ctx.cohorts}
     in_flight = None
-    if ctx.config.asynchronous.enabled:
+    if ctx.settings.asynchronous is not None:
         in_flight = asynchronous.InFlight.create(
-            ctx.config.asynchronous.concurrency,
+            ctx.settings.asynchronous.concurrency,
             {c.arch: algorithm.upload_template(server_state, c.arch) for c in ctx.cohorts})
     return SimState(server=server_state, clients=clients, memories=memories,
                     sampler=sampling.SamplerState.create(ctx.num_clients,

@@ -126,7 +126,9 @@ class Evaluation(Callback):
         if not end.evaluated:
             return
         steps = {i: int(s) for i, s in enumerate(end.state.dp_sgd_steps) if s > 0}
-        end.record.update(dp_sgd_metrics(run.config, steps, self.batch_rate,
+        d = run.config.dp_sgd
+        end.record.update(dp_sgd_metrics(d.noise_multiplier if d.enabled else None, d.delta,
+                                         steps, self.batch_rate,
                                          run.ctx.algorithm.dp_sgd_releases_per_step))
         end.record.update(evaluate(run.ctx.algorithm, end.state.server, run.ctx.cohorts,
                                    end.state.clients, *self.global_test, self.eval_sample))

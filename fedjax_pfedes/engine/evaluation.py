@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from fedjax_pfedes.data.federated import FederatedData
@@ -21,10 +20,12 @@ from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload.pipeline import UploadPipeline
 
 
-def global_test_set(data: FederatedData, config: ml_collections.ConfigDict):
+def global_test_set(data: FederatedData, samples: int, seed: int):
+    """The global test set every client is evaluated on: `samples` test examples drawn with
+    `seed` (all of them when 0), as device arrays (x, y)."""
     c = data.central
-    n = config.eval.global_test_samples or len(c.y_test)
-    idx = np.random.default_rng(config.seed).permutation(len(c.y_test))[:n]
+    n = samples or len(c.y_test)
+    idx = np.random.default_rng(seed).permutation(len(c.y_test))[:n]
     return jnp.asarray(c.x_test[np.sort(idx)]), jnp.asarray(c.y_test[np.sort(idx)])
 
 
@@ -37,15 +38,14 @@ def majority_class_accuracy(data: FederatedData) -> float:
     return float(np.mean(scores))
 
 
-def evaluation_sample(config: ml_collections.ConfigDict, num_clients: int) -> np.ndarray | None:
-    """The clients every evaluation measures: all (None) when `config.eval.clients` is 0, else a
-    seeded random set of that many, the same at every evaluation of the run (cross-device
-    populations: evaluating 10,000 clients costs more than training a round)."""
-    k = config.eval.clients
-    if k <= 0 or k >= num_clients:
+def evaluation_sample(count: int, seed: int, num_clients: int) -> np.ndarray | None:
+    """The clients every evaluation measures: all (None) when `count` (`config.eval.clients`) is
+    0, else a random set of that many drawn with `seed`, the same at every evaluation of the run
+    (cross-device populations: evaluating 10,000 clients costs more than training a round)."""
+    if count <= 0 or count >= num_clients:
         return None
-    return np.sort(np.random.default_rng([config.seed, 0xE7A1]).choice(num_clients, k,
-                                                                        replace=False))
+    return np.sort(np.random.default_rng([seed, 0xE7A1]).choice(num_clients, count,
+                                                                 replace=False))
 
 
 def evaluate(algorithm, server_state, cohorts: list[Cohort], clients: dict[str, Any], global_x,
@@ -94,14 +94,13 @@ def privacy_metrics(pipeline: UploadPipeline, realized: Sequence[float | None]
             "dp_noise_multiplier": pipeline.noise_multiplier, "dp_clip_norm": dp.clip_norm}
 
 
-def privacy_statement(dp: privacy.ClientDPConfig | None, config: ml_collections.ConfigDict
-                      ) -> dict[str, Any]:
+def privacy_statement(dp: privacy.ClientDPConfig | None, dp_sgd: bool) -> dict[str, Any]:
     """What the run's privacy figures protect, for summary.json: per guarantee its unit, the
     neighbouring relation its epsilon is stated under and the sensitivity that relation gives.
 
     Args:
       dp: the client-level DP settings in force (None without client-level DP).
-      config: the experiment config (for DP-SGD).
+      dp_sgd: whether sample-level DP-SGD is on (`config.dp_sgd.enabled`).
 
     Returns:
       {} without DP; else `dp_*` (client level) and `dp_sgd_*` (sample level) fields.
@@ -115,7 +114,7 @@ def privacy_statement(dp: privacy.ClientDPConfig | None, config: ml_collections.
             "dp_l2_sensitivity": privacy.sensitivity_factor(dp.sampling) * dp.clip_norm,
             **({"dp_sampling_rate": dp.sampling_rate} if dp.sampling == "poisson" else {}),
         })
-    if config.dp_sgd.enabled:
+    if dp_sgd:
         out.update({
             "dp_sgd_unit": "example (one training sample of one client)",
             "dp_sgd_neighbouring_relation": "add_or_remove_one",
@@ -126,7 +125,7 @@ def privacy_statement(dp: privacy.ClientDPConfig | None, config: ml_collections.
     return out
 
 
-def dp_sgd_metrics(config: ml_collections.ConfigDict, steps_taken: dict[int, int],
+def dp_sgd_metrics(noise_multiplier: float | None, delta: float, steps_taken: dict[int, int],
                    batch_rate: dict[int, float], releases_per_step: int = 1
                    ) -> dict[str, float]:
     """Per-client epsilon of sample-level DP-SGD so far (max and mean over clients that have
@@ -135,24 +134,34 @@ def dp_sgd_metrics(config: ml_collections.ConfigDict, steps_taken: dict[int, int
     `releases_per_step` Gaussian mechanisms act (pFedES releases the private model's and
     E_proxy's noisy gradients of the same batch: composed inside the sampled event, which equals
     one Gaussian of noise multiplier sigma / sqrt(2) and is larger than composing two
-    independently sampled steps)."""
-    if not config.dp_sgd.enabled or not steps_taken:
+    independently sampled steps).
+
+    Args:
+      noise_multiplier: DP-SGD's noise multiplier, None when DP-SGD is off.
+      delta: the delta epsilon is stated at.
+      steps_taken: client id -> local steps it has taken with DP-SGD so far.
+      batch_rate: client id -> B / n_k.
+      releases_per_step: Gaussian releases of one sampled batch.
+
+    Returns:
+      {} without DP-SGD or before any step; else `dp_sgd_*` figures.
+    """
+    if noise_multiplier is None or not steps_taken:
         return {}
     import dp_accounting  # on first use: see upload/privacy.py
-    d = config.dp_sgd
     eps = []
     for cid, steps in steps_taken.items():
-        if d.noise_multiplier == 0:
+        if noise_multiplier == 0:
             eps.append(float("inf"))
             continue
         accountant = privacy.make_accountant("rdp", "poisson")
         release = dp_accounting.ComposedDpEvent(
-            [dp_accounting.GaussianDpEvent(d.noise_multiplier)] * releases_per_step)
+            [dp_accounting.GaussianDpEvent(noise_multiplier)] * releases_per_step)
         accountant.compose(dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(batch_rate[cid], release), steps))
-        eps.append(float(accountant.get_epsilon(d.delta)))
+        eps.append(float(accountant.get_epsilon(delta)))
     return {"dp_sgd_epsilon_max": max(eps), "dp_sgd_epsilon_mean": float(np.mean(eps)),
-            "dp_sgd_delta": d.delta, "dp_sgd_noise_multiplier": d.noise_multiplier,
+            "dp_sgd_delta": delta, "dp_sgd_noise_multiplier": noise_multiplier,
             "dp_sgd_releases_per_step": releases_per_step}
 
 

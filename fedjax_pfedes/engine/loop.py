@@ -170,7 +170,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
                   for c in ctx.cohorts
                   for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
     divergence = DivergenceCheck()
-    chain = [Evaluation(global_test_set(data, config), evaluation_sample(config, ctx.num_clients),
+    chain = [Evaluation(global_test_set(data, config.eval.global_test_samples, config.seed),
+                        evaluation_sample(config.eval.clients, config.seed, ctx.num_clients),
                         batch_rate),
              divergence, *callbacks, MetricsWriter(writers), ProgressBar(show_progress),
              Checkpointing(checkpointer, writer, fingerprint)]
@@ -253,7 +254,7 @@ def _summary(run: RunInfo, state, last: dict, data, fingerprint: str,
         "majority_class_accuracy_mean": majority_class_accuracy(data),
         "best_personalized_accuracy": best["personalized_accuracy_mean"],
         "best_round": best["round"],
-        **privacy_statement(ctx.pipeline.cfg.dp, config),
+        **privacy_statement(ctx.pipeline.cfg.dp, bool(config.dp_sgd.enabled)),
         "norm_outlier_rejection": ctx.pipeline.outlier_note,
         "local_optimizer": local_optimizer_note(config),
         "execution_strategy": "+".join(chosen),

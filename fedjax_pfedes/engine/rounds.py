@@ -12,16 +12,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import logging
 
 from fedjax_pfedes.engine import attacks, client_system, sampling
 from fedjax_pfedes.engine.cohorts import Cohort
+from fedjax_pfedes.engine.sections import RoundSettings
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.execution import offload, runners
 from fedjax_pfedes.tree_util import tree_size
@@ -44,9 +45,9 @@ fold_in = jax.jit(jax.random.fold_in)  # the same bits as jax.random.fold_in, on
 
 @dataclasses.dataclass
 class RunContext:
-    """What a run's rounds read but never change (built once by `simulation`)."""
+    """What a run's rounds read but never change (built once by `engine.build`)."""
 
-    config: ml_collections.ConfigDict
+    settings: RoundSettings
     algorithm: Any
     cohorts: list[Cohort]
     server_step: Any
@@ -117,17 +118,17 @@ def upload_finish(algorithm, pipeline: UploadPipeline):
     return finish
 
 
-def stream_reducer(config: ml_collections.ConfigDict, algorithm, pipeline: UploadPipeline):
+def stream_reducer(settings: RoundSettings, algorithm, pipeline: UploadPipeline):
     """bucket -> the reducer with which a 'scan' cohort of that bucket sums its uploads as
     they are made (`upload.streaming`), or None where the stacked uploads are needed: the
     server step must be a weighted mean (`Algorithm.mean_server_step`), the upload pipeline
     must transform nothing (no compression, privacy, robust aggregation or other weights than
     samples), and the rounds synchronous (buffered asynchronous rounds keep each upload)."""
-    if (not algorithm.mean_server_step or pipeline.active or config.asynchronous.enabled
+    if (not algorithm.mean_server_step or pipeline.active or settings.asynchronous is not None
             or pipeline.aggregation not in ("per_cohort", "shared")):
         return None
     factor, _ = outlier_rule(pipeline.cfg)
-    hold = int(config.execution.scan_held_uploads) if factor > 0 else 0
+    hold = settings.scan_held_uploads if factor > 0 else 0
     return functools.partial(streaming.reducer, hold,
                              reject_nonfinite=bool(pipeline.cfg.reject_nonfinite))
 
@@ -265,7 +266,7 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
         logging.warning("round %d: upload of client %d rejected: %s", round_index + 1,
                         r["client"], r["reason"])
     trained_ids = np.array(sorted(trained.client_metrics), np.int64)
-    monitor = ctx.config.monitor.aggregation_loss and len(trained_ids) > 0
+    monitor = ctx.settings.monitor_aggregation_loss and len(trained_ids) > 0
     before = participants_metrics(ctx, server_state, clients, trained_ids) if monitor else {}
     previous = server_state
     server_state = ctx.server_step(server_state, groups)
@@ -361,30 +362,29 @@ def select_clients(ctx: RunContext, sampler: sampling.SamplerState, round_index:
                    excluded: np.ndarray | None = None, count: int | None = None
                    ) -> tuple[np.ndarray, dict[str, Any]]:
     """This round's selection and the counts behind it (online, eligible, planned)."""
-    cfg, n = ctx.config, ctx.num_clients
-    t = cfg.train
-    online = client_system.online_mask(ctx.system, ctx.profiles, cfg.seed, round_index)
+    s, n = ctx.settings, ctx.num_clients
+    online = client_system.online_mask(ctx.system, ctx.profiles, s.seed, round_index)
     eligible = online & ctx.statically_eligible
     if excluded is not None:
         eligible &= ~excluded
     weights = (np.ones(n) if ctx.system.all_reliable
                else sampling.reliability_weights(sampler, ctx.system.failure_decay))
-    m = sampling.participants_per_round(n, t.client_fraction) if count is None else count
-    if t.sampling == "poisson" and count is None:
-        planned: float = t.client_fraction * n
-        selected = sampling.weighted_poisson(cfg.seed, round_index, t.client_fraction,
+    m = sampling.participants_per_round(n, s.client_fraction) if count is None else count
+    if s.sampling == "poisson" and count is None:
+        planned: float = s.client_fraction * n
+        selected = sampling.weighted_poisson(s.seed, round_index, s.client_fraction,
                                              eligible, weights)
-    elif t.sampling == "stratified" and count is None:
+    elif s.sampling == "stratified" and count is None:
         planned = m
-        selected = sampling.stratified_sample(cfg.seed, round_index, m, eligible, weights,
+        selected = sampling.stratified_sample(s.seed, round_index, m, eligible, weights,
                                               ctx.strata, sampler)
-    elif t.sampling == "coverage" and count is None:
+    elif s.sampling == "coverage" and count is None:
         planned = m
-        selected = sampling.coverage_sample(cfg.seed, round_index, m, eligible, weights,
-                                            ctx.label_counts, t.coverage_candidates)
+        selected = sampling.coverage_sample(s.seed, round_index, m, eligible, weights,
+                                            ctx.label_counts, s.coverage_candidates)
     else:
         planned = m
-        selected = sampling.weighted_uniform(cfg.seed, round_index, m, eligible, weights)
+        selected = sampling.weighted_uniform(s.seed, round_index, m, eligible, weights)
     return selected, {"planned_participants": planned, "online_clients": int(online.sum()),
                       "selected": len(selected),
                       "selected_label_coverage": sampling.label_coverage(ctx.label_counts,
@@ -399,7 +399,7 @@ def prefetch_upcoming(ctx: RunContext, clients: dict[str, Any], sampler: samplin
     recorded yet, so with reliability weights or stratified quotas it can differ). A hint only:
     nothing computed depends on it."""
     cohorts = [c for c in ctx.cohorts if c.runner.prefetch is not None]
-    if not cohorts or round_index >= ctx.config.train.rounds:
+    if not cohorts or round_index >= ctx.settings.rounds:
         return
     upcoming, _ = select_clients(ctx, copy.deepcopy(sampler), round_index)
     for cohort in cohorts:
@@ -411,7 +411,7 @@ def simulate_selected(ctx: RunContext, round_index: int, selected: np.ndarray
                       ) -> client_system.RoundTiming:
     archs = ctx.arch_of(selected)
     return client_system.simulate_round(
-        ctx.system, ctx.profiles, ctx.config.seed, round_index, selected,
+        ctx.system, ctx.profiles, ctx.settings.seed, round_index, selected,
         ctx.planned_steps[selected], [ctx.upload_bytes[a] for a in archs],
         [ctx.download_bytes[a] for a in archs])
 
@@ -437,12 +437,52 @@ def count_dp_sgd_steps(steps: np.ndarray, rows: list[dict]) -> np.ndarray:
     return steps
 
 
-NO_DP = object()  # the round's report holds no DP noise multiplier (client-level DP is off)
+_NO_DP = object()  # the round's report holds no DP noise multiplier (client-level DP is off)
 
 
-def with_noise(state: SimState, round_index: int, noise) -> SimState:
-    """`state` with the round's released DP noise multiplier recorded (unchanged without DP)."""
-    return state if noise is NO_DP else state.with_round_noise(round_index, noise)
+def conclude(ctx: RunContext, state: SimState, round_index: int, trained: Trained,
+             clients: dict[str, Any], *, head: Callable[[int], dict[str, Any]],
+             rows: Callable[[set[int]], list[dict]], padded: dict[str, float],
+             tail: dict[str, Any], clock_s: float, before: dict | None = None
+             ) -> tuple[SimState, dict[str, Any], list[dict], list[dict]]:
+    """The second half of a round, the same for synchronous rounds and FedBuff's server steps:
+    the upload pipeline and server step on `trained`, the rejected clients' states set back
+    (`before`, when the algorithm's states need acceptance), the round's record and client rows,
+    and the new state with its DP step counts, clock and released noise multiplier.
+
+    Args:
+      ctx: the run.
+      state: the state the round started from (its server, memories and counters).
+      round_index: 0-based round.
+      trained: the uploads and per-client metrics that reach the server this round.
+      clients: the clients' states after training.
+      head: the record's first fields, given the number of accepted uploads.
+      rows: the client rows, given the set of rejected clients.
+      padded: the padded-step fraction of the round's training.
+      tail: the record's last fields.
+      clock_s: the simulated clock after the round.
+      before: `participant_states` taken before training, or None.
+
+    Returns:
+      (new state, record, client rows, rejections).
+    """
+    server_state, memories, summary = aggregate(ctx, state.server, clients, trained,
+                                                state.memories, round_index)
+    rejections = summary.pop("rejections")
+    noise = summary.pop("dp_round_noise_multiplier", _NO_DP)
+    rejected = {r["client"] for r in rejections}
+    if before is not None and rejected:
+        clients = restore_states(ctx, clients, before, np.array(sorted(rejected), np.int64))
+    accepted = len(set(trained.client_metrics) - rejected)
+    record = {**head(accepted), **client_means(trained.client_metrics), **padded, **summary,
+              **tail}
+    client_rows = rows(rejected)
+    state = state.replace(server=server_state, clients=clients, memories=memories,
+                          dp_sgd_steps=count_dp_sgd_steps(state.dp_sgd_steps, client_rows),
+                          clock_s=clock_s)
+    if noise is not _NO_DP:
+        state = state.with_round_noise(round_index, noise)
+    return state, record, client_rows, rejections
 
 
 def sync_round(ctx: RunContext, state: SimState, round_index: int
@@ -461,27 +501,17 @@ def sync_round(ctx: RunContext, state: SimState, round_index: int
     trained, clients = train_participants(ctx, state.server, state.clients, runs,
                                           fold_in(ctx.train_key, round_index), limits)
     after_training = {}
-    if ctx.config.eval.after_training and trained.client_metrics:
+    if ctx.settings.evaluate_after_training and trained.client_metrics:
         # Each participant right after its local training, before the server step (the
         # published pFedES code's evaluation protocol).
         after_training = {"participants_accuracy_after_training": participants_metrics(
             ctx, state.server, clients, np.array(sorted(trained.client_metrics), np.int64),
             ("personalized_accuracy",))["personalized_accuracy"]}
-    server_state, memories, summary = aggregate(ctx, state.server, clients, trained,
-                                                state.memories, round_index)
-    rejections = summary.pop("rejections")
-    noise = summary.pop("dp_round_noise_multiplier", NO_DP)
-    rejected = {r["client"] for r in rejections}
-    if before is not None and rejected:
-        clients = restore_states(ctx, clients, before, np.array(sorted(rejected), np.int64))
     sampler.record(selected, runs)
-    accepted = len(set(trained.client_metrics) - rejected)
-    record = {**counts, **outcome_counts(timing, accepted), **client_means(trained.client_metrics),
-              **trained.padded_step_fraction(), **summary, **after_training,
-              "simulated_round_s": timing.round_s}
-    rows = client_report(ctx, timing, trained, rejected)
-    state = state.replace(server=server_state, clients=clients, memories=memories,
-                          dp_sgd_steps=count_dp_sgd_steps(state.dp_sgd_steps, rows),
-                          clock_s=state.clock_s + timing.round_s)
-    return with_noise(state, round_index, noise), record, rows, rejections
-
+    return conclude(
+        ctx, state, round_index, trained, clients,
+        head=lambda accepted: {**counts, **outcome_counts(timing, accepted)},
+        rows=lambda rejected: client_report(ctx, timing, trained, rejected),
+        padded=trained.padded_step_fraction(),
+        tail={**after_training, "simulated_round_s": timing.round_s},
+        clock_s=state.clock_s + timing.round_s, before=before)

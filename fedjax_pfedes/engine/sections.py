@@ -1,12 +1,15 @@
 """The config read into the typed settings the lower layers take.
 
-The upload pipeline (`upload/`), the client system (`engine.client_system`), the attacks and
-the multi-process settings each receive their own dataclass, built here or by the section's own
-`*_config(section)` function, never the ConfigDict. What needs several sections at once (client-
-level DP's sampling assumption reads `train` and `system`) is decided here.
+The upload pipeline (`upload/`), the client system (`engine.client_system`), the attacks, the
+multi-process settings and the rounds (`RoundSettings`) each receive their own dataclass, built
+here or by the section's own `*_config(section)` function, never the ConfigDict. What needs
+several sections at once (client-level DP's sampling assumption reads `train` and `system`) is
+decided here.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import ml_collections
 
@@ -87,3 +90,53 @@ def pipeline_config(config: ml_collections.ConfigDict) -> PipelineConfig:
         secagg_dropout_after_upload=s.dropout_after_upload,
         secagg_min_senders=s.min_senders, secagg_simulation=s.simulation,
         encoding=sa_protocol.RingEncoding(s.ring_bits, s.fraction_bits))
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSettings:
+    """Buffered asynchronous rounds (FedBuff; `config.asynchronous`)."""
+
+    concurrency: int          # clients training at any time
+    buffer_size: int          # updates per server step (K)
+    staleness: str            # 'constant' | 'polynomial' | 'hinge'
+    staleness_exponent: float
+    hinge_a: float
+    hinge_b: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundSettings:
+    """What a run's rounds read of the config (`engine.rounds`, `engine.asynchronous`)."""
+
+    seed: int
+    rounds: int
+    client_fraction: float
+    sampling: str                   # 'uniform' | 'poisson' | 'stratified' | 'coverage'
+    coverage_candidates: int
+    monitor_aggregation_loss: bool  # participants' losses before / after the server step
+    evaluate_after_training: bool   # each participant right after training
+    scan_held_uploads: int          # uploads a streamed 'scan' round may hold for the norm rule
+    asynchronous: AsyncSettings | None = None  # None: synchronous rounds
+
+
+def round_settings(config: ml_collections.ConfigDict) -> RoundSettings:
+    """`RoundSettings` from an experiment config's `seed`, `train`, `monitor`, `eval`,
+    `execution` and `asynchronous` sections.
+
+    Args:
+      config: the experiment config (validated).
+
+    Returns:
+      The rounds' settings.
+    """
+    t, a = config.train, config.asynchronous
+    return RoundSettings(
+        seed=int(config.seed), rounds=int(t.rounds), client_fraction=float(t.client_fraction),
+        sampling=str(t.sampling), coverage_candidates=int(t.coverage_candidates),
+        monitor_aggregation_loss=bool(config.monitor.aggregation_loss),
+        evaluate_after_training=bool(config.eval.after_training),
+        scan_held_uploads=int(config.execution.scan_held_uploads),
+        asynchronous=(AsyncSettings(int(a.concurrency), int(a.buffer_size), str(a.staleness),
+                                    float(a.staleness_exponent), float(a.hinge_a),
+                                    float(a.hinge_b))
+                      if a.enabled else None))

@@ -386,8 +386,17 @@ BETAS = (0.0, 0.5, 0.9)
 # The jump F4 is about needs a global E_proxy that moves between two participations of a
 # client: few participants a round (each client then returns after ~1/fraction rounds of other
 # clients' training) and long local training (E = 3). E_proxy's step is the default
-# effective-step rule (the stated ratio of the private model's step).
+# effective-step rule (the stated ratio of the private model's step). The arms run
+# `f4_rounds(base)` rounds: as many participations per client as the base run's rounds give.
 F4_SETUP = {"train.client_fraction": 0.1, "train.local_epochs": 3}
+
+
+def f4_rounds(base) -> int:
+    """F4's rounds: the base config's `train.rounds` times base fraction / F4's fraction (at
+    least the base's), so that each client trains as often as in the other findings' runs (at
+    a fifth of the participants a round its curve would otherwise stop far from a plateau)."""
+    factor = float(base.train.client_fraction) / F4_SETUP["train.client_fraction"]
+    return max(int(base.train.rounds), int(round(base.train.rounds * factor)))
 
 
 def _beta_name(beta: float) -> str:
@@ -395,7 +404,8 @@ def _beta_name(beta: float) -> str:
 
 
 def _f4_variants(base):
-    return {_beta_name(b): {**F4_SETUP, "server_momentum": b} for b in BETAS}
+    return {_beta_name(b): {**F4_SETUP, "train.rounds": f4_rounds(base), "server_momentum": b}
+            for b in BETAS}
 
 
 def client_jumps(clients_jsonl: str) -> list[float]:
@@ -439,7 +449,8 @@ def _f4(records: Records, base, variants, figure: str) -> Verdict:
     rows = [[f"{b:g}", mean_std(_jump(records[n]), digits=5),
              mean_std(_server_jump(records[n]), digits=5),
              mean_std(final(records[n]))] for b, n in names.items()]
-    table = _table([f"β (server momentum; {_f4_setup_words()})", "jump a client sees (loss "
+    table = _table([f"β (server momentum; {_f4_setup_words()}, {f4_rounds(base)} rounds)",
+                    "jump a client sees (loss "
                     "at the start of a participation − at the end of its previous one)",
                     "server-step change (local test, new − old E_proxy)",
                     "personalized accuracy"], rows)
@@ -593,9 +604,11 @@ FINDINGS: dict[str, Finding] = {f.id: f for f in (
             "jump = a client's alignment loss right after receiving the aggregated E_proxy "
             "minus its loss at the end of its previous participation (same rows of its data), "
             "averaged over clients and participations, in a setup where E_proxy moves between "
-            f"a client's participations ({_f4_setup_words()}); inconclusive unless the CI of "
-            "the jump at β = 0 is > 0 (the condition exists); then reproduced if the CI of "
-            "jump(β = 0.5) − jump(β = 0) is < 0, refuted if > 0", _f4_variants, _f4),
+            f"a client's participations ({_f4_setup_words()}, rounds × the base's fraction / "
+            f"{F4_SETUP['train.client_fraction']:g}: as many participations per client); "
+            "inconclusive unless the CI of the jump at β = 0 is > 0 (the condition exists); "
+            "then reproduced if the CI of jump(β = 0.5) − jump(β = 0) is < 0, refuted if > 0",
+            _f4_variants, _f4),
     Finding("F5", "removing either stop-gradient makes the losses oscillate",
             "oscillation = mean |second difference| / mean of the per-round training "
             "alignment loss (a diverged run scores 1.0); all arms align with InfoNCE (with "

@@ -142,14 +142,13 @@ def test_evaluating_a_sample_of_clients_equals_those_clients_of_a_full_evaluatio
     config = small_config("loop")
     data = build_federated_data(config)
     ctx, state = build_context(config, data)
-    gx, gy = global_test_set(data, config)
+    gx, gy = global_test_set(data, config.eval.global_test_samples, config.seed)
     full = evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients, gx, gy)
     everyone = evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients, gx, gy,
                         np.arange(ctx.num_clients))
     assert everyone == full and full["evaluated_clients"] == ctx.num_clients
-    config.eval.clients = 3
-    sample = evaluation_sample(config, ctx.num_clients)
-    assert len(sample) == 3 and np.array_equal(sample, evaluation_sample(config, 6))
+    sample = evaluation_sample(3, config.seed, ctx.num_clients)
+    assert len(sample) == 3 and np.array_equal(sample, evaluation_sample(3, config.seed, 6))
     part = evaluate(ctx.algorithm, state.server, ctx.cohorts, state.clients, gx, gy, sample)
     per_client = {}
     for c in ctx.cohorts:

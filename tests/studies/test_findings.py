@@ -236,8 +236,11 @@ def test_variants_are_shared_and_resolve_names_the_flag():
     assert len(variants) == 22 and variants[pfedes_findings.DEFAULT] == {}
     assert variants["hetero_r0.8_fedavg"]["clients.architectures"] == \
         "convnet3:4,convnet5:4,vit:4,mlp:4,cnn_small:4"  # ratio 0.8 off the majority
-    assert variants["f4_beta0"] == {**pfedes_findings.F4_SETUP, "server_momentum": 0.0}
+    assert variants["f4_beta0"] == {**pfedes_findings.F4_SETUP, "server_momentum": 0.0,
+                                    "train.rounds": 5 * base.train.rounds}  # 0.5 / 0.1
     assert pfedes_findings.F4_SETUP["train.client_fraction"] < base.train.client_fraction
+    base.train.client_fraction = 0.05  # never fewer rounds than the base's
+    assert pfedes_findings.f4_rounds(base) == base.train.rounds
     with pytest.raises(ValueError, match="--finding=F9"):
         pfedes_findings.resolve("F9")
 
