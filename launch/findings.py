@@ -59,7 +59,7 @@ def section(config, seeds: int, command: str, verdicts: list[tuple], output: str
     """The Markdown of one dataset's findings (`results`: every variant's runs)."""
     name = config.data.name
     lines = [f"<!-- findings:{name} -->", f"## {name}", "", population(config, seeds) + ".",
-             "", pfedes_findings.plateau_note(results), "",
+             "", experiments.plateau_note(results), "",
              "```bash", command, "```", "",
              "| finding | claim | verdict | what the rule compared |", "|---|---|---|---|"]
     for f, v in verdicts:

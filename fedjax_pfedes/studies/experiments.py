@@ -211,6 +211,31 @@ def mean_std(values: Sequence[float], digits: int = 4) -> str:
     return cell
 
 
+PLATEAU_WINDOW, PLATEAU_TOLERANCE = 0.2, 0.005
+
+
+def at_plateau(record: dict) -> bool:
+    """Whether a run's personalized-accuracy curve has flattened: with k = the last 20 % of its
+    evaluated rounds (at least 1), the mean over the last k differs from the mean over the k
+    before by less than 0.5 points. A diverged run, or one with fewer than 2 evaluations, is
+    not at a plateau."""
+    acc = np.asarray(record.get("personalized_accuracy", []), np.float64)
+    k = max(1, int(round(PLATEAU_WINDOW * len(acc))))
+    if record.get("diverged") or len(acc) < 2 * k or not np.all(np.isfinite(acc)):
+        return False
+    return abs(acc[-k:].mean() - acc[-2 * k:-k].mean()) < PLATEAU_TOLERANCE
+
+
+def plateau_note(records: dict[str, list[dict]]) -> str:
+    """One sentence: how many runs reached a plateau (`at_plateau`), naming the variants with
+    runs that did not."""
+    runs = [(name, at_plateau(r)) for name, rs in records.items() for r in rs]
+    short = sorted({name for name, ok in runs if not ok})
+    text = (f"Runs at a plateau (last 20 % of evaluated rounds within 0.5 points of the 20 % "
+            f"before): {sum(ok for _, ok in runs)} of {len(runs)}")
+    return text + (f"; still moving in {', '.join(short)}" if short else "") + "."
+
+
 def rejected_per_seed(runs: list[dict]) -> str:
     """Uploads the server rejected over a whole run, per seed ('0' when none in any; '?' for
     runs recorded before the count was kept): a comparison must show when a method's honest
@@ -223,11 +248,11 @@ def rejected_per_seed(runs: list[dict]) -> str:
 
 def markdown_table(results: dict[str, list[dict]], seeds: int | None = None) -> str:
     """Method | personalized acc (mean ± std over seeds) | global acc | upload | uploads
-    rejected per seed | wall time.
+    rejected per seed | runs at a plateau (`at_plateau`) | wall time.
     With `seeds`, a method with fewer finished seeds says so in its row."""
     lines = ["| method | mean personalized accuracy | mean global accuracy | "
-             "upload params / client / round | uploads rejected | wall time s |",
-             "|---|---|---|---|---|---|"]
+             "upload params / client / round | uploads rejected | at a plateau | wall time s |",
+             "|---|---|---|---|---|---|---|"]
     for name, runs in results.items():
         diverged = sum(bool(r.get("diverged")) for r in runs)
         note = f" (diverged: non-finite training loss in {diverged}/{len(runs)} seeds)" \
@@ -240,6 +265,7 @@ def markdown_table(results: dict[str, list[dict]], seeds: int | None = None) -> 
             f"{mean_std([r['final']['global_accuracy_mean'] for r in runs])} | "
             f"{int(np.mean([r['upload_params_per_client'] for r in runs])):,} | "
             f"{rejected_per_seed(runs)} | "
+            f"{sum(at_plateau(r) for r in runs)}/{len(runs)} | "
             f"{np.mean([r['wall_time_s'] for r in runs]):.0f} |")
     return "\n".join(lines)
 

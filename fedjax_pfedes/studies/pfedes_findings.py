@@ -225,31 +225,6 @@ def scored_oscillation(records: list[dict], key: str) -> np.ndarray:
     return np.where(diverged, DIVERGED_OSCILLATION, out)
 
 
-PLATEAU_WINDOW, PLATEAU_TOLERANCE = 0.2, 0.005
-
-
-def at_plateau(record: dict) -> bool:
-    """Whether a run's personalized-accuracy curve has flattened: with k = the last 20 % of its
-    evaluated rounds (at least 1), the mean over the last k differs from the mean over the k
-    before by less than 0.5 points. A diverged run, or one with fewer than 2 evaluations, is
-    not at a plateau."""
-    acc = np.asarray(record.get("personalized_accuracy", []), np.float64)
-    k = max(1, int(round(PLATEAU_WINDOW * len(acc))))
-    if record.get("diverged") or len(acc) < 2 * k or not np.all(np.isfinite(acc)):
-        return False
-    return abs(acc[-k:].mean() - acc[-2 * k:-k].mean()) < PLATEAU_TOLERANCE
-
-
-def plateau_note(records: Records) -> str:
-    """One sentence: how many runs reached a plateau (`at_plateau`), naming the variants with
-    runs that did not."""
-    runs = [(name, at_plateau(r)) for name, rs in records.items() for r in rs]
-    short = sorted({name for name, ok in runs if not ok})
-    text = (f"Runs at a plateau (last 20 % of evaluated rounds within 0.5 points of the 20 % "
-            f"before): {sum(ok for _, ok in runs)} of {len(runs)}")
-    return text + (f"; still moving in {', '.join(short)}" if short else "") + "."
-
-
 DEFAULT = "pfedes_default"  # the base config's pFedES run, shared by F3-F7
 
 

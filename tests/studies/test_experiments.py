@@ -44,6 +44,7 @@ def test_methods_in_one_process_equal_separate_runs(tmp_path):
     table = experiments.markdown_table(results)
     assert table.count("\n") == 3 and "| pfedes | " in table and " ± " in table
     assert "| uploads rejected |" in table  # a method's filtered honest uploads are visible
+    assert "| at a plateau |" in table
     png = experiments.accuracy_curves(results, str(tmp_path / "curves.png"), "t")
     assert open(png, "rb").read(4) == b"\x89PNG"
 
@@ -277,3 +278,15 @@ def test_a_difference_without_spread_gets_no_interval():
     spread = rows([(0, 0.492), (1, 0.511)])
     assert np.isfinite(experiments.paired_difference(spread, ref, "personalized_accuracy_mean")
                        ["high"])
+
+
+def test_the_table_counts_the_runs_at_a_plateau():
+    def run(curve):
+        return {"final": {"personalized_accuracy_mean": curve[-1], "global_accuracy_mean": 0.5},
+                "personalized_accuracy": curve, "upload_params_per_client": 10,
+                "wall_time_s": 1.0, "uploads_rejected_total": 0}
+
+    flat = run([0.2, 0.5, 0.7, 0.8, 0.80, 0.801, 0.802, 0.80, 0.803, 0.80])
+    rising = run([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9])
+    table = experiments.markdown_table({"m": [flat, rising], "n": [flat, flat]})
+    assert "| 1/2 |" in table.splitlines()[2] and "| 2/2 |" in table.splitlines()[3]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import quickstart
-from fedjax_pfedes.studies import pfedes_findings
+from fedjax_pfedes.studies import experiments, pfedes_findings
 from fedjax_pfedes.studies.pfedes_findings import INCONCLUSIVE, REFUTED, REPRODUCED
 
 
@@ -223,10 +223,10 @@ def test_f7_rule_reads_the_alignment_curves(tmp_path):
 def test_plateau_rule_by_hand():
     flat = {"personalized_accuracy": [0.2, 0.5, 0.7, 0.8, 0.80, 0.801, 0.802, 0.80, 0.803, 0.80]}
     rising = {"personalized_accuracy": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9]}
-    assert pfedes_findings.at_plateau(flat) and not pfedes_findings.at_plateau(rising)
-    assert not pfedes_findings.at_plateau({**flat, "diverged": True})
-    assert not pfedes_findings.at_plateau({"personalized_accuracy": [0.5]})
-    note = pfedes_findings.plateau_note({"a": [flat, flat], "b": [rising]})
+    assert experiments.at_plateau(flat) and not experiments.at_plateau(rising)
+    assert not experiments.at_plateau({**flat, "diverged": True})
+    assert not experiments.at_plateau({"personalized_accuracy": [0.5]})
+    note = experiments.plateau_note({"a": [flat, flat], "b": [rising]})
     assert "2 of 3" in note and "still moving in b" in note
 
 
