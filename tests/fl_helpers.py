@@ -1,6 +1,9 @@
 """Small federated fixtures shared by the tests: a 5-feature tabular spec, FedAvg-family configs,
 one client's padded arrays, and small end-to-end run configs."""
 
+import os
+import pathlib
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -8,6 +11,11 @@ from configs import quickstart
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
+
+ROOT = pathlib.Path(__file__).parents[1]
+# PYTHONPATH of a child process that imports the repository and the tests' helpers (the same
+# folders as `pythonpath` in pyproject.toml, which reaches only pytest's own process).
+CHILD_PATH = os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "tests" / "execution"))
 
 SPEC = InputSpec("tabular", (5,), "float32", (0.0,) * 5, (1.0,) * 5)
 

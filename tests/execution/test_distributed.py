@@ -14,15 +14,11 @@ import sys
 import textwrap
 
 import pytest
-from fl_helpers import small_config
+from fl_helpers import CHILD_PATH, ROOT, small_config
 
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import distributed
-
-ROOT = pathlib.Path(__file__).parents[2]
-# What a child process needs to import: the repository, the tests' helpers and this folder.
-CHILD_PATH = os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "tests" / "execution"))
 
 CONFIG = """
 from fl_helpers import small_config

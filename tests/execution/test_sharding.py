@@ -5,21 +5,16 @@ CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)."""
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from fl_helpers import tiny_config
+from fl_helpers import CHILD_PATH, ROOT, tiny_config
 
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import runners
-
-ROOT = pathlib.Path(__file__).parents[2]
-# What a child process needs to import: the repository, the tests' helpers and this folder.
-CHILD_PATH = os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", ROOT / "tests" / "execution"))
 
 
 def _run_with_devices(code: str, devices: int = 4, timeout: int = 600) -> dict:
