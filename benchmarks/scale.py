@@ -96,11 +96,11 @@ def run_one(model: str, n: int) -> dict:
 
 def _state_estimate_gib(model: str) -> float:
     """One client's state (model + momentum), from an initialized client of a tiny run."""
-    from fedjax_pfedes.algorithms import registry
     from fedjax_pfedes.data.spec import InputSpec
+    from fedjax_pfedes.engine import sections
     from fedjax_pfedes.tree_util import tree_size
     spec = InputSpec("image", (28, 28, 1), "uint8", (0.5,), (0.25,))
-    algorithm = registry.build(_config(model, 1000), 10, spec, 1, {model: 1000})
+    algorithm = sections.build_algorithm(_config(model, 1000), 10, spec, 1, {model: 1000})
     row = jax.eval_shape(algorithm.cohort_program(model).init_client, jax.random.key(0))
     return tree_size(row)[1] / 2**30
 

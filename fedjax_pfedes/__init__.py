@@ -32,12 +32,12 @@ import ml_collections
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs
 from fedjax_pfedes.algorithms.registry import register as register_algorithm
-from fedjax_pfedes.config.defaults import default_config
 from fedjax_pfedes.data.catalog import register_dataset
 from fedjax_pfedes.data.sources import CentralDataset, LoadOptions, from_arrays
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.engine.callbacks import Callback, RoundEnd, RunInfo
 from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.schema import default_config
 from fedjax_pfedes.errors import (
     ConfigError,
     DataError,

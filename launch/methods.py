@@ -1,6 +1,7 @@
 """Lists the registered federated methods and what each supports.
 
-  python -m launch.methods
+  python -m launch.methods            # the table
+  python -m launch.methods --fields   # each method's own config fields with their defaults
 
 One row per `config.algorithm` name, read from the algorithm registry
 (`fedjax_pfedes/algorithms/registry.py`): how the server combines uploads, whether the method runs
@@ -11,9 +12,12 @@ paper.
 
 from __future__ import annotations
 
-from absl import app
+from absl import app, flags
 
 from fedjax_pfedes.algorithms import registry
+
+_FIELDS = flags.DEFINE_bool("fields", False, "list each method's own config fields (declared "
+                            "in its module) with their defaults, and the fields it reads")
 
 
 def table() -> str:
@@ -28,9 +32,20 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def fields() -> str:
+    """Each method's own config fields with their defaults, and the other fields it reads."""
+    lines = []
+    for name, e in sorted(registry.entries().items()):
+        lines.append(f"{name}:")
+        lines += [f"  config.{path} = {default!r}" for path, default in e.fields.items()]
+        if e.reads:
+            lines.append("  reads: " + ", ".join(f"config.{p}" for p in e.reads))
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     del argv
-    print(table())
+    print(fields() if _FIELDS.value else table())
 
 
 if __name__ == "__main__":

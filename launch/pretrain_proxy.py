@@ -26,6 +26,7 @@ from fedjax_pfedes.algorithms.pfedes.pretraining import (
     save_pretrained,
 )
 from fedjax_pfedes.engine.build import load_validated_pool
+from fedjax_pfedes.engine.sections import method_settings
 from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError
 from launch import cli
 from launch.cli import fail, loaded_config
@@ -47,10 +48,11 @@ def main(argv: list[str]) -> None:
     config = loaded_config(_CONFIG)
     try:
         settings = PretrainSettings(_EPOCHS.value, _LR.value, _MOMENTUM.value, _BATCH.value)
-        params, report = pretrain_proxy(config, settings, *load_validated_pool(config),
+        view = method_settings(config, "pfedes")
+        params, report = pretrain_proxy(view, settings, *load_validated_pool(config),
                                         show_progress=_PROGRESS.value)
         output = proxy_init.resolve(_OUTPUT.value, config.seed)
-        save_pretrained(output, config, params, report)
+        save_pretrained(output, view, params, report)
     except (ConfigError, DatasetUnavailableError, DataError) as e:
         fail(str(e))
     except OSError as e:

@@ -189,7 +189,7 @@ SERVER_OPTIMIZER_OF = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_mome
 def fedavg_config(inputs: BuildInputs, name: str) -> FedAvgConfig:
     """`FedAvgConfig` of a per-cohort method from `config.train` and the method's section
     (`config.fedprox`, `config.fedavgm`, `config.fedadam`, `config.scaffold`, `config.fednova`)."""
-    c = inputs.config
+    c = inputs.settings
     kw = {}
     if name == "fedprox":
         kw = dict(prox_mu=c.fedprox.mu)
@@ -205,9 +205,14 @@ def fedavg_config(inputs: BuildInputs, name: str) -> FedAvgConfig:
                         dp_sgd=inputs.dp_sgd(), **kw)
 
 
-def check_section(config, name: str) -> None:
-    """Range checks of a FedAvg-family method's config section (ValueError naming the field)."""
-    section = config[name] if name in config else {}
+def check_section(settings, name: str) -> None:
+    """Range checks of a FedAvg-family method's config section (ValueError naming the field).
+
+    Args:
+      settings: the method's view of the config (`BuildInputs.settings`).
+      name: the method, whose section is checked.
+    """
+    section = settings[name] if name in settings else {}
     for key, value in section.items():
         field = f"config.{name}.{key}"
         if key in ("server_lr", "eps") and not value > 0:
@@ -217,6 +222,18 @@ def check_section(config, name: str) -> None:
         if key in ("server_momentum", "b1", "b2") and not 0 <= value < 1:
             raise ValueError(f"{field} must be in [0, 1), got {value}")
 
+
+# The config fields of each FedAvg-family method (`config.<name>.*`) with their defaults.
+FIELDS = {
+    "fedavg": {},
+    "fedprox": {"fedprox.mu": 0.01},  # mu/2 * ||w - w_global||^2
+    # FedAvgM / FedAdam server learning rates. With lr 1.0 both diverged on the quick start
+    # (docs/baselines.md): 0.1 with momentum 0.9 is a steady-state step of 1.
+    "fedavgm": {"fedavgm.server_lr": 0.1,
+                "fedavgm.server_momentum": 0.9},  # server heavy-ball momentum
+    "fedadam": {"fedadam.server_lr": 0.01,  # Reddi et al. 2021 tune it in [1e-3, 1]
+                "fedadam.b1": 0.9, "fedadam.b2": 0.99, "fedadam.eps": 1e-3},
+}
 
 _PAPERS = {
     "fedavg": "FedAvg (McMahan et al., AISTATS 2017), one global model per cohort",
@@ -228,4 +245,5 @@ for _name in SERVER_OPTIMIZER_OF:
     register(AlgorithmEntry(
         _name, lambda inputs, name=_name: fedavg(fedavg_config(inputs, name)),
         aggregation="per_cohort", asynchronous=True, dp_sgd=True,
-        check=lambda config, name=_name: check_section(config, name), summary=_PAPERS[_name]))
+        check=lambda settings, name=_name: check_section(settings, name),
+        summary=_PAPERS[_name], fields=FIELDS[_name]))

@@ -152,11 +152,12 @@ def feddistill(cfg: FedDistillConfig) -> Algorithm:
 
 def _build(inputs: BuildInputs) -> Algorithm:
     return feddistill(FedDistillConfig(**inputs.local_training(),
-                                       **inputs.config.feddistill.to_dict()))
+                                       **inputs.settings.feddistill.to_dict()))
 
 
 register(AlgorithmEntry(
     "feddistill", _build, aggregation="custom",
-    check=lambda config: check(config.feddistill),
+    check=lambda settings: check(settings.feddistill),
     private_optimizer=True,
-    summary="FedDistill (Jeong et al., 2018): per-class average logits, distilled locally"))
+    summary="FedDistill (Jeong et al., 2018): per-class average logits, distilled locally",
+    fields={"feddistill.lam": 1.0}))  # weight of the per-class logit distillation

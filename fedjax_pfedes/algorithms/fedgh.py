@@ -44,7 +44,7 @@ class FedGHConfig(LGFedAvgConfig):
 
 
 def _config(inputs: BuildInputs) -> FedGHConfig:
-    c = inputs.config
+    c = inputs.settings
     return FedGHConfig(**inputs.local_training(), dim=c.proxy_dim,
                        gh_server_lr=c.fedgh.server_lr, gh_server_epochs=c.fedgh.server_epochs)
 
@@ -129,5 +129,7 @@ register(AlgorithmEntry(
     check=lambda c: (check_range(c.fedgh.server_lr, 0, None, "config.fedgh.server_lr",
                                  low_open=True),
                      check_range(c.fedgh.server_epochs, 1, None, "config.fedgh.server_epochs")),
-    private_optimizer=True,
-    summary="FedGH (Yi et al., ACM MM 2023): a global header trained on prototypes"))
+    private_optimizer=True, reads=("proxy_dim",),
+    summary="FedGH (Yi et al., ACM MM 2023): a global header trained on prototypes",
+    fields={"fedgh.server_lr": 0.05,  # server SGD on the uploaded prototypes
+            "fedgh.server_epochs": 1}))

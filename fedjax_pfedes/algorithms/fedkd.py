@@ -64,7 +64,7 @@ class FedKDConfig(LocalTrainingConfig):
 
 
 def _config(inputs: BuildInputs) -> FedKDConfig:
-    c = inputs.config
+    c = inputs.settings
     return FedKDConfig(**inputs.local_training(), dim=c.proxy_dim,
                        shared_arch=c.clients.shared_arch, kd_energy_start=c.fedkd.energy_start,
                        kd_energy_end=c.fedkd.energy_end, rounds=c.train.rounds)
@@ -206,5 +206,7 @@ register(AlgorithmEntry(
     schedule_depends_on_rounds=True,
     check=lambda c: [check_range(c.fedkd[k], 0, 1, f"config.fedkd.{k}", low_open=True)
                      for k in ("energy_start", "energy_end")],
-    private_optimizer=True,
-    summary="FedKD (Wu et al., Nature Communications 2022): distilled mentee, SVD uploads"))
+    private_optimizer=True, reads=("proxy_dim", "clients.shared_arch", "train.rounds"),
+    summary="FedKD (Wu et al., Nature Communications 2022): distilled mentee, SVD uploads",
+    fields={"fedkd.energy_start": 0.95,  # SVD energy kept in uploads, first round ..
+            "fedkd.energy_end": 0.98}))  # .. raised linearly to this at the last round

@@ -62,7 +62,7 @@ class FedMRLConfig(LocalTrainingConfig):
 
 
 def _config(inputs: BuildInputs) -> FedMRLConfig:
-    c = inputs.config
+    c = inputs.settings
     return FedMRLConfig(**inputs.local_training(), dim=c.proxy_dim,
                         shared_arch=c.clients.shared_arch, mrl_sub_dim=c.fedmrl.sub_dim)
 
@@ -182,5 +182,11 @@ register(AlgorithmEntry(
     check=lambda c: check_range(c.fedmrl.sub_dim, 0, c.proxy_dim,
                                 f"config.fedmrl.sub_dim (0 = half of config.proxy_dim="
                                 f"{c.proxy_dim})"),
-    private_optimizer=True,
-    summary="FedMRL (Yi et al., NeurIPS 2024): nested representation learning"))
+    private_optimizer=True, reads=("proxy_dim", "clients.shared_arch"),
+    summary="FedMRL (Yi et al., NeurIPS 2024): nested representation learning",
+    fields={
+        "fedmrl.sub_dim": 0,  # nested dim read by the shared header (0 = d/2)
+        # Its fused representation feeds unnormalized linear headers: with momentum 0.9 it
+        # diverged on the quick start (docs/baselines.md); plain SGD (-1 = config.train's).
+        "fedmrl.local_momentum": 0.0,
+    }))

@@ -115,5 +115,6 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fednova", lambda inputs: fednova(fedavg_config(inputs, "fednova")), aggregation="per_cohort",
-    check=lambda config: check_section(config, "fednova"),
-    summary="FedNova (Wang et al., NeurIPS 2020): normalized averaging, per cohort"))
+    check=lambda settings: check_section(settings, "fednova"),
+    summary="FedNova (Wang et al., NeurIPS 2020): normalized averaging, per cohort",
+    fields={"fednova.server_lr": 1.0}))  # global step size (1 = average)

@@ -49,7 +49,7 @@ class FedProtoConfig(LocalTrainingConfig):
 
 
 def _config(inputs: BuildInputs) -> FedProtoConfig:
-    c = inputs.config
+    c = inputs.settings
     return FedProtoConfig(**inputs.local_training(), dim=c.proxy_dim, proto_lambda=c.fedproto.lam)
 
 
@@ -160,5 +160,6 @@ def fedproto(cfg: FedProtoConfig) -> Algorithm:
 register(AlgorithmEntry(
     "fedproto", lambda inputs: fedproto(_config(inputs)), aggregation="custom",
     check=lambda c: check_range(c.fedproto.lam, 0, None, "config.fedproto.lam"),
-    private_optimizer=True,
-    summary="FedProto (Tan et al., AAAI 2022): class prototypes instead of parameters"))
+    private_optimizer=True, reads=("proxy_dim",),
+    summary="FedProto (Tan et al., AAAI 2022): class prototypes instead of parameters",
+    fields={"fedproto.lam": 1.0}))  # weight of mean_d (e - global prototype[y])^2

@@ -53,7 +53,7 @@ class FMLConfig(LocalTrainingConfig):
 
 
 def _config(inputs: BuildInputs) -> FMLConfig:
-    c = inputs.config
+    c = inputs.settings
     return FMLConfig(**inputs.local_training(), shared_arch=c.clients.shared_arch,
                      fml_alpha=c.fml.alpha, fml_beta=c.fml.beta)
 
@@ -146,5 +146,7 @@ def fml(cfg: FMLConfig) -> Algorithm:
 register(AlgorithmEntry(
     "fml", lambda inputs: fml(_config(inputs)), asynchronous=True, shared_model=True,
     check=lambda c: [check_range(c.fml[k], 0, 1, f"config.fml.{k}") for k in ("alpha", "beta")],
-    private_optimizer=True,
-    summary="FML (Shen et al., 2020): mutual learning with a shared meme model"))
+    private_optimizer=True, reads=("clients.shared_arch",),
+    summary="FML (Shen et al., 2020): mutual learning with a shared meme model",
+    fields={"fml.alpha": 0.5,  # CE weight of the private model (rest: KL to the meme)
+            "fml.beta": 0.5}))  # CE weight of the shared meme model

@@ -120,10 +120,10 @@ def lg_fedavg(cfg: LGFedAvgConfig) -> Algorithm:
                      cohort_program, mean_server_step=True)
 
 def _config(inputs: BuildInputs) -> LGFedAvgConfig:
-    return LGFedAvgConfig(**inputs.local_training(), dim=inputs.config.proxy_dim)
+    return LGFedAvgConfig(**inputs.local_training(), dim=inputs.settings.proxy_dim)
 
 
 register(AlgorithmEntry(
     "lg_fedavg", lambda inputs: lg_fedavg(_config(inputs)), asynchronous=True,
-    private_optimizer=True,
+    private_optimizer=True, reads=("proxy_dim",),
     summary="LG-FedAvg (Liang et al., 2020): local representations, one global head"))

@@ -205,13 +205,13 @@ def g_phase_arrays(data, schedule: local_training.LocalSchedule, extra_epochs: i
 
 
 def _build(inputs: BuildInputs) -> Algorithm:
-    section = {k: v for k, v in inputs.config.pfedes_paper.to_dict().items()
+    section = {k: v for k, v in inputs.settings.pfedes_paper.to_dict().items()
                if k not in OPTIMIZER_OVERRIDES}  # those arrive through local_training()
     return pfedes_paper(PFedESPaperConfig(**inputs.local_training(), **section))
 
 
-def _check(config) -> None:
-    section = config.pfedes_paper
+def _check(settings) -> None:
+    section = settings.pfedes_paper
     if not 0 <= section.mu <= 1:
         raise ValueError(f"config.pfedes_paper.mu must be in [0, 1], got {section.mu}")
     if not section.g_lr_ratio > 0:
@@ -225,7 +225,7 @@ def _check(config) -> None:
     for field in ("g_extra_epochs", "weight_decay", "grad_clip_norm"):
         if section[field] < 0:
             raise ValueError(f"config.pfedes_paper.{field} must be >= 0, got {section[field]}")
-    if section.schedule == "paper" and config.system.deadline_s > 0:
+    if section.schedule == "paper" and settings.system.deadline_s > 0:
         raise ValueError("config.system.deadline_s: the round-deadline model counts one pass "
                          "over the data per local epoch, and pfedes_paper's schedule 'paper' "
                          "makes 2E + g_extra_epochs passes; use schedule 'interleaved' or no "
@@ -234,5 +234,22 @@ def _check(config) -> None:
 
 register(AlgorithmEntry(
     "pfedes_paper", _build, asynchronous=True, check=_check, modalities=("image",),
-    private_optimizer=True,
-    summary="published pFedES (Yi et al., AAAI 2025): a shared image-to-image proxy G"))
+    private_optimizer=True, reads=("system.deadline_s",),
+    summary="published pFedES (Yi et al., AAAI 2025): a shared image-to-image proxy G",
+    # The published pFedES (Yi et al. AAAI 2025), with the authors' schedule and optimizers: F
+    # trains E epochs on (1 - mu) CE(F(x)) + mu CE(F(G(x))), then G trains E + g_extra_epochs
+    # epochs on CE(F(G(x))); SGD with weight decay after global-norm clipping, both optimizers
+    # fresh every round. Its local optimizer is set here, not by config.train (-1 = inherit).
+    fields={
+        "pfedes_paper.mu": 0.5,
+        "pfedes_paper.schedule": "paper",  # 'paper' | 'interleaved' (one F, one G step a batch)
+        "pfedes_paper.g_extra_epochs": 10,
+        "pfedes_paper.lr_local": 0.01,
+        "pfedes_paper.local_momentum": 0.9,
+        "pfedes_paper.weight_decay": 1e-3,
+        "pfedes_paper.grad_clip_norm": 50.0,  # 0 = off
+        "pfedes_paper.g_lr_ratio": 1.0,  # G's lr = g_lr_ratio * lr_local
+        "pfedes_paper.reset_local_optimizer": True,
+        "pfedes_paper.batch_size": -1,  # -1 = config.train.batch_size (the authors used 512)
+        "pfedes_paper.init": "flax",  # 'flax' | 'pytorch' (PyTorch's default draws, theirs)
+    }))

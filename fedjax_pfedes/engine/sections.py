@@ -1,18 +1,23 @@
 """The config read into the typed settings the lower layers take.
 
-The upload pipeline (`upload/`), the client system (`engine.client_system`), the attacks, the
-multi-process settings and the rounds (`RoundSettings`) each receive their own dataclass, built
-here or by the section's own `*_config(section)` function, never the ConfigDict. What needs
-several sections at once (client-level DP's sampling assumption reads `train` and `system`) is
-decided here.
+A method (`algorithms/`) gets `method_settings`: the fields it owns and the fields it declared
+it reads, nothing else. The upload pipeline (`upload/`), the client system
+(`engine.client_system`), the attacks, the multi-process settings and the rounds
+(`RoundSettings`) each receive their own dataclass, built here or by the section's own
+`*_config(section)` function, never the ConfigDict. What needs several sections at once
+(client-level DP's sampling assumption reads `train` and `system`) is decided here.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import ml_collections
 
+from fedjax_pfedes.algorithms import local_training
+from fedjax_pfedes.algorithms import registry as algorithm_registry
+from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.upload import compression, privacy
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 from fedjax_pfedes.upload.pipeline import PipelineConfig
@@ -140,3 +145,102 @@ def round_settings(config: ml_collections.ConfigDict) -> RoundSettings:
                                     float(a.staleness_exponent), float(a.hinge_a),
                                     float(a.hinge_b))
                       if a.enabled else None))
+
+
+def method_settings(config: ml_collections.ConfigDict, name: str | None = None
+                    ) -> ml_collections.FrozenConfigDict:
+    """A method's view of the config: its own fields and those it declared it reads.
+
+    Args:
+      config: the experiment config.
+      name: the method (None: `config.algorithm`).
+
+    Returns:
+      A read-only ConfigDict holding `algorithm`, the paths of the entry's `fields` and `reads`
+      (a path naming a section brings the whole section), at their values in `config`.
+      ValueError naming the field when a declared path is not in the config.
+    """
+    entry = algorithm_registry.get(name or config.algorithm)
+    view: dict = {}
+    for path in ("algorithm", *entry.fields, *entry.reads):
+        node, target = config, view
+        *parents, leaf = path.split(".")
+        for part in parents:
+            if part not in node:
+                raise ValueError(f"config.{path}: '{entry.name}' reads it, the config has no "
+                                 f"section '{part}'")
+            node, target = node[part], target.setdefault(part, {})
+        if leaf not in node:
+            raise ValueError(f"config.{path}: '{entry.name}' reads it, the config has no such "
+                             "field")
+        value = node[leaf]
+        target[leaf] = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+    return ml_collections.FrozenConfigDict(view)
+
+
+def local_optimizer(config: ml_collections.ConfigDict) -> dict:
+    """The local optimizer `config.algorithm` trains with.
+
+    Args:
+      config: the experiment config.
+
+    Returns:
+      {lr_local, local_momentum, reset_local_optimizer, batch_size}: `config.train`'s, each
+      overridden by the method's own section where that section sets it (numbers: -1 =
+      inherit). `reset_local_optimizer` is False for methods without a private optimizer state
+      (they start every round fresh anyway).
+    """
+    section = config.get(config.algorithm) or {}
+    out = {}
+    for field in algorithm_registry.OPTIMIZER_OVERRIDES:
+        value = section.get(field, -1)
+        out[field] = config.train[field] if value is None or value == -1 else value
+    out["reset_local_optimizer"] = bool(
+        out["reset_local_optimizer"]
+        and algorithm_registry.get(config.algorithm).private_optimizer)
+    return out
+
+
+def build_inputs(config: ml_collections.ConfigDict, num_classes: int, input_spec: InputSpec,
+                 local_epochs: int, clients_per_arch: collections.Counter
+                 ) -> algorithm_registry.BuildInputs:
+    """What the configured method's `build` gets (`algorithms.registry.BuildInputs`).
+
+    Args:
+      config: the experiment config.
+      num_classes: labels of the dataset.
+      input_spec: modality, shape and normalization statistics of the inputs.
+      local_epochs: the most local epochs any client runs.
+      clients_per_arch: how many clients use each architecture.
+
+    Returns:
+      The method's settings view, its local-training settings and DP-SGD's, with the facts.
+    """
+    opt = local_optimizer(config)
+    local = dict(num_classes=num_classes, input_spec=input_spec, lr_local=opt["lr_local"],
+                 local_momentum=opt["local_momentum"], local_epochs=local_epochs,
+                 batch_size=opt["batch_size"],
+                 unroll_local_steps=config.execution.unroll_local_steps,
+                 drop_partial_batch=config.train.drop_partial_batch,
+                 augment=config.train.augment)
+    d = config.dp_sgd
+    dp_sgd = local_training.DPSGDConfig(d.clip_norm, d.noise_multiplier) if d.enabled else None
+    return algorithm_registry.BuildInputs(method_settings(config), local, dp_sgd, num_classes,
+                                          input_spec, local_epochs, clients_per_arch)
+
+
+def build_algorithm(config: ml_collections.ConfigDict, num_classes: int,
+                    input_spec: InputSpec, local_epochs: int,
+                    clients_per_arch: collections.Counter):
+    """The configured method, built from the registry (`algorithms.registry.build`).
+
+    Args:
+      config: the experiment config.
+      num_classes, input_spec, local_epochs, clients_per_arch: as `build_inputs`.
+
+    Returns:
+      The `Algorithm`.
+    """
+    inputs = build_inputs(config, num_classes, input_spec, local_epochs, clients_per_arch)
+    return algorithm_registry.build(config.algorithm, inputs,
+                                    local_optimizer(config)["reset_local_optimizer"])

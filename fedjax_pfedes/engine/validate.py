@@ -14,7 +14,7 @@ from fedjax_pfedes.data import augmentation
 from fedjax_pfedes.data.catalog import LOADERS
 from fedjax_pfedes.data.federated import PARTITIONS
 from fedjax_pfedes.data.sources import CentralDataset
-from fedjax_pfedes.engine import attacks
+from fedjax_pfedes.engine import attacks, sections
 from fedjax_pfedes.engine.client_system import system_config
 from fedjax_pfedes.engine.cohorts import assign_architectures
 from fedjax_pfedes.engine.sampling import BELOW_MIN
@@ -24,7 +24,6 @@ from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import distributed, offload, runners
 from fedjax_pfedes.models.architectures import (
     check_architecture,
-    check_proxy,
     shared_arch,
     uses_batch_norm,
 )
@@ -101,9 +100,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         _check_multi_process(distributed.settings(config.get("distributed")), config)
         archs = assign_architectures(config.clients.architectures, config.data.num_clients)
         attacks.attack_config(config.attack, config.data.num_clients)
-        algorithm_registry.check_optimizer_overrides(config)
+        algorithm_registry.check_optimizer_overrides(entry.name,
+                                                     config.get(entry.name) or {})
         if entry.check is not None:
-            entry.check(config)
+            entry.check(sections.method_settings(config))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if config.dp_sgd.enabled:
@@ -273,15 +273,17 @@ def check_against_data(config: ml_collections.ConfigDict, central: CentralDatase
         augmentation.check(config.train.augment, central.modality)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    modalities = algorithm_registry.get(config.algorithm).modalities
+    entry = algorithm_registry.get(config.algorithm)
+    modalities = entry.modalities
     _require(central.modality in modalities,
              f"config.algorithm='{config.algorithm}' runs on {list(modalities)} data; "
              f"config.data.name='{config.data.name}' is {central.modality}")
     try:
         for arch in dict.fromkeys(assign_architectures(config.clients.architectures, n)):
             check_architecture(arch, modality=central.modality)
-        check_proxy(config.proxy_arch, modality=central.modality)
-        if algorithm_registry.get(config.algorithm).shared_model:
+        if entry.check_data is not None:
+            entry.check_data(sections.method_settings(config), central.input_spec)
+        if entry.shared_model:
             shared_arch(config.clients.shared_arch, central.input_spec)
     except ValueError as e:
         raise ConfigError(f"{e} (config.data.name='{config.data.name}')") from None

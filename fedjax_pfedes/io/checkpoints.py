@@ -22,12 +22,10 @@ import threading
 from typing import Any
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.config.defaults import default_values
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.io.metrics import flatten, to_builtin
 
@@ -47,15 +45,25 @@ class _QuietOrbax(pylogging.Filter):
 logging.get_absl_logger().addFilter(_QuietOrbax())
 
 
-def config_changes(saved: dict, current: dict) -> list[str]:
+def config_changes(saved: dict, current: dict, defaults: dict) -> list[str]:
     """'config.FIELD: saved -> current' for every field that differs and would corrupt a resume.
 
     train.rounds may grow (a run continued for longer) unless the run depends on the total:
     a DP noise multiplier calibrated to a target epsilon, or FedKD's energy schedule. A field
     the checkpoint lacks (added to the code after it was written) is no change at its shipped
-    default (`default_values`): new fields default to the old behaviour."""
+    default (`defaults`, the shipped config's values: `fedjax_pfedes.engine.schema.
+    default_values()`): new fields default to the old behaviour.
+
+    Args:
+      saved: the config a checkpoint was written with (nested plain values).
+      current: this run's config (nested plain values).
+      defaults: the shipped defaults (nested plain values).
+
+    Returns:
+      One line per field that may not change; empty when the run may resume.
+    """
     a, b = flatten(to_builtin(saved), "."), flatten(to_builtin(current), ".")
-    default = flatten(default_values(), ".")
+    default = flatten(defaults, ".")
     known = algorithm_registry.entries()
     depends_on_total = (a.get("dp.enabled") and a.get("dp.target_epsilon", 0) > 0) or (
         a.get("algorithm") in known and known[a["algorithm"]].schedule_depends_on_rounds)
@@ -161,12 +169,19 @@ class Checkpointer:
             os.remove(record)
         self.manager.reload()
 
-    def check_config(self, config: ml_collections.ConfigDict) -> dict | None:
+    def check_config(self, current: dict, defaults: dict) -> dict | None:
         """The meta of the latest intact checkpoint (None: none is left), after checking that
-        `config` may resume it. Corrupt steps are set aside with a warning naming the round.
+        this run's config may resume it. Corrupt steps are set aside with a warning naming the
+        round.
 
-        Raises ConfigError when the checkpoint was written by a config that differs in a field
-        that changes the run (client count, architectures, algorithm, data, seed, ...)."""
+        Args:
+          current: this run's config as nested plain values (`config.to_dict()`).
+          defaults: the shipped defaults (`engine.schema.default_values()`).
+
+        Returns:
+          The checkpoint's meta, or None. Raises ConfigError when the checkpoint was written by
+          a config that differs in a field that changes the run (client count, architectures,
+          algorithm, data, seed, ...)."""
         for step in sorted(self.manager.all_steps(), reverse=True):
             problem = self.corruption(step)
             meta = None
@@ -180,7 +195,7 @@ class Checkpointer:
             if problem is not None:
                 self._set_aside(step, problem)
                 continue
-            changes = config_changes(meta["config"], config.to_dict())
+            changes = config_changes(meta["config"], current, defaults)
             if changes:
                 raise ConfigError(
                     f"cannot resume from {self.directory}/{step}: the config changed in ways "
@@ -191,9 +206,17 @@ class Checkpointer:
             return meta
         return None
 
-    def use_step(self, step: int, config: ml_collections.ConfigDict) -> dict:
+    def use_step(self, step: int, current: dict, defaults: dict) -> dict:
         """The meta of `step`, chosen by process 0's `check_config` (a read-only checkpointer
-        of another process); ConfigError when it cannot be read from here."""
+        of another process); ConfigError when it cannot be read from here.
+
+        Args:
+          step: the round process 0 resumes from.
+          current, defaults: as `check_config`.
+
+        Returns:
+          The checkpoint's meta.
+        """
         try:
             with ORBAX_LOCK:
                 meta = self.manager.restore(step, args=ocp.args.Composite(
@@ -204,7 +227,7 @@ class Checkpointer:
                 f"checkpoint {self.directory}/{step} ({type(e).__name__}); across hosts the "
                 "workdir must be on a filesystem every process shares, or set "
                 "--config.checkpoint.every=0") from None
-        changes = config_changes(meta["config"], config.to_dict())
+        changes = config_changes(meta["config"], current, defaults)
         if changes:
             raise ConfigError(f"cannot resume from {self.directory}/{step}: " + changes[0])
         self.step = step

@@ -17,8 +17,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from fedjax_pfedes.config.defaults import default_values
 from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.schema import default_values
 
 
 def heterogeneous_architectures(num_clients: int, ratio: float, majority: str,

@@ -13,6 +13,7 @@ from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.algorithms.base import global_accuracy
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.engine import sections
 
 SPEC = InputSpec("image", (8, 8, 1), "float32", (0.3,), (0.3,))  # pfedes_paper needs images
 
@@ -23,7 +24,7 @@ def test_global_accuracy_scores_the_predictions_evaluate_scores(name):
     config.algorithm = name
     config.clients.architectures = "mlp"
     config.proxy_arch = "proxy_cnn"
-    algorithm = algorithm_registry.build(config, 3, SPEC, 1, collections.Counter({"mlp": 4}))
+    algorithm = sections.build_algorithm(config, 3, SPEC, 1, collections.Counter({"mlp": 4}))
     program = algorithm.cohort_program("mlp")
     state = program.init_client(jax.random.key(0))
     broadcast = algorithm.broadcast(algorithm.init_server(jax.random.key(1), ("mlp",)), "mlp")

@@ -13,6 +13,7 @@ from configs import tabular_hetero
 from fedjax_pfedes.algorithms import local_training, registry
 from fedjax_pfedes.algorithms.base import with_fresh_local_optimizer
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
+from fedjax_pfedes.engine import sections
 from fedjax_pfedes.engine.loop import run_experiment
 
 
@@ -38,7 +39,7 @@ def test_private_optimizer_capability_matches_the_client_state(name):
         spec, arch = SPEC, "mlp_small"
     config = _tabular_config(name)
     config.proxy_dim = 8
-    algorithm = registry.build(config, 3, spec, 1, collections.Counter({arch: 4}))
+    algorithm = sections.build_algorithm(config, 3, spec, 1, collections.Counter({arch: 4}))
     state = jax.eval_shape(algorithm.cohort_program(arch).init_client, jax.random.key(0))
     assert hasattr(state, "opt_state") == entry.private_optimizer
 
@@ -108,19 +109,19 @@ def test_fedavg_reports_a_fresh_optimizer_every_round(tmp_path):
 
 def test_method_sections_override_the_local_optimizer():
     config = _tabular_config("scaffold")
-    assert registry.local_optimizer(config) == {
+    assert sections.local_optimizer(config) == {
         "lr_local": config.train.lr_local, "local_momentum": 0.0,
         "reset_local_optimizer": False, "batch_size": config.train.batch_size}
     config.scaffold.local_momentum = -1.0  # inherit config.train's
-    assert registry.local_optimizer(config)["local_momentum"] == config.train.local_momentum
+    assert sections.local_optimizer(config)["local_momentum"] == config.train.local_momentum
     config = _tabular_config("pfedes_paper")
-    assert registry.local_optimizer(config) == {
+    assert sections.local_optimizer(config) == {
         "lr_local": 0.01, "local_momentum": 0.9, "reset_local_optimizer": True,
         "batch_size": config.train.batch_size}
     config.train.lr_local = 0.3  # the section's own value wins
-    assert registry.local_optimizer(config)["lr_local"] == 0.01
+    assert sections.local_optimizer(config)["lr_local"] == 0.01
     config.pfedes_paper.batch_size = 512  # the authors' batch, for this method only
-    assert registry.local_optimizer(config)["batch_size"] == 512
+    assert sections.local_optimizer(config)["batch_size"] == 512
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -8,6 +8,7 @@ from fl_helpers import small_config
 
 from fedjax_pfedes.engine.build import build_federated_data
 from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.schema import default_values
 
 # Written every round (docs/guide.md "Monitoring"), and the evaluation written at evaluated rounds.
 ROUND_KEYS = {
@@ -106,7 +107,7 @@ def test_per_client_accuracy_recomputed_from_the_saved_client_states(loop_run):
     data = build_federated_data(config)
     ctx, state = build_context(config, data)
     checkpointer = checkpoints.Checkpointer(str(workdir), 2)
-    assert checkpointer.check_config(config) is not None
+    assert checkpointer.check_config(config.to_dict(), default_values()) is not None
     rounds_done, restored = checkpointer.restore(state.to_checkpoint())
     state = state.from_checkpoint(restored)
     checkpointer.close()

@@ -13,6 +13,7 @@ import jax
 import pytest
 
 from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.schema import default_values
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.io.checkpoints import config_changes
 
@@ -150,16 +151,17 @@ def test_which_config_changes_are_resumable():
     longer = json.loads(json.dumps(base))
     longer["train"]["rounds"] = 20
     longer["eval"]["every"] = 1
-    assert config_changes(base, longer) == []
+    assert config_changes(base, longer, default_values()) == []
     lr = json.loads(json.dumps(base))
     lr["train"]["lr_local"] = 0.2
-    assert config_changes(base, lr) == ["config.train.lr_local: 0.1 in the checkpoint, 0.2 now"]
+    assert config_changes(base, lr, default_values()) == [
+        "config.train.lr_local: 0.1 in the checkpoint, 0.2 now"]
     # A noise multiplier calibrated to a target epsilon depends on the total rounds.
     calibrated = json.loads(json.dumps(base))
     calibrated["dp"] = {"enabled": True, "target_epsilon": 8.0}
     more = json.loads(json.dumps(calibrated))
     more["train"]["rounds"] = 20
-    assert config_changes(calibrated, more) == [
+    assert config_changes(calibrated, more, default_values()) == [
         "config.train.rounds: 10 in the checkpoint, 20 now"]
 
 
@@ -171,7 +173,7 @@ def test_a_field_added_after_the_checkpoint_resumes_only_at_its_shipped_default(
     saved = json.loads(json.dumps(current))
     del saved["distributed"]
     del saved["data"]["shifted_samples"]
-    assert config_changes(saved, current) == []
+    assert config_changes(saved, current, default_values()) == []
     current["data"]["shifted_samples"] = 1000
-    assert config_changes(saved, current) == [
+    assert config_changes(saved, current, default_values()) == [
         "config.data.shifted_samples: '<missing>' in the checkpoint, 1000 now"]

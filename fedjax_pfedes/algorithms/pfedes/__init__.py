@@ -331,8 +331,42 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
                      mean_server_step=True,
                      client_report_metrics=("align_loss_at_start", "align_loss_at_end"))
 
+# pFedES's config fields: top-level, the flagship's (docs/guide.md "Configs" gives the usual
+# ranges). The common feature dimension d (`config.proxy_dim`) is shared with the heterogeneous
+# baselines and lives in the core config.
+FIELDS = {
+    "lam": 0.5,  # weight of the alignment loss; 0.1-1.0, 2.0 collapses
+    "align": "mse",  # 'mse' | 'cosine' | 'contrastive' (InfoNCE)
+    "contrastive_temperature": 0.1,  # InfoNCE temperature (align='contrastive' only)
+    # E_proxy body: image 'proxy_cnn' | 'proxy_mlp', tabular 'proxy_mlp', text 'proxy_text'
+    "proxy_arch": "proxy_cnn",
+    # E_proxy's step relative to the private model's. proxy_lr_rule 'effective': a ratio of
+    # effective (momentum-adjusted) steps, lr_proxy = ratio * lr_local * (1 - proxy_momentum)
+    # / (1 - train.local_momentum) (= lr_local at the defaults); 'raw': lr_proxy = ratio *
+    # lr_local, which with local momentum 0.9 made E_proxy's effective step 1% of the private one.
+    "proxy_lr_ratio": 0.1,
+    "proxy_lr_rule": "effective",
+    "projection_layernorm": False,  # LayerNorm after the projection head's ReLU
+    "warmup_steps": 0,  # first W local steps of a client: backbone frozen
+    "server_momentum": 0.5,  # beta: new = beta * old + (1 - beta) * average
+    # The two stop-gradients of the design (finding F5 turns them off): E_proxy's output is a
+    # constant in the local step / the private embedding is a constant in E_proxy's step.
+    "stop_gradient_proxy": True,
+    "stop_gradient_local": True,
+    # Heavy-ball momentum of E_proxy's local SGD (0 = plain SGD, the design; its trace restarts
+    # every round, as E_proxy arrives fresh from the server).
+    "proxy_momentum": 0.0,
+    # Start E_proxy from a saved one instead of a random initialization ('' = random), e.g. one
+    # pretrained on the public share of the data: python -m launch.pretrain_proxy (docs/guide.md).
+    "proxy_init": "",
+    # Multi-scale alignment: one weight per E_proxy scale ('1.0' = single scale). E.g. '1.0,0.5'
+    # also aligns a second client projection head with E_proxy's last conv layer (proxy_cnn).
+    "proxy_scales": "1.0",
+}
+
+
 def _build(inputs: BuildInputs) -> Algorithm:
-    c = inputs.config
+    c = inputs.settings
     return pfedes(PFedESConfig(
         **inputs.local_training(), lam=c.lam, align=c.align,
         contrastive_temperature=c.contrastive_temperature, proxy_dim=c.proxy_dim,
@@ -367,11 +401,11 @@ POOL_FIELDS = ("data.name", "seed", "data.max_train_samples", "data.global_test_
                "data.public_fraction")
 
 
-def pool_of(config) -> dict:
-    """The values of `POOL_FIELDS` in `config`."""
+def pool_of(settings) -> dict:
+    """The values of `POOL_FIELDS` in pFedES's view of the config (`BuildInputs.settings`)."""
     out = {}
     for field in POOL_FIELDS:
-        value = config
+        value = settings
         for part in field.split("."):
             value = value[part]
         out[field] = value
@@ -380,7 +414,11 @@ def pool_of(config) -> dict:
 
 def check_proxy_init(config) -> None:
     """A saved E_proxy must match this run's E_proxy, and when pretrained on this dataset, its
-    public share must be the one this run holds out (else clients would own its samples)."""
+    public share must be the one this run holds out (else clients would own its samples).
+
+    Args:
+      config: pFedES's view of the config (`BuildInputs.settings`).
+    """
     path = proxy_init.resolve(config.proxy_init, config.seed)
     meta, _ = proxy_init.read(path)
     for field in ("proxy_arch", "proxy_dim"):
@@ -399,7 +437,7 @@ def check_proxy_init(config) -> None:
                              "samples. Set the same values, or pretrain again")
 
 
-def _check(config) -> None:
+def _check(config) -> None:  # pFedES's view of the config (`BuildInputs.settings`)
     for ok, message in (
             (config.lam >= 0, f"config.lam must be >= 0, got {config.lam}"),
             (config.proxy_lr_ratio >= 0, "config.proxy_lr_ratio must be >= 0 (0 = E_proxy "
@@ -447,4 +485,8 @@ def _check(config) -> None:
 register(AlgorithmEntry(
     "pfedes", _build, asynchronous=True, dp_sgd=True, check=_check, proxy_init=True,
     private_optimizer=True,
-    summary="pFedES, feature alignment to a shared proxy extractor (docs/design.md)"))
+    summary="pFedES, feature alignment to a shared proxy extractor (docs/design.md)",
+    fields=FIELDS,
+    check_data=lambda settings, spec: architectures.check_proxy(settings.proxy_arch,
+                                                                 modality=spec.modality),
+    reads=("seed", "proxy_dim", "dp_sgd.enabled", "monitor.aggregation_loss", *POOL_FIELDS)))

@@ -43,14 +43,16 @@ class PretrainSettings:
                 raise ConfigError(f"--{name}={getattr(self, name)} is out of range")
 
 
-def pretrain_proxy(config: ml_collections.ConfigDict, settings: PretrainSettings,
+def pretrain_proxy(config: ml_collections.FrozenConfigDict, settings: PretrainSettings,
                    central: CentralDataset, pool: tuple[np.ndarray, np.ndarray],
                    show_progress: bool = True) -> tuple[Any, dict]:
     """Trains E_proxy (config.proxy_arch, config.proxy_dim) with a linear head on the public
     share.
 
     Args:
-      config: the run's config, validated against `central`.
+      config: pFedES's view of the run's config (`engine.sections.method_settings(config,
+        'pfedes')`: proxy_arch, proxy_dim, proxy_scales, seed and the pool's fields), the
+        config validated against `central`.
       settings: epochs, learning rate, momentum and batch size of the pretraining.
       central: the dataset (its input spec, class count and global test set).
       pool: the public share (x, y), held out of every client's data
@@ -121,9 +123,16 @@ def pretrain_proxy(config: ml_collections.ConfigDict, settings: PretrainSettings
     return params[0], report
 
 
-def save_pretrained(path: str, config: ml_collections.ConfigDict, params: Any,
+def save_pretrained(path: str, config: ml_collections.FrozenConfigDict, params: Any,
                     report: dict) -> None:
-    """Writes the E_proxy file `config.proxy_init` reads, with what it is and was trained on."""
+    """Writes the E_proxy file `config.proxy_init` reads, with what it is and was trained on.
+
+    Args:
+      path: the file to write.
+      config: pFedES's view of the run's config, as `pretrain_proxy` takes it.
+      params: E_proxy's parameters.
+      report: what `pretrain_proxy` reports.
+    """
     proxy_init.save(path, params, {
         "proxy_arch": config.proxy_arch, "proxy_dim": config.proxy_dim,
         "pool": pool_of(config), "report": report})

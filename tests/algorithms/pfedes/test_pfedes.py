@@ -493,12 +493,13 @@ def test_the_alignment_diagnostics_follow_the_aggregation_loss_monitor(monkeypat
     from fl_helpers import tiny_config
 
     import fedjax_pfedes.algorithms.pfedes as module
-    from fedjax_pfedes.algorithms.registry import BuildInputs, get
+    from fedjax_pfedes.algorithms.registry import get
+    from fedjax_pfedes.engine import sections
 
     built = []
     monkeypatch.setattr(module, "pfedes", built.append)
     for monitor in (True, False):
         config = tiny_config()
         config.monitor.aggregation_loss = monitor
-        get("pfedes").build(BuildInputs(config, 3, SPEC, 1, collections.Counter()))
+        get("pfedes").build(sections.build_inputs(config, 3, SPEC, 1, collections.Counter()))
     assert [cfg.align_diagnostics for cfg in built] == [True, False]

@@ -18,9 +18,15 @@ from fedjax_pfedes.engine.build import (
     load_pool,
     load_validated_pool,
 )
+from fedjax_pfedes.engine.sections import method_settings
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.models import architectures
+
+
+def _view(config):
+    """pFedES's view of the config, as launch.pretrain_proxy passes it."""
+    return method_settings(config, "pfedes")
 
 
 def _config(fraction=0.2):
@@ -53,13 +59,13 @@ def test_clients_never_own_a_public_sample():
 
 def test_pretrained_proxy_beats_the_majority_label_and_starts_the_run(tmp_path):
     config = _config()
-    params, report = pretrain_proxy(config, PretrainSettings(epochs=5),
+    params, report = pretrain_proxy(_view(config), PretrainSettings(epochs=5),
         *load_validated_pool(config), show_progress=False)
     central, _ = load_pool(config)
     majority = np.bincount(central.y_test).max() / len(central.y_test)
     assert report["global_test_accuracy_linear_probe"] > majority + 0.1
     path = str(tmp_path / "proxy.msgpack")
-    save_pretrained(path, config, params, report)
+    save_pretrained(path, _view(config), params, report)
     config.proxy_init = path
     validate_config(config)
     _, state = build_context(config, build_federated_data(config))
@@ -76,10 +82,10 @@ def test_pretrained_proxy_beats_the_majority_label_and_starts_the_run(tmp_path):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     config = _config()
-    params, report = pretrain_proxy(config, PretrainSettings(epochs=1),
+    params, report = pretrain_proxy(_view(config), PretrainSettings(epochs=1),
         *load_validated_pool(config), show_progress=False)
     path = str(tmp_path_factory.mktemp("proxy") / "proxy.msgpack")
-    save_pretrained(path, config, params, report)
+    save_pretrained(path, _view(config), params, report)
     return path
 
 
@@ -119,7 +125,7 @@ def test_missing_garbled_and_misshapen_files_name_the_problem(saved, tmp_path):
 
 def test_pretraining_without_a_public_share_is_refused():
     with pytest.raises(ConfigError, match="config.data.public_fraction is 0"):
-        pretrain_proxy(_config(0.0), PretrainSettings(epochs=1),
+        pretrain_proxy(_view(_config(0.0)), PretrainSettings(epochs=1),
         *load_validated_pool(_config(0.0)), show_progress=False)
 
 
@@ -130,9 +136,10 @@ def test_a_seed_placeholder_names_one_pretrained_file_per_seed(tmp_path):
     for seed in (0, 1):
         config = _config()
         config.seed = seed
-        params, report = pretrain_proxy(config, PretrainSettings(epochs=1),
+        params, report = pretrain_proxy(_view(config), PretrainSettings(epochs=1),
         *load_validated_pool(config), show_progress=False)
-        save_pretrained(proxy_init.resolve(pattern, seed), config, params, report)
+        save_pretrained(proxy_init.resolve(pattern, seed), _view(config),
+                        params, report)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["proxy_seed0.msgpack",
                                                           "proxy_seed1.msgpack"]
     for seed in (0, 1):
