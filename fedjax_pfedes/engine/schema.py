@@ -2,7 +2,8 @@
 
 `config/defaults.py` declares the fields every run has; each method declares its own in its
 module (`AlgorithmEntry.fields`: pFedES's top-level `lam`, `proxy_arch`, ...; `fedprox.mu`,
-...). `default_config` joins them, so a new method brings its fields with it.
+...), and so may an upload stage (`UploadStage.fields`). `default_config` joins them, so a new
+method or stage brings its fields with it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ml_collections
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.config.defaults import core_config
+from fedjax_pfedes.upload import stages
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -20,10 +22,11 @@ def default_config() -> ml_collections.ConfigDict:
 
     Returns:
       Every field the simulator reads, at its default: the core fields
-      (`config.defaults.core_config`) and every registered method's `fields`.
+      (`config.defaults.core_config`), every registered method's and upload stage's `fields`.
     """
     config = core_config()
-    for path, default in algorithm_registry.declared_fields().items():
+    declared = {**algorithm_registry.declared_fields(), **stages.declared_fields()}
+    for path, default in declared.items():
         node = config
         *parents, leaf = path.split(".")
         for part in parents:
@@ -31,7 +34,8 @@ def default_config() -> ml_collections.ConfigDict:
                 node[part] = ml_collections.ConfigDict()
             node = node[part]
         if leaf in node:
-            raise ValueError(f"config.{path}: a method declares a field the core config has")
+            raise ValueError(f"config.{path}: a method or an upload stage declares a field "
+                             "the core config (or another of them) has")
         node[leaf] = default
     return config
 

@@ -18,7 +18,7 @@ import ml_collections
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.upload import compression, privacy
+from fedjax_pfedes.upload import compression, privacy, stages
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 from fedjax_pfedes.upload.pipeline import PipelineConfig
 
@@ -94,7 +94,19 @@ def pipeline_config(config: ml_collections.ConfigDict) -> PipelineConfig:
         dp=dp, secagg=s.enabled, secagg_threshold_fraction=s.threshold_fraction,
         secagg_dropout_after_upload=s.dropout_after_upload,
         secagg_min_senders=s.min_senders, secagg_simulation=s.simulation,
-        encoding=sa_protocol.RingEncoding(s.ring_bits, s.fraction_bits))
+        encoding=sa_protocol.RingEncoding(s.ring_bits, s.fraction_bits),
+        stage_fields=tuple((path, _value_at(config, path)) for path in stages.declared_fields()))
+
+
+def _value_at(config: ml_collections.ConfigDict, path: str):
+    node = config
+    for part in path.split("."):
+        if part not in node:
+            raise ValueError(f"config.{path}: a registered part declares it, the config has no "
+                             "such field (build the config with fedjax_pfedes.default_config() "
+                             "after registering)")
+        node = node[part]
+    return node.to_dict() if isinstance(node, ml_collections.ConfigDict) else node
 
 
 @dataclasses.dataclass(frozen=True)

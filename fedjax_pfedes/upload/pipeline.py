@@ -64,6 +64,23 @@ class PipelineConfig:
     secagg_min_senders: int = 3
     secagg_simulation: str = "sum"  # 'sum' | 'protocol' (`secure_aggregation.secure_sum`)
     encoding: sa_protocol.RingEncoding = sa_protocol.RingEncoding()
+    # The registered stages' own config fields (`UploadStage.fields`) at this run's values, as
+    # (dotted path, value) pairs; a stage reads its own with `field(path)`.
+    stage_fields: tuple[tuple[str, Any], ...] = ()
+
+    def field(self, path: str) -> Any:
+        """The value of a stage's own config field (`UploadStage.fields`).
+
+        Args:
+          path: the field's dotted path, e.g. 'my_stage.amount'.
+
+        Returns:
+          Its value in this run (KeyError naming it when no registered stage declares it).
+        """
+        for key, value in self.stage_fields:
+            if key == path:
+                return value
+        raise KeyError(f"config.{path}: no registered upload stage declares this field")
 
 
 def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> None:
@@ -110,6 +127,8 @@ def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> N
     if cfg.norm_outlier_factor < 0:
         raise ValueError("config.upload.norm_outlier_factor must be >= 0 (0 = off), got "
                          f"{cfg.norm_outlier_factor}")
+    for cls in stages.STAGES:  # each stage's own fields
+        cls.check(cfg)
 
 
 @dataclasses.dataclass

@@ -20,8 +20,11 @@ algorithm receives the uploads exactly as they arrived (bit for bit).
 
 A stage class registers itself (`@register_stage`) with its `position` in the chain and a
 `from_config(cfg, noise_multiplier)` that returns the stage a run's `pipeline.PipelineConfig`
-asks for, or None; `pipeline.build_stages` builds the chain from the registry. A new stage is
-one class (here or in its own module, imported by the package) with its registration.
+asks for, or None; `pipeline.build_stages` builds the chain from the registry. A stage may own
+config fields (`fields`: dotted path -> default, e.g. {'my_stage.amount': 0.0}): they join the
+default config (`fedjax_pfedes.default_config()`), reach it as `cfg.field('my_stage.amount')`
+and are range-checked by its `check(cfg)` before anything is built. A new stage is one class
+(here or in its own module) with its registration.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +107,18 @@ class UploadStage:
     transforms = False
     report_keys: tuple[str, ...] = ()
     position = 0  # where in the chain (`register_stage`): lower runs first
+    # Config fields the stage owns, dotted path -> default ({} for the shipped stages, whose
+    # fields are PipelineConfig's own); read with `cfg.field(path)`.
+    fields: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Raises ValueError naming the field for a bad value of the stage's own `fields`.
+
+        Args:
+          cfg: the run's `PipelineConfig` (its `field(path)` reads them).
+        """
+        del cfg
 
     @classmethod
     def from_config(cls, cfg, noise_multiplier: float) -> UploadStage | None:
@@ -159,6 +174,22 @@ def register_stage(cls: type[UploadStage]) -> type[UploadStage]:
         STAGES.append(cls)
         STAGES.sort(key=lambda c: c.position)
     return cls
+
+
+def declared_fields() -> dict[str, Any]:
+    """Every registered stage's own config fields with their defaults (dotted paths).
+
+    Returns:
+      {path: default}; ValueError when two stages declare one path with different defaults.
+    """
+    out: dict[str, Any] = {}
+    for cls in STAGES:
+        for path, default in cls.fields.items():
+            if path in out and out[path] != default:
+                raise ValueError(f"config.{path}: declared by two upload stages with the "
+                                 f"defaults {out[path]!r} and {default!r}")
+            out[path] = default
+    return out
 
 
 def outlier_rule(cfg) -> tuple[float, str]:

@@ -59,7 +59,7 @@ def test_traced_fields_pass_the_trace_check_and_a_shape_field_fails_it(monkeypat
 
     def build(inputs):
         algorithm = entry.build(inputs)
-        width = inputs.config.proxy_lr_ratio
+        width = inputs.settings.proxy_lr_ratio
 
         def cohort_program(arch):
             p = algorithm.cohort_program(arch)

@@ -192,6 +192,56 @@ def test_a_registered_stage_joins_the_chain_at_its_position():
         stages.STAGES.remove(Shift)
 
 
+def test_a_stage_owns_its_config_fields():
+    """A stage's `fields` join the default config, reach its `from_config` through the
+    pipeline's settings at the run's values, and its `check` refuses a bad one by name: a new
+    stage is its class, its registration and its test, no edit elsewhere."""
+    import fedjax_pfedes
+    from fedjax_pfedes.engine.sections import pipeline_config
+    from fedjax_pfedes.engine.validate import validate_config
+    from fedjax_pfedes.errors import ConfigError
+    from fedjax_pfedes.upload import stages
+    from fedjax_pfedes.upload.pipeline import build_stages
+
+    @dataclasses.dataclass
+    class Shift(stages.UploadStage):  # adds a constant to every update, on when amount != 0
+        amount: float = 0.0
+        name, transforms, position = "shift_owned", True, 25
+        fields = {"shift_owned.amount": 0.0}
+
+        @classmethod
+        def from_config(cls, cfg, noise_multiplier):
+            amount = cfg.field("shift_owned.amount")
+            return cls(amount) if amount != 0 else None
+
+        @classmethod
+        def check(cls, cfg):
+            if not cfg.field("shift_owned.amount") >= 0:
+                raise ValueError("config.shift_owned.amount must be >= 0, got "
+                                 f"{cfg.field('shift_owned.amount')}")
+
+        def client(self, delta, memory, key, info):
+            return jax.tree.map(lambda d: d + self.amount, delta), memory, info
+
+    stages.register_stage(Shift)
+    try:
+        config = fedjax_pfedes.default_config()
+        assert config.shift_owned.amount == 0.0
+        assert "shift_owned" not in [s.name for s in build_stages(pipeline_config(config), 0.0)]
+        config.shift_owned.amount = 0.25
+        chain = build_stages(pipeline_config(config), 0.0)
+        names = [s.name for s in chain]
+        assert names[names.index("compression") + 1] == "shift_owned"  # position 25
+        assert chain[names.index("shift_owned")].amount == 0.25
+        validate_config(config)
+        config.shift_owned.amount = -1.0
+        with pytest.raises(ConfigError, match=r"config\.shift_owned\.amount must be >= 0"):
+            validate_config(config)
+    finally:
+        stages.STAGES.remove(Shift)
+    assert "shift_owned" not in fedjax_pfedes.default_config()
+
+
 def test_the_registry_builds_the_chain_the_config_describes():
     """Against the chain written out by hand: checks, compression, norm, clip under DP,
     weighting, then at most one aggregator (secure sum, else DP noisy mean, else robust)."""

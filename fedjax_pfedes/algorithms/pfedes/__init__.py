@@ -412,72 +412,73 @@ def pool_of(settings) -> dict:
     return out
 
 
-def check_proxy_init(config) -> None:
+def check_proxy_init(settings) -> None:
     """A saved E_proxy must match this run's E_proxy, and when pretrained on this dataset, its
     public share must be the one this run holds out (else clients would own its samples).
 
     Args:
-      config: pFedES's view of the config (`BuildInputs.settings`).
+      settings: pFedES's view of the config (`BuildInputs.settings`).
     """
-    path = proxy_init.resolve(config.proxy_init, config.seed)
+    path = proxy_init.resolve(settings.proxy_init, settings.seed)
     meta, _ = proxy_init.read(path)
     for field in ("proxy_arch", "proxy_dim"):
-        if meta.get(field) != config[field]:
+        if meta.get(field) != settings[field]:
             raise ValueError(f"config.proxy_init: '{path}' holds an E_proxy with "
                              f"{field}={meta.get(field)!r}; this run has "
-                             f"config.{field}={config[field]!r}")
+                             f"config.{field}={settings[field]!r}")
     pool = meta.get("pool", {})
-    if pool.get("data.name") == config.data.name:
-        differ = {k: v for k, v in pool.items() if pool_of(config).get(k) != v}
+    if pool.get("data.name") == settings.data.name:
+        differ = {k: v for k, v in pool.items() if pool_of(settings).get(k) != v}
         if differ:
             wanted = ", ".join(f"config.{k}={v!r}" for k, v in differ.items())
             raise ValueError(f"config.proxy_init: '{path}' was pretrained on the "
-                             f"public share of '{config.data.name}' held out with {wanted}; "
+                             f"public share of '{settings.data.name}' held out with {wanted}; "
                              "with this run's settings its clients would own some of those "
                              "samples. Set the same values, or pretrain again")
 
 
-def _check(config) -> None:  # pFedES's view of the config (`BuildInputs.settings`)
+def _check(settings) -> None:  # pFedES's view of the config (`BuildInputs.settings`)
     for ok, message in (
-            (config.lam >= 0, f"config.lam must be >= 0, got {config.lam}"),
-            (config.proxy_lr_ratio >= 0, "config.proxy_lr_ratio must be >= 0 (0 = E_proxy "
-             f"frozen), got {config.proxy_lr_ratio}"),
-            (0 <= config.server_momentum < 1,
-             f"config.server_momentum must be in [0, 1), got {config.server_momentum}"),
-            (config.warmup_steps >= 0,
-             f"config.warmup_steps must be >= 0, got {config.warmup_steps}"),
-            (config.contrastive_temperature > 0, "config.contrastive_temperature must be > 0, "
-             f"got {config.contrastive_temperature}")):
+            (settings.lam >= 0, f"config.lam must be >= 0, got {settings.lam}"),
+            (settings.proxy_lr_ratio >= 0, "config.proxy_lr_ratio must be >= 0 (0 = E_proxy "
+             f"frozen), got {settings.proxy_lr_ratio}"),
+            (0 <= settings.server_momentum < 1,
+             f"config.server_momentum must be in [0, 1), got {settings.server_momentum}"),
+            (settings.warmup_steps >= 0,
+             f"config.warmup_steps must be >= 0, got {settings.warmup_steps}"),
+            (settings.contrastive_temperature > 0, "config.contrastive_temperature must be > 0, "
+             f"got {settings.contrastive_temperature}")):
         if not ok:
             raise ValueError(message)
-    alignment.get_alignment(config.align)
-    architectures.check_proxy(config.proxy_arch)
-    scales = parse_scales(config.proxy_scales)
-    if len(scales) > 1 and config.proxy_arch not in MULTI_SCALE_BODIES:
+    alignment.get_alignment(settings.align)
+    architectures.check_proxy(settings.proxy_arch)
+    scales = parse_scales(settings.proxy_scales)
+    if len(scales) > 1 and settings.proxy_arch not in MULTI_SCALE_BODIES:
         raise ValueError(f"config.proxy_scales: {len(scales)} scales need a conv E_proxy "
                          f"({list(MULTI_SCALE_BODIES)}), config.proxy_arch is "
-                         f"'{config.proxy_arch}'")
-    if config.proxy_init:
-        check_proxy_init(config)
-    if not 0 <= config.proxy_momentum < 1:
-        raise ValueError(f"config.proxy_momentum must be in [0, 1), got {config.proxy_momentum}")
-    coupled = [f for f in ("stop_gradient_proxy", "stop_gradient_local") if not config[f]]
-    if coupled and config.align in SYMMETRIC_ALIGNMENTS:
+                         f"'{settings.proxy_arch}'")
+    if settings.proxy_init:
+        check_proxy_init(settings)
+    if not 0 <= settings.proxy_momentum < 1:
+        raise ValueError(f"config.proxy_momentum must be in [0, 1), got {settings.proxy_momentum}")
+    coupled = [f for f in ("stop_gradient_proxy", "stop_gradient_local") if not settings[f]]
+    if coupled and settings.align in SYMMETRIC_ALIGNMENTS:
         same = ("config.lam + 1" if coupled == ["stop_gradient_local"]
                 else "E_proxy's step x (1 + config.lam)" if coupled == ["stop_gradient_proxy"]
                 else "config.lam + 1 and E_proxy's step x (1 + config.lam)")
-        raise ValueError(f"config.{coupled[0]}=False with config.align='{config.align}' (a "
+        raise ValueError(f"config.{coupled[0]}=False with config.align='{settings.align}' (a "
                          f"symmetric loss) is the design's step with {same}, not a new "
                          "dynamics; use config.align='contrastive', or change lam / "
                          "proxy_lr_ratio")
-    if config.proxy_lr_rule not in PROXY_LR_RULES:
+    if settings.proxy_lr_rule not in PROXY_LR_RULES:
         raise ValueError(f"config.proxy_lr_rule must be one of {list(PROXY_LR_RULES)}, got "
-                         f"'{config.proxy_lr_rule}'")
-    if config.dp_sgd.enabled and not (config.stop_gradient_proxy and config.stop_gradient_local):
+                         f"'{settings.proxy_lr_rule}'")
+    if settings.dp_sgd.enabled and not (settings.stop_gradient_proxy
+                                        and settings.stop_gradient_local):
         raise ValueError("config.dp_sgd.enabled needs config.stop_gradient_proxy and "
                          "config.stop_gradient_local (the accountant counts one release per "
                          "side and step)")
-    if config.dp_sgd.enabled and config.align == "contrastive":
+    if settings.dp_sgd.enabled and settings.align == "contrastive":
         raise ValueError("config.dp_sgd.enabled needs a per-example alignment loss: config.align "
                          "'mse' or 'cosine' (InfoNCE couples the examples of a batch)")
 

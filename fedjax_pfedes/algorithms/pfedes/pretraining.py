@@ -43,14 +43,14 @@ class PretrainSettings:
                 raise ConfigError(f"--{name}={getattr(self, name)} is out of range")
 
 
-def pretrain_proxy(config: ml_collections.FrozenConfigDict, settings: PretrainSettings,
+def pretrain_proxy(view: ml_collections.FrozenConfigDict, settings: PretrainSettings,
                    central: CentralDataset, pool: tuple[np.ndarray, np.ndarray],
                    show_progress: bool = True) -> tuple[Any, dict]:
     """Trains E_proxy (config.proxy_arch, config.proxy_dim) with a linear head on the public
     share.
 
     Args:
-      config: pFedES's view of the run's config (`engine.sections.method_settings(config,
+      view: pFedES's view of the run's config (`engine.sections.method_settings(config,
         'pfedes')`: proxy_arch, proxy_dim, proxy_scales, seed and the pool's fields), the
         config validated against `central`.
       settings: epochs, learning rate, momentum and batch size of the pretraining.
@@ -67,12 +67,12 @@ def pretrain_proxy(config: ml_collections.FrozenConfigDict, settings: PretrainSe
         raise ConfigError("config.data.public_fraction is 0: there is no public data to pretrain "
                           "E_proxy on (e.g. --config.data.public_fraction=0.1)")
     spec = central.input_spec
-    scales = len(parse_scales(config.proxy_scales))
-    proxy = architectures.proxy_model(config.proxy_arch, config.proxy_dim, spec, scales)
+    scales = len(parse_scales(view.proxy_scales))
+    proxy = architectures.proxy_model(view.proxy_arch, view.proxy_dim, spec, scales)
     head = nn.Dense(central.num_classes)
-    k_proxy, k_head = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), 31))
+    k_proxy, k_head = jax.random.split(jax.random.fold_in(jax.random.key(view.seed), 31))
     params = (proxy.init(k_proxy, spec.dummy_batch()),
-              head.init(k_head, jnp.zeros((1, config.proxy_dim))))
+              head.init(k_head, jnp.zeros((1, view.proxy_dim))))
     optimizer = local_training.sgd(settings.lr, settings.momentum)
     opt_state = optimizer.init(params)
 
@@ -95,7 +95,7 @@ def pretrain_proxy(config: ml_collections.FrozenConfigDict, settings: PretrainSe
         hits = sum(int(correct(p, xs[i:i + 512], ys[i:i + 512])) for i in range(0, len(ys), 512))
         return hits / max(len(ys), 1)
 
-    rng = np.random.default_rng([config.seed, 31])
+    rng = np.random.default_rng([view.seed, 31])
     batch = min(settings.batch_size, len(y))
     losses = []
     bar = tqdm(range(settings.epochs), desc="pretraining E_proxy", disable=not show_progress)
@@ -123,16 +123,16 @@ def pretrain_proxy(config: ml_collections.FrozenConfigDict, settings: PretrainSe
     return params[0], report
 
 
-def save_pretrained(path: str, config: ml_collections.FrozenConfigDict, params: Any,
+def save_pretrained(path: str, view: ml_collections.FrozenConfigDict, params: Any,
                     report: dict) -> None:
     """Writes the E_proxy file `config.proxy_init` reads, with what it is and was trained on.
 
     Args:
       path: the file to write.
-      config: pFedES's view of the run's config, as `pretrain_proxy` takes it.
+      view: pFedES's view of the run's config, as `pretrain_proxy` takes it.
       params: E_proxy's parameters.
       report: what `pretrain_proxy` reports.
     """
     proxy_init.save(path, params, {
-        "proxy_arch": config.proxy_arch, "proxy_dim": config.proxy_dim,
-        "pool": pool_of(config), "report": report})
+        "proxy_arch": view.proxy_arch, "proxy_dim": view.proxy_dim,
+        "pool": pool_of(view), "report": report})
