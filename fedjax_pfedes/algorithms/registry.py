@@ -3,10 +3,13 @@
 An entry says what the rest of the simulator needs to know before and after building the method:
 its config name, how the server combines uploads (`aggregation`, which tells the upload pipeline
 what it may do), its capabilities (buffered asynchronous rounds, sample-level DP-SGD, BatchNorm
-backbones) and `build`, which turns the experiment config plus the dataset's facts into an
+backbones) and `build`, which turns the method's settings plus the dataset's facts into an
 `Algorithm`. `engine.loop` and `engine.validate` read only this registry; there are no name
 tables elsewhere. Adding a method = one module under `fedjax_pfedes/algorithms/` that calls
-`register(...)` at import, its config fields, a test and a row in the README's methods table.
+`register(...)` at import with its config fields (`fields`, which join the default config), a
+test and a row in the README's methods table. `build` and `check` see the method's view of the
+config (`BuildInputs.settings`: its own fields and those it declared in `reads`), never the
+whole ConfigDict.
 
 Every module of this package is imported by `entries()` (pkgutil discovery), so a new module
 needs no import list to be edited.
