@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pfedes.config.defaults import STALENESS
 from fedjax_pfedes.engine import client_system, rounds, sampling
 from fedjax_pfedes.engine.state import SimState
-from fedjax_pfedes.engine.validate import STALENESS
 from fedjax_pfedes.upload import validation
 
 

@@ -1,6 +1,10 @@
 """Checks an experiment config before any data is loaded or compiled.
 
-Every error names the offending field, e.g. `config.lam must be >= 0, got -1.0`.
+Each section checks its own ranges (`config/defaults.py`, built here with `read_section`), each
+method its own fields (`AlgorithmEntry.check`), each upload stage its own; what is left here are
+the rules that read several sections or another layer's names (a dataset, a partition, a
+sampling rule, an execution strategy). Every error names the offending field, e.g.
+`config.lam must be >= 0, got -1.0`.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import math
 import ml_collections
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
+from fedjax_pfedes.config.defaults import SECTIONS, read_section
 from fedjax_pfedes.data import augmentation
 from fedjax_pfedes.data.catalog import LOADERS
 from fedjax_pfedes.data.federated import PARTITIONS
@@ -29,7 +34,6 @@ from fedjax_pfedes.models.architectures import (
 )
 from fedjax_pfedes.upload.pipeline import check_compatible
 
-STALENESS = ("constant", "polynomial", "hinge")
 # Largest representation width of the proxy / projection: a classifier over 2**16 features per
 # class is already far beyond any model here (2**31 ran XLA out of memory).
 MAX_PROXY_DIM = 65536
@@ -85,6 +89,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(not bad, bad[0] if bad else "")
     try:
         entry = algorithm_registry.get(config.algorithm)
+        for name in SECTIONS:  # each section's own ranges (config/defaults.py)
+            read_section(config, name)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _require(isinstance(config.seed, int) and 0 <= config.seed < 2 ** 32,
@@ -96,7 +102,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         runners.resolve_strategy(config.execution.strategy)
         if runners.needs_mesh(config.execution.strategy):
             runners.client_mesh(config.execution.devices)
-        _check_client_states(config.execution)
+        _check_execution_names(config.execution)
         _check_multi_process(distributed.settings(config.get("distributed")), config)
         archs = assign_architectures(config.clients.architectures, config.data.num_clients)
         attacks.attack_config(config.attack, config.data.num_clients)
@@ -110,12 +116,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         with_dp_sgd = [n for n, e in algorithm_registry.entries().items() if e.dp_sgd]
         _require(entry.dp_sgd, "config.dp_sgd.enabled: DP-SGD is built into "
                  f"{with_dp_sgd}, not '{config.algorithm}'")
-        _require(config.dp_sgd.clip_norm > 0,
-                 f"config.dp_sgd.clip_norm must be > 0, got {config.dp_sgd.clip_norm}")
-        _require(config.dp_sgd.noise_multiplier >= 0, "config.dp_sgd.noise_multiplier must be "
-                 f">= 0, got {config.dp_sgd.noise_multiplier}")
-        _require(0 < config.dp_sgd.delta < 1,
-                 f"config.dp_sgd.delta must be in (0, 1), got {config.dp_sgd.delta}")
     try:
         check_compatible(pipeline_config(config), aggregation_kind(config.algorithm),
                          config.algorithm)
@@ -130,36 +130,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     data = config.data
     _require(data.name in LOADERS,
              f"config.data.name: unknown dataset '{data.name}'; known: {sorted(LOADERS)}")
-    _require(data.num_clients >= 1, f"config.data.num_clients must be >= 1, got "
-             f"{data.num_clients}")
-    _require(0 < data.local_test_fraction < 1, "config.data.local_test_fraction must be in "
-             f"(0, 1), got {data.local_test_fraction}")
-    _require(0 < data.global_test_fraction < 1, "config.data.global_test_fraction must be in "
-             f"(0, 1), got {data.global_test_fraction}")
     _require(data.partition in PARTITIONS, f"config.data.partition: unknown partition "
              f"'{data.partition}'; known: {list(PARTITIONS)}")
     with_proxy = [n for n, e in algorithm_registry.entries().items() if e.proxy_init]
     _require(not config.proxy_init or entry.proxy_init, f"config.proxy_init: only {with_proxy} "
              f"start from a saved E_proxy, not '{config.algorithm}'; set it to ''")
-    _require(0 <= data.public_fraction < 1, "config.data.public_fraction must be in [0, 1), "
-             f"got {data.public_fraction}")
-    _require(data.dirichlet_alpha > 0,
-             f"config.data.dirichlet_alpha must be > 0, got {data.dirichlet_alpha}")
-    _require(data.quantity_sigma >= 0,
-             f"config.data.quantity_sigma must be >= 0, got {data.quantity_sigma}")
-    _require(data.min_samples_per_client >= 0, "config.data.min_samples_per_client must be "
-             f">= 0, got {data.min_samples_per_client}")
-    _require(data.max_train_samples >= 0, "config.data.max_train_samples must be >= 0 "
-             f"(0 = all), got {data.max_train_samples}")
-    _require(data.text_max_length >= 1,
-             f"config.data.text_max_length must be >= 1, got {data.text_max_length}")
-    _require(data.text_vocab_size >= 3,
-             f"config.data.text_vocab_size must be >= 3, got {data.text_vocab_size}")
 
     train = config.train
-    _require(0 < train.client_fraction <= 1,
-             f"config.train.client_fraction must be in (0, 1], got {train.client_fraction}")
-    _require(train.rounds >= 1, f"config.train.rounds must be >= 1, got {train.rounds}")
     _require(train.augment in augmentation.KINDS, f"config.train.augment must be one of "
              f"{list(augmentation.KINDS)}, got '{train.augment}'")
     _require(train.sampling in SAMPLING_METHODS, f"config.train.sampling: unknown "
@@ -168,51 +145,17 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              "config.train.sampling='coverage' picks clients by their label histograms, so one "
              "client's data changes who else takes part and DP's per-client sensitivity bound "
              "fails; with config.dp / config.dp_sgd use 'uniform' or 'poisson'")
-    _require(train.coverage_candidates >= 0, "config.train.coverage_candidates must be >= 0 "
-             f"(0 = twice the participants), got {train.coverage_candidates}")
-    _require(train.strata >= 1, f"config.train.strata must be >= 1, got {train.strata}")
-    _require(train.min_samples >= 0,
-             f"config.train.min_samples must be >= 0 (0 = off), got {train.min_samples}")
     _require(train.below_min in BELOW_MIN, f"config.train.below_min: unknown "
              f"'{train.below_min}'; known: {list(BELOW_MIN)}")
-    _require(1 <= train.min_epochs <= train.max_epochs, "config.train.min_epochs / max_epochs "
-             f"need 1 <= min_epochs <= max_epochs, got {train.min_epochs} / {train.max_epochs}")
-    _require(train.local_epochs >= 1,
-             f"config.train.local_epochs must be >= 1, got {train.local_epochs}")
-    _require(train.batch_size >= 1, f"config.train.batch_size must be >= 1, got "
-             f"{train.batch_size}")
-    _require(train.lr_local > 0, f"config.train.lr_local must be > 0, got {train.lr_local}")
-    _require(0 <= train.local_momentum < 1,
-             f"config.train.local_momentum must be in [0, 1), got {train.local_momentum}")
-    _require(config.eval.every >= 1, f"config.eval.every must be >= 1, got {config.eval.every}")
-    _require(config.eval.clients >= 0, "config.eval.clients must be >= 0 (0 = every client), "
-             f"got {config.eval.clients}")
-    _require(config.eval.global_test_samples >= 0, "config.eval.global_test_samples must be "
-             f">= 0 (0 = the whole global test set), got {config.eval.global_test_samples}")
     _validate_runtime(config)
 
 
-def _check_client_states(ex: ml_collections.ConfigDict) -> None:
-    _require(isinstance(ex.loop_threads, int) and ex.loop_threads >= 0,
-             "config.execution.loop_threads must be an integer >= 0 (0 = the CPU cores), got "
-             f"{ex.loop_threads!r}")
-    _require(isinstance(ex.scan_chunk, int) and ex.scan_chunk >= 1,
-             f"config.execution.scan_chunk must be an integer >= 1, got {ex.scan_chunk!r}")
-    _require(isinstance(ex.scan_held_uploads, int) and ex.scan_held_uploads >= 1,
-             "config.execution.scan_held_uploads must be an integer >= 1, got "
-             f"{ex.scan_held_uploads!r}")
+def _check_execution_names(ex: ml_collections.ConfigDict) -> None:
+    """The execution layer's names (its ranges are `ExecutionSection`'s)."""
     _require(ex.cpu_kernels in runners.KERNEL_SETTINGS, "config.execution.cpu_kernels: "
              f"unknown '{ex.cpu_kernels}'; known: {list(runners.KERNEL_SETTINGS)}")
     _require(ex.client_states in offload.PLACEMENTS, f"config.execution.client_states: "
              f"unknown '{ex.client_states}'; known: {list(offload.PLACEMENTS)}")
-    if ex.client_states == "offload":
-        _require(ex.client_state_budget_gb > 0, "config.execution.client_state_budget_gb must "
-                 f"be > 0, got {ex.client_state_budget_gb}")
-        _require(ex.strategy != "auto", "config.execution.client_states='offload' needs an "
-                 "explicit config.execution.strategy ('loop', 'vmap', 'shard' or 'scan'), not "
-                 "'auto'")
-        _require(ex.cpu_kernels != "auto", "config.execution.client_states='offload' needs "
-                 "explicit config.execution.cpu_kernels ('xla' or 'eigen'), not 'auto'")
 
 
 def _validate_runtime(config: ml_collections.ConfigDict) -> None:
@@ -221,10 +164,6 @@ def _validate_runtime(config: ml_collections.ConfigDict) -> None:
         sys_cfg = system_config(config.system)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    ck = config.checkpoint
-    _require(ck.every >= 0, f"config.checkpoint.every must be >= 0 (0 = off), got {ck.every}")
-    _require(ck.max_to_keep >= 1,
-             f"config.checkpoint.max_to_keep must be >= 1, got {ck.max_to_keep}")
     a = config.asynchronous
     if not a.enabled:
         return
@@ -232,15 +171,9 @@ def _validate_runtime(config: ml_collections.ConfigDict) -> None:
     _require(config.algorithm in asynchronous, "config.asynchronous.enabled: buffered "
              f"asynchronous aggregation rebases model updates onto a newer server model, which "
              f"{asynchronous} upload; not '{config.algorithm}'")
-    _require(a.buffer_size >= 1, f"config.asynchronous.buffer_size must be >= 1, got "
-             f"{a.buffer_size}")
     _require(a.buffer_size <= a.concurrency <= config.data.num_clients,
              "config.asynchronous.concurrency must be in [buffer_size, data.num_clients] = "
              f"[{a.buffer_size}, {config.data.num_clients}], got {a.concurrency}")
-    _require(a.staleness in STALENESS, f"config.asynchronous.staleness: unknown "
-             f"'{a.staleness}'; known: {list(STALENESS)}")
-    _require(a.staleness_exponent >= 0 and a.hinge_a >= 0 and a.hinge_b >= 0,
-             "config.asynchronous.staleness_exponent, hinge_a and hinge_b must be >= 0")
     _require(not config.dp.enabled and not config.secagg.enabled,
              "config.asynchronous.enabled: client-level DP and secure aggregation need "
              "synchronous rounds (config.dp.enabled / config.secagg.enabled must be False)")
