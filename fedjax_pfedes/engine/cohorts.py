@@ -72,9 +72,9 @@ class Cohort:
         return padded
 
 
-# Initialization runs once: at XLA backend optimization level 1 it compiles ~3x faster than at
-# the default level (0.8 s instead of 2.4 s for convnet5 on 2 CPU cores), with identical values.
-# Level 0 is faster still but changes the last bit of some initial weights.
+# Initialization runs once: XLA backend optimization level 1 compiles it faster than the
+# default level with identical values; level 0 changes the last bit of some initial weights
+# (measurements: docs/performance.md, "What did not help" and the set-up table).
 @functools.partial(jax.jit, static_argnums=0,
                    compiler_options={"xla_backend_optimization_level": 1})
 def _init_states(init_client, rng: jax.Array, ids: jax.Array) -> PyTree:

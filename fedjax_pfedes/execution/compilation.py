@@ -15,9 +15,8 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 # Every compiled program is written, however quick its compilation (JAX's own default skips
-# those under 1 s). A run compiles dozens of small programs (row writes, upload checks,
-# buffers): on the quick start 66 of its 84 took under 0.5 s and together ~4 s, while loading
-# one from the cache takes ~20 ms (docs/performance.md, "Second runs").
+# those under 1 s): a run compiles dozens of small programs (row writes, upload checks,
+# buffers), and loading one is faster than compiling it (docs/performance.md, "Second runs").
 MIN_COMPILE_TIME_S = 0.0
 
 

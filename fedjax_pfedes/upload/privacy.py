@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:  # imported where used: it pulls in scipy.signal and scipy.optimize (~1.8 s
-    import dp_accounting  # at start-up here), which a run without DP never needs
+if TYPE_CHECKING:  # imported where used: it pulls in scipy.signal and scipy.optimize, whose
+    import dp_accounting  # start-up a run without DP never needs to pay
 
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("fixed", "poisson", "none")
