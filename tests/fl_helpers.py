@@ -11,6 +11,7 @@ from configs import quickstart
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.upload.pipeline import CohortUploads, PipelineConfig, UploadPipeline
 
 ROOT = pathlib.Path(__file__).parents[1]
 # PYTHONPATH of a child process that imports the repository and the tests' helpers (the same
@@ -61,3 +62,19 @@ def tiny_config(rounds=4, num_clients=8):
     config.train.rounds = rounds
     config.checkpoint.every = 0
     return config
+
+
+def upload_cohort(uploads, template, sizes, valid=None, ids=None) -> CohortUploads:
+    """One cohort's round of stacked uploads for the upload pipeline's tests (all valid, client
+    ids 0..n-1 unless given)."""
+    n = len(sizes)
+    valid = np.ones(n, bool) if valid is None else np.asarray(valid)
+    ids = np.arange(n) if ids is None else np.asarray(ids)
+    return CohortUploads(uploads, template, jnp.asarray(sizes, jnp.float32), valid, ids,
+                         np.arange(n, dtype=np.int32))
+
+
+def upload_pipeline(aggregation="shared", **kw) -> UploadPipeline:
+    """An upload pipeline over 10 clients, 4 a round for 5 rounds, with `PipelineConfig(**kw)`."""
+    return UploadPipeline(PipelineConfig(**kw), aggregation, "test", num_clients=10,
+                          expected_participants=4, clients_per_round=4, rounds=5)
