@@ -167,11 +167,11 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
         uploads[cohort.arch] = rounds.cohort_uploads(ctx, cohort, stacked, template, local,
                                                      valid, ids)
     norms = _stored_norms(in_flight, ctx, slots, arrivals)
-    arrived = rounds.Trained(uploads, {
-        int(c): {"train_ce_loss": float(in_flight.train_loss[s]),
-                 "local_steps": float(in_flight.steps[s]),
-                 "update_norm": float(factors[k] * norms[k])}
-        for k, (s, c) in enumerate(zip(slots, arrivals, strict=True))}, launched.traffic)
+    arrived = rounds.Trained(uploads, rounds.ClientMetrics(
+        np.asarray(arrivals, np.int64),
+        {"train_ce_loss": np.asarray(in_flight.train_loss[slots], np.float64),
+         "local_steps": np.asarray(in_flight.steps[slots], np.float64),
+         rounds.UPLOAD_NORM: np.asarray(factors * norms, np.float64)}), launched.traffic)
     sampler.record_outcome(arrivals, np.zeros(0, np.int64))
     timing = client_system.RoundTiming(
         arrivals, np.full(len(slots), client_system.DELIVERED), in_flight.steps[slots],
@@ -188,8 +188,8 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
 
     def client_rows(rejected: set[int]) -> list[dict]:
         return rounds.client_report(ctx, timing, arrived, rejected, staleness) + [
-            row for row in rounds.client_report(ctx, launch_timing, rounds.Trained({}, {}, []),
-                                                set())
+            row for row in rounds.client_report(
+                ctx, launch_timing, rounds.Trained({}, rounds.ClientMetrics.empty(), []), set())
             if row["status"] == client_system.DROPPED_OUT]
 
     return rounds.conclude(

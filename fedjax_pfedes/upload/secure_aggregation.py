@@ -288,8 +288,9 @@ def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEnc
     computed directly: the pairwise masks cancel and the self masks are removed, so a finished
     protocol outputs exactly the sum of the senders' fixed-point encodings in the ring, and it
     fails exactly where too few clients send or stay online (`check_quorum`). Same result and
-    same errors as 'protocol', bit for bit (tests/upload/test_secure_aggregation.py), at the cost of one ring
-    sum instead of O(participants^2 x length) keystream bytes, key agreements and Shamir shares.
+    same errors as 'protocol', bit for bit (tests/upload/test_secure_aggregation.py), at the cost
+    of one ring sum instead of O(participants^2 x length) keystream bytes, key agreements and
+    Shamir shares.
 
     Args:
       vectors: client id -> its plain float vector (all the same length).

@@ -61,3 +61,61 @@ def test_drop_partial_batch_runs_whole_batches_only(tmp_path):
     for r in rows:
         n, e = r["samples"], r["epochs"]
         assert r["local_steps"] == e * (n // 16 if n >= 16 else 1), r
+
+
+def test_client_metrics_columns_read_as_the_set_of_trained_clients():
+    from fedjax_pfedes.engine.rounds import ClientMetrics, client_means
+
+    a = ClientMetrics(np.array([7, 2]), {"train_ce_loss": np.array([1.0, 3.0]),
+                                         "update_norm": np.array([0.5, 1.5])})
+    b = ClientMetrics(np.array([5]), {"train_ce_loss": np.array([2.0]),
+                                      "update_norm": np.array([4.0])})
+    both = ClientMetrics.concatenate([a, ClientMetrics.empty(), b])
+    assert list(both) == [7, 2, 5] and sorted(both) == [2, 5, 7] and len(both) == 3
+    assert 5 in both and 3 not in both
+    assert both[2] == {"train_ce_loss": 3.0, "update_norm": 1.5}
+    np.testing.assert_array_equal(both.positions(np.array([5, 3, 7])), [2, -1, 0])
+    # Against the per-client dicts the means were once computed from.
+    rows = [{"train_ce_loss": 1.0, "update_norm": 0.5}, {"train_ce_loss": 3.0, "update_norm": 1.5},
+            {"train_ce_loss": 2.0, "update_norm": 4.0}]
+    assert client_means(both) == {
+        "train_ce_loss_mean": np.mean([r["train_ce_loss"] for r in rows]),
+        "client_loss_var": np.var([r["train_ce_loss"] for r in rows]),
+        "update_norm_min": 0.5, "update_norm_median": 1.5, "update_norm_max": 4.0}
+    assert client_means(ClientMetrics.empty()) == {}
+
+
+def test_the_client_report_has_one_row_per_selected_client_by_hand():
+    """Selected 4, 9 and 1: 4 and 1 trained (1's upload rejected), 9 dropped out before
+    training; the rows written out by hand."""
+    import types
+
+    from fedjax_pfedes.engine import client_system
+    from fedjax_pfedes.engine.rounds import ClientMetrics, Trained, client_report
+
+    ctx = types.SimpleNamespace(
+        client_arch=["a"] * 5 + ["b"] * 5, sizes=np.arange(10) * 10, epochs=np.full(10, 2),
+        algorithm=types.SimpleNamespace(client_report_metrics=("align_loss_at_end",)))
+    ctx.arch_of = lambda clients: [ctx.client_arch[int(c)] for c in clients]
+    timing = client_system.RoundTiming(
+        np.array([4, 9, 1]), np.array(["delivered", "dropped_out", "delivered"]),
+        np.array([3, 0, 6]), np.array([0.5, 0.25, 1.0], np.float32), np.array([1.0, 0.0, 2.0]),
+        np.array([0.1, 0.0, 0.2]), np.array([1.6, 0.25, 3.2]), 3.2)
+    metrics = ClientMetrics(np.array([1, 4]), {
+        "train_ce_loss": np.array([0.7, 0.3]), "local_steps": np.array([6.0, 3.0]),
+        "align_loss_at_end": np.array([0.02, 0.01]), "update_norm": np.array([2.0, 1.0])})
+    rows = client_report(ctx, timing, Trained({}, metrics, []), rejected={1},
+                         staleness={4: 2})
+    times = {"download_s": 0.5, "compute_s": 1.0, "upload_s": 0.1, "total_s": 1.6}
+    assert rows == [
+        {"client": 4, "arch": "a", "status": "delivered", "accepted": True, "samples": 40,
+         "epochs": 2, "local_steps": 3, "train_loss": 0.3, "update_norm": 1.0, **times,
+         "align_loss_at_end": 0.01, "staleness": 2},
+        {"client": 9, "arch": "b", "status": "dropped_out", "accepted": False, "samples": 90,
+         "epochs": 2, "local_steps": 0, "train_loss": None, "update_norm": None,
+         "download_s": 0.25, "compute_s": 0.0, "upload_s": 0.0, "total_s": 0.25},
+        {"client": 1, "arch": "a", "status": "delivered", "accepted": False, "samples": 10,
+         "epochs": 2, "local_steps": 6, "train_loss": 0.7, "update_norm": 2.0,
+         "download_s": 1.0, "compute_s": 2.0, "upload_s": 0.2, "total_s": 3.2,
+         "align_loss_at_end": 0.02}]
+    assert [type(r["samples"]) for r in rows] == [int] * 3
