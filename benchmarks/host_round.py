@@ -1,0 +1,97 @@
+"""The host's share of a cross-device round: the per-client report and means, and the cyclic
+garbage collector.
+
+  python -m benchmarks.host_round                 # the report and the means, per call
+  python -m benchmarks.host_round --gc --gc_rounds=150 --trials=3
+
+Work B of `benchmarks.cross_device` (FedAvg, `mlp_small`, 1,000 clients, 100 a round, strategy
+'scan'). The first part captures one round's inputs of `rounds.client_report` and
+`rounds.client_means` and times each call alone (median of `--calls` calls). `--gc` runs
+`--trials` pairs of `--gc_rounds` rounds in one process, the collector as it is and with every
+object alive at the start frozen (`gc.freeze`), and prints each arm's mean, median, 99th
+percentile and longest round. No timed assertion anywhere: numbers for docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from benchmarks import cross_device
+
+_CALLS = flags.DEFINE_integer("calls", 2000, "Calls timed per function.")
+_GC = flags.DEFINE_bool("gc", False, "Also compare rounds with and without gc.freeze().")
+_ROUNDS = flags.DEFINE_integer("gc_rounds", 150, "Rounds per arm and trial (--gc).")
+_TRIALS = flags.DEFINE_integer("trials", 3, "Pairs of arms (--gc).")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from fedjax_pfedes.engine import rounds
+    from fedjax_pfedes.engine.build import build_context
+
+    data = cross_device.synthetic(1000)
+    total = 5 + (2 * _ROUNDS.value * _TRIALS.value if _GC.value else 0)
+    ctx, state = build_context(cross_device.work_config("scan", 1000, 100, total), data)
+    captured = {}
+    report = rounds.client_report
+
+    def capture(*args):
+        captured["args"] = args
+        return report(*args)
+
+    rounds.client_report = capture
+    try:
+        for r in range(5):
+            state, _, _, _ = rounds.sync_round(ctx, state, r)
+    finally:
+        rounds.client_report = report
+    args = captured["args"]
+    print(f"JAX {jax.__version__} on {jax.default_backend()}, 100 participants a round")
+    print("| function | ms per call |\n|---|---|")
+    for name, call in (("client_report", lambda: report(*args)),
+                       ("client_means", lambda: rounds.client_means(args[2].client_metrics))):
+        times = []
+        for _ in range(_CALLS.value):
+            t = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t)
+        print(f"| `rounds.{name}` | {np.median(times) * 1e3:.3f} |")
+    if not _GC.value:
+        return
+    r = 5
+
+    def run(n):
+        nonlocal state, r
+        out = []
+        for _ in range(n):
+            t = time.perf_counter()
+            state, _, _, _ = rounds.sync_round(ctx, state, r)
+            jax.block_until_ready(state.server)
+            out.append(time.perf_counter() - t)
+            r += 1
+        return out
+
+    arms = {"collector as it is": [], "gc.freeze() at the start": []}
+    for _ in range(_TRIALS.value):
+        arms["collector as it is"] += run(_ROUNDS.value)
+        gc.collect()
+        gc.freeze()
+        try:
+            arms["gc.freeze() at the start"] += run(_ROUNDS.value)
+        finally:
+            gc.unfreeze()
+    print("\n| rounds | mean ms | median ms | 99th percentile ms | longest ms |\n"
+          "|---|---|---|---|---|")
+    for name, times in arms.items():
+        t = np.array(times) * 1e3
+        print(f"| {name} ({len(t)}) | {t.mean():.2f} | {np.median(t):.2f} | "
+              f"{np.percentile(t, 99):.2f} | {t.max():.1f} |")
+
+
+if __name__ == "__main__":
+    app.run(main)
