@@ -7,7 +7,7 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 
-from configs import quickstart
+from configs import quickstart, tabular_hetero
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
@@ -78,3 +78,14 @@ def upload_pipeline(aggregation="shared", **kw) -> UploadPipeline:
     """An upload pipeline over 10 clients, 4 a round for 5 rounds, with `PipelineConfig(**kw)`."""
     return UploadPipeline(PipelineConfig(**kw), aggregation, "test", num_clients=10,
                           expected_participants=4, clients_per_round=4, rounds=5)
+
+
+def client_dp_config(rounds: int, every: int, noise_multiplier: float = 1.1):
+    """tabular_hetero (10 clients, 5 per round) with client-level DP at sigma, uniform weights."""
+    config = tabular_hetero.get_config()
+    config.train.rounds = rounds
+    config.eval.every = every
+    config.upload.weighting = "uniform"
+    config.dp.enabled = True
+    config.dp.noise_multiplier = noise_multiplier
+    return config

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dp_accounting import rdp
-from fl_helpers import upload_cohort
+from fl_helpers import client_dp_config, upload_cohort
 
 from configs import tabular_hetero
 from fedjax_pfedes.engine.loop import run_experiment
@@ -44,20 +44,10 @@ def test_dp_mean_noise_has_std_sigma_c_over_the_fixed_denominator():
     assert abs(noise.mean()) < 4 * expected / math.sqrt(20000)
 
 
-def _client_dp_config(rounds: int, every: int, noise_multiplier: float = 1.1):
-    """tabular_hetero (10 clients, 5 per round) with client-level DP at sigma, uniform weights."""
-    config = tabular_hetero.get_config()
-    config.train.rounds = rounds
-    config.eval.every = every
-    config.upload.weighting = "uniform"
-    config.dp.enabled = True
-    config.dp.noise_multiplier = noise_multiplier
-    return config
-
 
 @pytest.mark.slow
 def test_epsilon_in_the_metrics_equals_dp_accounting_for_the_same_events(tmp_path):
-    config = _client_dp_config(3, 1)
+    config = client_dp_config(3, 1)
     summary = run_experiment(config, str(tmp_path), show_progress=False)
     n, m = 10, 5  # tabular_hetero: 10 clients, C = 0.5
     # Fixed-size sampling is amplified under replace-one neighbours, where one clipped update
@@ -185,7 +175,7 @@ def test_client_dp_claims_no_amplification_when_selection_is_not_uniform(tmp_pat
     """Stratified quotas over public strata, availability < 1 and failure-decayed weights are
     not a uniformly random draw (but do not read the clients' data): epsilon is the plain
     Gaussian mechanism composed per round, at the replace-one sensitivity 2C."""
-    config = _client_dp_config(3, 3)
+    config = client_dp_config(3, 3)
     for field, value in change.items():
         section, name = field.split(".")
         config[section][name] = value

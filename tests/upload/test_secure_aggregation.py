@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dp_accounting import rdp
-from fl_helpers import upload_cohort
+from fl_helpers import client_dp_config, upload_cohort
 from scipy import stats
 
 from configs import tabular_hetero
@@ -19,17 +19,6 @@ from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload import secure_aggregation as sa
 from fedjax_pfedes.upload.pipeline import PipelineConfig, UploadPipeline
-
-
-def _client_dp_config(rounds: int, every: int, noise_multiplier: float = 1.1):
-    """tabular_hetero (10 clients, 5 per round) with client-level DP at sigma, uniform weights."""
-    config = tabular_hetero.get_config()
-    config.train.rounds = rounds
-    config.eval.every = every
-    config.upload.weighting = "uniform"
-    config.dp.enabled = True
-    config.dp.noise_multiplier = noise_multiplier
-    return config
 
 
 def test_secure_sum_equals_the_plain_fixed_point_sum_exactly():
@@ -242,7 +231,7 @@ def test_secure_aggregation_dp_epsilon_composes_the_realized_noise_of_every_roun
     per-round noise multipliers written to metrics.jsonl."""
     import json
 
-    config = _client_dp_config(4, 4)
+    config = client_dp_config(4, 4)
     config.train.sampling = "poisson"
     config.train.client_fraction = 0.5
     config.secagg.enabled = True
