@@ -15,7 +15,9 @@ and, to bring your own model, data or method:
   fedjax_pfedes.register_architecture("mynet", MyFlaxModule(), modalities=("image",))
   fedjax_pfedes.register_dataset("mydata", lambda options: fedjax_pfedes.from_arrays(
       "mydata", x_train, y_train, x_test, y_test, options=options))
-  fedjax_pfedes.register_algorithm(fedjax_pfedes.AlgorithmEntry("mymethod", build=...))
+  fedjax_pfedes.register_algorithm(fedjax_pfedes.AlgorithmEntry(
+      "mymethod", build=..., fields={"mymethod.weight": 0.5}))  # its config fields
+  config = fedjax_pfedes.default_config()  # after registering: has config.mymethod.weight
   fedjax_pfedes.register_stage(MyStage)                  # an UploadStage subclass
   fedjax_pfedes.run(config, "runs/mine", callbacks=[MyCallback()])   # per-round hooks
 
