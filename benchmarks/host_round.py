@@ -3,13 +3,18 @@ garbage collector.
 
   python -m benchmarks.host_round                 # the report and the means, per call
   python -m benchmarks.host_round --gc --gc_rounds=150 --trials=3
+  python -m benchmarks.host_round --noise        # + the DP noise shares' draws alone
 
 Work B of `benchmarks.cross_device` (FedAvg, `mlp_small`, 1,000 clients, 100 a round, strategy
 'scan'). The first part captures one round's inputs of `rounds.client_report` and
 `rounds.client_means` and times each call alone (median of `--calls` calls). `--gc` runs
 `--trials` pairs of `--gc_rounds` rounds in one process, the collector as it is and with every
 object alive at the start frozen (`gc.freeze`), and prints each arm's mean, median, 99th
-percentile and longest round. No timed assertion anywhere: numbers for docs/performance.md.
+percentile and longest round. `--noise` times what distributed DP noise costs at this size
+(100 senders x the model's 50,890 values): the senders' shares as the secure-aggregation stage
+draws them (numpy, float64, one call), the same on the device (`jax.random.normal`, jitted),
+and one draw of their sum (the model's size). No timed assertion anywhere: numbers for
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -27,6 +32,35 @@ _CALLS = flags.DEFINE_integer("calls", 2000, "Calls timed per function.")
 _GC = flags.DEFINE_bool("gc", False, "Also compare rounds with and without gc.freeze().")
 _ROUNDS = flags.DEFINE_integer("gc_rounds", 150, "Rounds per arm and trial (--gc).")
 _TRIALS = flags.DEFINE_integer("trials", 3, "Pairs of arms (--gc).")
+_NOISE = flags.DEFINE_bool("noise", False, "Also time the DP noise shares' draws alone.")
+
+
+def _median_ms(call, repeats: int = 20) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+def noise_draws(senders: int = 100, size: int = 50_890) -> dict[str, float]:
+    """ms per draw of `senders` noise shares of `size` values, host and device, and of one."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    shares = jax.jit(lambda k: jax.random.normal(k, (senders, size), jnp.float32))
+    one = jax.jit(lambda k: jax.random.normal(k, (size,), jnp.float32))
+    key = jax.random.key(0)
+    return {
+        f"{senders} shares, numpy Generator.normal float64 (the stage's draw)":
+            _median_ms(lambda: rng.normal(0.0, 1.0, (senders, size))),
+        f"{senders} shares, jax.random.normal float32, jitted":
+            _median_ms(lambda: shares(key).block_until_ready()),
+        "their sum as one draw, numpy float64": _median_ms(lambda: rng.normal(0.0, 1.0, size)),
+        "their sum as one draw, jax float32": _median_ms(lambda: one(key).block_until_ready()),
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -61,6 +95,10 @@ def main(argv: list[str]) -> None:
             call()
             times.append(time.perf_counter() - t)
         print(f"| `rounds.{name}` | {np.median(times) * 1e3:.3f} |")
+    if _NOISE.value:
+        print("\n| noise draw | ms |\n|---|---|")
+        for name, ms in noise_draws().items():
+            print(f"| {name} | {ms:.2f} |")
     if not _GC.value:
         return
     r = 5
