@@ -4,6 +4,7 @@ garbage collector.
   python -m benchmarks.host_round                 # the report and the means, per call
   python -m benchmarks.host_round --gc --gc_rounds=150 --trials=3
   python -m benchmarks.host_round --noise        # + the DP noise shares' draws alone
+  python -m benchmarks.host_round --norm_rule    # + the norm rule's decision and finalize
 
 Work B of `benchmarks.cross_device` (FedAvg, `mlp_small`, 1,000 clients, 100 a round, strategy
 'scan'). The first part captures one round's inputs of `rounds.client_report` and
@@ -14,7 +15,9 @@ percentile and longest round. `--noise` times what distributed DP noise costs at
 (100 senders x the model's 50,890 values): the senders' shares as the secure-aggregation stage
 draws them (numpy, float64, one call), the same on the device (`jax.random.normal`, jitted),
 and one draw of their sum (the model's size). No timed assertion anywhere: numbers for
-docs/performance.md.
+docs/performance.md. `--norm_rule` times the norm-outlier rule's host decision
+(`validation.norm_outliers` over 100 norms) and a streamed cohort's `streaming.finalize` with 28
+of its 64 held rows used (work B's expected count), on synthetic inputs of work B's shapes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,35 @@ _GC = flags.DEFINE_bool("gc", False, "Also compare rounds with and without gc.fr
 _ROUNDS = flags.DEFINE_integer("gc_rounds", 150, "Rounds per arm and trial (--gc).")
 _TRIALS = flags.DEFINE_integer("trials", 3, "Pairs of arms (--gc).")
 _NOISE = flags.DEFINE_bool("noise", False, "Also time the DP noise shares' draws alone.")
+_NORM_RULE = flags.DEFINE_bool("norm_rule", False, "Also time the norm rule's host decision "
+                               "and a streamed cohort's finalize.")
+
+
+def norm_rule_parts() -> dict[str, float]:
+    """ms per call of the norm rule's decision and of `streaming.finalize` (work B shapes)."""
+    import jax.numpy as jnp
+
+    from fedjax_pfedes.upload import streaming, validation
+
+    rng = np.random.default_rng(0)
+    per_sample = rng.lognormal(0, 0.5, 100).astype(np.float32)
+    valid = np.ones(100, bool)
+    template = {"d0": {"kernel": jnp.zeros((784, 64)), "bias": jnp.zeros(64)},
+                "d1": {"kernel": jnp.zeros((64, 10)), "bias": jnp.zeros(10)}}
+    carry = streaming.reducer(8, 100, True).init(template)
+    carry[streaming.HELD] = jax.tree.map(
+        lambda h: jnp.asarray(rng.normal(size=h.shape), jnp.float32), carry[streaming.HELD])
+    held_at = np.full(64, -1, np.int32)
+    held_at[:28] = np.arange(28)
+    carry[streaming.HELD_AT] = jnp.asarray(held_at)
+    carry[streaming.HELD_WEIGHT] = jnp.asarray(np.where(held_at >= 0, 20.0, 0.0), jnp.float32)
+    kept, none = np.ones(100, bool), np.zeros(100, bool)
+    return {
+        "`validation.norm_outliers` (100 norms)": _median_ms(
+            lambda: np.asarray(validation.norm_outliers(per_sample, valid, 10.0)), 300),
+        "`streaming.finalize` (28 of 64 held rows used)": _median_ms(
+            lambda: jax.block_until_ready(streaming.finalize(carry, kept, none, "a", 0)), 300),
+    }
 
 
 def _median_ms(call, repeats: int = 20) -> float:
@@ -95,6 +127,10 @@ def main(argv: list[str]) -> None:
             call()
             times.append(time.perf_counter() - t)
         print(f"| `rounds.{name}` | {np.median(times) * 1e3:.3f} |")
+    if _NORM_RULE.value:
+        print("\n| the norm rule's host parts | ms per call |\n|---|---|")
+        for name, ms in norm_rule_parts().items():
+            print(f"| {name} | {ms:.3f} |")
     if _NOISE.value:
         print("\n| noise draw | ms |\n|---|---|")
         for name, ms in noise_draws().items():

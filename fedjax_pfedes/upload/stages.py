@@ -298,8 +298,7 @@ class NormOutlierCheck(UploadStage):
             norms = np.concatenate([np.asarray(r.info[a]["norm"], np.float32) for a in scope])
             sizes = np.concatenate([np.asarray(r.cohorts[a].sizes, np.float32) for a in scope])
             per_sample = norms / np.maximum(sizes, 1.0)
-            outlier = np.asarray(validation.norm_outliers(jnp.asarray(per_sample),
-                                                          jnp.asarray(ok), self.factor))
+            outlier = validation.norm_outliers(per_sample, ok, self.factor)
             start = 0
             for a in scope:
                 n = len(r.valid[a])

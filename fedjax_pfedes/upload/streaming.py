@@ -109,18 +109,26 @@ class StreamingMean:
         return out
 
 
-@jax.jit
-def _finalize(carry: dict, accept_held: jax.Array):
-    extra = accept_held.astype(jnp.float32) * carry[HELD_WEIGHT]
+@functools.partial(jax.jit, static_argnums=2)
+def _finalize(carry: dict, accept_held: jax.Array, used: int):
+    # Only the first `used` rows were written (rows fill in order): the rest are not read.
+    accept_held = accept_held[:used]
+    extra = accept_held.astype(jnp.float32) * carry[HELD_WEIGHT][:used]
     total = carry[WEIGHT] + jnp.sum(extra)
     safe = jnp.where(total > 0, total, 1.0)
 
     def leaf(s, h):  # rejected rows zeroed first: 0 x Inf is NaN
+        h = h[:used]
         h = jnp.where(accept_held.reshape((-1,) + (1,) * (h.ndim - 1)), h, 0.0)
         return (s + jnp.tensordot(extra, h, axes=1)) / safe
 
     mean = jax.tree.map(leaf, carry[SUM], carry[HELD])
     return jax.tree.map(lambda m: m[None], mean), total[None]
+
+
+def _rows_to_read(used: int, rows: int) -> int:
+    """The used rows rounded up to a power of two (at most `rows`): a few compiled shapes."""
+    return min(rows, 1 << max(used - 1, 0).bit_length()) if used else 0
 
 
 def finalize(carry: dict, accepted: np.ndarray, rejected_for_norm: np.ndarray, arch: str,
@@ -147,7 +155,7 @@ def finalize(carry: dict, accepted: np.ndarray, rejected_for_norm: np.ndarray, a
             "config.execution.scan_held_uploads): raise it, or use execution.strategy='loop'")
     held = held_at >= 0
     accept_held = held & np.asarray(accepted, bool)[np.where(held, held_at, 0)]
-    return _finalize(carry, jnp.asarray(accept_held))
+    return _finalize(carry, jnp.asarray(accept_held), _rows_to_read(int(held.sum()), len(held)))
 
 
 @functools.cache

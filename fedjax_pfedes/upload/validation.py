@@ -75,12 +75,30 @@ def upload_norms(stacked, template, keys: tuple[str, ...] = ()) -> jax.Array:
     return jax.lax.map(lambda upload: upload_norm(upload, template, keys), stacked)
 
 
-def norm_outliers(norms: jax.Array, valid: jax.Array, factor: float) -> jax.Array:
+def norm_outliers(norms: np.ndarray, valid: np.ndarray, factor: float) -> np.ndarray:
     """[slots] True where a valid slot's norm exceeds `factor` x the median norm of the valid
-    slots (never flags anything with fewer than 3 valid slots: no meaningful median)."""
-    n = jnp.sum(valid)
-    median = masked_median(norms[:, None], valid)[0]
-    return valid & (n >= 3) & (norms > factor * median)
+    slots (never flags anything with fewer than 3 valid slots: no meaningful median).
+
+    On the host, in float32 as `masked_median` computes it on the device (the same values:
+    the rule runs every round, where a handful of eager device calls cost more than it).
+
+    Args:
+      norms: [slots] the norms (per local sample, as the stage passes them).
+      valid: [slots] which slots count.
+      factor: the rule's factor.
+
+    Returns:
+      [slots] bool.
+    """
+    norms = np.asarray(norms, np.float32)
+    valid = np.asarray(valid, bool)
+    n = int(valid.sum())
+    ordered = np.sort(np.where(valid, norms, np.finfo(np.float32).max))
+    if n > 0:
+        median = np.float32(0.5) * (ordered[max((n - 1) // 2, 0)] + ordered[n // 2])
+    else:
+        median = np.float32(0.0)
+    return valid & (n >= 3) & (norms > np.float32(factor) * median)
 
 
 def masked_median(values: jax.Array, valid: jax.Array) -> jax.Array:

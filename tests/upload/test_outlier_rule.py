@@ -3,6 +3,7 @@
 
 import json
 
+import numpy as np
 import pytest
 from fl_helpers import tiny_config
 
@@ -33,3 +34,21 @@ def test_U23_quantity_skew_sigma_2_rejects_no_honest_client_and_still_the_attack
     rejected = [r for r in rows if not r["accepted"]]
     assert rejected and {r["client"] for r in rejected} == {3}
     assert len(rejected) == sum(r["client"] == 3 for r in rows)
+
+
+def test_the_rules_decision_by_hand():
+    """Median of the valid norms (the mean of the two middle ones for an even count), flags
+    above factor x median, nothing with fewer than 3 valid norms."""
+    from fedjax_pfedes.upload.validation import norm_outliers
+
+    flags = norm_outliers(np.array([1, 2, 3, 4, 100], np.float32), np.ones(5, bool), 10.0)
+    np.testing.assert_array_equal(flags, [False, False, False, False, True])  # median 3
+    flags = norm_outliers(np.array([1, 2, 3, 4, 35, 36], np.float32), np.ones(6, bool), 10.0)
+    np.testing.assert_array_equal(flags, [False] * 5 + [True])  # median 3.5: 35 is not above
+    valid = np.array([True, True, False, True, True])
+    flags = norm_outliers(np.array([1, 2, 1e9, 3, 31], np.float32), valid, 10.0)
+    np.testing.assert_array_equal(flags, [False, False, False, False, True])  # median 2.5
+    np.testing.assert_array_equal(
+        norm_outliers(np.array([1, 1e9], np.float32), np.ones(2, bool), 10.0), [False, False])
+    np.testing.assert_array_equal(norm_outliers(np.zeros(3, np.float32), np.zeros(3, bool),
+                                                10.0), [False] * 3)
