@@ -9,6 +9,7 @@ jitted `lax.scan` of the same math.
   python -m benchmarks.cross_device --strategies=scan --private --protocol   # + the crypto run
   python -m benchmarks.cross_device --strategies=scan --pfl   # + pfl-research (see pfl_loop)
   python -m benchmarks.cross_device --strategies=scan --private --profile --notorch --rounds=5
+  python -m benchmarks.cross_device --strategies=scan --notorch --nonorm_rule   # same math only
 
 Work (the speed issue's "work B"): FedAvg, `mlp_small` (784-64 ReLU, then the 10-way classifier),
 synthetic MNIST-shaped uint8 data IID over N = max(1,000, 10 x participants) clients with 20
@@ -40,6 +41,9 @@ _ROUNDS = flags.DEFINE_integer("rounds", 12, "Rounds per measurement (>= 4).")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "Also print where the engine's round goes: "
                                "the cohorts' training program, the rest of the participants' "
                                "training step, the upload pipeline and the server step.")
+_NORM_RULE = flags.DEFINE_bool("norm_rule", True, "The upload pipeline's norm-outlier rule, on by "
+                                "default; --nonorm_rule times the engine doing the reference's "
+                                "math only (FedAvg without it; pfl-research has no such rule).")
 _PRIVATE = flags.DEFINE_bool("private", False, "Also time each strategy with client-level DP "
                               "(clip 1, noise multiplier 1, uniform weights) and secure "
                               "aggregation, and print its round time against the plain one.")
@@ -76,6 +80,8 @@ def work_config(strategy: str, clients: int, participants: int, rounds: int,
     c.monitor.aggregation_loss = False
     c.execution.strategy = strategy
     c.execution.compilation_cache_dir = ""
+    if not _NORM_RULE.value:
+        c.upload.norm_outlier_factor = 0.0
     if private:
         c.dp.enabled, c.secagg.enabled, c.upload.weighting = True, True, "uniform"
         c.secagg.simulation = simulation
@@ -269,7 +275,8 @@ def main(argv):
     del argv
     rounds = max(_ROUNDS.value, 4)
     print(f"JAX {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPU cores, "
-          f"{rounds} rounds per measurement")
+          f"{rounds} rounds per measurement"
+          + ("" if _NORM_RULE.value else ", the engine without the norm-outlier rule"))
     print("| participants | clients | engine | s/round | client-steps/s | reference s/round | "
           "engine / reference | PyTorch loop s/round | PyTorch / engine |")
     print("|---|---|---|---|---|---|---|---|---|")
