@@ -457,6 +457,13 @@ def read_section(config: ml_collections.ConfigDict, name: str):
       name: a key of `SECTIONS`.
 
     Returns:
-      The section's frozen dataclass; ValueError naming the field for a value out of range.
+      The section's frozen dataclass; ValueError naming the field for a value out of range or
+      a field the section does not have.
     """
-    return SECTIONS[name](**config[name].to_dict())
+    values = config[name].to_dict()
+    known = {f.name for f in dataclasses.fields(SECTIONS[name])}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"config.{name}.{unknown[0]}: not a field of config.{name} (a typo, or "
+                         f"a field that moved?); its fields: {sorted(known)}")
+    return SECTIONS[name](**values)

@@ -138,3 +138,12 @@ def test_round_settings_read_their_sections_and_nothing_else():
     before = round_settings(config)
     config.lam, config.upload.norm_outlier_factor = 123.0, 0.0  # other sections' fields
     assert round_settings(config) == before
+
+
+def test_a_field_a_core_section_does_not_have_is_named():
+    """A config file may add fields a ConfigDict accepts; the section's dataclass names them."""
+    config = _config()
+    with config.unlocked():
+        config.train.lr_locl = 0.1
+    with pytest.raises(ConfigError, match=r"config\.train\.lr_locl: not a field of config\.train"):
+        validate_config(config)
