@@ -19,7 +19,7 @@ from fedjax_pfedes.data import augmentation
 from fedjax_pfedes.data.catalog import LOADERS
 from fedjax_pfedes.data.federated import PARTITIONS
 from fedjax_pfedes.data.sources import CentralDataset
-from fedjax_pfedes.engine import attacks, sections
+from fedjax_pfedes.engine import attacks, schema, sections
 from fedjax_pfedes.engine.client_system import system_config
 from fedjax_pfedes.engine.cohorts import assign_architectures
 from fedjax_pfedes.engine.sampling import BELOW_MIN
@@ -83,8 +83,20 @@ def _check_multi_process(s: distributed.Settings, config: ml_collections.ConfigD
             raise ValueError(message)
 
 
+def _paths(tree: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        out |= _paths(value, f"{path}.") if isinstance(value, dict) else {path}
+    return out
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first invalid field."""
+    unknown = sorted(_paths(config.to_dict()) - _paths(schema.default_values()))
+    _require(not unknown, f"config.{unknown[0]}: not a field of the config (a typo, or a field "
+             "that moved? `python -m launch.methods --fields` lists the methods' fields)"
+             if unknown else "")
     bad = _non_finite_fields(config)
     _require(not bad, bad[0] if bad else "")
     try:

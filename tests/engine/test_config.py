@@ -7,6 +7,7 @@ import time
 import pytest
 
 from configs import cifar_hetero, quickstart
+from fedjax_pfedes.config.defaults import read_section
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
 from fedjax_pfedes.errors import ConfigError
@@ -145,5 +146,22 @@ def test_a_field_a_core_section_does_not_have_is_named():
     config = _config()
     with config.unlocked():
         config.train.lr_locl = 0.1
-    with pytest.raises(ConfigError, match=r"config\.train\.lr_locl: not a field of config\.train"):
+    with pytest.raises(ConfigError, match=r"config\.train\.lr_locl: not a field of"):
         validate_config(config)
+    with pytest.raises(ValueError, match=r"config\.train\.lr_locl: not a field of config\.train"):
+        read_section(config, "train")
+
+
+def test_a_field_the_schema_does_not_have_is_named():
+    """A config file may add any field to a ConfigDict: a typo in a method's section or at the
+    top level is named, not silently ignored."""
+    for path in ("fedprox.muu", "lamb"):
+        config = _config()
+        with config.unlocked():
+            *parents, leaf = path.split(".")
+            node = config
+            for part in parents:
+                node = node[part]
+            node[leaf] = 0.1
+        with pytest.raises(ConfigError, match=rf"config\.{path}: not a field of the config"):
+            validate_config(config)
