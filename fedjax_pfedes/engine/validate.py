@@ -93,7 +93,10 @@ def _paths(tree: dict, prefix: str = "") -> set[str]:
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first invalid field."""
-    unknown = sorted(_paths(config.to_dict()) - _paths(schema.default_values()))
+    # Any method's section may also override the local optimizer (`OPTIMIZER_OVERRIDES`).
+    overrides = {f"{name}.{field}" for name in algorithm_registry.names()
+                 for field in algorithm_registry.OPTIMIZER_OVERRIDES}
+    unknown = sorted(_paths(config.to_dict()) - _paths(schema.default_values()) - overrides)
     _require(not unknown, f"config.{unknown[0]}: not a field of the config (a typo, or a field "
              "that moved? `python -m launch.methods --fields` lists the methods' fields)"
              if unknown else "")
