@@ -127,9 +127,9 @@ def launch(ctx: rounds.RunContext, server_state, clients: dict[str, Any], in_fli
         in_flight.arrival_s[slot] = clock_s + timing.total_s[k]
         in_flight.timing[slot] = (timing.download_s[k], timing.compute_s[k], timing.upload_s[k],
                                   timing.total_s[k])
-        in_flight.steps[slot] = trained.client_metrics[cid].get("local_steps",
-                                                                timing.step_limit[k])
-        in_flight.train_loss[slot] = trained.client_metrics[cid].get("train_ce_loss", np.nan)
+        metrics = trained.client_metrics[cid]
+        in_flight.steps[slot] = metrics.get("local_steps", timing.step_limit[k])
+        in_flight.train_loss[slot] = metrics.get("train_ce_loss", np.nan)
     return counts, timing, trained, clients
 
 

@@ -490,4 +490,4 @@ register(AlgorithmEntry(
     fields=FIELDS,
     check_data=lambda settings, spec: architectures.check_proxy(settings.proxy_arch,
                                                                  modality=spec.modality),
-    reads=("seed", "proxy_dim", "dp_sgd.enabled", "monitor.aggregation_loss", *POOL_FIELDS)))
+    reads=("proxy_dim", "dp_sgd.enabled", "monitor.aggregation_loss", *POOL_FIELDS)))
