@@ -213,19 +213,22 @@ def run_local_epochs(train_step, carry, data, rng: jax.Array, schedule: LocalSch
       schedule: batch size, epochs, partial batches; with `schedule.unroll`, run the whole
         padded schedule (epochs * ceil(capacity / B) positions) as a fully unrolled `lax.scan`
         instead, with the positions past the client's data masked out. Same numbers; kept as
-        the reference the rolled loop is tested and benchmarked against.
+        the reference the rolled loop is tested and benchmarked against, and taken whenever
+        the padded schedule has one position (no loop then: one masked step).
       step_keys: append a fresh PRNG key to every batch tuple (DP-SGD noise).
 
     Returns:
       (final carry, per-stat sums over the steps run, number of steps run as float32).
     """
-    if schedule.unroll:
-        return _run_unrolled(train_step, carry, data, rng, schedule, step_keys)
     plan = schedule
     batch_size, epochs, drop = schedule.batch_size, schedule.epochs, schedule.drop_partial_batch
     capacity = data.y.shape[0]
     batch = min(batch_size, capacity)
     per_epoch = steps_per_epoch(capacity, batch)
+    if schedule.unroll or epochs * per_epoch == 1:
+        # One padded position (the cross-device case: a client's data fits one batch, one
+        # epoch): the step itself, without a loop around it (docs/performance.md).
+        return _run_unrolled(train_step, carry, data, rng, schedule, step_keys)
     size = data.sizes
     real_per_epoch = jnp.maximum(batches_per_epoch(size, batch, drop), 1)
     total = local_step_count(size, capacity, batch_size, epochs,

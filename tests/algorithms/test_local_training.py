@@ -138,6 +138,41 @@ def test_rolled_loop_matches_a_numpy_sgd_loop(drop, steps_per_epoch):
     np.testing.assert_allclose(sums[0], sum(losses), rtol=1e-5)
 
 
+def test_a_one_position_schedule_is_one_masked_step_without_a_loop():
+    """Capacity <= B and one epoch (the cross-device case): the client's whole data is one
+    batch, so local training is one SGD step on the mean gradient of its real rows (by hand,
+    in numpy); a client without rows or with a step limit of 0 takes none; no while loop."""
+    data = _clients([5, 0, 3], capacity=6, step_limits=[9, 9, 0])
+    params = {"w": jnp.full((6, 3), 0.1), "b": jnp.zeros(3)}
+    opt = optax.sgd(0.5)
+
+    def run(c, k):
+        return local_training.run_local_epochs(_linear_step(opt), (params, opt.init(params)),
+                                               c, k, local_training.LocalSchedule(8, 1))
+
+    keys = jax.random.split(jax.random.key(5), 3)
+    def loops(fn, *args):
+        return jax.jit(fn).lower(*args).compile().as_text().count(" while(")
+
+    # The only loops are those of the shuffle's random draw (threefry on the CPU).
+    shuffle = loops(lambda k: local_training.batch_schedule(k, jnp.int32(5), 6, 8, 1).indices,
+                    keys[0])
+    assert loops(run, jax.tree.map(lambda a: a[0], data), keys[0]) == shuffle
+    (final, _), sums, steps = jax.jit(jax.vmap(run))(data, keys)
+    np.testing.assert_array_equal(steps, [1, 0, 0])
+    x, y = np.asarray(data.x[0, :5], np.float64), np.asarray(data.y[0, :5])
+    z = x @ np.full((6, 3), 0.1)
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    g = (p - np.eye(3)[y]) / 5
+    np.testing.assert_allclose(final["w"][0], 0.1 - 0.5 * x.T @ g, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(final["b"][0], -0.5 * g.sum(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sums[0, 0], -np.mean(np.log(p[np.arange(5), y])), rtol=1e-5)
+    for i in (1, 2):  # no step: parameters and stats untouched
+        np.testing.assert_array_equal(final["w"][i], params["w"])
+        assert float(sums[i, 0]) == 0.0
+
+
 def test_the_local_step_is_traced_once_and_lowers_as_before():
     """The rolled loop needs the step's stats shape before the loop: both come from one trace
     of the step (tracing a model is most of a first call's Python time), and the lowered
