@@ -246,7 +246,9 @@ class SecAggSection:
     fraction_bits: int = 24  # fixed-point fractional bits
     dropout_after_upload: float = 0.0  # simulated share of senders lost before unmasking
     min_senders: int = 3  # fewer senders in a round: no update, no release
-    simulation: str = "sum"  # 'sum': the protocol's output | 'protocol': run it
+    # 'sum': the protocol's output | 'protocol': run it | 'aggregate': its output in
+    # distribution, the senders' noise drawn as one sum (streams under 'scan'; no config.attack)
+    simulation: str = "sum"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -165,8 +165,9 @@ def upload_finish(algorithm, pipeline: UploadPipeline):
     (`UploadPipeline.client_facts`: 'finite', 'norm'). Computed while the client's upload is in
     cache, instead of passes over the stacked uploads after the round's training. Build it
     once per run: it is part of the compiled program's identity."""
-    facts = (pipeline.client_facts if not pipeline.active and pipeline.aggregation != "none"
-             else None)
+    streams_clipped = pipeline.streamed_clip_norm is not None
+    facts = (pipeline.client_facts if (not pipeline.active or streams_clipped)
+             and pipeline.aggregation != "none" else None)
     keys = algorithm.norm_keys
 
     def finish(upload, template):
@@ -179,11 +180,19 @@ def upload_finish(algorithm, pipeline: UploadPipeline):
 def stream_reducer(settings: RoundSettings, algorithm, pipeline: UploadPipeline):
     """bucket -> the reducer with which a 'scan' cohort of that bucket sums its uploads as
     they are made (`upload.streaming`), or None where the stacked uploads are needed: the
-    server step must be a weighted mean (`Algorithm.mean_server_step`), the upload pipeline
-    must transform nothing (no compression, privacy, robust aggregation or other weights than
-    samples), and the rounds synchronous (buffered asynchronous rounds keep each upload)."""
-    if (not algorithm.mean_server_step or pipeline.active or settings.asynchronous is not None
+    server step must be a weighted mean (`Algorithm.mean_server_step`), the rounds synchronous
+    (buffered asynchronous rounds keep each upload), and the upload pipeline must either
+    transform nothing (no compression, privacy, robust aggregation or other weights than
+    samples: `StreamingMean`) or be client-level DP that adds its noise to the sum of the
+    clipped updates (`UploadPipeline.streamed_clip_norm`: `StreamingClippedSum`)."""
+    if (not algorithm.mean_server_step or settings.asynchronous is not None
             or pipeline.aggregation not in ("per_cohort", "shared")):
+        return None
+    clip = pipeline.streamed_clip_norm
+    if clip is not None:
+        clipped = streaming.clipped_sum_reducer(clip, bool(pipeline.cfg.reject_nonfinite))
+        return lambda bucket: clipped
+    if pipeline.active:
         return None
     factor, _ = outlier_rule(pipeline.cfg)
     hold = settings.scan_held_uploads if factor > 0 else 0

@@ -127,6 +127,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             entry.check(sections.method_settings(config))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _require(not (config.secagg.enabled and config.secagg.simulation == "aggregate"
+                  and config.attack.kind != "none"),
+             "config.secagg.simulation='aggregate' draws the honest senders' noise as one sum "
+             "and cannot simulate clients that skip their client code (config.attack): use "
+             "'sum'")
     if config.dp_sgd.enabled:
         with_dp_sgd = [n for n, e in algorithm_registry.entries().items() if e.dp_sgd]
         _require(entry.dp_sgd, "config.dp_sgd.enabled: DP-SGD is built into "

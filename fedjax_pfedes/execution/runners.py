@@ -326,8 +326,9 @@ class Finishing:
       operand: a pytree `fn` reads besides the upload (e.g. `Algorithm.upload_template`).
       fn: (upload, operand) -> {name: scalar} for one client.
       reducer: None, or an object with `init(operand) -> carry` and `add(carry, upload, facts,
-        size, position, valid) -> carry`, `facts` being `fn`'s result and `position` the
-        client's slot in the bucket (`upload.streaming.StreamingMean`).
+        size, position, valid, operand) -> carry`, `facts` being `fn`'s result and `position`
+        the client's slot in the bucket (`upload.streaming.StreamingMean`,
+        `StreamingClippedSum`).
     """
 
     broadcast: PyTree
@@ -537,9 +538,10 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
 
         def reduce(carry, upload, metrics, sizes, position, valid):
             facts = metrics[UPLOAD_FACTS]
+            template = broadcast.operand
             if chunk == 1:
-                return reducer.add(carry, upload, facts, sizes, position, valid)
-            return jax.lax.scan(lambda c, xs: (reducer.add(c, *xs), None), carry,
+                return reducer.add(carry, upload, facts, sizes, position, valid, template)
+            return jax.lax.scan(lambda c, xs: (reducer.add(c, *xs, template), None), carry,
                                 (upload, facts, sizes, position, valid))[0]
 
         def body(carry, xs):

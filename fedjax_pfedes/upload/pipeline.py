@@ -62,7 +62,8 @@ class PipelineConfig:
     secagg_threshold_fraction: float = 0.6
     secagg_dropout_after_upload: float = 0.0
     secagg_min_senders: int = 3
-    secagg_simulation: str = "sum"  # 'sum' | 'protocol' (`secure_aggregation.secure_sum`)
+    # 'sum' | 'protocol' (`secure_aggregation.secure_sum`) | 'aggregate' (see SecureAggregation)
+    secagg_simulation: str = "sum"
     encoding: sa_protocol.RingEncoding = sa_protocol.RingEncoding()
     # The registered stages' own config fields (`UploadStage.fields`) at this run's values, as
     # (dotted path, value) pairs; a stage reads its own with `field(path)`.
@@ -258,14 +259,33 @@ class UploadPipeline:
                 memory[stage.name] = own
         return delta, memory, info
 
+    @property
+    def keyless_client_side(self) -> bool:
+        """Whether no stage's client half keeps a per-client state or draws a key (only
+        compression does), so a client's facts can be computed from its upload alone."""
+        return not any(s.client_keyed for s in self.stages)
+
+    @property
+    def streamed_clip_norm(self) -> float | None:
+        """C, when a streamed round may sum the clipped updates instead of stacking them
+        (`streaming.StreamingClippedSum`): client-level DP whose client half is the finite
+        check, the norm and the clip only (no compression), the norm over the whole update,
+        and an aggregator that adds its noise to that sum (central DP-FedAvg, or secure
+        aggregation simulated as 'aggregate'); else None."""
+        cfg = self.cfg
+        if (cfg.dp is None or not self.keyless_client_side or cfg.norm_keys
+                or (cfg.secagg and cfg.secagg_simulation != "aggregate")):
+            return None
+        return cfg.dp.clip_norm
+
     def client_facts(self, upload, template) -> dict[str, jax.Array]:
-        """One client's facts for the server-side checks ('finite', 'norm', ...), when no stage
-        transforms (`active` is False: no stage keeps a state or draws a key): the same values
+        """One client's facts for the server-side checks ('finite', 'norm', ...), when no
+        client half keeps a state or draws a key (`keyless_client_side`): the same values
         `process` computes from the stacked uploads, for a cohort's program to compute while
         the client's upload is in cache (`CohortUploads.facts`)."""
-        if self.active:
-            raise ValueError("UploadPipeline.client_facts: the pipeline transforms uploads; its "
-                             "client halves need their states and keys (process computes them)")
+        if not self.keyless_client_side:
+            raise ValueError("UploadPipeline.client_facts: the pipeline's client halves keep "
+                             "states or draw keys (compression); process computes them")
         return self._one_client(upload, template, {}, None)[2]
 
     def _one_rogue_client(self, upload, template, key):
@@ -370,6 +390,8 @@ class UploadPipeline:
             return groups, memories, report
         new_memories = dict(memories)
         for arch, c in cohorts.items():
+            if arch not in new_rows:  # streamed: its client halves keep no state
+                continue
             # Error feedback: only real participants with finite updates write their rows.
             rows = jnp.asarray(c.slots)
             write = jnp.where(jnp.asarray(np.asarray(c.valid) & r.info[arch]["finite"]), rows,

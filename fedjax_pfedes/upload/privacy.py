@@ -90,10 +90,15 @@ class ClientDPConfig:
                              "use 'rdp' for fixed-size sampling")
 
 
+def clip_scale(norm: jax.Array, clip_norm: float) -> jax.Array:
+    """The factor that scales an update of L2 norm `norm` to norm <= `clip_norm`."""
+    return jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-12))
+
+
 def clip_update(update, clip_norm: float):
     """(update scaled to L2 norm <= clip_norm, its norm before clipping)."""
     norm = jnp.sqrt(sum(jnp.sum(a.astype(jnp.float32) ** 2) for a in jax.tree.leaves(update)))
-    scale = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-12))
+    scale = clip_scale(norm, clip_norm)
     return jax.tree.map(lambda a: (a * scale).astype(a.dtype), update), norm
 
 

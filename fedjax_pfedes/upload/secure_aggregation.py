@@ -43,7 +43,10 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 PRIME = 2 ** 521 - 1  # Mersenne prime: the Shamir field
-SIMULATIONS = ("sum", "protocol")  # config.secagg.simulation (see `secure_sum`)
+PROTOCOL_SIMULATIONS = ("sum", "protocol")  # what `secure_sum` runs
+# config.secagg.simulation: `secure_sum`'s two, or 'aggregate' (`stages.SecureAggregation`:
+# the senders' summed noise drawn once, the sum without fixed-point encoding)
+SIMULATIONS = PROTOCOL_SIMULATIONS + ("aggregate",)
 
 
 class SecureAggregationError(RuntimeError):
@@ -305,8 +308,8 @@ def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEnc
     Returns:
       The decoded sum over the senders, the senders and the bytes each sent.
     """
-    if simulation not in SIMULATIONS:
-        raise ValueError(f"config.secagg.simulation must be one of {SIMULATIONS}, got "
+    if simulation not in PROTOCOL_SIMULATIONS:
+        raise ValueError(f"secure_sum runs simulation {PROTOCOL_SIMULATIONS}, got "
                          f"'{simulation}'")
     ids = sorted(vectors)
     n = len(ids)

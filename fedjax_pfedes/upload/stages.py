@@ -88,11 +88,22 @@ class RoundUploads:
         w = jnp.concatenate([self.weights[a] for a in scope])
         return stacked, ok, w
 
+    def streamed(self, scope: list[str]) -> bool:
+        """Whether the scope's cohorts were summed as they trained (`upload.streaming`): their
+        clipped updates' sum instead of stacked updates (`scope_sum`)."""
+        return all(self.cohorts[a].reduced is not None for a in scope)
+
+    def scope_sum(self, scope: list[str]) -> Any:
+        """The sum of the scope's streamed clipped updates (`StreamingClippedSum`), float32."""
+        sums = [self.cohorts[a].reduced["sum"] for a in scope]
+        return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *sums)
+
     def skip_scope(self, scope: list[str]) -> Any:
         """No server update from `scope` this round: zero weights, a zero aggregate."""
         for a in scope:
             self.weights[a] = jnp.zeros_like(self.weights[a])
-        return jax.tree.map(lambda x: jnp.zeros(x.shape[1:], jnp.float32), self.sent[scope[0]])
+        return jax.tree.map(lambda t: jnp.zeros(jnp.shape(t), jnp.float32),
+                            self.cohorts[scope[0]].template)
 
 
 class UploadStage:
@@ -105,6 +116,7 @@ class UploadStage:
 
     name = "identity"
     transforms = False
+    client_keyed = False  # its client half keeps a per-client state or draws a key
     report_keys: tuple[str, ...] = ()
     position = 0  # where in the chain (`register_stage`): lower runs first
     # Config fields the stage owns, dotted path -> default ({} for the shipped stages, whose
@@ -333,6 +345,10 @@ class Compression(UploadStage):
     def transforms(self) -> bool:
         return self.cfg.active
 
+    @property
+    def client_keyed(self) -> bool:
+        return self.cfg.active  # error feedback's memory, QSGD's stochastic rounding
+
     def init_state(self, template, members: int):
         """Error-feedback memory, zeros [members, ...] (float32), when top-k is on."""
         if self.cfg.topk_fraction >= 1:
@@ -476,20 +492,27 @@ class DPNoisyMean(UploadStage):
 
     def __post_init__(self):
         self._noisy_mean = jax.jit(self._mean)
+        self._noisy_total = jax.jit(self._released)
+
+    def _released(self, total, key, denominator):
+        noise = privacy.gaussian_noise_like(total, key, self.noise_multiplier * self.clip_norm)
+        return jax.tree.map(lambda t, z: (t + z) / denominator, total, noise)
 
     def _mean(self, stacked, valid, key, denominator):
         total = jax.tree.map(
             lambda a: jnp.tensordot(valid.astype(jnp.float32), a, axes=1), stacked)
-        noise = privacy.gaussian_noise_like(total, key, self.noise_multiplier * self.clip_norm)
-        return jax.tree.map(lambda t, z: (t + z) / denominator, total, noise)
+        return self._released(total, key, denominator)
 
     def server(self, r: RoundUploads) -> None:
         r.aggregates = {}
         for s_idx, scope in enumerate(r.scopes):
-            stacked, ok, _ = r.scope_arrays(scope)
             key = scope_key(r, s_idx)
-            denominator = r.expected_in_scope(sum(r.members[a] for a in scope))
-            agg = self._noisy_mean(stacked, jnp.asarray(ok), key, jnp.float32(denominator))
+            denominator = jnp.float32(r.expected_in_scope(sum(r.members[a] for a in scope)))
+            if r.streamed(scope):  # the clipped updates were summed as they were made
+                agg = self._noisy_total(r.scope_sum(scope), key, denominator)
+            else:
+                stacked, ok, _ = r.scope_arrays(scope)
+                agg = self._noisy_mean(stacked, jnp.asarray(ok), key, denominator)
             r.aggregates.update({a: agg for a in scope})
 
 
@@ -537,15 +560,85 @@ class SecureAggregation(UploadStage):
                    cfg.dp.clip_norm if cfg.dp is not None else 1.0, cfg.dp is not None,
                    cfg.secagg_simulation)
 
+    def __post_init__(self):
+        self._weighted_sum = jax.jit(lambda stacked, w: jax.tree.map(
+            lambda a: jnp.tensordot(w, a, axes=1), stacked))
+        self._released = jax.jit(lambda total, key, std, divisor: jax.tree.map(
+            lambda t, z: (t + z) / divisor, total, privacy.gaussian_noise_like(total, key, std)))
+
     def server(self, r: RoundUploads) -> None:
         r.aggregates = {}
         for s_idx, scope in enumerate(r.scopes):
-            stacked, ok, w = r.scope_arrays(scope)
             denominator = r.expected_in_scope(sum(r.members[a] for a in scope))
-            agg = self._secure_mean(r, scope, stacked, ok, w, scope_key(r, s_idx), denominator)
+            key = scope_key(r, s_idx)
+            if self.simulation == "aggregate":
+                agg = self._aggregate_mean(r, scope, key, denominator)
+            else:
+                stacked, ok, w = r.scope_arrays(scope)
+                agg = self._secure_mean(r, scope, stacked, ok, w, key, denominator)
             if agg is None:  # protocol failed or skipped: nobody in this scope counts
                 agg = r.skip_scope(scope)
             r.aggregates.update({a: agg for a in scope})
+
+    def _aggregate_mean(self, r, scope, key, denominator):
+        """simulation='aggregate': what the server decodes, drawn in distribution. Every
+        honest sender's noise share is N(0, s^2) per value, independent, so their sum is one
+        N(0, senders x s^2) draw, added once to the sum of the senders' clipped updates (the
+        streamed sum of `streaming.StreamingClippedSum`, or the stacked updates'); the quorum,
+        the drop-outs after upload, the senders' count and bytes, and the released noise
+        multiplier are those of 'sum'. Not simulated: the fixed-point rounding of each
+        sender's vector (at most the reported `secagg_quantization_error_bound` per value of
+        the mean) and the range check of the noise-free part, which a clipped update (|value|
+        <= C) always passes (`pipeline.check_secagg_range` leaves room for C plus 6 standard
+        deviations of a share). Clients that skip the client code are refused before the run
+        (`config.attack` needs 'sum' or 'protocol')."""
+        report = r.report
+        ids = np.concatenate([r.cohorts[a].client_ids for a in scope])
+        ok = np.concatenate([r.valid[a] for a in scope])
+        rogue = np.concatenate([r.info[a]["skips_client_code"] for a in scope]).astype(bool)
+        if (ok & rogue).any():
+            raise ValueError("config.secagg.simulation='aggregate' cannot simulate clients "
+                             "that skip their client code (config.attack): use 'sum'")
+        senders = int(ok.sum())
+        if senders < self.min_senders:
+            _skip(r, "secagg_skipped", f"{'+'.join(scope)}: {senders} sender(s), "
+                  f"config.secagg.min_senders={self.min_senders}")
+            return None
+        rng = np.random.default_rng([int(jax.random.randint(key, (), 0, 2 ** 31 - 1)),
+                                     r.round_index])
+        dropped = int(np.sum(rng.random(senders) < self.dropout_after_upload))
+        threshold = max(2, math.ceil(self.threshold_fraction * senders))
+        length = sum(int(np.prod(np.shape(t))) for t in
+                     jax.tree.leaves(r.cohorts[scope[0]].template)) + 1  # + the weight
+        report.setdefault("secagg_bytes", []).append(
+            (senders, sa_protocol.bytes_per_sender(length, senders, self.encoding)))
+        try:
+            sa_protocol.check_quorum(senders, senders, senders - dropped, threshold)
+        except sa_protocol.SecureAggregationError as e:
+            report.setdefault("secagg_failures", []).append(str(e))
+            r.reject(ids[ok], "secure aggregation failed")
+            return None
+        if r.streamed(scope):
+            total, weight = r.scope_sum(scope), float(senders)
+        else:
+            stacked, _, w = r.scope_arrays(scope)
+            weights = jnp.asarray(ok, jnp.float32) * (1.0 if self.dp else w)
+            total, weight = self._weighted_sum(stacked, weights), float(jnp.sum(weights))
+        std = 0.0
+        if self.dp:  # the senders' shares, each of variance (sigma C)^2 / expected
+            std = (self.noise_multiplier * self.clip_norm
+                   * math.sqrt(senders / max(denominator, 1.0)))
+            realized = self.noise_multiplier * math.sqrt(senders / max(denominator, 1.0))
+            report["dp_realized_noise_multiplier"] = min(
+                report.get("dp_realized_noise_multiplier", math.inf), realized)
+        report["secagg_senders"] = report.get("secagg_senders", 0) + senders
+        report["secagg_dropped_after_upload"] = (report.get("secagg_dropped_after_upload", 0)
+                                                 + dropped)
+        divisor = denominator if self.dp else max(weight, 1e-12)
+        error = senders * 2.0 ** -(self.encoding.fraction_bits + 1) / divisor
+        report["secagg_quantization_error_bound"] = max(
+            report.get("secagg_quantization_error_bound", 0.0), error)
+        return self._released(total, key, jnp.float32(std), jnp.float32(divisor))
 
     def _secure_mean(self, r, scope, stacked, ok, w, key, denominator):
         report = r.report

@@ -36,9 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pfedes.upload import privacy
+
 # What a streamed cohort's reduced carry holds.
 SUM, WEIGHT, TOP, HELD, HELD_AT, HELD_WEIGHT = (
     "sum", "weight", "top", "held", "held_at", "held_weight")
+COUNT = "count"  # a clipped sum's number of updates
 ROWS_PER_HOLD = 8  # rows for held uploads per upload the norm rule may reject
 
 
@@ -73,7 +76,7 @@ class StreamingMean:
                 HELD: zeros((self.rows,)), HELD_AT: jnp.full((self.rows,), -1, jnp.int32),
                 HELD_WEIGHT: jnp.zeros((self.rows,), jnp.float32)}
 
-    def add(self, carry: dict, upload, facts: dict, size, position, valid) -> dict:
+    def add(self, carry: dict, upload, facts: dict, size, position, valid, template) -> dict:
         """`carry` with one client's `upload` added to the sum, or held aside.
 
         Args:
@@ -83,7 +86,9 @@ class StreamingMean:
           size: its local training samples (its weight, and the norm rule's divisor).
           position: its position j in the round's bucket (held uploads are named by it).
           valid: False for a padded slot (nothing is added).
+          template: the upload template (not read: the mean is of the uploads themselves).
         """
+        del template
         weight = size.astype(jnp.float32)
         ok = valid if not self.reject_nonfinite else valid & facts["finite"]
         held = jnp.bool_(False)
@@ -107,6 +112,48 @@ class StreamingMean:
             carry[SUM], upload)
         out[WEIGHT] = carry[WEIGHT] + jnp.where(into_sum, weight, 0.0)
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingClippedSum:
+    """The reducer of `execution.runners.Finishing` under client-level DP: each client's update
+    (upload - template) clipped to L2 <= `clip_norm` and added to a sum, with the count of the
+    updates added. It is the client half of the upload chain when that half is the finite
+    check, the norm and the clip only (`UploadPipeline.streamed_clip_norm`); the DP aggregators
+    (`stages.DPNoisyMean`, `stages.SecureAggregation` with simulation 'aggregate') then add the
+    noise once to the sum, as they do to the sum of the stacked clipped updates.
+
+    Attributes:
+      clip_norm: C of `config.dp.clip_norm` (the `stages.Clip` stage's math: `privacy.
+        clip_scale` of the update's norm, the chain's 'norm' fact measured before the clip).
+      reject_nonfinite: whether non-finite updates are left out (the finite check rejects them).
+    """
+
+    clip_norm: float
+    reject_nonfinite: bool
+
+    def init(self, template) -> dict:
+        """The empty carry for uploads shaped like `template`."""
+        return {SUM: jax.tree.map(lambda t: jnp.zeros(jnp.shape(t), jnp.float32), template),
+                COUNT: jnp.zeros((), jnp.float32)}
+
+    def add(self, carry: dict, upload, facts: dict, size, position, valid, template) -> dict:
+        """`carry` with one client's clipped update added (arguments as `StreamingMean.add`;
+        `facts` must hold the chain's 'finite' and 'norm' of the update)."""
+        del size, position  # every clipped update counts once (uniform weights under DP)
+        ok = valid if not self.reject_nonfinite else valid & facts["finite"]
+        scale = privacy.clip_scale(facts["norm"], self.clip_norm)
+        total = jax.tree.map(  # `where`, not a zero factor: 0 x NaN is NaN
+            lambda s, u, t: s + jnp.where(
+                ok, (u.astype(jnp.float32) - t.astype(jnp.float32)) * scale, 0.0),
+            carry[SUM], upload, template)
+        return {SUM: total, COUNT: carry[COUNT] + ok.astype(jnp.float32)}
+
+
+@functools.cache
+def clipped_sum_reducer(clip_norm: float, reject_nonfinite: bool) -> StreamingClippedSum:
+    """One `StreamingClippedSum` per setting (the same object every round and bucket)."""
+    return StreamingClippedSum(clip_norm, reject_nonfinite)
 
 
 @functools.partial(jax.jit, static_argnums=2)

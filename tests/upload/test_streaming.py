@@ -36,8 +36,9 @@ def _stream(reducer, w, b, sizes, finite, valid):
         def body(carry, xs):
             wi, bi, size, norm, fin, slot, ok = xs
             return reducer.add(carry, {"w": wi, "b": bi}, {"finite": fin, "norm": norm}, size,
-                               slot, ok), None
-        start = reducer.init({"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)})
+                               slot, ok, template), None
+        template = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
+        start = reducer.init(template)
         slots = jnp.arange(len(sizes), dtype=jnp.int32)
         return jax.lax.scan(body, start, (w, b, sizes, norms, finite, slots, valid))[0]
 
