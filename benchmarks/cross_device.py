@@ -5,7 +5,7 @@ jitted `lax.scan` of the same math.
   python -m benchmarks.cross_device --participants=10,100,1000 --strategies=scan,loop,vmap
   pip install -e ".[bench]"   # adds the PyTorch per-client loop's column (--notorch: without)
   python -m benchmarks.cross_device --participants=1000 --strategies=scan --breakdown
-  python -m benchmarks.cross_device --strategies=scan --private   # + DP and secure aggregation
+  python -m benchmarks.cross_device --strategies=scan --private   # + DP (and secure aggregation)
   python -m benchmarks.cross_device --strategies=scan --private --protocol   # + the crypto run
   python -m benchmarks.cross_device --strategies=scan --pfl   # + pfl-research (see pfl_loop)
   python -m benchmarks.cross_device --strategies=scan --private --profile --notorch --rounds=5
@@ -45,8 +45,10 @@ _NORM_RULE = flags.DEFINE_bool("norm_rule", True, "The upload pipeline's norm-ou
                                 "default; --nonorm_rule times the engine doing the reference's "
                                 "math only (FedAvg without it; pfl-research has no such rule).")
 _PRIVATE = flags.DEFINE_bool("private", False, "Also time each strategy with client-level DP "
-                              "(clip 1, noise multiplier 1, uniform weights) and secure "
-                              "aggregation, and print its round time against the plain one.")
+                              "(clip 1, noise multiplier 1, uniform weights) with secure "
+                              "aggregation ('aggregate' and 'sum' simulations) and without "
+                              "(central DP), and print their round times against the plain "
+                              "one.")
 _PROTOCOL = flags.DEFINE_bool("protocol", False, "With --private: also time secure "
                                "aggregation running every party's cryptography "
                                "(config.secagg.simulation='protocol'; the default 'sum' computes "
@@ -65,9 +67,9 @@ _LR = 0.05
 
 def work_config(strategy: str, clients: int, participants: int, rounds: int,
                 private: bool = False, simulation: str = "sum"):
-    """The engine's config of the work (`private`: with client-level DP and secure
-    aggregation computed as `simulation` says, the pipeline's other stages as configured by
-    default)."""
+    """The engine's config of the work (`private`: with client-level DP, and secure
+    aggregation computed as `simulation` says ('' = none: central DP), the pipeline's other
+    stages as configured by default)."""
     from configs import quickstart
     c = quickstart.get_config()
     c.algorithm = "fedavg"
@@ -83,8 +85,9 @@ def work_config(strategy: str, clients: int, participants: int, rounds: int,
     if not _NORM_RULE.value:
         c.upload.norm_outlier_factor = 0.0
     if private:
-        c.dp.enabled, c.secagg.enabled, c.upload.weighting = True, True, "uniform"
-        c.secagg.simulation = simulation
+        c.dp.enabled, c.upload.weighting = True, "uniform"
+        c.secagg.enabled = bool(simulation)
+        c.secagg.simulation = simulation or "sum"
     return c
 
 
@@ -298,9 +301,16 @@ def main(argv):
             if pfl is not None:
                 print(f"  pfl-research / engine: {pfl / round_s:.2f}", flush=True)
             if _PRIVATE.value:
-                private_s, _ = engine_round_s(data, strategy, m, rounds, private=True)
-                print(f"  with client-level DP + secure aggregation: {private_s:.4f} s/round, "
-                      f"{private_s / round_s:.2f}x the plain round", flush=True)
+                for simulation in ("aggregate", "sum"):
+                    private_s, _ = engine_round_s(data, strategy, m, rounds, private=True,
+                                                  simulation=simulation)
+                    print(f"  with client-level DP + secure aggregation ('{simulation}'): "
+                          f"{private_s:.4f} s/round, {private_s / round_s:.2f}x the plain "
+                          "round", flush=True)
+                central_s, _ = engine_round_s(data, strategy, m, rounds, private=True,
+                                              simulation="")
+                print(f"  with client-level DP, no secure aggregation: {central_s:.4f} s/round, "
+                      f"{central_s / round_s:.2f}x the plain round", flush=True)
                 if _PROTOCOL.value:
                     full_s, _ = engine_round_s(data, strategy, m, rounds, private=True,
                                                simulation="protocol")

@@ -248,3 +248,72 @@ def test_secure_aggregation_dp_epsilon_composes_the_realized_noise_of_every_roun
             accountant.compose(dp_accounting.PoissonSampledDpEvent(
                 0.5, dp_accounting.GaussianDpEvent(sigma)))
     assert final["dp_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+
+
+# --- simulation='aggregate': the senders' summed noise drawn once ---------------------------
+
+
+def test_aggregate_without_noise_is_the_protocols_output_up_to_its_rounding():
+    """With sigma = 0 'aggregate' is the mean of the clipped updates, which the protocol
+    ('sum': the ring sum of fixed-point encodings) outputs up to the reported rounding bound;
+    both count the same senders and bytes."""
+    dp = privacy.ClientDPConfig(clip_norm=1.0, noise_multiplier=0.0)
+    rng = np.random.default_rng(3)
+    x = rng.normal(scale=0.5, size=(6, 40)).astype(np.float32)
+    cohort = lambda: upload_cohort({"w": jnp.asarray(x)}, {"w": jnp.zeros(40)}, [1] * 6,  # noqa: E731
+                                   valid=[1, 1, 1, 1, 0, 1])
+    out = {}
+    for simulation in ("sum", "aggregate"):
+        pipe = _secagg_pipeline(num_clients=12, expected=5, dp=dp, weighting="uniform",
+                                secagg_simulation=simulation)
+        groups, _, report = pipe.process(0, {"a": cohort()}, {"a": {}}, {"a": 12},
+                                         jax.random.key(1))
+        out[simulation] = (np.asarray(groups["a"][0]["w"][0], np.float64), report)
+    norms = np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True)
+    clipped = x * np.minimum(1.0, 1.0 / norms)
+    want = clipped[[0, 1, 2, 3, 5]].sum(0) / 5  # fixed denominator: 5 expected
+    bound = out["sum"][1]["secagg_quantization_error_bound"]
+    np.testing.assert_allclose(out["aggregate"][0], want, rtol=1e-5, atol=1e-7)
+    assert np.abs(out["sum"][0] - want).max() <= bound * (1 + 1e-6) + 1e-7
+    for key in ("secagg_senders", "upload_bytes_per_client",
+                "secagg_quantization_error_bound", "dp_realized_noise_multiplier"):
+        assert out["aggregate"][1][key] == out["sum"][1][key], key
+
+
+def test_aggregate_draws_the_senders_summed_noise_variance():
+    """senders x (sigma C)^2 / expected is the variance of the summed shares: the released
+    mean of zero updates has std sigma C sqrt(senders / expected) / expected per value (one
+    draw of 200,000 values, a chi-square interval), and the realized noise multiplier the
+    accountant composes is sigma sqrt(senders / expected)."""
+    dp = privacy.ClientDPConfig(clip_norm=2.0, noise_multiplier=1.5)
+    pipe = _secagg_pipeline(num_clients=40, expected=8, dp=dp, weighting="uniform",
+                            secagg_simulation="aggregate")
+    n = 200_000
+    cohort = upload_cohort({"w": jnp.zeros((6, n))}, {"w": jnp.zeros(n)}, [1] * 6)
+    groups, _, report = pipe.process(0, {"a": cohort}, {"a": {}}, {"a": 40}, jax.random.key(7))
+    values = np.asarray(groups["a"][0]["w"][0], np.float64)
+    want = 1.5 * 2.0 * math.sqrt(6 / 8) / 8
+    low, high = (math.sqrt(stats.chi2.ppf(q, n) / n) for q in (0.0005, 0.9995))
+    assert low * want <= values.std() <= high * want
+    assert abs(values.mean()) < 5 * want / math.sqrt(n)
+    assert report["dp_realized_noise_multiplier"] == pytest.approx(1.5 * math.sqrt(6 / 8))
+
+
+def test_aggregate_fails_on_the_same_quorum_and_refuses_attacks():
+    """Drop-outs after upload below the threshold: no sum, every sender rejected, nothing
+    released; and a run that pairs 'aggregate' with config.attack is refused before it
+    starts, naming both fields."""
+    from fedjax_pfedes.engine import validate
+    dp = privacy.ClientDPConfig(clip_norm=1.0, noise_multiplier=1.0)
+    pipe = _secagg_pipeline(dp=dp, weighting="uniform", secagg_simulation="aggregate",
+                            secagg_dropout_after_upload=0.95)
+    cohort = upload_cohort({"w": jnp.ones((4, 3))}, {"w": jnp.zeros(3)}, [1] * 4)
+    groups, _, report = pipe.process(0, {"a": cohort}, {"a": {}}, {"a": 10}, jax.random.key(0))
+    assert report["secagg_failures"] and report["rejected"] == 4
+    assert report.get("dp_round_noise_multiplier") is None
+    np.testing.assert_array_equal(groups["a"][1], np.zeros(4))
+    config = client_dp_config(2, 2)
+    config.secagg.enabled, config.secagg.simulation = True, "aggregate"
+    config.attack.clients, config.attack.kind = "0", "scale"
+    with pytest.raises(validate.ConfigError, match=r"simulation='aggregate'.*config\.attack"):
+        validate.validate_config(config)
