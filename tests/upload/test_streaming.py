@@ -75,6 +75,58 @@ def test_the_streamed_mean_is_the_mean_of_the_accepted_uploads(hold):
     assert float(total[0]) == want_total
 
 
+def test_the_clipped_sum_is_the_sum_of_the_clipped_updates_by_hand():
+    """Under client-level DP each update (upload - template) is clipped to C and summed, in
+    numpy: a non-finite update and a padded slot are left out, and the count says how many
+    entered."""
+    w, b, sizes = _uploads()
+    w[2] *= 50.0  # clipped hard
+    w[6, 0, 0] = np.inf
+    finite = np.isfinite(w).all((1, 2))
+    valid = np.ones(len(sizes), bool)
+    valid[8] = False
+    carry, norms = _stream(streaming.clipped_sum_reducer(1.5, True), w, b, sizes, finite, valid)
+    keep = valid & finite
+    scale = np.minimum(1.0, 1.5 / norms.astype(np.float64))[keep]
+    want_w = (w[keep].astype(np.float64) * scale[:, None, None]).sum(0)
+    want_b = (b[keep].astype(np.float64) * scale[:, None]).sum(0)
+    np.testing.assert_allclose(carry[streaming.SUM]["w"], want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(carry[streaming.SUM]["b"], want_b, rtol=1e-5, atol=1e-6)
+    assert float(carry[streaming.COUNT]) == keep.sum()
+
+
+@pytest.mark.slow  # two 3-round runs per setting
+@pytest.mark.parametrize("secagg", [False, True])
+def test_a_streamed_private_run_gives_the_loops_numbers(secagg, tmp_path, monkeypatch):
+    """Client-level DP (central, or with secure aggregation simulated as 'aggregate'): the
+    'scan' strategy sums the clipped updates in its carry and the aggregator adds the same
+    noise draw to that sum as to the stacked clipped updates of 'loop': the same accuracies,
+    losses, update norms, released noise multipliers and epsilon, up to float summation."""
+    from fedjax_pfedes.upload import stages
+    summed = []
+    scope_sum = stages.RoundUploads.scope_sum
+    monkeypatch.setattr(stages.RoundUploads, "scope_sum",
+                        lambda self, scope: summed.append(1) or scope_sum(self, scope))
+    runs = {}
+    for strategy in ("loop", "scan"):
+        config = fl_helpers.tiny_config(rounds=3)
+        config.execution.strategy = strategy
+        config.eval.every = 1
+        config.upload.weighting = "uniform"
+        config.dp.enabled, config.dp.noise_multiplier = True, 0.8
+        config.secagg.enabled, config.secagg.simulation = secagg, "aggregate"
+        run_experiment(config, str(tmp_path / strategy), show_progress=False)
+        runs[strategy] = _metrics(tmp_path / strategy)
+    for loop, scan in zip(runs["loop"], runs["scan"], strict=True):
+        for key, value in loop.items():
+            if key.endswith("_s") or not isinstance(value, float):
+                assert key.endswith("_s") or scan[key] == value, key
+                continue
+            assert scan[key] == pytest.approx(value, rel=2e-4, abs=2e-5), key
+    assert runs["scan"][-1]["dp_epsilon"] > 0
+    assert len(summed) == 3  # every round of 'scan' streamed, none of 'loop'
+
+
 def _in_order(w, b, sizes, order):
     return w[order], b[order], sizes[order]
 
