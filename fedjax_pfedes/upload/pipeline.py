@@ -404,6 +404,13 @@ class UploadPipeline:
             upload_bytes = report.pop("secagg_bytes")
         groups = {}
         for arch, c in cohorts.items():
+            if c.reduced is not None:
+                # Streamed (its server step is a weighted mean): one row, the aggregate, with
+                # the group's total weight, instead of a copy of it for every slot.
+                groups[arch] = (jax.tree.map(lambda t, d: (t + d).astype(t.dtype)[None],
+                                             c.template, r.aggregates[arch]),
+                                jnp.sum(r.weights[arch])[None])
+                continue
             if r.aggregates is None:  # the algorithm averages the decoded uploads itself
                 uploads = jax.tree.map(lambda t, d: (t[None] + d).astype(t.dtype), c.template,
                                        r.sent[arch])

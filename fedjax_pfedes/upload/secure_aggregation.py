@@ -309,7 +309,8 @@ def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEnc
       The decoded sum over the senders, the senders and the bytes each sent.
     """
     if simulation not in PROTOCOL_SIMULATIONS:
-        raise ValueError(f"secure_sum runs simulation {PROTOCOL_SIMULATIONS}, got "
+        raise ValueError(f"config.secagg.simulation must be one of {PROTOCOL_SIMULATIONS} "
+                         f"for secure_sum ('aggregate' is drawn by the stage), got "
                          f"'{simulation}'")
     ids = sorted(vectors)
     n = len(ids)
