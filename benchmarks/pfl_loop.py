@@ -18,6 +18,9 @@ Run as a module for the cross-device work in either configuration:
 
   python -m benchmarks.pfl_loop --participants=100                      # one process
   torchrun --nproc_per_node=2 -m benchmarks.pfl_loop --participants=100 # two processes
+  torchrun --nproc_per_node=2 -m benchmarks.pfl_loop --pfl_work=fedavg --rounds=8  # work A
+
+`benchmarks.compare_frameworks --work=fedavg` also runs it in one process, beside the engine.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ import numpy as np
 
 def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_classes: int,
                rounds: int, per_round: int, batch_size: int, epochs: int, lr: float,
-               seed: int = 0, hidden: int = 64) -> dict:
-    """FedAvg of the cross-device work (MLP 784-`hidden`-`num_classes`) over `clients`
-    ([(x uint8 [n, 28, 28, 1], y [n])]) in pfl-research. Returns per-round wall times (the
-    central iterations') and the client-steps run.
+               seed: int = 0, hidden: int = 64, make_model=None) -> dict:
+    """FedAvg over `clients` ([(x uint8 [n, H, W, C], y [n])]) in pfl-research: of the
+    cross-device work (MLP 784-`hidden`-`num_classes` on flattened inputs) by default, or of
+    `make_model(in_ch, spatial, num_classes)` on NCHW inputs (`torch_loop.fedavg_model`: work
+    A's `convnet3`). Returns per-round wall times (the central iterations'), the client-steps
+    run and the set-up time before the first iteration.
 
     Raises:
       ImportError naming the `bench` extra when pfl or PyTorch is not installed.
@@ -55,17 +60,25 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
                           "&& pip install --no-deps pfl==0.6.0 prv-accountant==0.2.0 "
                           "multiprocess") from None
 
+    start = time.perf_counter()
     torch.manual_seed(seed)
     np.random.seed(seed)
     users = {}
     for u, (x, y) in enumerate(clients):
+        if make_model is not None:
+            from benchmarks import torch_loop
+            users[u] = torch_loop._to_tensors(x, y, mean, std)  # noqa: SLF001 - same inputs
+            continue
         xf = (x.astype(np.float32) / 255.0 - np.float32(mean[0])) / np.float32(std[0])
         users[u] = (torch.from_numpy(xf.reshape(len(xf), -1)),
                     torch.from_numpy(y.astype(np.int64)))
     dataset = FederatedDataset.from_slices(users, get_user_sampler("random", list(users)))
 
-    model = torch.nn.Sequential(torch.nn.Linear(users[0][0].shape[1], hidden),
-                                torch.nn.ReLU(), torch.nn.Linear(hidden, num_classes))
+    if make_model is None:
+        model = torch.nn.Sequential(torch.nn.Linear(users[0][0].shape[1], hidden),
+                                    torch.nn.ReLU(), torch.nn.Linear(hidden, num_classes))
+    else:
+        model = make_model(users[0][0].shape[1], users[0][0].shape[2], num_classes)
 
     def loss(self, inputs, targets, eval=False):  # noqa: A002 - pfl's keyword
         self.eval() if eval else self.train()
@@ -87,10 +100,12 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
     backend = SimulatedBackend(training_data=dataset, val_data=None,
                                postprocessors=[WeightByDatapoints()])
     times: list[float] = []
+    setup: list[float] = []
 
     class Stopwatch(TrainingProcessCallback):
         def on_train_begin(self, *, model):
             self.t = time.perf_counter()
+            setup.append(self.t - start)
             return super().on_train_begin(model=model)
 
         def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
@@ -111,12 +126,32 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
             model_eval_params=NNEvalHyperParams(local_batch_size=256),
             callbacks=[Stopwatch()])
     steps = rounds * per_round * epochs * int(np.ceil(len(clients[0][1]) / batch_size))
-    return {"round_s": times, "client_steps": steps}
+    return {"round_s": times, "client_steps": steps, "setup_s": setup[0]}
+
+
+def work_a(rounds: int, threads: int | None = None) -> dict:
+    """pfl-research on `benchmarks.compare_frameworks`' FedAvg work (work A: `convnet3`,
+    MNIST-5k IID, 20 clients, 10 per round, 5 steps of 32, lr 0.05), with `threads` PyTorch
+    intra-op threads (None: PyTorch's default)."""
+    import torch
+
+    from benchmarks import torch_loop, works
+    from fedjax_pfedes.engine.build import build_federated_data
+    config = works.fedavg_config(rounds)
+    data = build_federated_data(config)
+    c, t = data.central, config.train
+    if threads:
+        torch.set_num_threads(threads)
+    clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
+    return run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes, t.rounds,
+                      round(t.client_fraction * len(clients)), t.batch_size, t.local_epochs,
+                      t.lr_local, make_model=torch_loop.fedavg_model)
 
 
 def main(argv) -> None:
-    """Prints pfl-research's median s/round (rounds 3..) on `benchmarks.cross_device`'s work
-    (rank 0 only under torchrun)."""
+    """Prints pfl-research's median s/round (rounds 3..) on `benchmarks.cross_device`'s work,
+    or with --pfl_work=fedavg on `benchmarks.compare_frameworks`' FedAvg work (rank 0 only
+    under torchrun)."""
     del argv
     import os
 
@@ -124,21 +159,31 @@ def main(argv) -> None:
     from absl import flags
 
     from benchmarks import cross_device
-    participants, rounds = int(flags.FLAGS.participants[0]), max(flags.FLAGS.rounds, 4)
-    data = cross_device.synthetic(max(1000, 10 * participants))
-    c = data.central
-    torch.set_num_threads(1)
-    clients = cross_device._client_arrays(data)  # noqa: SLF001 - the work's own clients
-    result = run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes, rounds,
-                        participants, 32, 1, cross_device._LR)  # noqa: SLF001 - the work's rate
+    rounds = max(flags.FLAGS.rounds, 4)
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    if flags.FLAGS.pfl_work == "fedavg":
+        # One intra-op thread per process when several share the cores, PyTorch's default alone.
+        result = work_a(rounds, 1 if processes > 1 else None)
+        label = "work A (convnet3, 10 participants x 5 steps)"
+    else:
+        participants = int(flags.FLAGS.participants[0])
+        data = cross_device.synthetic(max(1000, 10 * participants))
+        c = data.central
+        torch.set_num_threads(1)
+        clients = cross_device._client_arrays(data)  # noqa: SLF001 - the work's own clients
+        result = run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes,
+                            rounds, participants, 32, 1, cross_device._LR)  # noqa: SLF001
+        label = f"{participants} participants"
     if int(os.environ.get("RANK", 0)) == 0:
-        processes = int(os.environ.get("WORLD_SIZE", 1))
-        print(f"pfl-research, {processes} process(es), {participants} participants: "
+        print(f"pfl-research, {processes} process(es), {label}: "
               f"{float(np.median(result['round_s'][2:])):.4f} s/round", flush=True)
 
 
 if __name__ == "__main__":
-    from absl import app
+    from absl import app, flags
 
     from benchmarks import cross_device  # noqa: F401 - defines --participants and --rounds
+    flags.DEFINE_enum("pfl_work", "cross_device", ["cross_device", "fedavg"],
+                      "cross_device: benchmarks.cross_device's work B; fedavg: "
+                      "benchmarks.compare_frameworks' FedAvg work A.")
     app.run(main)
