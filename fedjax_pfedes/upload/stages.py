@@ -624,21 +624,32 @@ class SecureAggregation(UploadStage):
             stacked, _, w = r.scope_arrays(scope)
             weights = jnp.asarray(ok, jnp.float32) * (1.0 if self.dp else w)
             total, weight = self._weighted_sum(stacked, weights), float(jnp.sum(weights))
-        std = 0.0
-        if self.dp:  # the senders' shares, each of variance (sigma C)^2 / expected
-            std = (self.noise_multiplier * self.clip_norm
-                   * math.sqrt(senders / max(denominator, 1.0)))
-            realized = self.noise_multiplier * math.sqrt(senders / max(denominator, 1.0))
+        # The senders' shares, each of variance (sigma C)^2 / expected, summed.
+        std = (self.noise_multiplier * self.clip_norm * math.sqrt(senders / max(denominator, 1.0))
+               if self.dp else 0.0)
+        divisor = denominator if self.dp else max(weight, 1e-12)
+        self._report_sum(report, senders, senders, dropped, denominator, divisor)
+        return self._released(total, key, jnp.float32(std), jnp.float32(divisor))
+
+    def _report_sum(self, report: dict, senders: int, honest: int, dropped: int,
+                    denominator: float, divisor: float) -> None:
+        """What a finished sum adds to the round's report: the noise multiplier it released
+        (with DP), its senders and drop-outs, and its rounding bound."""
+        if self.dp:
+            # Released (a failed unmasking releases nothing): every honest sender's noise is in
+            # the sum, also of those lost before unmasking: total variance senders x std^2 =
+            # (sigma C)^2 x senders / expected. A client that runs its own code adds none.
+            realized = self.noise_multiplier * math.sqrt(honest / max(denominator, 1.0))
             report["dp_realized_noise_multiplier"] = min(
                 report.get("dp_realized_noise_multiplier", math.inf), realized)
         report["secagg_senders"] = report.get("secagg_senders", 0) + senders
         report["secagg_dropped_after_upload"] = (report.get("secagg_dropped_after_upload", 0)
                                                  + dropped)
-        divisor = denominator if self.dp else max(weight, 1e-12)
+        # Each sender's values are rounded to the nearest multiple of 2^-fraction_bits: the
+        # decoded mean is off by at most senders x 2^-(fraction_bits + 1) / divisor per value.
         error = senders * 2.0 ** -(self.encoding.fraction_bits + 1) / divisor
         report["secagg_quantization_error_bound"] = max(
             report.get("secagg_quantization_error_bound", 0.0), error)
-        return self._released(total, key, jnp.float32(std), jnp.float32(divisor))
 
     def _secure_mean(self, r, scope, stacked, ok, w, key, denominator):
         report = r.report
@@ -703,24 +714,10 @@ class SecureAggregation(UploadStage):
             report.setdefault("secagg_failures", []).append(str(e))
             r.reject(np.array(sorted(vectors)), "secure aggregation failed")
             return None  # the round's update is lost; the server keeps its state
-        if self.dp:
-            # Released (a failed unmasking releases nothing): every honest sender's noise is in
-            # the sum, also of those lost before unmasking: total variance senders x std^2 =
-            # (sigma C)^2 x senders / expected. A client that runs its own code adds none.
-            honest = senders - len(unchecked)
-            realized = self.noise_multiplier * math.sqrt(honest / max(denominator, 1.0))
-            report["dp_realized_noise_multiplier"] = min(
-                report.get("dp_realized_noise_multiplier", math.inf), realized)
-        report["secagg_senders"] = report.get("secagg_senders", 0) + len(result.senders)
-        report["secagg_dropped_after_upload"] = (report.get("secagg_dropped_after_upload", 0)
-                                                 + len(drop))
         total, weight = result.total[:-1], result.total[-1]
         divisor = denominator if self.dp else max(weight, 1e-12)
-        # Each sender's values are rounded to the nearest multiple of 2^-fraction_bits: the
-        # decoded mean is off by at most senders x 2^-(fraction_bits + 1) / divisor per value.
-        error = len(result.senders) * 2.0 ** -(self.encoding.fraction_bits + 1) / divisor
-        report["secagg_quantization_error_bound"] = max(
-            report.get("secagg_quantization_error_bound", 0.0), error)
+        self._report_sum(report, len(result.senders), senders - len(unchecked), len(drop),
+                         denominator, divisor)
         mean = total / divisor
         zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), stacked)
         leaves, treedef = jax.tree.flatten(zero)
