@@ -25,6 +25,12 @@ stages decide after the scan exactly as on stacked uploads:
 
 The result equals the weighted mean of the accepted stacked uploads up to the order of the
 float32 additions (tested against it in tests/upload/test_streaming.py).
+
+Under client-level DP whose client half only checks, measures and clips (no compression), the
+scan sums the clipped updates instead (`StreamingClippedSum`): the DP aggregators add their
+noise once to that sum, as they do to the sum of the stacked clipped updates (central
+DP-FedAvg, and secure aggregation simulated as 'aggregate'); nothing is held aside, since the
+norm rule is off under DP.
 """
 
 from __future__ import annotations
