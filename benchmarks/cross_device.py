@@ -49,6 +49,8 @@ _PRIVATE = flags.DEFINE_bool("private", False, "Also time each strategy with cli
                               "aggregation ('aggregate' and 'sum' simulations) and without "
                               "(central DP), and print their round times against the plain "
                               "one.")
+_SIMULATIONS = flags.DEFINE_list("secagg_simulations", ["aggregate", "sum"], "With --private: "
+                                  "the config.secagg.simulation values to time.")
 _PROTOCOL = flags.DEFINE_bool("protocol", False, "With --private: also time secure "
                                "aggregation running every party's cryptography "
                                "(config.secagg.simulation='protocol'; the default 'sum' computes "
@@ -301,7 +303,7 @@ def main(argv):
             if pfl is not None:
                 print(f"  pfl-research / engine: {pfl / round_s:.2f}", flush=True)
             if _PRIVATE.value:
-                for simulation in ("aggregate", "sum"):
+                for simulation in _SIMULATIONS.value:
                     private_s, _ = engine_round_s(data, strategy, m, rounds, private=True,
                                                   simulation=simulation)
                     print(f"  with client-level DP + secure aggregation ('{simulation}'): "
