@@ -10,11 +10,16 @@ jitted `lax.scan` of the same math.
   python -m benchmarks.cross_device --strategies=scan --pfl   # + pfl-research (see pfl_loop)
   python -m benchmarks.cross_device --strategies=scan --private --profile --notorch --rounds=5
   python -m benchmarks.cross_device --strategies=scan --notorch --nonorm_rule   # same math only
+  python -m benchmarks.cross_device --participants=10,100,1000,10000 --model=convnet3 \
+      --local_steps=5 --algorithm=pfedes --strategies=scan --private   # the other axes
 
 Work (the speed issue's "work B"): FedAvg, `mlp_small` (784-64 ReLU, then the 10-way classifier),
 synthetic MNIST-shaped uint8 data IID over N = max(1,000, 10 x participants) clients with 20
 train samples each (a fifth more for the local test split), `--participants` per round, one
 local epoch of batch 32 (= 1 local step), lr 0.05, no momentum, no evaluation or monitoring.
+`--model`, `--local_steps` and `--algorithm` change those axes (the plain-scan reference and the
+peers only where they do the same math: the reference for FedAvg of the MLP, the PyTorch
+loop and pfl-research for FedAvg of the MLP or `convnet3`).
 
 The reference shares no code with the engine: parameters as a dict of arrays, the same
 normalization, one SGD step per client on its masked batch, and the sample-weighted sum of the
@@ -63,6 +68,13 @@ _TORCH = flags.DEFINE_bool("torch", True, "Also time a PyTorch per-client loop o
                            "without it).")
 _PFL = flags.DEFINE_bool("pfl", False, "Also time pfl-research (Apple's `pfl`, PyTorch "
                          "backend, one process; benchmarks.pfl_loop says how to install it).")
+_MODEL = flags.DEFINE_string("model", "mlp_small", "The clients' architecture: mlp_small (work "
+                             "B) or convnet3 (or any image backbone of the engine).")
+_LOCAL_STEPS = flags.DEFINE_integer("local_steps", 1, "Local steps per participant (local "
+                                    "epochs: a client's 20 samples are one batch).")
+_ALGORITHM = flags.DEFINE_enum("algorithm", "fedavg", ["fedavg", "pfedes"], "The method: "
+                               "fedavg (work B) or pfedes (E_proxy the default small CNN, the "
+                               "clients' models of --model).")
 _SAMPLES = 25  # rows per client: 20 train, 5 local test
 _LR = 0.05
 
@@ -74,12 +86,13 @@ def work_config(strategy: str, clients: int, participants: int, rounds: int,
     stages as configured by default)."""
     from configs import quickstart
     c = quickstart.get_config()
-    c.algorithm = "fedavg"
+    c.algorithm = _ALGORITHM.value
     c.data.name, c.data.num_clients, c.data.partition = "npz", clients, "iid"
     c.data.min_samples_per_client = 1
-    c.clients.architectures = "mlp_small"
+    c.clients.architectures = _MODEL.value
     c.train.client_fraction = participants / clients
-    c.train.local_epochs, c.train.local_momentum, c.train.lr_local = 1, 0.0, _LR
+    c.train.local_epochs, c.train.local_momentum, c.train.lr_local = (_LOCAL_STEPS.value, 0.0,
+                                                                      _LR)
     c.train.rounds, c.eval.every, c.checkpoint.every = rounds, rounds, 0
     c.monitor.aggregation_loss = False
     c.execution.strategy = strategy
@@ -207,13 +220,19 @@ def reference_round_s(data, participants: int, rounds: int) -> float:
         ce = -jnp.take_along_axis(logp, yb[:, None], axis=1)[:, 0]
         return jnp.sum(ce * mb) / jnp.maximum(jnp.sum(mb), 1.0)
 
+    steps = _LOCAL_STEPS.value
+
     @jax.jit
     def one_round(p, clients):
         def client(carry, k):
             total, weight = carry
-            g = jax.grad(loss)(p, x[k], y[k], mask[k])
+            local = p
+            for _ in range(steps):  # the client's whole data is one batch
+                g = jax.grad(loss)(local, x[k], y[k], mask[k])
+                local = jax.tree.map(lambda a, gi: a - _LR * gi, local, g)
             n = jnp.sum(mask[k])
-            return (jax.tree.map(lambda s, gi: s - n * _LR * gi, total, g), weight + n), None
+            return (jax.tree.map(lambda s, a, b: s + n * (a - b), total, local, p),
+                    weight + n), None
         zero = jax.tree.map(jnp.zeros_like, p)
         (total, weight), _ = jax.lax.scan(client, (zero, 0.0), clients)
         return jax.tree.map(lambda a, d: a + d / weight, p, total)
@@ -244,7 +263,7 @@ def _peer_round_s(run, data, participants: int, rounds: int, **kw) -> float:
     torch.set_num_threads(1)
     try:
         result = run(_client_arrays(data), c.input_spec.mean, c.input_spec.std, c.num_classes,
-                     rounds, participants, 32, 1, _LR, **kw)
+                     rounds, participants, 32, _LOCAL_STEPS.value, _LR, **kw)
     finally:
         torch.set_num_threads(threads)
     return float(np.median(result["round_s"][2:]))
@@ -258,8 +277,11 @@ def torch_round_s(data, participants: int, rounds: int) -> float | None:
         from benchmarks import torch_loop
     except ImportError:
         return None
+    models = {"mlp_small": torch_loop.mlp_model, "convnet3": torch_loop.fedavg_model}
+    if _ALGORITHM.value != "fedavg" or _MODEL.value not in models:
+        return None
     return _peer_round_s(torch_loop.run_fedavg, data, participants, rounds,
-                         make_model=torch_loop.mlp_model)
+                         make_model=models[_MODEL.value])
 
 
 def pfl_round_s(data, participants: int, rounds: int) -> float | None:
@@ -269,26 +291,40 @@ def pfl_round_s(data, participants: int, rounds: int) -> float | None:
         import torch  # noqa: F401 - pfl's backend
     except ImportError:
         return None
-    from benchmarks import pfl_loop
+    from benchmarks import pfl_loop, torch_loop
+    if _ALGORITHM.value != "fedavg" or _MODEL.value not in ("mlp_small", "convnet3"):
+        return None
+    kw = {} if _MODEL.value == "mlp_small" else {"make_model": torch_loop.fedavg_model}
     try:
-        return _peer_round_s(pfl_loop.run_fedavg, data, participants, rounds)
+        return _peer_round_s(pfl_loop.run_fedavg, data, participants, rounds, **kw)
     except ImportError:
         return None
+
+
+def device_memory() -> str:
+    """The accelerator's peak bytes in use so far (`memory_stats`), or '—' where the backend
+    keeps none (the CPU: the process's peak RSS is printed at the end instead)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return "—" if peak is None else f"{peak / 2**30:.2f} GiB"
 
 
 def main(argv):
     del argv
     rounds = max(_ROUNDS.value, 4)
+    # The plain scan is written for work B's math only: FedAvg of the MLP.
+    plain_math = _ALGORITHM.value == "fedavg" and _MODEL.value == "mlp_small"
     print(f"JAX {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPU cores, "
-          f"{rounds} rounds per measurement"
+          f"{rounds} rounds per measurement, {_ALGORITHM.value} of {_MODEL.value}, "
+          f"{_LOCAL_STEPS.value} local step(s)"
           + ("" if _NORM_RULE.value else ", the engine without the norm-outlier rule"))
     print("| participants | clients | engine | s/round | client-steps/s | reference s/round | "
-          "engine / reference | PyTorch loop s/round | PyTorch / engine |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "engine / reference | PyTorch loop s/round | PyTorch / engine | peak device memory |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in map(int, _PARTICIPANTS.value):
         n = max(1000, 10 * m)
         data = synthetic(n)
-        reference = reference_round_s(data, m, rounds)
+        reference = reference_round_s(data, m, rounds) if plain_math else None
         peer = torch_round_s(data, m, rounds) if _TORCH.value else None
         pfl = pfl_round_s(data, m, rounds) if _PFL.value else None
         if _PFL.value:
@@ -298,8 +334,10 @@ def main(argv):
         for strategy in _STRATEGIES.value:
             round_s, steps = engine_round_s(data, strategy, m, rounds)
             versus = ("— | —" if peer is None else f"{peer:.4f} | {peer / round_s:.2f}")
+            plain = ("— | —" if reference is None
+                     else f"{reference:.4f} | {round_s / reference:.2f}")
             print(f"| {m:,} | {n:,} | {strategy} | {round_s:.4f} | {m * steps / round_s:,.0f} | "
-                  f"{reference:.4f} | {round_s / reference:.2f} | {versus} |", flush=True)
+                  f"{plain} | {versus} | {device_memory()} |", flush=True)
             if pfl is not None:
                 print(f"  pfl-research / engine: {pfl / round_s:.2f}", flush=True)
             if _PRIVATE.value:
