@@ -89,13 +89,17 @@ class RoundUploads:
         return stacked, ok, w
 
     def streamed(self, scope: list[str]) -> bool:
-        """Whether the scope's cohorts were summed as they trained (`upload.streaming`): their
-        clipped updates' sum instead of stacked updates (`scope_sum`)."""
-        return all(self.cohorts[a].reduced is not None for a in scope)
+        """Whether any of the scope's cohorts was summed as it trained (`upload.streaming`):
+        its clipped updates' sum instead of stacked updates (`scope_sum`). Under
+        `execution.strategy='auto'` one cohort may stream and another stack."""
+        return any(self.cohorts[a].reduced is not None for a in scope)
 
     def scope_sum(self, scope: list[str]) -> Any:
-        """The sum of the scope's streamed clipped updates (`StreamingClippedSum`), float32."""
-        sums = [self.cohorts[a].reduced["sum"] for a in scope]
+        """The sum of the scope's valid clipped updates, float32: a streamed cohort's sum
+        (`StreamingClippedSum`) as it is, a stacked cohort's valid rows added up."""
+        sums = [self.cohorts[a].reduced["sum"] if self.cohorts[a].reduced is not None
+                else _valid_rows_sum(self.sent[a], jnp.asarray(self.valid[a], jnp.float32))
+                for a in scope]
         return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *sums)
 
     def skip_scope(self, scope: list[str]) -> Any:
@@ -104,6 +108,12 @@ class RoundUploads:
             self.weights[a] = jnp.zeros_like(self.weights[a])
         return jax.tree.map(lambda t: jnp.zeros(jnp.shape(t), jnp.float32),
                             self.cohorts[scope[0]].template)
+
+
+@jax.jit
+def _valid_rows_sum(stacked, valid):
+    """The sum of the rows of `stacked` where `valid` is 1 (one program per shape)."""
+    return jax.tree.map(lambda a: jnp.tensordot(valid, a, axes=1), stacked)
 
 
 class UploadStage:
@@ -618,7 +628,7 @@ class SecureAggregation(UploadStage):
             report.setdefault("secagg_failures", []).append(str(e))
             r.reject(ids[ok], "secure aggregation failed")
             return None
-        if r.streamed(scope):
+        if r.streamed(scope):  # DP only: uniform weights, clipped updates
             total, weight = r.scope_sum(scope), float(senders)
         else:
             stacked, _, w = r.scope_arrays(scope)

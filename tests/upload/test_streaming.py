@@ -95,6 +95,53 @@ def test_the_clipped_sum_is_the_sum_of_the_clipped_updates_by_hand():
     assert float(carry[streaming.COUNT]) == keep.sum()
 
 
+@pytest.mark.parametrize("secagg", [False, True])
+def test_a_scope_with_one_streamed_and_one_stacked_cohort_releases_the_same_mean(secagg):
+    """Under `execution.strategy='auto'` one cohort of a shared scope may stream its clipped
+    sum while another stacks its uploads: the released mean is the one the all-stacked round
+    releases (same noise draw), the streamed cohort's group one row of it."""
+    import fl_helpers
+
+    from fedjax_pfedes.upload import privacy
+    from fedjax_pfedes.upload.pipeline import CohortUploads
+    dp = privacy.ClientDPConfig(clip_norm=1.0, noise_multiplier=0.7)
+    kw = dict(secagg=True, secagg_simulation="aggregate") if secagg else {}
+    rng = np.random.default_rng(5)
+    template = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}
+    ups = {a: {"w": jnp.asarray(rng.normal(size=(5, 4, 3)), jnp.float32) + template["w"]}
+           for a in ("a", "b")}
+
+    def stacked(a):
+        return fl_helpers.upload_cohort(ups[a], template, [1.0] * 5, valid=[1, 1, 1, 0, 1],
+                                        ids=np.arange(5) + (5 if a == "b" else 0))
+
+    def streamed(a):
+        c = stacked(a)
+        delta = np.asarray(ups[a]["w"], np.float64) - np.asarray(template["w"], np.float64)
+        norms = np.linalg.norm(delta.reshape(5, -1), axis=1)
+        clipped = delta * np.minimum(1.0, 1.0 / norms)[:, None, None]
+        total = clipped[np.asarray(c.valid, bool)].sum(0)
+        return CohortUploads(None, template, c.sizes, c.valid, c.client_ids, c.slots,
+                             facts={"finite": np.ones(5, bool), "norm": norms.astype(np.float32)},
+                             reduced={streaming.SUM: {"w": jnp.asarray(total, jnp.float32)},
+                                      streaming.COUNT: jnp.float32(4)})
+
+    out = []
+    for cohorts in ({"a": stacked("a"), "b": stacked("b")},
+                    {"a": streamed("a"), "b": stacked("b")}):
+        pipe = fl_helpers.upload_pipeline(dp=dp, weighting="uniform", **kw)
+        groups, _, report = pipe.process(0, cohorts, {"a": {}, "b": {}}, {"a": 5, "b": 5},
+                                         jax.random.key(3))
+        out.append((groups, report))
+    (all_stacked, r0), (mixed, r1) = out
+    assert mixed["a"][0]["w"].shape == (1, 4, 3) and float(mixed["a"][1][0]) == 4.0
+    np.testing.assert_allclose(mixed["a"][0]["w"][0], all_stacked["a"][0]["w"][0], rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(mixed["b"][0]["w"], all_stacked["b"][0]["w"], rtol=1e-5,
+                               atol=1e-6)
+    assert r0.get("dp_round_noise_multiplier") == r1.get("dp_round_noise_multiplier")
+
+
 @pytest.mark.slow  # two 3-round runs per setting
 @pytest.mark.parametrize("secagg", [False, True])
 def test_a_streamed_private_run_gives_the_loops_numbers(secagg, tmp_path, monkeypatch):
