@@ -289,13 +289,19 @@ def test_a_streamed_scan_run_gives_the_loops_numbers(name, factor, tmp_path, mon
 
 def _last_round_counts(name: str, events: list) -> dict[int, int]:
     """{clients: entries appended to `events` during the third 'scan' round of `name`} for 8
-    and 32 clients (4 and 16 participants)."""
+    and 32 clients (4 and 16 participants); `name` '<method>+private' adds client-level DP
+    with secure aggregation simulated as 'aggregate'."""
     from fedjax_pfedes.engine import rounds
     from fedjax_pfedes.engine.build import build_context, build_federated_data
+    name, _, private = name.partition("+")
     counts = {}
     for clients in (8, 32):
         config = fl_helpers.tiny_config(rounds=3, num_clients=clients)
         config.algorithm = name
+        if private:
+            config.upload.weighting = "uniform"
+            config.dp.enabled = config.secagg.enabled = True
+            config.secagg.simulation = "aggregate"
         config.execution.strategy = "scan"
         ctx, state = build_context(config, build_federated_data(config))
         for r in range(3):
@@ -306,7 +312,7 @@ def _last_round_counts(name: str, events: list) -> dict[int, int]:
     return counts
 
 
-@pytest.mark.parametrize("name", ["fedavg", "pfedes"])
+@pytest.mark.parametrize("name", ["fedavg", "pfedes", "pfedes+private"])
 def test_a_rounds_host_reads_do_not_grow_with_its_participants(name, monkeypatch):
     """The structure of a round, not its time: with the 'scan' strategy the values the host
     reads from the device in one round (every `device_get`, `np.asarray` or `float` of a
@@ -322,7 +328,7 @@ def test_a_rounds_host_reads_do_not_grow_with_its_participants(name, monkeypatch
     assert counts[8] == counts[32], counts
 
 
-@pytest.mark.parametrize("name", ["fedavg", "pfedes"])
+@pytest.mark.parametrize("name", ["fedavg", "pfedes", "pfedes+private"])
 def test_a_rounds_dispatched_programs_do_not_grow_with_its_participants(name, monkeypatch):
     """The structure of a round: with the 'scan' strategy the compiled programs a round
     dispatches (jitted calls and eager operations alike; each runs through
