@@ -66,6 +66,9 @@ _PROFILE = flags.DEFINE_bool("profile", False, "Also print a cProfile of the eng
 _TORCH = flags.DEFINE_bool("torch", True, "Also time a PyTorch per-client loop of the same "
                            "work (benchmarks.torch_loop; needs the `bench` extra, skipped "
                            "without it).")
+_TORCH_DEVICE = flags.DEFINE_enum("torch_device", "auto", ["auto", "cpu", "cuda"], "Device of "
+                                  "the PyTorch loop: auto = cuda when JAX runs on a GPU and "
+                                  "PyTorch sees one, else cpu.")
 _PFL = flags.DEFINE_bool("pfl", False, "Also time pfl-research (Apple's `pfl`, PyTorch "
                          "backend, one process; benchmarks.pfl_loop says how to install it).")
 _MODEL = flags.DEFINE_string("model", "mlp_small", "The clients' architecture: mlp_small (work "
@@ -280,8 +283,12 @@ def torch_round_s(data, participants: int, rounds: int) -> float | None:
     models = {"mlp_small": torch_loop.mlp_model, "convnet3": torch_loop.fedavg_model}
     if _ALGORITHM.value != "fedavg" or _MODEL.value not in models:
         return None
+    import torch
+    device = _TORCH_DEVICE.value
+    if device == "auto":
+        device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
     return _peer_round_s(torch_loop.run_fedavg, data, participants, rounds,
-                         make_model=models[_MODEL.value])
+                         make_model=models[_MODEL.value], device=device)
 
 
 def pfl_round_s(data, participants: int, rounds: int) -> float | None:
