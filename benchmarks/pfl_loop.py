@@ -63,10 +63,10 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
     start = time.perf_counter()
     torch.manual_seed(seed)
     np.random.seed(seed)
+    from benchmarks import torch_loop
     users = {}
     for u, (x, y) in enumerate(clients):
         if make_model is not None:
-            from benchmarks import torch_loop
             users[u] = torch_loop._to_tensors(x, y, mean, std)  # noqa: SLF001 - same inputs
             continue
         xf = (x.astype(np.float32) / 255.0 - np.float32(mean[0])) / np.float32(std[0])

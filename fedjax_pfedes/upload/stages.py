@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from fedjax_pfedes.tree_util import tree_size
 from fedjax_pfedes.upload import compression, privacy, robust, validation
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 
@@ -97,10 +98,10 @@ class RoundUploads:
     def scope_sum(self, scope: list[str]) -> Any:
         """The sum of the scope's valid clipped updates, float32: a streamed cohort's sum
         (`StreamingClippedSum`) as it is, a stacked cohort's valid rows added up."""
-        sums = [self.cohorts[a].reduced["sum"] if self.cohorts[a].reduced is not None
-                else _valid_rows_sum(self.sent[a], jnp.asarray(self.valid[a], jnp.float32))
-                for a in scope]
-        return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *sums)
+        return _sum_trees([
+            self.cohorts[a].reduced["sum"] if self.cohorts[a].reduced is not None
+            else _weighted_row_sum(self.sent[a], jnp.asarray(self.valid[a], jnp.float32))
+            for a in scope])
 
     def skip_scope(self, scope: list[str]) -> Any:
         """No server update from `scope` this round: zero weights, a zero aggregate."""
@@ -111,9 +112,15 @@ class RoundUploads:
 
 
 @jax.jit
-def _valid_rows_sum(stacked, valid):
-    """The sum of the rows of `stacked` where `valid` is 1 (one program per shape)."""
-    return jax.tree.map(lambda a: jnp.tensordot(valid, a, axes=1), stacked)
+def _weighted_row_sum(stacked, weights):
+    """sum_i weights[i] x row i of every leaf of `stacked` (one program per shape)."""
+    return jax.tree.map(lambda a: jnp.tensordot(weights, a, axes=1), stacked)
+
+
+@jax.jit
+def _sum_trees(trees: list):
+    """The leaf-wise sum of equally shaped trees, in one program."""
+    return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *trees)
 
 
 class UploadStage:
@@ -509,9 +516,8 @@ class DPNoisyMean(UploadStage):
         return jax.tree.map(lambda t, z: (t + z) / denominator, total, noise)
 
     def _mean(self, stacked, valid, key, denominator):
-        total = jax.tree.map(
-            lambda a: jnp.tensordot(valid.astype(jnp.float32), a, axes=1), stacked)
-        return self._released(total, key, denominator)
+        return self._released(_weighted_row_sum(stacked, valid.astype(jnp.float32)), key,
+                              denominator)
 
     def server(self, r: RoundUploads) -> None:
         r.aggregates = {}
@@ -571,8 +577,6 @@ class SecureAggregation(UploadStage):
                    cfg.secagg_simulation)
 
     def __post_init__(self):
-        self._weighted_sum = jax.jit(lambda stacked, w: jax.tree.map(
-            lambda a: jnp.tensordot(w, a, axes=1), stacked))
         self._released = jax.jit(lambda total, key, std, divisor: jax.tree.map(
             lambda t, z: (t + z) / divisor, total, privacy.gaussian_noise_like(total, key, std)))
 
@@ -618,8 +622,7 @@ class SecureAggregation(UploadStage):
                                      r.round_index])
         dropped = int(np.sum(rng.random(senders) < self.dropout_after_upload))
         threshold = max(2, math.ceil(self.threshold_fraction * senders))
-        length = sum(int(np.prod(np.shape(t))) for t in
-                     jax.tree.leaves(r.cohorts[scope[0]].template)) + 1  # + the weight
+        length = tree_size(r.cohorts[scope[0]].template)[0] + 1  # + the weight
         report.setdefault("secagg_bytes", []).append(
             (senders, sa_protocol.bytes_per_sender(length, senders, self.encoding)))
         try:
@@ -633,7 +636,7 @@ class SecureAggregation(UploadStage):
         else:
             stacked, _, w = r.scope_arrays(scope)
             weights = jnp.asarray(ok, jnp.float32) * (1.0 if self.dp else w)
-            total, weight = self._weighted_sum(stacked, weights), float(jnp.sum(weights))
+            total, weight = _weighted_row_sum(stacked, weights), float(jnp.sum(weights))
         # The senders' shares, each of variance (sigma C)^2 / expected, summed.
         std = (self.noise_multiplier * self.clip_norm * math.sqrt(senders / max(denominator, 1.0))
                if self.dp else 0.0)
