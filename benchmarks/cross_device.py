@@ -8,6 +8,8 @@ jitted `lax.scan` of the same math.
   python -m benchmarks.cross_device --strategies=scan --private   # + DP (and secure aggregation)
   python -m benchmarks.cross_device --strategies=scan --private --protocol   # + the crypto run
   python -m benchmarks.cross_device --strategies=scan --pfl   # + pfl-research (see pfl_loop)
+  python -m benchmarks.cross_device --strategies=scan --flower_python=/tmp/flwr_venv/bin/python
+      # + Flower, in its own environment (see flower_loop)
   python -m benchmarks.cross_device --strategies=scan --private --profile --notorch --rounds=5
   python -m benchmarks.cross_device --strategies=scan --notorch --nonorm_rule   # same math only
   python -m benchmarks.cross_device --participants=10,100,1000,10000 --model=convnet3 \
@@ -38,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+
+from benchmarks import works
 
 _PARTICIPANTS = flags.DEFINE_list("participants", ["100"], "Clients per round.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["scan", "loop", "vmap"],
@@ -71,6 +75,10 @@ _TORCH_DEVICE = flags.DEFINE_enum("torch_device", "auto", ["auto", "cpu", "cuda"
                                   "PyTorch sees one, else cpu.")
 _PFL = flags.DEFINE_bool("pfl", False, "Also time pfl-research (Apple's `pfl`, PyTorch "
                          "backend, one process; benchmarks.pfl_loop says how to install it).")
+_FLOWER = flags.DEFINE_string("flower_python", "", "Also time Flower (its simulation engine, Ray "
+                             "backend, one worker per core): the Python of an environment with "
+                             "Flower and PyTorch (benchmarks/flower_loop.py says how to make "
+                             "one); empty = not timed.")
 _MODEL = flags.DEFINE_string("model", "mlp_small", "The clients' architecture: mlp_small (work "
                              "B) or convnet3 (or any image backbone of the engine).")
 _LOCAL_STEPS = flags.DEFINE_integer("local_steps", 1, "Local steps per participant (local "
@@ -78,28 +86,19 @@ _LOCAL_STEPS = flags.DEFINE_integer("local_steps", 1, "Local steps per participa
 _ALGORITHM = flags.DEFINE_enum("algorithm", "fedavg", ["fedavg", "pfedes"], "The method: "
                                "fedavg (work B) or pfedes (E_proxy the default small CNN, the "
                                "clients' models of --model).")
-_SAMPLES = 25  # rows per client: 20 train, 5 local test
-_LR = 0.05
+_SAMPLES = works.CROSS_DEVICE_SAMPLES
+_LR = works.CROSS_DEVICE_LR
 
 
 def work_config(strategy: str, clients: int, participants: int, rounds: int,
                 private: bool = False, simulation: str = "sum"):
-    """The engine's config of the work (`private`: with client-level DP, and secure
-    aggregation computed as `simulation` says ('' = none: central DP), the pipeline's other
-    stages as configured by default)."""
-    from configs import quickstart
-    c = quickstart.get_config()
-    c.algorithm = _ALGORITHM.value
-    c.data.name, c.data.num_clients, c.data.partition = "npz", clients, "iid"
-    c.data.min_samples_per_client = 1
-    c.clients.architectures = _MODEL.value
-    c.train.client_fraction = participants / clients
-    c.train.local_epochs, c.train.local_momentum, c.train.lr_local = (_LOCAL_STEPS.value, 0.0,
-                                                                      _LR)
-    c.train.rounds, c.eval.every, c.checkpoint.every = rounds, rounds, 0
-    c.monitor.aggregation_loss = False
+    """The engine's config of the work (`works.cross_device_config` with this command's model,
+    local steps and method; `private`: with client-level DP, and secure aggregation computed as
+    `simulation` says ('' = none: central DP), the pipeline's other stages as configured by
+    default)."""
+    c = works.cross_device_config(rounds, clients, participants, model=_MODEL.value,
+                                  local_steps=_LOCAL_STEPS.value, algorithm=_ALGORITHM.value)
     c.execution.strategy = strategy
-    c.execution.compilation_cache_dir = ""
     if not _NORM_RULE.value:
         c.upload.norm_outlier_factor = 0.0
     if private:
@@ -308,6 +307,19 @@ def pfl_round_s(data, participants: int, rounds: int) -> float | None:
         return None
 
 
+def flower_round_s(data, participants: int, rounds: int) -> float | None:
+    """Flower's FedAvg on the same clients and model (`flower_loop`, run by --flower_python's
+    interpreter), or None where the work is not FedAvg of the MLP or `convnet3`."""
+    from benchmarks import flower_loop, torch_loop
+    if _ALGORITHM.value != "fedavg" or _MODEL.value not in torch_loop.MODELS:
+        return None
+    c = data.central
+    result = flower_loop.run_in(_FLOWER.value, _client_arrays(data), c.input_spec.mean,
+                                c.input_spec.std, c.num_classes, _MODEL.value, participants,
+                                32, _LOCAL_STEPS.value, _LR, rounds)
+    return float(np.median(result["round_s"][2:]))
+
+
 def device_memory() -> str:
     """The accelerator's peak bytes in use so far (`memory_stats`), or '—' where the backend
     keeps none (the CPU: the process's peak RSS is printed at the end instead)."""
@@ -338,6 +350,10 @@ def main(argv):
             print("  pfl-research (PyTorch, 1 process): "
                   + ("not installed (benchmarks/pfl_loop.py says how)" if pfl is None
                      else f"{pfl:.4f} s/round"), flush=True)
+        flower = flower_round_s(data, m, rounds) if _FLOWER.value else None
+        if flower is not None:
+            print(f"  Flower (simulation engine, Ray, {os.cpu_count()} workers): "
+                  f"{flower:.4f} s/round", flush=True)
         for strategy in _STRATEGIES.value:
             round_s, steps = engine_round_s(data, strategy, m, rounds)
             versus = ("— | —" if peer is None else f"{peer:.4f} | {peer / round_s:.2f}")
@@ -347,6 +363,8 @@ def main(argv):
                   f"{plain} | {versus} | {device_memory()} |", flush=True)
             if pfl is not None:
                 print(f"  pfl-research / engine: {pfl / round_s:.2f}", flush=True)
+            if flower is not None:
+                print(f"  Flower / engine: {flower / round_s:.2f}", flush=True)
             if _PRIVATE.value:
                 for simulation in _SIMULATIONS.value:
                     private_s, _ = engine_round_s(data, strategy, m, rounds, private=True,

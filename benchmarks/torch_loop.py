@@ -175,6 +175,21 @@ def mlp_model(in_ch: int, spatial: int, num_classes: int, hidden: int = 64) -> n
                          nn.Linear(hidden, num_classes))
 
 
+def pfl_simple_cnn_model(in_ch: int, spatial: int, num_classes: int) -> nn.Module:
+    """pfl-research's `simple_cnn` without its dropout layers (`benchmarks.works.
+    register_pfl_simple_cnn` is the engine's): conv 3x3 32, ReLU, conv 3x3 64, ReLU, 2x2 max
+    pool, Linear 128, ReLU, Linear(num_classes); no padding."""
+    side = (spatial - 4) // 2
+    return nn.Sequential(nn.Conv2d(in_ch, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(side * side * 64, 128),
+                         nn.ReLU(), nn.Linear(128, num_classes))
+
+
+# By the engine's architecture names: `benchmarks.works.PEER_MODELS`.
+MODELS = {"mlp_small": mlp_model, "convnet3": fedavg_model,
+          "pfl_simple_cnn": pfl_simple_cnn_model}
+
+
 def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_classes: int,
                rounds: int, per_round: int, batch_size: int, epochs: int, lr: float,
                seed: int = 0, device: str = "cpu", make_model=fedavg_model) -> dict:
