@@ -2,8 +2,8 @@
 
 Used by `benchmarks.cross_device --flower_python=...` (work B: the MLP, 100 of 1,000 clients
 per round, one local step) and `benchmarks.compare_frameworks --flower_python=...` (work A:
-`convnet3`, 10 of 20 clients, 5 steps of 32). Flower 1.42 pins numpy and protobuf versions that
-do not sit beside JAX in one environment, so it runs in its own virtual environment, which needs
+`convnet3`, 10 of 20 clients, 5 steps of 32). Flower 1.42 pins protobuf < 7 and rich < 15, which
+the project's own environment has newer, so it runs in its own virtual environment, which needs
 no JAX: the benchmark writes the work's clients to an .npz (`write_work`) and runs this module
 with that environment's Python, which prints one JSON line back.
 

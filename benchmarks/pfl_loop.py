@@ -19,6 +19,7 @@ Run as a module for the cross-device work in either configuration:
   python -m benchmarks.pfl_loop --participants=100                      # one process
   torchrun --nproc_per_node=2 -m benchmarks.pfl_loop --participants=100 # two processes
   torchrun --nproc_per_node=2 -m benchmarks.pfl_loop --pfl_work=fedavg --rounds=8  # work A
+  torchrun --nproc_per_node=2 -m benchmarks.pfl_loop --pfl_work=pfl_cifar --rounds=8
 
 `benchmarks.compare_frameworks --work=fedavg` also runs it in one process, beside the engine.
 """
@@ -148,6 +149,32 @@ def work_a(rounds: int, threads: int | None = None) -> dict:
                       t.lr_local, make_model=torch_loop.fedavg_model)
 
 
+def pfl_cifar(rounds: int, threads: int | None = None) -> dict:
+    """pfl-research on its own CIFAR-10 cross-device setting (`works.pfl_cifar_config`: cohort
+    50 of 1,000 users with ≈ 50 CIFAR-shaped random images, 1 epoch of batch 10, local SGD 0.1,
+    its `simple_cnn` without dropout), with `threads` PyTorch intra-op threads (None: PyTorch's
+    default)."""
+    import os
+    import tempfile
+
+    import torch
+
+    from benchmarks import torch_loop, works
+    from fedjax_pfedes.engine.build import build_federated_data
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "cifar_shaped_users.npz")
+        works.write_cifar_shaped(path, clients=works.PFL_CIFAR_USERS, per_client=62)
+        config = works.pfl_cifar_config(rounds, path)
+        data = build_federated_data(config)
+    c, t = data.central, config.train
+    if threads:
+        torch.set_num_threads(threads)
+    clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
+    return run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes, t.rounds,
+                      round(t.client_fraction * len(clients)), t.batch_size, t.local_epochs,
+                      t.lr_local, make_model=torch_loop.pfl_simple_cnn_model)
+
+
 def main(argv) -> None:
     """Prints pfl-research's median s/round (rounds 3..) on `benchmarks.cross_device`'s work,
     or with --pfl_work=fedavg on `benchmarks.compare_frameworks`' FedAvg work (rank 0 only
@@ -161,10 +188,12 @@ def main(argv) -> None:
     from benchmarks import cross_device
     rounds = max(flags.FLAGS.rounds, 4)
     processes = int(os.environ.get("WORLD_SIZE", 1))
-    if flags.FLAGS.pfl_work == "fedavg":
+    if flags.FLAGS.pfl_work in ("fedavg", "pfl_cifar"):
         # One intra-op thread per process when several share the cores, PyTorch's default alone.
-        result = work_a(rounds, 1 if processes > 1 else None)
-        label = "work A (convnet3, 10 participants x 5 steps)"
+        run = work_a if flags.FLAGS.pfl_work == "fedavg" else pfl_cifar
+        result = run(rounds, 1 if processes > 1 else None)
+        label = ("work A (convnet3, 10 participants x 5 steps)" if run is work_a else
+                 "its CIFAR-10 setting (simple_cnn, cohort 50, batch 10)")
     else:
         participants = int(flags.FLAGS.participants[0])
         data = cross_device.synthetic(max(1000, 10 * participants))
@@ -183,7 +212,8 @@ if __name__ == "__main__":
     from absl import app, flags
 
     from benchmarks import cross_device  # noqa: F401 - defines --participants and --rounds
-    flags.DEFINE_enum("pfl_work", "cross_device", ["cross_device", "fedavg"],
+    flags.DEFINE_enum("pfl_work", "cross_device", ["cross_device", "fedavg", "pfl_cifar"],
                       "cross_device: benchmarks.cross_device's work B; fedavg: "
-                      "benchmarks.compare_frameworks' FedAvg work A.")
+                      "benchmarks.compare_frameworks' FedAvg work A; pfl_cifar: its own "
+                      "CIFAR-10 cross-device setting (works.pfl_cifar_config).")
     app.run(main)
