@@ -363,6 +363,10 @@ class ExecutionSection:
     # norm rule, which may reject at most that many of a cohort in a round.
     scan_held_uploads: int = 8
     devices: int = 0  # devices of the 'shard' mesh (0 = all local devices)
+    # 'vmap' / 'shard': memory one vectorized evaluation call may take (estimated from the
+    # program, fedjax_pfedes/execution/eval_memory.py); a cohort that needs more is evaluated
+    # in chunks of clients. Same numbers for any value.
+    eval_memory_budget_gb: float = 4.0
     # 'loop': host threads that train participants at the same time (0 = this process's CPU
     # cores on a CPU backend, 1 on an accelerator). Same numbers for any value.
     loop_threads: int = 0
@@ -394,7 +398,8 @@ class ExecutionSection:
             ("scan_chunk", _is_int(self.scan_chunk) and self.scan_chunk >= 1,
              "an integer >= 1"),
             ("scan_held_uploads", _is_int(self.scan_held_uploads) and self.scan_held_uploads >= 1,
-             "an integer >= 1")))
+             "an integer >= 1"),
+            ("eval_memory_budget_gb", self.eval_memory_budget_gb > 0, "> 0")))
         if self.client_states == "offload":
             _ranges(self, "execution", (("client_state_budget_gb", self.client_state_budget_gb > 0,
                                    "> 0"),))

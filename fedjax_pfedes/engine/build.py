@@ -188,8 +188,10 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
     threads = config.execution.loop_threads
     # arch -> runner name -> runner: every (strategy, kernels) pair 'auto' may pick.
+    ex = config.execution
     arch_runners = {a: {r.name: r for r in (runners.make_runner(p, s, mesh, threads, k,
-                                                             config.execution.scan_chunk)
+                                                             ex.scan_chunk,
+                                                             ex.eval_memory_budget_gb)
                                        for s in candidates for k in kernel_set)}
                for a, p in programs.items()}
     measured = len(candidates) * len(kernel_set) > 1

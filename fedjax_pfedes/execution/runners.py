@@ -52,6 +52,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fedjax_pfedes.algorithms.base import CohortProgram, Metrics, PyTree, global_accuracy
+from fedjax_pfedes.execution import eval_memory
 from fedjax_pfedes.tree_util import put_rows, take_rows
 
 CPU_KERNELS = ("xla", "eigen")
@@ -68,12 +69,15 @@ class RunnerOptions:
       loop_threads: host threads of the loop (already resolved: >= 1).
       scan_chunk: participants vmapped together per iteration of the scan.
       jit: `jax.jit` with the run's compiler options (CPU kernels).
+      eval_budget_bytes: the memory one mapped evaluation call may take ('vmap', 'shard':
+        `eval_memory.clients_per_call`).
     """
 
     mesh: Mesh | None
     loop_threads: int
     scan_chunk: int
     jit: Callable
+    eval_budget_bytes: float = 4 * 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,8 +360,8 @@ def finishing_program(program: CohortProgram) -> CohortProgram:
 
 
 def make_runner(program: CohortProgram, strategy_name: str, mesh: Mesh | None = None,
-                loop_threads: int = 1, cpu_kernels: str = "xla", scan_chunk: int = 1
-                ) -> CohortRunner:
+                loop_threads: int = 1, cpu_kernels: str = "xla", scan_chunk: int = 1,
+                eval_memory_budget_gb: float = 4.0) -> CohortRunner:
     """Builds the jitted update/evaluate functions of a cohort.
 
     Args:
@@ -368,6 +372,8 @@ def make_runner(program: CohortProgram, strategy_name: str, mesh: Mesh | None = 
       loop_threads: host threads of 'loop' (0 = `default_loop_threads()`).
       cpu_kernels: see `kernel_options`.
       scan_chunk: participants vmapped together per iteration of 'scan' (1 = one at a time).
+      eval_memory_budget_gb: memory one evaluation call of 'vmap' / 'shard' may take; a
+        cohort that needs more is evaluated in chunks of clients (same numbers).
 
     Returns:
       The cohort's `CohortRunner`.
@@ -385,7 +391,8 @@ def make_runner(program: CohortProgram, strategy_name: str, mesh: Mesh | None = 
         raise ValueError(f"make_runner: strategy '{strategy_name}' needs a mesh "
                          "(execution.client_mesh)")
     runner = chosen.build(program, RunnerOptions(mesh, loop_threads or default_loop_threads(),
-                                                 scan_chunk, jit))
+                                                 scan_chunk, jit,
+                                                 eval_memory_budget_gb * 2**30))
     return with_kernels(runner, strategy=chosen.name)
 
 
@@ -401,10 +408,13 @@ def _sharded(fn: Callable, in_axes: tuple, mesh: Mesh) -> Callable:
 
 
 def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
-                   mesh: Mesh | None = None, jit: Callable = jax.jit) -> CohortRunner:
+                   mesh: Mesh | None = None, jit: Callable = jax.jit,
+                   eval_budget_bytes: float = 4 * 2**30) -> CohortRunner:
     """'vmap' and 'shard': one jitted call maps the client function over all slots;
     `map_clients(fn, in_axes)` says how (plain vmap, or vmap per device under shard_map).
-    `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`)."""
+    `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`).
+    Evaluation maps over as many clients per call as `eval_budget_bytes` allows
+    (`eval_memory.clients_per_call`): all of them in one call when they fit."""
     client_update = map_clients(program.client_update, (None, 0, 0, 0))
     client_evaluate = map_clients(program.evaluate, (None, 0, 0))
     client_global = map_clients(functools.partial(global_accuracy, program), (None, 0, None, None))
@@ -468,12 +478,26 @@ def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
         return {**metrics, "global_accuracy": home(mapped_global_slots(
             broadcast, states, on_mesh(test.sizes), slots, *on_mesh((global_x, global_y))))}
 
+    widths: dict = {}  # per shapes of the evaluation: clients per call
+
     def evaluate(broadcast, states, test, global_x=None, global_y=None):
         n = test.sizes.shape[0]
         multiple = 1 if mesh is None else mesh.size  # shard_map splits the slots evenly
-        every = np.arange(-(-n // multiple) * multiple, dtype=np.int32)  # padded: out of range
-        out = evaluate_slots(broadcast, states, test, every, global_x, global_y)
-        return out if len(every) == n else jax.tree.map(lambda a: a[:n], out)
+        padded = -(-n // multiple) * multiple  # slots past n are out of range: zeros
+        global_rows = 0 if global_x is None else int(global_x.shape[0])
+        key = (jax.tree.structure(states), tuple(test.x.shape), global_rows,
+               tuple(np.shape(a) for a in jax.tree.leaves(broadcast)))
+        if key not in widths:
+            widths[key] = eval_memory.clients_per_call(program, broadcast, states, test,
+                                                       global_rows, eval_budget_bytes,
+                                                       multiple)
+        width = min(widths[key], padded)
+        outs = [evaluate_slots(broadcast, states, test,
+                               np.arange(start, start + width, dtype=np.int32), global_x,
+                               global_y) for start in range(0, n, width)]
+        out = outs[0] if len(outs) == 1 else jax.tree.map(
+            lambda *parts: jnp.concatenate(parts), *outs)
+        return out if len(outs) * width == n else jax.tree.map(lambda a: a[:n], out)
 
     def computed_steps(steps: np.ndarray, bucket: int) -> float:
         return float(bucket * np.max(steps)) if len(steps) else 0.0
@@ -816,11 +840,12 @@ def _zeros_in_slots(shapes: PyTree, bucket: int) -> PyTree:
 
 
 register_strategy(Strategy("vmap", lambda program, o: _mapped_runner(
-    program, "vmap", _vmapped, jit=o.jit), cost="longest_schedule"))
+    program, "vmap", _vmapped, jit=o.jit, eval_budget_bytes=o.eval_budget_bytes),
+    cost="longest_schedule"))
 register_strategy(Strategy("loop", lambda program, o: _loop_runner(
     program, o.loop_threads, jit=o.jit)))
 register_strategy(Strategy("scan", lambda program, o: _scan_runner(
     program, o.scan_chunk, jit=o.jit), streams_uploads=True))
 register_strategy(Strategy("shard", lambda program, o: _mapped_runner(
-    program, "shard", functools.partial(_sharded, mesh=o.mesh), o.mesh, jit=o.jit),
-    cost="longest_schedule", needs_mesh=True))
+    program, "shard", functools.partial(_sharded, mesh=o.mesh), o.mesh, jit=o.jit,
+    eval_budget_bytes=o.eval_budget_bytes), cost="longest_schedule", needs_mesh=True))

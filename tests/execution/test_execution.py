@@ -420,3 +420,31 @@ def test_a_registered_strategy_runs_by_name_and_joins_auto():
     finally:
         runners._STRATEGIES.pop(name, None)
         runners._STRATEGIES.pop("mesh_only_test", None)
+
+
+def test_vmap_evaluates_in_chunks_of_clients_when_the_budget_says_so():
+    """A cohort whose estimated evaluation memory exceeds `eval_memory_budget_gb` is evaluated
+    in chunks of clients: every client's metrics as in one call, padded tail dropped; the
+    chunk width comes from the program's activation bytes (a budget of one client's need gives
+    one client per call, a large one all of them)."""
+    from fedjax_pfedes.execution import eval_memory
+    _, program, data, states, server = _setup("convnet3", num_clients=5)
+    rng = np.random.default_rng(3)
+    global_x = jnp.asarray(rng.uniform(size=(23, 8, 8, 1)).astype(np.float32))
+    global_y = jnp.asarray(rng.integers(0, 10, 23).astype(np.int32))
+    per_row = eval_memory.activation_bytes_per_row(
+        program, server.proxy_params, jax.tree.map(lambda a: a[0], states), data.x[0, :1])
+    assert per_row > 8 * 8 * 16 * 4  # at least the first conv's output
+    need = (data.x.shape[1] + 23) * per_row + sum(
+        a.nbytes // a.shape[0] for a in jax.tree.leaves(states))
+    widths = {budget: eval_memory.clients_per_call(program, server.proxy_params, states, data,
+                                                   23, budget)
+              for budget in (need, 2.5 * need, 1e12)}
+    assert widths[need] == 1 and widths[2.5 * need] == 2 and widths[1e12] > 5
+    whole = runners.make_runner(program, "vmap").evaluate(server.proxy_params, states, data,
+                                                          global_x, global_y)
+    for gb in (need / 2**30, 2.5 * need / 2**30):  # chunks of 1 and of 2 (a padded tail)
+        chunked = runners.make_runner(program, "vmap", eval_memory_budget_gb=gb).evaluate(
+            server.proxy_params, states, data, global_x, global_y)
+        assert all(np.shape(v) == (5,) for v in chunked.values())
+        chex.assert_trees_all_close(chunked, whole, rtol=1e-5, atol=1e-6)
