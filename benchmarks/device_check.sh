@@ -14,7 +14,7 @@ set -u
 out=${OUT:-device_out}
 participants=${PARTICIPANTS:-1000,10000,100000}
 clients=${CLIENTS:-100}
-limit=${LIMIT:-170}
+limit=${LIMIT:-135}  # 4 commands x 135 s + start-up < the 590 s of one run call
 mkdir -p "$out"
 
 run() {
@@ -38,3 +38,6 @@ run cross_device_peers python -m benchmarks.cross_device --participants="${parti
 # Work A and pFedES's CIFAR-shaped work with the PyTorch loop on the GPU too.
 run compare_frameworks python -m benchmarks.compare_frameworks --work=fedavg,pfedes \
   --clients="$clients" --rounds=5 --strategies=loop,vmap,scan
+# The cross-device work and pfl-research's own CIFAR-10 setting beside the PyTorch peers.
+run compare_cross_device python -m benchmarks.compare_frameworks --work=cross_device,pfl_cifar \
+  --rounds=5 --strategies=scan,vmap,loop
