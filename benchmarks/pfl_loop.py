@@ -130,15 +130,12 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
     return {"round_s": times, "client_steps": steps, "setup_s": setup[0]}
 
 
-def work_a(rounds: int, threads: int | None = None) -> dict:
-    """pfl-research on `benchmarks.compare_frameworks`' FedAvg work (work A: `convnet3`,
-    MNIST-5k IID, 20 clients, 10 per round, 5 steps of 32, lr 0.05), with `threads` PyTorch
-    intra-op threads (None: PyTorch's default)."""
+def _run_config(config, threads: int | None, make_model) -> dict:
+    """pfl-research's FedAvg on the clients of an engine `config` (its rounds, participants
+    and local optimization), with `threads` PyTorch intra-op threads (None: the default)."""
     import torch
 
-    from benchmarks import torch_loop, works
     from fedjax_pfedes.engine.build import build_federated_data
-    config = works.fedavg_config(rounds)
     data = build_federated_data(config)
     c, t = data.central, config.train
     if threads:
@@ -146,7 +143,15 @@ def work_a(rounds: int, threads: int | None = None) -> dict:
     clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
     return run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes, t.rounds,
                       round(t.client_fraction * len(clients)), t.batch_size, t.local_epochs,
-                      t.lr_local, make_model=torch_loop.fedavg_model)
+                      t.lr_local, make_model=make_model)
+
+
+def work_a(rounds: int, threads: int | None = None) -> dict:
+    """pfl-research on `benchmarks.compare_frameworks`' FedAvg work (work A: `convnet3`,
+    MNIST-5k IID, 20 clients, 10 per round, 5 steps of 32, lr 0.05), with `threads` PyTorch
+    intra-op threads (None: PyTorch's default)."""
+    from benchmarks import torch_loop, works
+    return _run_config(works.fedavg_config(rounds), threads, torch_loop.fedavg_model)
 
 
 def pfl_cifar(rounds: int, threads: int | None = None) -> dict:
@@ -157,22 +162,12 @@ def pfl_cifar(rounds: int, threads: int | None = None) -> dict:
     import os
     import tempfile
 
-    import torch
-
     from benchmarks import torch_loop, works
-    from fedjax_pfedes.engine.build import build_federated_data
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "cifar_shaped_users.npz")
         works.write_cifar_shaped(path, clients=works.PFL_CIFAR_USERS, per_client=62)
-        config = works.pfl_cifar_config(rounds, path)
-        data = build_federated_data(config)
-    c, t = data.central, config.train
-    if threads:
-        torch.set_num_threads(threads)
-    clients = [(c.x_train[i], c.y_train[i]) for i in data.train_indices]
-    return run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes, t.rounds,
-                      round(t.client_fraction * len(clients)), t.batch_size, t.local_epochs,
-                      t.lr_local, make_model=torch_loop.pfl_simple_cnn_model)
+        return _run_config(works.pfl_cifar_config(rounds, path), threads,
+                           torch_loop.pfl_simple_cnn_model)
 
 
 def main(argv) -> None:

@@ -123,22 +123,21 @@ def _quiet(config, rounds: int):
     return config
 
 
+def _write_random_images(path: str, shape: tuple[int, ...], rows: int, test_rows: int) -> None:
+    """Random uint8 images of `shape`, 10 classes: `rows` to partition, `test_rows` global test."""
+    rng = np.random.default_rng(0)
+    np.savez(path, x_train=rng.integers(0, 256, (rows,) + shape, dtype=np.uint8),
+             y_train=rng.integers(0, 10, rows),
+             x_test=rng.integers(0, 256, (test_rows,) + shape, dtype=np.uint8),
+             y_test=rng.integers(0, 10, test_rows))
+
+
 def write_mnist_shaped(path: str, clients: int,
                        per_client: int = CROSS_DEVICE_SAMPLES) -> None:
     """Random 28x28x1 uint8 images, 10 classes, `per_client` rows per client."""
-    rng = np.random.default_rng(0)
-    n = clients * per_client
-    np.savez(path, x_train=rng.integers(0, 256, (n, 28, 28, 1), dtype=np.uint8),
-             y_train=rng.integers(0, 10, n), x_test=rng.integers(0, 256, (100, 28, 28, 1),
-                                                                   dtype=np.uint8),
-             y_test=rng.integers(0, 10, 100))
+    _write_random_images(path, (28, 28, 1), clients * per_client, 100)
 
 
 def write_cifar_shaped(path: str, clients: int = 20, per_client: int = 400) -> None:
     """Random 32x32x3 uint8 images, 10 classes: 400 per client -> 320 local train = 5 x 64."""
-    rng = np.random.default_rng(0)
-    n = clients * per_client
-    np.savez(path, x_train=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
-             y_train=rng.integers(0, 10, n), x_test=rng.integers(0, 256, (500, 32, 32, 3),
-                                                                   dtype=np.uint8),
-             y_test=rng.integers(0, 10, 500))
+    _write_random_images(path, (32, 32, 3), clients * per_client, 500)
