@@ -186,10 +186,9 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     candidates = runners.auto_candidates(mesh) if requested == "auto" else (requested,)
     kernel_set = runners.kernel_candidates(config.execution.cpu_kernels)
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
-    threads = config.execution.loop_threads
-    # arch -> runner name -> runner: every (strategy, kernels) pair 'auto' may pick.
     ex = config.execution
-    arch_runners = {a: {r.name: r for r in (runners.make_runner(p, s, mesh, threads, k,
+    # arch -> runner name -> runner: every (strategy, kernels) pair 'auto' may pick.
+    arch_runners = {a: {r.name: r for r in (runners.make_runner(p, s, mesh, ex.loop_threads, k,
                                                              ex.scan_chunk,
                                                              ex.eval_memory_budget_gb)
                                        for s in candidates for k in kernel_set)}
