@@ -21,6 +21,10 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from fedjax_pfedes.algorithms.base import GLOBAL_BATCH, CohortProgram, PyTree
 
+# The budget of `runners.make_runner` when none is given (`config.execution.eval_memory_budget_gb`
+# has the same default).
+DEFAULT_BUDGET_GB = 4.0
+
 
 def _jaxprs(params: dict):
     for value in params.values():

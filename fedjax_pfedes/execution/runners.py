@@ -77,7 +77,7 @@ class RunnerOptions:
     loop_threads: int
     scan_chunk: int
     jit: Callable
-    eval_budget_bytes: float = 4 * 2**30
+    eval_budget_bytes: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,7 +361,7 @@ def finishing_program(program: CohortProgram) -> CohortProgram:
 
 def make_runner(program: CohortProgram, strategy_name: str, mesh: Mesh | None = None,
                 loop_threads: int = 1, cpu_kernels: str = "xla", scan_chunk: int = 1,
-                eval_memory_budget_gb: float = 4.0) -> CohortRunner:
+                eval_memory_budget_gb: float = eval_memory.DEFAULT_BUDGET_GB) -> CohortRunner:
     """Builds the jitted update/evaluate functions of a cohort.
 
     Args:
@@ -409,7 +409,8 @@ def _sharded(fn: Callable, in_axes: tuple, mesh: Mesh) -> Callable:
 
 def _mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
                    mesh: Mesh | None = None, jit: Callable = jax.jit,
-                   eval_budget_bytes: float = 4 * 2**30) -> CohortRunner:
+                   eval_budget_bytes: float = eval_memory.DEFAULT_BUDGET_GB * 2**30
+                   ) -> CohortRunner:
     """'vmap' and 'shard': one jitted call maps the client function over all slots;
     `map_clients(fn, in_axes)` says how (plain vmap, or vmap per device under shard_map).
     `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`).

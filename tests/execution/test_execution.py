@@ -427,7 +427,9 @@ def test_vmap_evaluates_in_chunks_of_clients_when_the_budget_says_so():
     in chunks of clients: every client's metrics as in one call, padded tail dropped; the
     chunk width comes from the program's activation bytes (a budget of one client's need gives
     one client per call, a large one all of them)."""
+    from fedjax_pfedes.config.defaults import ExecutionSection
     from fedjax_pfedes.execution import eval_memory
+    assert ExecutionSection().eval_memory_budget_gb == eval_memory.DEFAULT_BUDGET_GB
     _, program, data, states, server = _setup("convnet3", num_clients=5)
     rng = np.random.default_rng(3)
     global_x = jnp.asarray(rng.uniform(size=(23, 8, 8, 1)).astype(np.float32))
