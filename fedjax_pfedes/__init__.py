@@ -27,6 +27,7 @@ notebook.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import ml_collections
@@ -98,4 +99,27 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = Tru
       global accuracy per client, per architecture and on average), plus privacy, timing and
       upload figures.
     """
-    return run_experiment(config, workdir, show_progress=progress, callbacks=callbacks)
+    _check_run_arguments(config, workdir, callbacks)
+    return run_experiment(config, os.fspath(workdir), show_progress=progress,
+                          callbacks=list(callbacks))
+
+
+_CALLBACK_HOOKS = ("on_run_start", "on_round_end", "on_run_end", "close")
+
+
+def _check_run_arguments(config, workdir, callbacks) -> None:
+    """`run`'s arguments, checked where they are handed over (ConfigError naming the argument,
+    what it expects and what it got)."""
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"run: config must be an ml_collections.ConfigDict (e.g. "
+                          f"fedjax_pfedes.default_config()), got {type(config).__name__}")
+    if not isinstance(workdir, str | os.PathLike) or not os.fspath(workdir):
+        raise ConfigError(f"run: workdir must be a non-empty path, got {workdir!r}")
+    if isinstance(callbacks, Callback) or not isinstance(callbacks, Sequence | tuple | list):
+        raise ConfigError(f"run: callbacks must be a list of Callback objects, got "
+                          f"{type(callbacks).__name__}")
+    for i, cb in enumerate(callbacks):
+        missing = [h for h in _CALLBACK_HOOKS if not callable(getattr(cb, h, None))]
+        if missing:
+            raise ConfigError(f"run: callbacks[{i}] must be a fedjax_pfedes.Callback (it lacks "
+                              f"{', '.join(missing)}), got {type(cb).__name__}")

@@ -28,3 +28,8 @@ class DatasetUnavailableError(RuntimeError):
 class DivergedError(RuntimeError):
     """Training went non-finite (and `config.train.allow_divergence` is False); the summary with
     `diverged: true` has been written."""
+
+
+class StorageError(RuntimeError):
+    """The workdir's disk or file system failed (no space, I/O error, a name too long): the
+    message names the file and the cause; the last good checkpoint is kept."""

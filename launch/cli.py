@@ -9,6 +9,7 @@ import os
 import sys
 from typing import NoReturn
 
+import ml_collections
 from absl import flags
 
 # JAX's start-up notes (no TPU library, where the compilation cache lives) are INFO lines that
@@ -78,6 +79,11 @@ def parse_flags(argv: list[str]) -> list[str]:
         fail(moved)
     try:
         return flags.FLAGS(argv)
+    except SystemExit as e:
+        if e.code in (None, 0) and _flag_value(argv, "config"):  # the config file's own exit
+            fail(f"--config={_flag_value(argv, 'config')}: the file exited (SystemExit"
+                 f"({e.code!r})) instead of returning a config from get_config()")
+        raise
     except KeyError as e:  # ml_collections: unknown key, with its "Did you mean" hint
         fail(f"unknown config field: {e.args[0] if e.args else e}")
     except flags.Error as e:
@@ -121,13 +127,22 @@ def renamed_field(argv: list[str]) -> str | None:
 
 def loaded_config(config_flag):
     """The config of a `DEFINE_config_file` flag, or one line and exit 2 if it cannot load."""
+    path = _flag_value(sys.argv, "config")
     try:
         config = config_flag.value
         if config is None:
             fail(config_file_problem(""))
+        if not isinstance(config, ml_collections.ConfigDict):
+            fail(f"--config={path}: get_config() must return an ml_collections.ConfigDict "
+                 f"(e.g. fedjax_pfedes.default_config()), returned {type(config).__name__}")
         config.to_dict()  # config_flags defers a load error to the first access
+    except SystemExit as e:
+        if e.code in (None, 0):
+            fail(f"--config={path}: the file exited (SystemExit({e.code!r})) instead of "
+                 "returning a config from get_config()")
+        raise
     except Exception:  # noqa: BLE001 - whatever the file raised, one line names it
-        fail(config_file_problem(_flag_value(sys.argv, "config")))
+        fail(config_file_problem(path))
     return config
 
 

@@ -18,7 +18,13 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from fedjax_pfedes.engine.loop import run_experiment
-from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError, DivergedError
+from fedjax_pfedes.errors import (
+    ConfigError,
+    DataError,
+    DatasetUnavailableError,
+    DivergedError,
+    StorageError,
+)
 from fedjax_pfedes.io.workdir import RunLockedError
 from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
 from launch import cli
@@ -37,7 +43,7 @@ def main(argv: list[str]) -> None:
     try:
         summary = run_experiment(config, _WORKDIR.value, show_progress=_PROGRESS.value)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError,
-            HeldUploadsExceeded) as e:
+            HeldUploadsExceeded, StorageError) as e:
         fail(str(e))
     except DivergedError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ Works on finished, running and resumed runs (it reads metrics.jsonl, clients.jso
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app
@@ -22,9 +23,12 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     try:
         plots = write_report(argv[1])
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if not os.path.exists(os.path.join(argv[1], "summary.json")):
+        print(f"note: {argv[1]} has no summary.json yet (a run in progress): the report covers "
+              "the complete rounds written so far")
     for name, path in plots.items():
         print(f"{name:18s} {path}")
     print(f"summary            {argv[1].rstrip('/')}/report.md")

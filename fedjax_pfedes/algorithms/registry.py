@@ -28,7 +28,9 @@ import ml_collections
 
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, with_fresh_local_optimizer
+from fedjax_pfedes.config.defaults import core_config
 from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.errors import ConfigError
 
 AGGREGATIONS = ("shared", "per_cohort", "custom", "none")
 
@@ -157,9 +159,33 @@ class AlgorithmEntry:
     reads: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"AlgorithmEntry: name must be a Python identifier (it is "
+                             f"config.algorithm and a config section), got {self.name!r}")
+        where = f"AlgorithmEntry('{self.name}')"
+        if not callable(self.build):
+            raise ValueError(f"{where}: build must be a function of BuildInputs returning an "
+                             f"Algorithm, got {type(self.build).__name__}")
+        for hook in ("check", "check_data"):
+            value = getattr(self, hook)
+            if value is not None and not callable(value):
+                raise ValueError(f"{where}: {hook} must be a function or None, got "
+                                 f"{type(value).__name__}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"algorithm '{self.name}': aggregation must be one of "
                              f"{AGGREGATIONS}, got '{self.aggregation}'")
+        if (isinstance(self.modalities, str) or not self.modalities
+                or not set(self.modalities) <= {"image", "text", "tabular"}):
+            raise ValueError(f"{where}: modalities must be a non-empty tuple of 'image', "
+                             f"'text', 'tabular', got {self.modalities!r}")
+        if not isinstance(self.fields, Mapping) or not all(
+                isinstance(p, str) and p and all(part.isidentifier() for part in p.split("."))
+                for p in self.fields):
+            raise ValueError(f"{where}: fields must map dotted config paths ('{self.name}.x') "
+                             f"to their defaults, got {self.fields!r}")
+        if isinstance(self.reads, str) or not all(isinstance(p, str) for p in self.reads):
+            raise ValueError(f"{where}: reads must be a tuple of config paths, got "
+                             f"{self.reads!r}")
 
 
 _ENTRIES: dict[str, AlgorithmEntry] = {}
@@ -181,16 +207,81 @@ def register(entry: AlgorithmEntry) -> AlgorithmEntry:
       `entry`. A name may be taken once: registering another entry under a taken name raises
       ValueError.
     """
+    if not isinstance(entry, AlgorithmEntry):
+        raise ConfigError(f"register_algorithm: expected an AlgorithmEntry, got "
+                        f"{type(entry).__name__}")
+    if not _BUILT_IN_LOADING:
+        entries()  # the built-ins first, so a name or field is judged against all of them
     if entry.name in _ENTRIES and _ENTRIES[entry.name] != entry:
-        raise ValueError(f"algorithm '{entry.name}' is registered twice")
+        raise ValueError(f"algorithm '{entry.name}' is registered twice"
+                         + ("" if _BUILT_IN_LOADING else " (a built-in method has that name; "
+                            "choose another)" if _is_built_in(entry.name) else ""))
+    _check_fields(entry)
     _ENTRIES[entry.name] = entry
     return entry
 
 
+def _is_built_in(name: str) -> bool:
+    module = getattr(_ENTRIES[name].build, "__module__", "") or ""
+    return module.startswith("fedjax_pfedes.")
+
+
+def _check_fields(entry: AlgorithmEntry) -> None:
+    """Refuses fields that collide with the core config's (or sit inside/over one of its
+    fields) or with another method's declaration of the same path at another default, naming
+    both owners."""
+    core = core_paths()
+    for path, default in entry.fields.items():
+        prefixes = {".".join(path.split(".")[:i]) for i in range(1, path.count(".") + 1)}
+        clash = (path if path in core["leaves"] else
+                 next((p for p in prefixes if p in core["leaves"]), None))
+        if clash is not None or path in core["sections"]:
+            raise ValueError(f"AlgorithmEntry('{entry.name}'): field 'config.{path}' collides "
+                             f"with the core config's 'config.{clash or path}'; put the "
+                             f"method's fields in its own section ('{entry.name}.x')")
+        for other in _ENTRIES.values():
+            if other.name == entry.name:
+                continue
+            if path in other.fields and other.fields[path] != default:
+                raise ValueError(f"AlgorithmEntry('{entry.name}'): field 'config.{path}' is "
+                                 f"declared by '{other.name}' too, with default "
+                                 f"{other.fields[path]!r} (here {default!r})")
+            inside = next((p for p in other.fields
+                           if p in prefixes or p.startswith(path + ".")), None)
+            if inside is not None:
+                raise ValueError(f"AlgorithmEntry('{entry.name}'): field 'config.{path}' "
+                                 f"collides with the field 'config.{inside}' of "
+                                 f"'{other.name}'")
+
+
+def core_paths() -> dict[str, set[str]]:
+    """The core config's leaf paths and section names ('train.rounds'; 'train')."""
+    leaves, sections = set(), set()
+
+    def walk(node, prefix=""):
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, ml_collections.ConfigDict):
+                sections.add(path)
+                walk(value, path + ".")
+            else:
+                leaves.add(path)
+    walk(core_config())
+    return {"leaves": leaves, "sections": sections}
+
+
+_BUILT_IN_LOADING = False
+
+
 def _discover() -> None:
+    global _BUILT_IN_LOADING
     package = importlib.import_module("fedjax_pfedes.algorithms")
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"fedjax_pfedes.algorithms.{module.name}")
+    _BUILT_IN_LOADING = True
+    try:
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"fedjax_pfedes.algorithms.{module.name}")
+    finally:
+        _BUILT_IN_LOADING = False
 
 
 def entries() -> dict[str, AlgorithmEntry]:
@@ -227,6 +318,9 @@ def build(name: str, inputs: BuildInputs, reset_local_optimizer: bool) -> Algori
     """
     entry = get(name)
     algorithm = entry.build(inputs)
+    if not isinstance(algorithm, Algorithm):
+        raise ConfigError(f"algorithm '{name}': its AlgorithmEntry.build must return an "
+                        f"Algorithm, returned {type(algorithm).__name__}")
     if reset_local_optimizer:
         programs = algorithm.cohort_program
         algorithm = dataclasses.replace(

@@ -9,6 +9,7 @@ from fedjax_pfedes.data.femnist import FILES as FEMNIST_FILES
 from fedjax_pfedes.data.femnist import femnist_loader
 from fedjax_pfedes.data.sources import CentralDataset, LoadOptions
 from fedjax_pfedes.data.tfds_sources import TFDS_DATASETS, tfds_loader
+from fedjax_pfedes.errors import DataError
 
 
 def load_synthetic_text(options: LoadOptions) -> CentralDataset:
@@ -59,4 +60,8 @@ def load_dataset(name: str, options: LoadOptions | None = None) -> CentralDatase
     options = options or LoadOptions()
     if name not in LOADERS:
         raise ValueError(f"config.data.name: unknown dataset '{name}'; known: {sorted(LOADERS)}")
-    return LOADERS[name](options)
+    data = LOADERS[name](options)
+    if not isinstance(data, CentralDataset):
+        raise DataError(f"config.data.name='{name}': its loader must return a CentralDataset "
+                        f"(e.g. fedjax_pfedes.from_arrays(...)), returned {type(data).__name__}")
+    return data

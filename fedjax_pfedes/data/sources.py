@@ -187,6 +187,8 @@ def make_dataset(name: str, modality: str, x_train: np.ndarray, y_train: np.ndar
     if x_train.shape[1:] != x_test.shape[1:]:
         raise DataError(f"{where}: x_train examples have shape {x_train.shape[1:]} but x_test "
                         f"examples {x_test.shape[1:]}")
+    if groups_train is not None:
+        groups_train = _group_ids(groups_train, where)
     if groups_train is not None and len(groups_train) != len(y_train):
         raise DataError(f"{where}: groups_train has {len(groups_train)} entries for "
                         f"{len(y_train)} training samples")
@@ -393,6 +395,24 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, *, modality: str | 
     groups = None if client_ids is None else np.asarray(client_ids)
     return make_dataset(name, modality, x_train, y_train, x_test, y_test, num_classes, options,
                         vocab_size, groups, source=where)
+
+
+def _group_ids(groups: np.ndarray, where: str) -> np.ndarray:
+    """The natural group (client) ids: one finite integer per training sample."""
+    groups = np.asarray(groups)
+    if groups.ndim != 1:
+        raise DataError(f"{where}: client_ids / groups_train must be one id per training "
+                        f"sample (1-D), got shape {groups.shape}")
+    if np.issubdtype(groups.dtype, np.floating):
+        bad = np.flatnonzero(~np.isfinite(groups) | (groups != np.round(groups)))
+        if len(bad):
+            raise DataError(f"{where}: client_ids[{int(bad[0])}] = "
+                            f"{groups[bad[0]].item()!r} is not an integer id")
+        groups = groups.astype(np.int64)
+    elif not (np.issubdtype(groups.dtype, np.integer) or groups.dtype.kind in "US"):
+        raise DataError(f"{where}: client_ids must be integers or strings, got dtype "
+                        f"{groups.dtype}")
+    return groups
 
 
 def _stated_int(value: np.ndarray, where: str, array: str) -> int:

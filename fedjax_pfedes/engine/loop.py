@@ -41,10 +41,11 @@ from fedjax_pfedes.engine.evaluation import (
     privacy_statement,
 )
 from fedjax_pfedes.engine.validate import validate_config
-from fedjax_pfedes.errors import ConfigError, DivergedError, NothingTrainedError
+from fedjax_pfedes.errors import ConfigError, DivergedError, NothingTrainedError, StorageError
 from fedjax_pfedes.execution import compilation, distributed, offload
-from fedjax_pfedes.io import checkpoints, metrics
+from fedjax_pfedes.io import checkpoints, metrics, storage
 from fedjax_pfedes.io.workdir import WorkdirLock, data_fingerprint
+from fedjax_pfedes.tree_util import tree_size
 
 
 def local_optimizer_note(config) -> dict:
@@ -87,6 +88,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
             shutil.rmtree(scratch, ignore_errors=True)
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir={workdir} is a file, not a directory")
+    storage.check_path(workdir)
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
@@ -95,6 +97,12 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     lock.acquire()
     try:
         return _run(config, workdir, show_progress, callbacks)
+    except OSError as e:
+        if not storage.is_storage_fault(e):
+            raise
+        raise StorageError(f"writing {storage.file_of(e) or workdir} failed: "
+                           f"{storage.cause(e)}; the last checkpoint in {workdir} is kept: "
+                           "free space and run the same command to resume") from None
     finally:
         lock.release()
 
@@ -153,6 +161,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
     write_data_profile(data, config.data.partition, out_dir)
     ctx, state = build_context(config, data, (meta or {}).get("execution_strategy_by_arch"),
                                out_dir)
+    if writer:
+        storage.check_space(workdir, tree_size(state.to_checkpoint())[1], ck.every > 0)
     if meta is not None:
         first_round, restored = checkpointer.restore(
             distributed.process_local(state.to_checkpoint()))
@@ -217,6 +227,14 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
                  f"Client-level DP adds noise of std {ctx.pipeline.noise_multiplier:.3g} x "
                  f"{dp.clip_norm:g} on the sum: lower config.dp.noise_multiplier / raise "
                  "config.dp.target_epsilon or config.dp.clip_norm, or lower the learning rate")
+        attack = config.attack
+        if attack.kind != "none" and attack.clients.strip():
+            cause = (f"The simulated attack is the likeliest cause: config.attack.kind="
+                     f"'{attack.kind}' (value {attack.value:g}) from clients "
+                     f"{attack.clients.strip()} reached the aggregate"
+                     + (" (secure aggregation hides individual uploads from the norm rule)"
+                        if ctx.pipeline.cfg.secagg else "")
+                     + f"; to run without it set --config.attack.kind=none. Otherwise: {cause}")
         raise DivergedError(
             f"training diverged in round {diverged['round']} ({some(diverged['metrics'])} "
             f"non-finite); summary in {workdir}/summary.json. {cause}, "

@@ -32,6 +32,7 @@ from fedjax_pfedes.models.architectures import (
     shared_arch,
     uses_batch_norm,
 )
+from fedjax_pfedes.models.probe import check_backbone
 from fedjax_pfedes.upload.pipeline import check_compatible
 
 # Largest representation width of the proxy / projection: a classifier over 2**16 features per
@@ -234,9 +235,11 @@ def check_against_data(config: ml_collections.ConfigDict, central: CentralDatase
     try:
         for arch in dict.fromkeys(assign_architectures(config.clients.architectures, n)):
             check_architecture(arch, modality=central.modality)
+            check_backbone(arch, central.input_spec)
         if entry.check_data is not None:
             entry.check_data(sections.method_settings(config), central.input_spec)
         if entry.shared_model:
-            shared_arch(config.clients.shared_arch, central.input_spec)
+            check_backbone(shared_arch(config.clients.shared_arch, central.input_spec),
+                           central.input_spec)
     except ValueError as e:
         raise ConfigError(f"{e} (config.data.name='{config.data.name}')") from None

@@ -26,7 +26,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.errors import ConfigError, StorageError
+from fedjax_pfedes.io import storage
 from fedjax_pfedes.io.metrics import flatten, to_builtin
 
 # Fields that may differ between the checkpointed run and the resumed one: they change what is
@@ -118,8 +119,38 @@ class Checkpointer:
                 max_to_keep=max_to_keep, create=False, read_only=read_only, **alone))
         self.step: int | None = None  # the step `check_config` selected
         self.verified = False  # whether that step had an integrity record
+        self._closed = False
 
     def save(self, rounds_done: int, state: Any, meta: dict) -> None:
+        """Saves the step `rounds_done`. A failure of the disk or file system raises
+        `StorageError` naming the file and the cause, after removing the unfinished step and
+        shutting the manager's threads down; the last good step stays."""
+        with storage.held_stderr() as held:
+            try:
+                self._save(rounds_done, state, meta)
+                return
+            except Exception as e:
+                if not storage.is_storage_fault(e):
+                    raise
+                failure = e
+                held["drop"] = True
+                self._shut_down()
+        storage.remove_temporary(self.directory)
+        kept = [s for s in self._steps_on_disk() if s != rounds_done]
+        where = storage.file_of(failure) or self._step_dir(rounds_done)
+        raise StorageError(
+            f"saving the checkpoint of round {rounds_done} failed: {storage.cause(failure)} "
+            f"writing {where}; "
+            + (f"the last good checkpoint (round {max(kept)}) is kept in {self.directory}"
+               if kept else "no earlier checkpoint exists")
+            + "; free space and run the same command to resume")
+
+    def _steps_on_disk(self) -> list[int]:
+        if not os.path.isdir(self.directory):
+            return []
+        return [int(n) for n in os.listdir(self.directory) if n.isdigit()]
+
+    def _save(self, rounds_done: int, state: Any, meta: dict) -> None:
         with ORBAX_LOCK:
             self.manager.save(rounds_done, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(to_builtin(meta))))
@@ -252,8 +283,18 @@ class Checkpointer:
         return step, restored
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        if not self._closed:
+            self._closed = True
+            self.manager.wait_until_finished()
+            self.manager.close()
+
+    def _shut_down(self) -> None:
+        """After a failed save: stop the manager's threads without raising its error again."""
+        self._closed = True
+        try:
+            self.manager.close()
+        except Exception as e:  # noqa: BLE001 - its error is the one being reported
+            logging.info("checkpoint manager closed after a failed save: %s", e)
 
 
 def _digest(directory: str) -> dict[str, tuple[int, str]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import sys
 import threading
@@ -31,17 +32,68 @@ def to_builtin(value: Any) -> Any:
     return value
 
 
+def strict_json(value: Any, where: str = "", found: list[str] | None = None) -> Any:
+    """`to_builtin`, with every non-finite float (NaN, Inf) replaced by None: strict JSON
+    (`NaN` is not JSON, and strict parsers reject it). The paths of the replaced values are
+    appended to `found`."""
+    value = to_builtin(value)
+    if isinstance(value, dict):
+        return {k: strict_json(v, f"{where}.{k}" if where else str(k), found)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [strict_json(v, f"{where}[{i}]", found) for i, v in enumerate(value)]
+    if isinstance(value, float) and not math.isfinite(value):
+        if found is not None:
+            found.append(where)
+        return None
+    return value
+
+
+NON_FINITE_KEY = "non_finite_as_null"  # a record's fields that were NaN/Inf, written as null
+
+
 def write_json(path: str, obj: dict) -> None:
+    """Writes `obj` as strict JSON (non-finite values as null, their paths listed under
+    `NON_FINITE_KEY`)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    found: list[str] = []
+    out = strict_json(obj, found=found)
+    if found:
+        out[NON_FINITE_KEY] = found
     with open(path, "w") as f:
-        json.dump(to_builtin(obj), f, indent=2)
+        json.dump(out, f, indent=2, allow_nan=False)
 
 
 def read_jsonl(path: str) -> list[dict]:
+    """The complete records of a JSON-lines file ([] when it is missing). A last line cut off
+    mid-write (a run still writing, or killed) is left out; see `read_jsonl_lines`."""
+    return read_jsonl_lines(path)[0]
+
+
+def read_jsonl_lines(path: str) -> tuple[list[dict], bool]:
+    """(the complete records, whether an unfinished last line was left out).
+
+    Raises:
+      ValueError naming the file and the line, for a line before the last that is not JSON
+      (a damaged file, not one being written).
+    """
     if not os.path.exists(path):
-        return []
+        return [], False
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    rows, cut = [], False
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:  # no newline after it: still being written
+                cut = True
+                break
+            raise ValueError(f"{path}: line {i + 1} is not JSON ({e.msg}); the file is "
+                             "damaged") from None
+    return rows, cut
 
 
 def flatten(record: dict, sep: str = "/", prefix: str = "") -> dict[str, Any]:
@@ -71,8 +123,12 @@ class JsonlLog:
             f.writelines(json.dumps(r) + "\n" for r in kept)
 
     def write(self, record: dict) -> None:
+        found: list[str] = []
+        out = strict_json(record, found=found)
+        if found:
+            out[NON_FINITE_KEY] = found
         with open(self.path, "a") as f:
-            f.write(json.dumps(to_builtin(record)) + "\n")
+            f.write(json.dumps(out, allow_nan=False) + "\n")
 
 
 def write_csv(rows: list[dict], path: str) -> None:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.tree_util import tree_size
 from fedjax_pfedes.upload import compression, privacy, robust, validation
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
@@ -196,13 +197,48 @@ def register_stage(cls: type[UploadStage]) -> type[UploadStage]:
     Returns:
       `cls` (use as a class decorator). A second class under a registered `name` raises.
     """
+    if not (isinstance(cls, type) and issubclass(cls, UploadStage)):
+        raise ValueError(f"register_stage: expected a subclass of UploadStage, got "
+                        f"{cls!r} ({type(cls).__name__})")
+    where = f"register_stage({cls.__name__})"
+    if not isinstance(cls.name, str) or not cls.name or (
+            cls.name == UploadStage.name and cls is not UploadStage):
+        raise ValueError(f"{where}: the stage needs a name of its own (class attribute "
+                         f"`name`), got {cls.name!r}")
+    if not isinstance(cls.position, int | float) or isinstance(cls.position, bool):
+        raise ValueError(f"{where}: position must be a number (lower runs first), got "
+                         f"{cls.position!r}")
     taken = {c.name: c for c in STAGES}
     if cls.name in taken and taken[cls.name] is not cls:
         raise ValueError(f"upload stage '{cls.name}' is registered twice")
+    _check_stage_fields(cls, where)
     if cls not in STAGES:
         STAGES.append(cls)
         STAGES.sort(key=lambda c: c.position)
     return cls
+
+
+def _check_stage_fields(cls: type[UploadStage], where: str) -> None:
+    """A stage's fields may not collide with the core config's, a method's or another stage's
+    (at another default), naming both owners."""
+    if not isinstance(cls.fields, dict):
+        raise ValueError(f"{where}: fields must map dotted config paths to defaults, got "
+                         f"{cls.fields!r}")
+    if not cls.fields:
+        return
+    methods = algorithm_registry.entries()
+    core = algorithm_registry.core_paths()
+    for path, default in cls.fields.items():
+        if path in core["leaves"] or path in core["sections"]:
+            raise ValueError(f"{where}: field 'config.{path}' collides with the core config's")
+        for m in methods.values():
+            if path in m.fields:
+                raise ValueError(f"{where}: field 'config.{path}' is declared by the method "
+                                 f"'{m.name}' too")
+        for other in STAGES:
+            if other is not cls and path in other.fields and other.fields[path] != default:
+                raise ValueError(f"{where}: field 'config.{path}' is declared by the stage "
+                                 f"'{other.name}' too, with default {other.fields[path]!r}")
 
 
 def declared_fields() -> dict[str, Any]:
