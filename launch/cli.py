@@ -132,6 +132,8 @@ def loaded_config(config_flag):
         config = config_flag.value
         if config is None:
             fail(config_file_problem(""))
+        if type(config).__name__ == "_ErrorConfig":  # config_flags' deferred load error
+            config.to_dict()
         if not isinstance(config, ml_collections.ConfigDict):
             fail(f"--config={path}: get_config() must return an ml_collections.ConfigDict "
                  f"(e.g. fedjax_pfedes.default_config()), returned {type(config).__name__}")

@@ -88,6 +88,7 @@ def pipeline_config(config: ml_collections.ConfigDict) -> PipelineConfig:
             sampling_rate=float(config.train.client_fraction) if sampling == "poisson" else 0.0)
     return PipelineConfig(
         reject_nonfinite=u.reject_nonfinite, norm_outlier_factor=u.norm_outlier_factor,
+        norm_outlier_z=u.norm_outlier_z, norm_outlier_hard_factor=u.norm_outlier_hard_factor,
         weighting=u.weighting, aggregator=u.aggregator, trim_fraction=u.trim_fraction,
         compression=compression.CompressionConfig(u.topk_fraction, u.value_encoding,
                                                   u.qsgd_levels),

@@ -271,9 +271,13 @@ def outlier_rule(cfg) -> tuple[float, str]:
     if cfg.secagg:
         return 0.0, ("off under config.secagg.enabled: the server sees no individual norm; "
                      "values are range-checked before masking instead")
-    return cfg.norm_outlier_factor, (f"updates with norm per local sample > "
-                                     f"{cfg.norm_outlier_factor:g} x the round's median are "
-                                     "rejected")
+    z, hard = cfg.norm_outlier_z, cfg.norm_outlier_hard_factor
+    return cfg.norm_outlier_factor, (
+        f"updates with norm per local sample > {cfg.norm_outlier_factor:g} x the round's median"
+        + (f" and log-norm > {z:g} robust standard deviations above the round's median "
+           "log-norm" if z > 0 else "")
+        + (f", or > {hard:g} x the median," if z > 0 and hard > 0 else "")
+        + " are rejected")
 
 
 @register_stage
@@ -335,13 +339,16 @@ class NormOutlierCheck(UploadStage):
 
     factor: float = 0.0
     keys: tuple[str, ...] = ()  # the upload's model part (`Algorithm.norm_keys`; () = all)
+    z_threshold: float = 0.0  # `validation.norm_outliers`' robust z-score (0 = not applied)
+    hard_factor: float = 0.0  # beyond this many medians whatever the z (0 = none)
     name = "norm_outlier_check"
     position = 30  # measured on what is sent
 
     @classmethod
     def from_config(cls, cfg, noise_multiplier):
         del noise_multiplier
-        return cls(outlier_rule(cfg)[0], cfg.norm_keys)
+        return cls(outlier_rule(cfg)[0], cfg.norm_keys, cfg.norm_outlier_z,
+                   cfg.norm_outlier_hard_factor)
 
     def client(self, delta, memory, key, info):
         norm = validation.update_norms(jax.tree.map(
@@ -363,7 +370,9 @@ class NormOutlierCheck(UploadStage):
             norms = np.concatenate([np.asarray(r.info[a]["norm"], np.float32) for a in scope])
             sizes = np.concatenate([np.asarray(r.cohorts[a].sizes, np.float32) for a in scope])
             per_sample = norms / np.maximum(sizes, 1.0)
-            outlier = validation.norm_outliers(per_sample, ok, self.factor)
+            outlier = validation.norm_outliers(per_sample, ok, self.factor, self.z_threshold,
+                                               self.hard_factor)
+            z = validation.robust_log_z(per_sample, ok) if outlier.any() else None
             start = 0
             for a in scope:
                 n = len(r.valid[a])
@@ -373,7 +382,9 @@ class NormOutlierCheck(UploadStage):
                              f"update norm {float(norms[start + j]):.3g} "
                              f"({float(per_sample[start + j]):.3g} per local sample) beyond "
                              f"{self.factor:g} x the round's median per sample "
-                             "(config.upload.norm_outlier_factor)")
+                             + (f"and {float(z[start + j]):.3g} robust standard deviations "
+                                "above its median log-norm " if self.z_threshold > 0 else "")
+                             + "(config.upload.norm_outlier_factor, norm_outlier_z)")
                 start += n
                 r.valid[a] &= ~mine
 

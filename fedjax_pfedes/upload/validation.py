@@ -75,9 +75,44 @@ def upload_norms(stacked, template, keys: tuple[str, ...] = ()) -> jax.Array:
     return jax.lax.map(lambda upload: upload_norm(upload, template, keys), stacked)
 
 
-def norm_outliers(norms: np.ndarray, valid: np.ndarray, factor: float) -> np.ndarray:
+def _valid_median(values: np.ndarray, valid: np.ndarray) -> np.float32:
+    """The median of the valid values in float32, as `masked_median` computes it on the
+    device (0 when none is valid)."""
+    n = int(valid.sum())
+    if n == 0:
+        return np.float32(0.0)
+    ordered = np.sort(np.where(valid, values, np.finfo(np.float32).max))
+    return np.float32(0.5) * (ordered[max((n - 1) // 2, 0)] + ordered[n // 2])
+
+
+def robust_log_z(norms: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """[slots] how many robust standard deviations each log-norm lies above the valid slots'
+    median log-norm: (log x - median) / (1.4826 x MAD), the MAD scaled to a normal's standard
+    deviation (Iglewicz & Hoaglin, 1993). Where the MAD is 0 (most norms equal) every norm above
+    the median is +inf (only the factor then decides). A norm of 0 counts as the smallest
+    positive float32."""
+    logs = np.log(np.maximum(np.asarray(norms, np.float32), np.finfo(np.float32).tiny))
+    valid = np.asarray(valid, bool)
+    center = _valid_median(logs, valid)
+    mad = _valid_median(np.abs(logs - center), valid)
+    if mad > 0:
+        return (logs - center) / (np.float32(1.4826) * mad)
+    return np.where(logs > center, np.float32(np.inf), np.float32(0.0))
+
+
+def norm_outliers(norms: np.ndarray, valid: np.ndarray, factor: float,
+                  z_threshold: float = 0.0, hard_factor: float = 0.0) -> np.ndarray:
     """[slots] True where a valid slot's norm exceeds `factor` x the median norm of the valid
-    slots (never flags anything with fewer than 3 valid slots: no meaningful median).
+    slots and (when `z_threshold` > 0) its log-norm lies more than `z_threshold` robust
+    standard deviations above their median log-norm (`robust_log_z`), or (when `hard_factor` >
+    0) where it exceeds `hard_factor` x the median whatever the spread. Never flags anything
+    with fewer than 3 valid slots (no meaningful median).
+
+    The factor keeps a round of like-sized updates from rejecting an honest 2x one (a tiny MAD
+    makes every z large); the z-score keeps a round whose honest norms spread over orders of
+    magnitude from rejecting its largest honest ones (a 10x-median rule alone rejected ~4 % of
+    the published pFedES's honest uploads; docs/threat_model.md); the hard factor still
+    rejects a boosted update in such a round, where its z can stay small.
 
     On the host, in float32 as `masked_median` computes it on the device (the same values:
     the rule runs every round, where a handful of eager device calls cost more than it).
@@ -86,6 +121,8 @@ def norm_outliers(norms: np.ndarray, valid: np.ndarray, factor: float) -> np.nda
       norms: [slots] the norms (per local sample, as the stage passes them).
       valid: [slots] which slots count.
       factor: the rule's factor.
+      z_threshold: the robust z-score a flagged norm must also exceed (0 = not applied).
+      hard_factor: beyond this many medians a norm is flagged whatever its z (0 = none).
 
     Returns:
       [slots] bool.
@@ -93,12 +130,14 @@ def norm_outliers(norms: np.ndarray, valid: np.ndarray, factor: float) -> np.nda
     norms = np.asarray(norms, np.float32)
     valid = np.asarray(valid, bool)
     n = int(valid.sum())
-    ordered = np.sort(np.where(valid, norms, np.finfo(np.float32).max))
-    if n > 0:
-        median = np.float32(0.5) * (ordered[max((n - 1) // 2, 0)] + ordered[n // 2])
-    else:
-        median = np.float32(0.0)
-    return valid & (n >= 3) & (norms > np.float32(factor) * median)
+    median = _valid_median(norms, valid)
+    out = valid & (n >= 3) & (norms > np.float32(factor) * median)
+    if z_threshold > 0 and out.any():
+        beyond = robust_log_z(norms, valid) > np.float32(z_threshold)
+        if hard_factor > 0:
+            beyond |= norms > np.float32(hard_factor) * median
+        out &= beyond
+    return out
 
 
 def masked_median(values: jax.Array, valid: jax.Array) -> jax.Array:

@@ -52,3 +52,71 @@ def test_the_rules_decision_by_hand():
         norm_outliers(np.array([1, 1e9], np.float32), np.ones(2, bool), 10.0), [False, False])
     np.testing.assert_array_equal(norm_outliers(np.zeros(3, np.float32), np.zeros(3, bool),
                                                 10.0), [False] * 3)
+
+
+# One round of honest uploads of the published pFedES (`pfedes_paper`, its 153-parameter proxy
+# G) on the 2-class-per-client collaboration population, round 98 of seed 0 with the rule off:
+# norms spread over three orders of magnitude; the 10x-median rule alone rejected the top three.
+HONEST_SPREAD = [0.002, 0.004, 0.005, 0.006, 0.012, 0.029, 0.111, 0.383, 0.418, 2.526]
+
+
+def _robust_z_reference(values):
+    """(log x - median log) / (1.4826 MAD), with the standard library alone."""
+    import math
+    import statistics
+    logs = [math.log(v) for v in values]
+    center = statistics.median(logs)
+    mad = statistics.median([abs(v - center) for v in logs])
+    return [(v - center) / (1.4826 * mad) for v in logs]
+
+
+def test_the_robust_z_score_and_the_combined_rule_by_hand():
+    from fedjax_pfedes.upload.validation import norm_outliers, robust_log_z
+
+    values = np.array(HONEST_SPREAD + [4.0, 400.0], np.float32)
+    valid = np.ones(len(values), bool)
+    z = _robust_z_reference(values)
+    np.testing.assert_allclose(robust_log_z(values, valid), z, rtol=1e-4)
+    median = float(np.median(values))
+    for factor, z_threshold, hard in [(10, 2.0, 0), (10, 2.0, 1000), (10, 6, 1000), (10, 0, 0)]:
+        expected = [v > factor * median and (z_threshold == 0 or zi > z_threshold
+                                             or (hard > 0 and v > hard * median))
+                    for v, zi in zip(values, z, strict=True)]
+        np.testing.assert_array_equal(norm_outliers(values, valid, factor, z_threshold, hard),
+                                      expected, err_msg=f"{factor} {z_threshold} {hard}")
+    # median 0.07: 2.526 and 4 are beyond 10x it, 400 beyond 1000x; z of 400 is 2.56
+    assert norm_outliers(values, valid, 10).sum() == 3  # the factor alone
+    assert norm_outliers(values, valid, 10, 2.0).tolist()[-1:] == [True]  # 400 by its z
+    assert norm_outliers(values, valid, 10, 2.0).sum() == 1
+    assert norm_outliers(values, valid, 10, 6.0).sum() == 0
+    assert norm_outliers(values, valid, 10, 6.0, 1000).sum() == 1  # 400 by the hard bound
+    # an invalid slot counts in neither statistic
+    masked = np.concatenate([values, [1e-9]]).astype(np.float32)
+    np.testing.assert_array_equal(
+        robust_log_z(masked, np.append(valid, False))[:-1], robust_log_z(values, valid))
+
+
+def test_an_honest_round_spread_over_orders_of_magnitude_is_left_alone_by_default():
+    from fedjax_pfedes.upload.pipeline import (
+        NORM_OUTLIER_FACTOR,
+        NORM_OUTLIER_HARD_FACTOR,
+        NORM_OUTLIER_Z,
+    )
+    from fedjax_pfedes.upload.validation import norm_outliers, robust_log_z
+
+    rule = (NORM_OUTLIER_FACTOR, NORM_OUTLIER_Z, NORM_OUTLIER_HARD_FACTOR)
+    honest = np.array(HONEST_SPREAD, np.float32)
+    valid = np.ones(len(honest), bool)
+    assert norm_outliers(honest, valid, NORM_OUTLIER_FACTOR).sum() == 3  # the factor alone
+    assert not norm_outliers(honest, valid, *rule).any()
+    # a boosted update (the threat model's 1e4 in each of G's 153 values) among them is only
+    # ~5 robust deviations off, and the hard bound catches it
+    boosted = np.append(honest, 1e4 * np.sqrt(153)).astype(np.float32)
+    assert robust_log_z(boosted, np.ones(11, bool))[-1] < NORM_OUTLIER_Z
+    np.testing.assert_array_equal(norm_outliers(boosted, np.ones(11, bool), *rule),
+                                  [False] * len(honest) + [True])
+    # and among like-sized honest updates a model-replacement x100 one is, by its z (U03)
+    like = np.random.default_rng(0).uniform(0.9, 1.1, 9).astype(np.float32)
+    np.testing.assert_array_equal(
+        norm_outliers(np.append(like, 100.0).astype(np.float32), np.ones(10, bool), *rule),
+        [False] * 9 + [True])
