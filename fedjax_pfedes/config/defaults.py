@@ -186,6 +186,7 @@ class UploadSection:
     norm_outlier_factor: float = 10.0
     norm_outlier_z: float = 6.0
     norm_outlier_hard_factor: float = 1000.0
+    norm_outlier_model_ratio: float = 1.0  # and only if > this x the updated model's norm
     # 'samples' (local training samples) | 'sqrt_samples' | 'uniform' | 'all_samples' (training
     # + local test samples: the published pFedES code's aggregation weights)
     weighting: str = "samples"

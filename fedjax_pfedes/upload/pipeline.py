@@ -56,6 +56,9 @@ NORM_OUTLIER_Z = 6.0
 # a 1e4-per-value update only ~5 robust deviations off; honest norms stayed within ~100x the
 # median in every run measured, docs/threat_model.md).
 NORM_OUTLIER_HARD_FACTOR = 1000.0
+# Default of config.upload.norm_outlier_model_ratio: only an update larger than the model it
+# updates is judged (`validation.norm_outliers`).
+NORM_OUTLIER_MODEL_RATIO = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,7 @@ class PipelineConfig:
     norm_outlier_factor: float = NORM_OUTLIER_FACTOR  # 0 = off
     norm_outlier_z: float = NORM_OUTLIER_Z  # 0 = the factor alone
     norm_outlier_hard_factor: float = NORM_OUTLIER_HARD_FACTOR  # 0 = no bound beyond the z
+    norm_outlier_model_ratio: float = NORM_OUTLIER_MODEL_RATIO  # 0 = not applied
     norm_keys: tuple[str, ...] = ()  # the uploads' model part the norm rule measures (() = all)
     weighting: str = "samples"
     aggregator: str = "mean"
@@ -147,6 +151,9 @@ def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> N
         raise ValueError("config.upload.norm_outlier_hard_factor must be 0 (none) or >= "
                          f"config.upload.norm_outlier_factor ({cfg.norm_outlier_factor:g}), "
                          f"got {cfg.norm_outlier_hard_factor}")
+    if not cfg.norm_outlier_model_ratio >= 0:
+        raise ValueError("config.upload.norm_outlier_model_ratio must be >= 0 (0 = not "
+                         f"applied), got {cfg.norm_outlier_model_ratio}")
     if not cfg.norm_outlier_z >= 0:
         raise ValueError("config.upload.norm_outlier_z must be >= 0 (0 = the factor alone), "
                          f"got {cfg.norm_outlier_z}")

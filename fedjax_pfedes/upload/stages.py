@@ -277,6 +277,8 @@ def outlier_rule(cfg) -> tuple[float, str]:
         + (f" and log-norm > {z:g} robust standard deviations above the round's median "
            "log-norm" if z > 0 else "")
         + (f", or > {hard:g} x the median," if z > 0 and hard > 0 else "")
+        + (f" and > {cfg.norm_outlier_model_ratio:g} x the norm of the model they update"
+           if cfg.norm_outlier_model_ratio > 0 else "")
         + " are rejected")
 
 
@@ -341,6 +343,7 @@ class NormOutlierCheck(UploadStage):
     keys: tuple[str, ...] = ()  # the upload's model part (`Algorithm.norm_keys`; () = all)
     z_threshold: float = 0.0  # `validation.norm_outliers`' robust z-score (0 = not applied)
     hard_factor: float = 0.0  # beyond this many medians whatever the z (0 = none)
+    model_ratio: float = 0.0  # only updates larger than this x the model's norm (0 = all)
     name = "norm_outlier_check"
     position = 30  # measured on what is sent
 
@@ -348,7 +351,7 @@ class NormOutlierCheck(UploadStage):
     def from_config(cls, cfg, noise_multiplier):
         del noise_multiplier
         return cls(outlier_rule(cfg)[0], cfg.norm_keys, cfg.norm_outlier_z,
-                   cfg.norm_outlier_hard_factor)
+                   cfg.norm_outlier_hard_factor, cfg.norm_outlier_model_ratio)
 
     def client(self, delta, memory, key, info):
         norm = validation.update_norms(jax.tree.map(
@@ -372,6 +375,16 @@ class NormOutlierCheck(UploadStage):
             per_sample = norms / np.maximum(sizes, 1.0)
             outlier = validation.norm_outliers(per_sample, ok, self.factor, self.z_threshold,
                                                self.hard_factor)
+            relative = None
+            if outlier.any() and self.model_ratio > 0:
+                tiny = np.finfo(np.float32).tiny  # a template of zeros: every ratio is huge
+                relative = np.concatenate([
+                    np.asarray(r.info[a]["norm"], np.float32)
+                    / max(validation.model_norm(r.cohorts[a].template, self.keys), tiny)
+                    for a in scope])
+                outlier = validation.norm_outliers(
+                    per_sample, ok, self.factor, self.z_threshold, self.hard_factor, relative,
+                    self.model_ratio)
             z = validation.robust_log_z(per_sample, ok) if outlier.any() else None
             start = 0
             for a in scope:
@@ -384,7 +397,9 @@ class NormOutlierCheck(UploadStage):
                              f"{self.factor:g} x the round's median per sample "
                              + (f"and {float(z[start + j]):.3g} robust standard deviations "
                                 "above its median log-norm " if self.z_threshold > 0 else "")
-                             + "(config.upload.norm_outlier_factor, norm_outlier_z)")
+                             + (f"and {float(relative[start + j]):.3g} x the norm of the model "
+                                "it updates " if relative is not None else "")
+                             + "(config.upload.norm_outlier_*)")
                 start += n
                 r.valid[a] &= ~mine
 

@@ -101,18 +101,26 @@ def robust_log_z(norms: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 
 def norm_outliers(norms: np.ndarray, valid: np.ndarray, factor: float,
-                  z_threshold: float = 0.0, hard_factor: float = 0.0) -> np.ndarray:
+                  z_threshold: float = 0.0, hard_factor: float = 0.0,
+                  relative: np.ndarray | None = None, model_ratio: float = 0.0) -> np.ndarray:
     """[slots] True where a valid slot's norm exceeds `factor` x the median norm of the valid
     slots and (when `z_threshold` > 0) its log-norm lies more than `z_threshold` robust
     standard deviations above their median log-norm (`robust_log_z`), or (when `hard_factor` >
-    0) where it exceeds `hard_factor` x the median whatever the spread. Never flags anything
-    with fewer than 3 valid slots (no meaningful median).
+    0) where it exceeds `hard_factor` x the median whatever the spread; and in every case
+    (when `model_ratio` > 0) only where the update is larger than `model_ratio` x the norm of
+    the model it updates (`relative`). Never flags anything with fewer than 3 valid slots (no
+    meaningful median).
 
     The factor keeps a round of like-sized updates from rejecting an honest 2x one (a tiny MAD
     makes every z large); the z-score keeps a round whose honest norms spread over orders of
     magnitude from rejecting its largest honest ones (a 10x-median rule alone rejected ~4 % of
     the published pFedES's honest uploads; docs/threat_model.md); the hard factor still
-    rejects a boosted update in such a round, where its z can stay small.
+    rejects a boosted update in such a round, where its z can stay small. Late in training
+    most honest updates can shrink to a common floor while a few clients still learn: the
+    round's median then says nothing of their scale (honest norms 500x the median at a z of 57
+    were measured), and the model's own norm does: an update smaller than the model it changes
+    cannot replace it, and the boosted and model-replacement updates of the threat model are
+    several times larger than the model.
 
     On the host, in float32 as `masked_median` computes it on the device (the same values:
     the rule runs every round, where a handful of eager device calls cost more than it).
@@ -123,6 +131,9 @@ def norm_outliers(norms: np.ndarray, valid: np.ndarray, factor: float,
       factor: the rule's factor.
       z_threshold: the robust z-score a flagged norm must also exceed (0 = not applied).
       hard_factor: beyond this many medians a norm is flagged whatever its z (0 = none).
+      relative: [slots] each update's norm over the norm of the model it updates (inf where
+        the reference is all zeros: statistics, not a model).
+      model_ratio: the `relative` a flagged update must also exceed (0 = not applied).
 
     Returns:
       [slots] bool.
@@ -137,7 +148,18 @@ def norm_outliers(norms: np.ndarray, valid: np.ndarray, factor: float,
         if hard_factor > 0:
             beyond |= norms > np.float32(hard_factor) * median
         out &= beyond
+    if model_ratio > 0 and relative is not None and out.any():
+        out &= np.asarray(relative, np.float32) > np.float32(model_ratio)
     return out
+
+
+def model_norm(template, keys: tuple[str, ...] = ()) -> float:
+    """The L2 norm of the model part (`keys`) of an upload template: the model an update
+    changes (0 for a template of zeros: uploads that are statistics)."""
+    leaves = jax.tree.leaves(model_part(template, keys))
+    if not leaves:
+        return 0.0
+    return float(update_norms(jax.tree.map(lambda a: a[None], model_part(template, keys)))[0])
 
 
 def masked_median(values: jax.Array, valid: jax.Array) -> jax.Array:

@@ -272,6 +272,7 @@ def test_a_streamed_scan_run_gives_the_loops_numbers(name, factor, tmp_path, mon
         config.execution.scan_held_uploads = 8
         config.upload.norm_outlier_factor = factor
         config.upload.norm_outlier_z = 0.0  # the factor alone: rejections to hold aside
+        config.upload.norm_outlier_model_ratio = 0.0
         config.eval.every = 1
         workdir = tmp_path / variant.replace("/", "_")
         run_experiment(config, str(workdir), show_progress=False)
@@ -357,6 +358,7 @@ def test_the_cli_stops_a_run_whose_rejections_were_not_held_with_one_line(tmp_pa
             "--config.clients.architectures=mlp", "--config.train.rounds=3",
             "--config.checkpoint.every=0", "--config.execution.strategy=scan",
             "--config.upload.norm_outlier_factor=1.01", "--config.upload.norm_outlier_z=0",
+            "--config.upload.norm_outlier_model_ratio=0",
             "--config.execution.scan_held_uploads=1"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert out.returncode == 2, out.stderr[-2000:]

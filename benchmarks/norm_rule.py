@@ -1,0 +1,176 @@
+"""How often the default norm-outlier rule rejects honest uploads, measured on runs without an
+attacker (docs/threat_model.md, "The norm rule's false positives").
+
+  python -m benchmarks.norm_rule collect --workdir=runs/norm_rule        # the honest runs
+  python -m benchmarks.norm_rule report --workdir=runs/norm_rule         # the table
+
+`collect` runs every method on the quick start population and on it with quantity skew
+(LogNormal sigma 2), and pFedES (both variants), FedAvg, FML and FedMRL on the collaboration
+population with 5 and with 2 classes per client (300 rounds), all with the default rule on, one
+seed (0), without evaluation until the last round (the rule does not read it). Every run also
+writes `template_norms.jsonl`: the norm of the model each cohort's uploads update (the upload
+template) in each round after the first. `report` counts, per run, the uploads the default rule
+rejected (`rejections.jsonl`), what the earlier rule (norm per local sample > 10x the round's
+median, nothing else) would have rejected on the same honest rounds, and the largest ratio to
+the median, robust z-score and update-to-model ratio an honest upload reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+
+import numpy as np
+
+import fedjax_pfedes
+from fedjax_pfedes.algorithms import registry
+from fedjax_pfedes.upload import validation
+
+METHODS = ("pfedes", "pfedes_paper", "standalone", "fedavg", "fedprox", "fedavgm", "fedadam",
+           "scaffold", "fednova", "fedbn", "lg_fedavg", "fedproto", "fml", "fedkd", "fedgh",
+           "feddistill", "fedmrl")
+COLLABORATION_METHODS = ("pfedes_paper", "pfedes", "fedavg", "fml", "fedmrl")
+
+
+def populations() -> dict[str, tuple[str, dict]]:
+    """Run name -> (config file, overrides)."""
+    out = {}
+    for m in METHODS:
+        out[f"quickstart/{m}"] = ("configs/quickstart.py", {"algorithm": m})
+        out[f"quantity_skew/{m}"] = ("configs/quickstart.py", {
+            "algorithm": m, "data.partition": "quantity_skew", "data.quantity_sigma": 2.0})
+    for classes in (5, 2):
+        for m in COLLABORATION_METHODS:
+            out[f"collaboration_{classes}class/{m}"] = ("configs/collaboration_mnist.py", {
+                "algorithm": m, "data.classes_per_client": classes, "train.rounds": 300})
+    return out
+
+
+class TemplateNorms(fedjax_pfedes.Callback):
+    """Writes, after each round, the norm of each cohort's upload template for the next round
+    (the model its uploads update; `validation.model_norm` of its model part)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_round_end(self, run, end):
+        algorithm = run.ctx.algorithm
+        norms = {c.arch: validation.model_norm(algorithm.upload_template(end.state.server,
+                                                                          c.arch),
+                                               algorithm.norm_keys)
+                 for c in run.ctx.cohorts}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"round": end.round + 1, "template_norm": norms}) + "\n")
+
+
+def _load(config_file: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("config_module", config_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def collect(workdir: str, only: str = "") -> None:
+    for name, (config_file, overrides) in populations().items():
+        if only and only not in name:
+            continue
+        out = os.path.join(workdir, name)
+        if os.path.exists(os.path.join(out, "summary.json")):
+            continue
+        config = _load(config_file)
+        for path, value in overrides.items():
+            node = config
+            *parents, leaf = path.split(".")
+            for p in parents:
+                node = node[p]
+            node[leaf] = value
+        config.eval.every = 100000  # only the last round: the rule does not read it
+        config.checkpoint.every = 0
+        config.monitor.tensorboard = False
+        os.makedirs(out, exist_ok=True)
+        if os.path.exists(os.path.join(out, "template_norms.jsonl")):
+            os.remove(os.path.join(out, "template_norms.jsonl"))
+        fedjax_pfedes.run(config, out, progress=False,
+                          callbacks=[TemplateNorms(os.path.join(out, "template_norms.jsonl"))])
+        print(name, "done", flush=True)
+
+
+def _rounds(run: str):
+    """(round, [(arch, norm, samples)] of one aggregation scope) for each scope and round."""
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    kind = registry.get(summary["config"]["algorithm"]).aggregation
+    by = collections.defaultdict(list)
+    for line in open(os.path.join(run, "clients.jsonl")):
+        row = json.loads(line)
+        if row.get("update_norm") is None or row["status"] != "delivered":
+            continue
+        key = (row["round"], row["arch"]) if kind == "per_cohort" else (row["round"],)
+        by[key].append((row["arch"], row["update_norm"], row["samples"]))
+    return by
+
+
+def report_row(run: str) -> dict:
+    templates = {}
+    path = os.path.join(run, "template_norms.jsonl")
+    if os.path.exists(path):
+        templates = {r["round"]: r["template_norm"] for r in map(json.loads, open(path))}
+    rejected = sum(1 for _ in open(os.path.join(run, "rejections.jsonl")))
+    uploads = old = 0
+    worst_ratio = worst_z = worst_relative = 0.0
+    for key, rows in _rounds(run).items():
+        norms = np.array([r[1] for r in rows], np.float32)
+        sizes = np.array([r[2] for r in rows], np.float32)
+        per_sample = norms / np.maximum(sizes, 1)
+        valid = np.ones(len(rows), bool)
+        uploads += len(rows)
+        if len(rows) < 3:
+            continue
+        old += int(validation.norm_outliers(per_sample, valid, 10.0).sum())
+        median = float(np.median(per_sample))
+        ratio = per_sample / median if median > 0 else np.full(len(rows), np.inf)
+        z = validation.robust_log_z(per_sample, valid)
+        worst_ratio = max(worst_ratio, float(ratio.max()))
+        worst_z = max(worst_z, float(z[ratio > 10].max()) if (ratio > 10).any() else 0.0)
+        suspects = (ratio > 10) & ((z > 6) | (ratio > 1000))
+        t = templates.get(key[0], {})
+        for i in np.flatnonzero(suspects):
+            m = t.get(rows[i][0])
+            if m:
+                worst_relative = max(worst_relative, float(norms[i]) / m)
+    return {"uploads": uploads, "rejected": rejected, "old_rule": old,
+            "max_ratio": worst_ratio, "max_z_beyond_10x": worst_z,
+            "max_relative_suspects": worst_relative}
+
+
+def report(workdir: str) -> str:
+    lines = ["| run | honest uploads | rejected (default rule) | the 10x-median rule alone "
+             "(same rounds) | max norm / median | max z beyond 10x | max update / model norm "
+             "among those beyond 10x and z 6 |", "|---|---|---|---|---|---|---|"]
+    for name in populations():
+        run = os.path.join(workdir, name)
+        if not os.path.exists(os.path.join(run, "summary.json")):
+            continue
+        r = report_row(run)
+        lines.append(f"| {name} | {r['uploads']} | {r['rejected']} | {r['old_rule']} | "
+                     f"{r['max_ratio']:.1f} | {r['max_z_beyond_10x']:.1f} | "
+                     f"{r['max_relative_suspects']:.3g} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=("collect", "report"))
+    parser.add_argument("--workdir", default="runs/norm_rule")
+    parser.add_argument("--only", default="", help="collect only runs whose name contains it")
+    args = parser.parse_args()
+    if args.command == "collect":
+        collect(args.workdir, args.only)
+    else:
+        print(report(args.workdir))
+
+
+if __name__ == "__main__":
+    main()
