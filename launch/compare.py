@@ -44,7 +44,7 @@ from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.engine.build import load_options
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
-from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError
+from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError, StorageError
 from fedjax_pfedes.io.workdir import RunLockedError
 from fedjax_pfedes.studies import experiments
 from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
@@ -403,7 +403,7 @@ def main(argv: list[str]) -> None:
             print("diverged at the chosen rate, choosing the next best: " + "; ".join(moved))
         table = write(results)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError, KeyError,
-            TypeError, HeldUploadsExceeded) as e:
+            TypeError, HeldUploadsExceeded, StorageError) as e:
         fail(str(e))
     if tuning:
         with open(os.path.join(_WORKDIR.value, "comparison.md"), "a") as f:

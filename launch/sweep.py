@@ -21,7 +21,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError
+from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError, StorageError
 from fedjax_pfedes.io.workdir import RunLockedError
 from fedjax_pfedes.studies import experiments, vectorized_sweep
 from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
         records = vectorized_sweep.run_sweep(config, field, values, _WORKDIR.value, _PROGRESS.value,
                                   _MEMBER_AXIS.value)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError,
-            HeldUploadsExceeded) as e:
+            HeldUploadsExceeded, StorageError) as e:
         fail(str(e))
     results = {name: [r] for name, r in records.items()}
     title = (f"{config.algorithm} on {config.data.name}, {config.data.num_clients} clients, "

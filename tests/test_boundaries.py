@@ -5,6 +5,7 @@ names the argument, what was expected and what came (docs/threat_model.md, B01-B
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -249,3 +250,57 @@ def test_B17_a_callbacks_nan_is_written_as_null_and_counted(tmp_path):
 
 def test_config_dicts_stay_the_public_type():
     assert isinstance(fedjax_pfedes.default_config(), ml_collections.ConfigDict)
+
+
+CLI_CASES = {  # L19-L22: config files and reports on the command line, one line and exit 2
+    "L19": ("def get_config():\n    return {'algorithm': 'pfedes'}\n",
+            r"get_config\(\) must return an ml_collections.ConfigDict .*returned dict"),
+    "L20": ("raise SystemExit(0)\n", r"the file exited \(SystemExit\(0\)\) instead of "
+                                     r"returning a config"),
+    "L21": ("import sys\ndef get_config():\n    sys.exit()\n",
+            r"the file exited \(SystemExit\(None\)\)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_config_files_that_return_no_config_are_one_line(case, tmp_path):
+    text, message = CLI_CASES[case]
+    (tmp_path / "cfg.py").write_text(text)
+    out = subprocess.run([sys.executable, "-m", "launch.main", f"--config={tmp_path}/cfg.py",
+                          f"--workdir={tmp_path}/w"], cwd=ROOT, capture_output=True,
+                         text=True, env={"PYTHONPATH": CHILD_PATH, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert re.search(message, lines[0]), lines[0]
+
+
+@pytest.mark.slow
+def test_L22_a_report_on_a_truncated_summary_is_one_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1, "train_ce_loss_mean": 1.0}\n')
+    (tmp_path / "summary.json").write_text('{"final": {"rou')
+    out = subprocess.run([sys.executable, "-m", "launch.report", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True,
+                         env={"PYTHONPATH": CHILD_PATH, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"error: {tmp_path}/summary.json is not complete JSON (Unterminated string starting "
+        "at, line 1 column 12): the file was cut off or edited; rerun the command to rewrite "
+        "it"], out.stderr
+
+
+@pytest.mark.slow
+def test_H01_a_divergence_under_a_simulated_attack_names_the_attack_first(tmp_path):
+    from fedjax_pfedes.engine.loop import run_experiment
+    from fedjax_pfedes.errors import DivergedError
+
+    config = tiny_config(rounds=3)
+    config.upload.norm_outlier_factor = 0.0  # no defence: the attack reaches the aggregate
+    config.attack.clients = "0,1,2,3,4,5,6,7"
+    config.attack.kind = "constant"
+    config.attack.value = 1e30
+    with pytest.raises(DivergedError, match=r"non-finite\); summary in .*\. The simulated "
+                                            r"attack is the likeliest cause: config\.attack\."
+                                            r"kind='constant' \(value 1e\+30\)"):
+        run_experiment(config, str(tmp_path), show_progress=False)

@@ -31,6 +31,7 @@ from fedjax_pfedes.engine.callbacks import (
     ProgressBar,
     RoundEnd,
     RunInfo,
+    divergence_cause,
     some,
 )
 from fedjax_pfedes.engine.evaluation import (
@@ -222,19 +223,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
     metrics.write_json(f"{out_dir}/summary.json", summary)
     diverged = divergence.diverged
     if diverged is not None and not config.train.allow_divergence:
-        dp = ctx.pipeline.cfg.dp
-        cause = ("Lower the learning rate or lambda" if dp is None else
-                 f"Client-level DP adds noise of std {ctx.pipeline.noise_multiplier:.3g} x "
-                 f"{dp.clip_norm:g} on the sum: lower config.dp.noise_multiplier / raise "
-                 "config.dp.target_epsilon or config.dp.clip_norm, or lower the learning rate")
-        attack = config.attack
-        if attack.kind != "none" and attack.clients.strip():
-            cause = (f"The simulated attack is the likeliest cause: config.attack.kind="
-                     f"'{attack.kind}' (value {attack.value:g}) from clients "
-                     f"{attack.clients.strip()} reached the aggregate"
-                     + (" (secure aggregation hides individual uploads from the norm rule)"
-                        if ctx.pipeline.cfg.secagg else "")
-                     + f"; to run without it set --config.attack.kind=none. Otherwise: {cause}")
+        cause = divergence_cause(config, ctx.pipeline)
         raise DivergedError(
             f"training diverged in round {diverged['round']} ({some(diverged['metrics'])} "
             f"non-finite); summary in {workdir}/summary.json. {cause}, "

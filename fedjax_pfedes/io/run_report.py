@@ -108,7 +108,8 @@ def read_summary(workdir: str) -> dict:
         with open(path) as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not complete JSON ({e.msg} at line {e.lineno}): the "
+        raise ValueError(f"{path} is not complete JSON ({e.msg}, line {e.lineno} column "
+                         f"{e.colno}): the "
                          "file was cut off or edited; rerun the command to rewrite it") from None
 
 
