@@ -3,6 +3,7 @@ attacker (docs/threat_model.md, "The norm rule's false positives").
 
   python -m benchmarks.norm_rule collect --workdir=runs/norm_rule        # the honest runs
   python -m benchmarks.norm_rule report --workdir=runs/norm_rule         # the table
+  python -m benchmarks.norm_rule detect --workdir=runs/norm_rule_attacks # detection rates
 
 `collect` runs every method on the quick start population and on it with quantity skew
 (LogNormal sigma 2), and pFedES (both variants), FedAvg, FML and FedMRL on the collaboration
@@ -13,6 +14,11 @@ template) in each round after the first. `report` counts, per run, the uploads t
 rejected (`rejections.jsonl`), what the earlier rule (norm per local sample > 10x the round's
 median, nothing else) would have rejected on the same honest rounds, and the largest ratio to
 the median, robust z-score and update-to-model ratio an honest upload reached.
+
+`detect` runs the quick start (pFedES and FedAvg, 20 rounds, seed 0) with client 3 attacking
+(`config.attack`: each kind of docs/threat_model.md) under the default rule and under the
+earlier one, and counts the attacker's uploads the rule rejected and the honest ones it
+rejected.
 """
 
 from __future__ import annotations
@@ -160,14 +166,56 @@ def report(workdir: str) -> str:
     return "\n".join(lines)
 
 
+ATTACKS = {"constant 1e4": ("constant", 1e4), "scale x100": ("scale", 100.0),
+           "sign_flip x100": ("sign_flip", 100.0), "gaussian std 10": ("gaussian", 10.0),
+           "scale x10": ("scale", 10.0)}
+RULES = {"default": {}, "10x median alone": {"upload.norm_outlier_z": 0.0,
+                                             "upload.norm_outlier_hard_factor": 0.0,
+                                             "upload.norm_outlier_model_ratio": 0.0}}
+ATTACKER = 3
+
+
+def detect(workdir: str) -> str:
+    lines = ["| method | attack | rule | attacker uploads | rejected | honest uploads rejected |",
+             "|---|---|---|---|---|---|"]
+    for method in ("pfedes", "fedavg"):
+        for attack, (kind, value) in ATTACKS.items():
+            for rule, fields in RULES.items():
+                out = os.path.join(workdir, method, attack.replace(" ", "_"),
+                                   rule.replace(" ", "_"))
+                if not os.path.exists(os.path.join(out, "summary.json")):
+                    config = _load("configs/quickstart.py")
+                    config.algorithm = method
+                    config.attack.clients, config.attack.kind = str(ATTACKER), kind
+                    config.attack.value = value
+                    for path, v in fields.items():
+                        section, name = path.split(".")
+                        config[section][name] = v
+                    config.eval.every = 100000
+                    config.checkpoint.every = 0
+                    config.monitor.tensorboard = False
+                    config.train.allow_divergence = True
+                    fedjax_pfedes.run(config, out, progress=False)
+                rows = [json.loads(line) for line in open(os.path.join(out, "clients.jsonl"))]
+                mine = [r for r in rows if r["client"] == ATTACKER and r["status"] == "delivered"]
+                others = [r for r in rows if r["client"] != ATTACKER]
+                lines.append(f"| {method} | {attack} | {rule} | {len(mine)} | "
+                             f"{sum(not r['accepted'] for r in mine)} | "
+                             f"{sum(not r['accepted'] for r in others)} |")
+                print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=("collect", "report"))
+    parser.add_argument("command", choices=("collect", "report", "detect"))
     parser.add_argument("--workdir", default="runs/norm_rule")
     parser.add_argument("--only", default="", help="collect only runs whose name contains it")
     args = parser.parse_args()
     if args.command == "collect":
         collect(args.workdir, args.only)
+    elif args.command == "detect":
+        print(detect(args.workdir))
     else:
         print(report(args.workdir))
 
