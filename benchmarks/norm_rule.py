@@ -32,6 +32,7 @@ import numpy as np
 
 import fedjax_pfedes
 from fedjax_pfedes.algorithms import registry
+from fedjax_pfedes.io.workdir import RunLockedError
 from fedjax_pfedes.upload import validation
 
 METHODS = ("pfedes", "pfedes_paper", "standalone", "fedavg", "fedprox", "fedavgm", "fedadam",
@@ -99,8 +100,11 @@ def collect(workdir: str, only: str = "") -> None:
         os.makedirs(out, exist_ok=True)
         if os.path.exists(os.path.join(out, "template_norms.jsonl")):
             os.remove(os.path.join(out, "template_norms.jsonl"))
-        fedjax_pfedes.run(config, out, progress=False,
-                          callbacks=[TemplateNorms(os.path.join(out, "template_norms.jsonl"))])
+        try:
+            fedjax_pfedes.run(config, out, progress=False, callbacks=[
+                TemplateNorms(os.path.join(out, "template_norms.jsonl"))])
+        except RunLockedError:  # another collect process runs it
+            continue
         print(name, "done", flush=True)
 
 

@@ -414,7 +414,7 @@ def test_R08_resume_with_changed_data_contents_is_refused(tmp_path):
 def _catalogue_rows():
     rows = []
     for line in open(DOC, encoding="utf-8"):
-        m = re.match(r"\|\s*([CLDUPR]\d\d)\s*\|.*\|\s*`([^`]+)`\s*\|\s*$", line)
+        m = re.match(r"\|\s*([CLDUPRBH]\d\d)\s*\|.*\|\s*`([^`]+)`\s*\|\s*$", line)
         if m:
             rows.append(m.groups())
     return rows
