@@ -38,7 +38,7 @@ from fedjax_pfedes.upload import validation
 METHODS = ("pfedes", "pfedes_paper", "standalone", "fedavg", "fedprox", "fedavgm", "fedadam",
            "scaffold", "fednova", "fedbn", "lg_fedavg", "fedproto", "fml", "fedkd", "fedgh",
            "feddistill", "fedmrl")
-COLLABORATION_METHODS = ("pfedes_paper", "pfedes", "fedavg", "fml", "fedmrl")
+COLLABORATION_METHODS = ("pfedes_paper", "fedavg", "fml", "fedmrl")
 
 
 def populations() -> dict[str, tuple[str, dict]]:

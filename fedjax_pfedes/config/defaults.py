@@ -152,9 +152,21 @@ class TrainSection:
     # A run in which no participant's update ever reached the server (every client offline,
     # dropped or late) stops with an error (exit 2); True accepts it.
     allow_untrained: bool = False
+    # Stop a run once its evaluated mean personalized accuracy has stopped moving:
+    # `train.rounds` is then the most it runs. With k = plateau_window x the evaluations so
+    # far, the mean of the last k and of the k before differ by < plateau_tolerance
+    # (fedjax_pfedes/engine/plateau.py); never before plateau_min_evaluations evaluations.
+    stop_at_plateau: bool = False
+    plateau_window: float = 0.2
+    plateau_tolerance: float = 0.005
+    plateau_min_evaluations: int = 10
 
     def __post_init__(self):
         _ranges(self, "train", (
+            ("plateau_window", 0 < self.plateau_window <= 0.5, "in (0, 0.5]"),
+            ("plateau_tolerance", self.plateau_tolerance > 0, "> 0"),
+            ("plateau_min_evaluations", _is_int(self.plateau_min_evaluations)
+             and self.plateau_min_evaluations >= 2, "an integer >= 2"),
             ("client_fraction", 0 < self.client_fraction <= 1, "in (0, 1]"),
             ("rounds", self.rounds >= 1, ">= 1"),
             ("coverage_candidates", self.coverage_candidates >= 0,

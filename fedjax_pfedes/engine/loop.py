@@ -41,6 +41,7 @@ from fedjax_pfedes.engine.evaluation import (
     privacy_metrics,
     privacy_statement,
 )
+from fedjax_pfedes.engine.plateau import PlateauStop
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DivergedError, NothingTrainedError, StorageError
 from fedjax_pfedes.execution import compilation, distributed, offload
@@ -185,7 +186,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
     chain = [Evaluation(global_test_set(data, config.eval.global_test_samples, config.seed),
                         evaluation_sample(config.eval.clients, config.seed, ctx.num_clients),
                         batch_rate),
-             divergence, *callbacks, MetricsWriter(writers), ProgressBar(show_progress),
+             divergence, *plateau_stop(config.train), *callbacks, MetricsWriter(writers),
+             ProgressBar(show_progress),
              Checkpointing(checkpointer, writer, fingerprint)]
     run = RunInfo(config, ctx, out_dir, first_round, config.train.rounds, start)
     last = state.history[-1] if state.history else {}
@@ -239,6 +241,14 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
     return summary
 
 
+def plateau_stop(train: ml_collections.ConfigDict) -> list[Callback]:
+    """[PlateauStop] when `config.train.stop_at_plateau`, else []."""
+    if not train.stop_at_plateau:
+        return []
+    return [PlateauStop(train.plateau_window, train.plateau_tolerance,
+                        train.plateau_min_evaluations)]
+
+
 def _summary(run: RunInfo, state, last: dict, data, fingerprint: str,
              diverged: dict | None, stopped: RoundEnd | None, workdir: str) -> dict[str, Any]:
     """summary.json: the final evaluation, the best round, privacy, participation, timings."""
@@ -258,6 +268,9 @@ def _summary(run: RunInfo, state, last: dict, data, fingerprint: str,
         **({"diverged_at": diverged} if diverged is not None else {}),
         **({"stopped_early": {"round": stopped.round, "reason": stopped.stop_reason}}
            if early else {}),
+        **({"stopped_at_plateau": early and bool(stopped.record.get("stopped_at_plateau")),
+            "hit_max_rounds": not early and diverged is None}
+           if config.train.stop_at_plateau else {}),
         "data_fingerprint": fingerprint,
         "majority_class_accuracy_mean": majority_class_accuracy(data),
         "best_personalized_accuracy": best["personalized_accuracy_mean"],

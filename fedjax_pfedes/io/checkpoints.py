@@ -32,8 +32,8 @@ from fedjax_pfedes.io.metrics import flatten, to_builtin
 
 # Fields that may differ between the checkpointed run and the resumed one: they change what is
 # logged or how it is computed, not the numbers (strategies agree up to float reassociation).
-RESUMABLE_CHANGES = ("train.rounds", "eval.", "checkpoint.", "monitor.", "execution.",
-                     "distributed.")
+RESUMABLE_CHANGES = ("train.rounds", "train.stop_at_plateau", "train.plateau_", "eval.",
+                     "checkpoint.", "monitor.", "execution.", "distributed.")
 
 
 class _QuietOrbax(pylogging.Filter):

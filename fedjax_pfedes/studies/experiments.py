@@ -17,7 +17,9 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from fedjax_pfedes.config.defaults import TrainSection
 from fedjax_pfedes.engine.loop import run_experiment
+from fedjax_pfedes.engine.plateau import plateau_reached
 from fedjax_pfedes.engine.schema import default_values
 
 
@@ -78,7 +80,27 @@ def run_record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -
         "curves": {k: [r.get(k) for r in every_round] for k in CURVES},
         "diverged": training_diverged(every_round),
         "uploads_rejected_total": summary["final"].get("uploads_rejected_total"),
+        # With config.train.stop_at_plateau: the round it stopped at, or None when it ran to
+        # train.rounds without reaching the plateau (absent without the rule).
+        **({"stopped_at_round": summary["stopped_early"]["round"]
+            if summary.get("stopped_at_plateau") else None, "max_rounds": config.train.rounds}
+           if "stopped_at_plateau" in summary else {}),
     }
+
+
+def stopping_rounds(runs: list[dict]) -> str:
+    """The rounds each seed's run stopped at under `config.train.stop_at_plateau` ('max' for a
+    run that reached `train.rounds` instead: its comparison is inconclusive), or '' when the
+    runs did not use the rule."""
+    if not runs or not all("stopped_at_round" in r for r in runs):
+        return ""
+    return "/".join("max" if r["stopped_at_round"] is None else str(r["stopped_at_round"])
+                    for r in runs)
+
+
+def hit_max_rounds(runs: list[dict]) -> int:
+    """How many of `runs` stopped at `train.rounds` before a plateau (0 without the rule)."""
+    return sum(1 for r in runs if "stopped_at_round" in r and r["stopped_at_round"] is None)
 
 
 def same_config(old: Any, new: Any, default: Any) -> bool:
@@ -211,7 +233,8 @@ def mean_std(values: Sequence[float], digits: int = 4) -> str:
     return cell
 
 
-PLATEAU_WINDOW, PLATEAU_TOLERANCE = 0.2, 0.005
+# The rule of `config.train.stop_at_plateau`, at its defaults (one declaration).
+PLATEAU_WINDOW, PLATEAU_TOLERANCE = TrainSection.plateau_window, TrainSection.plateau_tolerance
 
 
 def at_plateau(record: dict) -> bool:
@@ -219,11 +242,10 @@ def at_plateau(record: dict) -> bool:
     evaluated rounds (at least 1), the mean over the last k differs from the mean over the k
     before by less than 0.5 points. A diverged run, or one with fewer than 2 evaluations, is
     not at a plateau."""
-    acc = np.asarray(record.get("personalized_accuracy", []), np.float64)
-    k = max(1, int(round(PLATEAU_WINDOW * len(acc))))
-    if record.get("diverged") or len(acc) < 2 * k or not np.all(np.isfinite(acc)):
+    if record.get("diverged"):
         return False
-    return abs(acc[-k:].mean() - acc[-2 * k:-k].mean()) < PLATEAU_TOLERANCE
+    return plateau_reached(record.get("personalized_accuracy", []), PLATEAU_WINDOW,
+                           PLATEAU_TOLERANCE)
 
 
 def plateau_note(records: dict[str, list[dict]]) -> str:
@@ -249,10 +271,14 @@ def rejected_per_seed(runs: list[dict]) -> str:
 def markdown_table(results: dict[str, list[dict]], seeds: int | None = None) -> str:
     """Method | personalized acc (mean ± std over seeds) | global acc | upload | uploads
     rejected per seed | runs at a plateau (`at_plateau`) | wall time.
-    With `seeds`, a method with fewer finished seeds says so in its row."""
+    With `seeds`, a method with fewer finished seeds says so in its row. Runs made with
+    `config.train.stop_at_plateau` add the round each seed stopped at ('max': it reached
+    `train.rounds` first, and comparisons with it are inconclusive)."""
+    stopping = any(stopping_rounds(runs) for runs in results.values())
     lines = ["| method | mean personalized accuracy | mean global accuracy | "
-             "upload params / client / round | uploads rejected | at a plateau | wall time s |",
-             "|---|---|---|---|---|---|---|"]
+             "upload params / client / round | uploads rejected | at a plateau | "
+             + ("stopped at round | " if stopping else "") + "wall time s |",
+             "|---|---|---|---|---|---|---|" + ("---|" if stopping else "")]
     for name, runs in results.items():
         diverged = sum(bool(r.get("diverged")) for r in runs)
         note = f" (diverged: non-finite training loss in {diverged}/{len(runs)} seeds)" \
@@ -266,7 +292,8 @@ def markdown_table(results: dict[str, list[dict]], seeds: int | None = None) -> 
             f"{int(np.mean([r['upload_params_per_client'] for r in runs])):,} | "
             f"{rejected_per_seed(runs)} | "
             f"{sum(at_plateau(r) for r in runs)}/{len(runs)} | "
-            f"{np.mean([r['wall_time_s'] for r in runs]):.0f} |")
+            + (f"{stopping_rounds(runs) or '-'} | " if stopping else "")
+            + f"{np.mean([r['wall_time_s'] for r in runs]):.0f} |")
     return "\n".join(lines)
 
 
@@ -321,7 +348,8 @@ def student_t_interval(diffs, confidence: float = 0.95) -> tuple[float, float, f
 def paired_table(results: dict[str, list[dict]], pairs: dict[str, str]) -> str:
     """Markdown: per arm, its paired difference from its reference arm (`pairs`: arm ->
     reference) in personalized and global accuracy, mean [95% CI] over the paired seeds, and
-    whether the interval excludes 0."""
+    whether the interval excludes 0. A run that reached `train.rounds` before its plateau
+    (under `config.train.stop_at_plateau`) makes its pair inconclusive whatever the interval."""
     lines = ["| arm | against | seeds | Δ personalized accuracy [95% CI] | "
              "Δ global accuracy [95% CI] |", "|---|---|---|---|---|"]
     for arm, ref in pairs.items():
@@ -329,6 +357,10 @@ def paired_table(results: dict[str, list[dict]], pairs: dict[str, str]) -> str:
         for metric in ("personalized_accuracy_mean", "global_accuracy_mean"):
             p = paired_difference(results[arm], results[ref], metric)
             verdict = "" if p["low"] <= 0 <= p["high"] else " (excludes 0)"
+            unfinished = hit_max_rounds(results[arm]) + hit_max_rounds(results[ref])
+            if unfinished:
+                verdict += (f" (inconclusive: {unfinished} run(s) reached train.rounds before "
+                            "a plateau)")
             cells.append(f"{p['mean']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}]{verdict}")
         n = paired_difference(results[arm], results[ref], "personalized_accuracy_mean")["n"]
         lines.append(f"| {arm} | {ref} | {n} | {cells[0]} | {cells[1]} |")
