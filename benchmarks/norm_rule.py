@@ -7,9 +7,9 @@ attacker (docs/threat_model.md, "The norm rule's false positives").
 
 `collect` runs every method on the quick start population and on it with quantity skew
 (LogNormal sigma 2), and the published pFedES, FedAvg, FML and FedMRL on the collaboration
-population with 5 and with 2 classes per client (pfedes_paper 300 rounds, the others 150), all
-with the default rule on, one
-seed (0), without evaluation until the last round (the rule does not read it). Every run also
+population with 5 and with 2 classes per client (pfedes_paper 300 rounds, the others 150),
+all with the default rule on, one seed (0), without evaluation until the last round (the rule
+does not read it). Every run also
 writes `template_norms.jsonl`: the norm of the model each cohort's uploads update (the upload
 template) in each round after the first. `report` counts, per run, the uploads the default rule
 rejected (`rejections.jsonl`), what the earlier rule (norm per local sample > 10x the round's
