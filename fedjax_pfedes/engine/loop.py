@@ -102,9 +102,10 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     except OSError as e:
         if not storage.is_storage_fault(e):
             raise
+        kept = (f"; the checkpoints in {workdir}/checkpoints are kept: free space and run the "
+                "same command to resume" if config.checkpoint.every > 0 else "")
         raise StorageError(f"writing {storage.file_of(e) or workdir} failed: "
-                           f"{storage.cause(e)}; the last checkpoint in {workdir} is kept: "
-                           "free space and run the same command to resume") from None
+                           f"{storage.cause(e)}{kept}") from None
     finally:
         lock.release()
 

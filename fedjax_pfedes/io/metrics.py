@@ -163,6 +163,40 @@ def summary_writer_class() -> type:
     return SummaryWriter
 
 
+_TENSORBOARD_FAILURES: list[BaseException] = []  # what tensorboardX's writer threads raised
+_PREVIOUS_HOOK = None
+
+
+def _catch_tensorboard_failures() -> None:
+    """Keeps what a tensorboardX writer thread raises (a full disk: OSError ENOSPC) instead of
+    printing its traceback; `RunWriters` then stops the run with one line instead of blocking
+    on the dead thread's full queue."""
+    global _PREVIOUS_HOOK
+    if _PREVIOUS_HOOK is not None:
+        return
+    _PREVIOUS_HOOK = threading.excepthook
+
+    def hook(args):
+        if type(args.thread).__name__ == "_EventLoggerThread":
+            _TENSORBOARD_FAILURES.append(args.exc_value)
+            return
+        _PREVIOUS_HOOK(args)
+
+    threading.excepthook = hook
+
+
+def _abandon(writer) -> None:
+    """Lets a tensorboardX writer whose thread died go without waiting on it: its exit-time
+    close and its queue's feeder would block on the full queue forever."""
+    events = getattr(getattr(writer, "file_writer", None), "event_writer", None)
+    if events is None:
+        return
+    queue = getattr(events, "_event_queue", None)
+    if queue is not None and hasattr(queue, "cancel_join_thread"):
+        queue.cancel_join_thread()
+    events._closed = True
+
+
 class RunWriters:
     """All per-round outputs of a run (see the module docstring)."""
 
@@ -176,7 +210,9 @@ class RunWriters:
                         if client_report else None)
         self.csv_path = os.path.join(workdir, "metrics.csv")
         self.tb = None
+        self._tb_failures_before = len(_TENSORBOARD_FAILURES)
         if tensorboard:
+            _catch_tensorboard_failures()
             # purge_step: TensorBoard drops events of rounds after the checkpoint on resume.
             self.tb = summary_writer_class()(os.path.join(workdir, "tensorboard"),
                                     purge_step=resume_round + 1 if resume_round else None)
@@ -190,6 +226,7 @@ class RunWriters:
             for row in client_rows:
                 self.clients.write({"round": record["round"], **row})
         if self.tb is not None:
+            self._check_tensorboard()
             step = record["round"]
             for k, v in flatten_scalars(record).items():
                 if k != "round" and np.isfinite(v):
@@ -199,13 +236,36 @@ class RunWriters:
             if norms:
                 self.tb.add_histogram("update_norm", np.asarray(norms), step)
 
+    def _check_tensorboard(self) -> None:
+        """Raises the OSError a TensorBoard writer thread died of (its queue would block the
+        next write forever); the writer is dropped first, so closing does not wait on it."""
+        if len(_TENSORBOARD_FAILURES) > self._tb_failures_before:
+            error = _TENSORBOARD_FAILURES[-1]
+            _abandon(self.tb)
+            self.tb = None
+            if isinstance(error, OSError):
+                raise OSError(error.errno, error.strerror,
+                              os.path.join(self.workdir, "tensorboard")) from error
+            raise OSError(f"the TensorBoard writer of {self.workdir} failed: {error!r}")
+
     def flush(self) -> None:
         """Rewrites metrics.csv from metrics.jsonl and flushes TensorBoard."""
         write_csv(read_jsonl(self.metrics.path), self.csv_path)
         if self.tb is not None:
+            self._check_tensorboard()
             self.tb.flush()
 
     def close(self) -> None:
-        self.flush()
+        try:
+            self.flush()
+        except BaseException:
+            if self.tb is not None:  # a failing disk: closing could wait on a dead thread
+                _abandon(self.tb)
+                self.tb = None
+            raise
         if self.tb is not None:
-            self.tb.close()
+            if len(_TENSORBOARD_FAILURES) > self._tb_failures_before:
+                _abandon(self.tb)
+            else:
+                self.tb.close()
+            self.tb = None

@@ -158,10 +158,10 @@ def test_R15_a_failed_save_is_one_line_keeps_the_last_checkpoint_and_resumes(tmp
     assert _files(broken) == _files(unbroken)
 
 
-def _small_tmpfs(path, mib: int) -> bool:
+def _small_tmpfs(path, mib: float) -> bool:
     os.makedirs(path)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)],
-                          capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(mib * 1024)}k", "tmpfs",
+                           str(path)], capture_output=True)
     return done.returncode == 0
 
 
@@ -217,3 +217,26 @@ def test_R18_a_workdir_path_too_long_is_refused_before_training(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 2
     assert "exceeds the" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_R22_a_disk_full_under_the_metrics_and_tensorboard_writers_is_one_line_no_hang(
+        tmp_path):
+    """No checkpoints, a 60 KiB tmpfs: the records and TensorBoard's writer thread meet ENOSPC
+    (its thread died silently and the next write blocked on its full queue forever; then its
+    exit-time close did)."""
+    disk = tmp_path / "disk"
+    if not _small_tmpfs(disk, 0.06):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        done = subprocess.run(_command(disk / "run", "loop", "--config.train.rounds=30",
+                                       "--config.checkpoint.every=0",
+                                       "--config.monitor.tensorboard=true"),
+                              cwd=ROOT, env=_env(), capture_output=True, text=True,
+                              timeout=300)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: writing ") and "no space left on the device" in last
