@@ -145,7 +145,9 @@ def report_row(run: str) -> dict:
             continue
         old += int(validation.norm_outliers(per_sample, valid, 10.0).sum())
         median = float(np.median(per_sample))
-        ratio = per_sample / median if median > 0 else np.full(len(rows), np.inf)
+        if median <= 0:  # nothing uploaded (Standalone): no rule to apply
+            continue
+        ratio = per_sample / median
         z = validation.robust_log_z(per_sample, valid)
         worst_ratio = max(worst_ratio, float(ratio.max()))
         worst_z = max(worst_z, float(z[ratio > 10].max()) if (ratio > 10).any() else 0.0)
