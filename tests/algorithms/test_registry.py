@@ -60,7 +60,12 @@ def test_a_method_brings_its_fields_and_sees_only_what_it_declared():
 def test_two_methods_may_not_declare_one_field_with_two_defaults():
     fedprox = registry.get("fedprox")
     twin = dataclasses.replace(fedprox, name="fedprox_twin", fields={"fedprox.mu": 0.5})
-    registry.register(twin)
+    with pytest.raises(ValueError, match=r"AlgorithmEntry\('fedprox_twin'\): field "
+                                         r"'config\.fedprox\.mu' is declared by 'fedprox' too, "
+                                         r"with default 0\.01 \(here 0\.5\)"):
+        registry.register(twin)  # refused when registered, naming both
+    assert "fedprox_twin" not in registry.entries()
+    registry._ENTRIES["fedprox_twin"] = twin  # past the registration check: still caught
     try:
         with pytest.raises(ValueError, match=r"config\.fedprox\.mu: declared by 'fedprox' with "
                                              r"default 0\.01 and by 'fedprox_twin' with 0\.5"):
