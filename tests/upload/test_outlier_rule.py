@@ -107,16 +107,50 @@ def test_an_honest_round_spread_over_orders_of_magnitude_is_left_alone_by_defaul
     rule = (NORM_OUTLIER_FACTOR, NORM_OUTLIER_Z, NORM_OUTLIER_HARD_FACTOR)
     honest = np.array(HONEST_SPREAD, np.float32)
     valid = np.ones(len(honest), bool)
+    g_norm = np.float32(3.2)  # the norm of pfedes_paper's proxy G that round
     assert norm_outliers(honest, valid, NORM_OUTLIER_FACTOR).sum() == 3  # the factor alone
-    assert not norm_outliers(honest, valid, *rule).any()
+    assert norm_outliers(honest, valid, *rule).sum() == 1  # 2.526 is 123x the median
+    # pfedes_paper's uploads are judged against G's norm (its `norm_model_ratio` 1): kept
+    assert not norm_outliers(honest, valid, *rule, honest / g_norm, 1.0).any()
     # a boosted update (the threat model's 1e4 in each of G's 153 values) among them is only
-    # ~5 robust deviations off, and the hard bound catches it
+    # ~5 robust deviations off, and the hard factor catches it
     boosted = np.append(honest, 1e4 * np.sqrt(153)).astype(np.float32)
     assert robust_log_z(boosted, np.ones(11, bool))[-1] < NORM_OUTLIER_Z
-    np.testing.assert_array_equal(norm_outliers(boosted, np.ones(11, bool), *rule),
-                                  [False] * len(honest) + [True])
+    np.testing.assert_array_equal(
+        norm_outliers(boosted, np.ones(11, bool), *rule, boosted / g_norm, 1.0),
+        [False] * len(honest) + [True])
     # and among like-sized honest updates a model-replacement x100 one is, by its z (U03)
     like = np.random.default_rng(0).uniform(0.9, 1.1, 9).astype(np.float32)
     np.testing.assert_array_equal(
         norm_outliers(np.append(like, 100.0).astype(np.float32), np.ones(10, bool), *rule),
         [False] * 9 + [True])
+
+
+def test_the_model_ratio_is_the_methods_unless_the_config_sets_it():
+    """-1 (the default) takes `AlgorithmEntry.norm_model_ratio`: 1 for the published pFedES,
+    whose small proxy's honest updates spread over orders of magnitude, 0 for the others."""
+    import fedjax_pfedes
+    from fedjax_pfedes.engine.sections import pipeline_config
+
+    config = fedjax_pfedes.default_config()
+    assert config.upload.norm_outlier_model_ratio == -1
+    ratios = {}
+    for method in ("pfedes_paper", "pfedes", "fedavg"):
+        config.algorithm = method
+        ratios[method] = pipeline_config(config).norm_outlier_model_ratio
+    assert ratios == {"pfedes_paper": 1.0, "pfedes": 0.0, "fedavg": 0.0}
+    config.upload.norm_outlier_model_ratio = 0.5
+    assert pipeline_config(config).norm_outlier_model_ratio == 0.5
+
+
+def test_the_model_ratio_condition_by_hand():
+    from fedjax_pfedes.upload.validation import norm_outliers
+
+    norms = np.array([1, 1, 1, 1, 100, 200], np.float32)
+    valid = np.ones(6, bool)
+    relative = norms / np.float32(150.0)  # the model's norm: 150
+    np.testing.assert_array_equal(norm_outliers(norms, valid, 10, 8), [0, 0, 0, 0, 1, 1])
+    np.testing.assert_array_equal(norm_outliers(norms, valid, 10, 8, 1000, relative, 1.0),
+                                  [0, 0, 0, 0, 0, 1])  # 100 < 150 <= 200
+    np.testing.assert_array_equal(norm_outliers(norms, valid, 10, 8, 1000, relative, 0.0),
+                                  [0, 0, 0, 0, 1, 1])  # 0: not applied
