@@ -240,3 +240,26 @@ def test_R22_a_disk_full_under_the_metrics_and_tensorboard_writers_is_one_line_n
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: writing ") and "no space left on the device" in last
+
+
+@pytest.mark.slow
+def test_R23_a_kill_in_the_middle_of_the_metrics_write_resumes_to_an_unbroken_run(tmp_path):
+    """What SIGKILL leaves mid-write (random kill points rarely land there: the write takes
+    microseconds): the last lines of metrics.jsonl and clients.jsonl cut off, no summary.json.
+    The resume drops the cut lines and ends with an unbroken run's files."""
+    unbroken = tmp_path / "unbroken"
+    subprocess.run(_command(unbroken, "loop"), cwd=ROOT, env=_env(), check=True,
+                   capture_output=True)
+    killed = tmp_path / "killed"
+    subprocess.run(_command(killed, "loop", "--config.train.rounds=6"), cwd=ROOT, env=_env(),
+                   check=True, capture_output=True)
+    os.remove(killed / "summary.json")
+    next_rows = {name: open(unbroken / name).read().splitlines()[n]
+                 for name, n in (("metrics.jsonl", 6), ("clients.jsonl", 6 * 3))}
+    for name, line in next_rows.items():  # round 7's first line, cut in the middle
+        with open(killed / name, "a") as f:
+            f.write(line[:len(line) // 2])
+    subprocess.run(_command(killed, "loop"), cwd=ROOT, env=_env(), check=True,
+                   capture_output=True)
+    assert json.load(open(killed / "summary.json"))["resumed_from_round"] == 6
+    assert _files(killed) == _files(unbroken)
