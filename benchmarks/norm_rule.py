@@ -146,7 +146,7 @@ def report_row(run: str) -> dict:
         sizes = np.array([r[2] for r in rows], np.float32)
         per_sample = norms / np.maximum(sizes, 1)
         valid = np.ones(len(rows), bool)
-        uploads += len(rows)
+        uploads += int((norms > 0).sum())  # Standalone uploads nothing
         if len(rows) < 3:
             continue
         old += int(validation.norm_outliers(per_sample, valid, 10.0).sum())
