@@ -125,7 +125,8 @@ class Checkpointer:
         """Saves the step `rounds_done`. A failure of the disk or file system raises
         `StorageError` naming the file and the cause, after removing the unfinished step and
         shutting the manager's threads down; the last good step stays."""
-        with storage.held_stderr() as held:
+        # Under the lock: fd 2 is the process's, and sweep members save from several threads.
+        with ORBAX_LOCK, storage.held_stderr() as held:
             try:
                 self._save(rounds_done, state, meta)
                 return
