@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable, Mapping
@@ -263,7 +264,8 @@ def _check_fields(entry: AlgorithmEntry) -> None:
                                  f"'{other.name}'")
 
 
-def core_paths() -> dict[str, set[str]]:
+@functools.cache
+def core_paths() -> dict[str, frozenset[str]]:
     """The core config's leaf paths and section names ('train.rounds'; 'train')."""
     leaves, sections = set(), set()
 
@@ -276,7 +278,7 @@ def core_paths() -> dict[str, set[str]]:
             else:
                 leaves.add(path)
     walk(core_config())
-    return {"leaves": leaves, "sections": sections}
+    return {"leaves": frozenset(leaves), "sections": frozenset(sections)}
 
 
 _BUILT_IN_LOADING = False

@@ -36,12 +36,16 @@ def strict_json(value: Any, where: str = "", found: list[str] | None = None) -> 
     """`to_builtin`, with every non-finite float (NaN, Inf) replaced by None: strict JSON
     (`NaN` is not JSON, and strict parsers reject it). The paths of the replaced values are
     appended to `found`."""
-    value = to_builtin(value)
+    return _nulls(to_builtin(value), where, found)
+
+
+def _nulls(value: Any, where: str, found: list[str] | None) -> Any:
+    """`strict_json` on values already converted by `to_builtin` (one pass)."""
     if isinstance(value, dict):
-        return {k: strict_json(v, f"{where}.{k}" if where else str(k), found)
+        return {k: _nulls(v, f"{where}.{k}" if where else str(k), found)
                 for k, v in value.items()}
     if isinstance(value, list):
-        return [strict_json(v, f"{where}[{i}]", found) for i, v in enumerate(value)]
+        return [_nulls(v, f"{where}[{i}]", found) for i, v in enumerate(value)]
     if isinstance(value, float) and not math.isfinite(value):
         if found is not None:
             found.append(where)
