@@ -24,6 +24,11 @@ dropped for the method (its diverged runs are kept as evidence under
 method's seeds run at it. The grid's table goes into comparison.md too, with the rates dropped
 and the seeds that diverged.
 
+`--unseen_seeds=100` also runs every method, at its chosen rate, on a second seed range (100 ..
+100 + --seeds - 1) that neither the tuning nor the first range saw, and reports it in its own
+table and paired differences below the first: a comparison a reader can check on seeds it was
+not chosen on. A diverged run there is kept and marked (no rate is re-chosen on it).
+
 `--report_only` starts no run: it writes the table (and the grid) from the runs already finished
 in --workdir, saying for each method how many seeds it has; a method whose grid is unfinished is
 left out and named. For looking at a comparison that is still running or was interrupted.
@@ -73,6 +78,9 @@ _REUSE = flags.DEFINE_bool("reuse", True, "Reuse finished runs in the workdir ma
 _PAIRED = flags.DEFINE_list(
     "paired_with", [], "ARM=REFERENCE,... : add to comparison.md each arm's paired difference "
     "(same seeds) from its reference arm, mean and 95% CI, e.g. --paired_with=fedavg=standalone")
+_UNSEEN = flags.DEFINE_integer(
+    "unseen_seeds", -1, "Also run and report the seeds START .. START + --seeds - 1 at the "
+    "chosen rates, a range no tuning or earlier table used (-1 = none).")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Start no run: write the table from the "
                                  "runs already finished in the workdir.")
 
@@ -283,6 +291,32 @@ def tune_learning_rates(config, grid: list[float], server_grid: list[float | str
     return tuned, head + "\n" + "\n".join(rows)
 
 
+def check_unseen_seeds(config, first: int, seeds: int) -> None:
+    """ConfigError unless `first` is -1 (none) or starts a range of `seeds` seeds that overlaps
+    neither the reported seeds (config.seed ..) nor the tuning seed."""
+    if first == -1:
+        return
+    unseen = set(range(first, first + seeds))
+    if first < 0 or unseen & set(range(config.seed, config.seed + seeds)) \
+            or tuning_seed(config) in unseen:
+        raise ConfigError(
+            f"--unseen_seeds={first}: the range {first}..{first + seeds - 1} must be >= 0 and "
+            f"overlap neither the reported seeds {config.seed}..{config.seed + seeds - 1} nor "
+            f"the tuning seed {tuning_seed(config)}")
+
+
+def seed_range_tables(done: dict[str, list[dict]], paired: dict[str, str], seeds: int) -> str:
+    """One seed range's method table and, for the `paired` arms finished in it, the paired
+    differences."""
+    table = experiments.markdown_table(done, seeds)
+    pairs = {a: b for a, b in paired.items() if a in done and b in done}
+    if pairs:
+        table += ("\n\nPaired differences (same seed: same data, clients and "
+                  "sampling; Student-t 95% CI over the seeds, diverged seeds kept):\n\n"
+                  + experiments.paired_table(done, pairs))
+    return table
+
+
 def _check_flags(argv: list[str]) -> tuple[list[float], list[float | str]]:
     """One line and exit 2 for what the flags alone get wrong; returns the --lr_grid and
     --server_lr_grid rates."""
@@ -322,6 +356,7 @@ def main(argv: list[str]) -> None:
             raise ConfigError(f"--algorithms: unknown {unknown}; known: {list(known)}")
         if not 1 <= _SEEDS.value < TUNING_SEED_OFFSET:
             raise ConfigError(f"--seeds must be in [1, {TUNING_SEED_OFFSET}), got {_SEEDS.value}")
+        check_unseen_seeds(config, _UNSEEN.value, _SEEDS.value)
         # A diverging method or learning rate is a result (marked in the table, the worst rate
         # of a grid), not the end of the comparison.
         config.train.allow_divergence = True
@@ -340,18 +375,21 @@ def main(argv: list[str]) -> None:
                   f"{config.train.rounds} rounds, {_SEEDS.value} seed(s); accuracy at the last "
                   "round.")
 
+        unseen_results: dict[str, list[dict]] = {}
+
         def write(results):  # after every seed, so an interrupted comparison leaves a table
             done = {k: v for k, v in results.items() if v}
             if not done:
                 raise ConfigError(f"--report_only: no finished run in {_WORKDIR.value} for these "
                                   "methods and this config")
             seeds_done = min(len(v) for v in done.values())
-            table = experiments.markdown_table(done, _SEEDS.value)
-            pairs = {a: b for a, b in paired.items() if a in done and b in done}
-            if pairs:
-                table += ("\n\nPaired differences (same seed: same data, clients and "
-                          "sampling; Student-t 95% CI over the seeds, diverged seeds kept):\n\n"
-                          + experiments.paired_table(done, pairs))
+            table = seed_range_tables(done, paired, _SEEDS.value)
+            unseen = {k: v for k, v in unseen_results.items() if v}
+            if unseen:
+                first = _UNSEEN.value
+                table += (f"\n\n**Seeds {first}-{first + _SEEDS.value - 1}**, which neither "
+                          "the tuning nor the table above used (same rates):\n\n"
+                          + seed_range_tables(unseen, paired, _SEEDS.value))
             absent = [k for k in names if k not in done]
             note = "" if seeds_done == _SEEDS.value and not absent else (
                 f" (partial: {seeds_done} of {_SEEDS.value} seeds so far"
@@ -360,6 +398,9 @@ def main(argv: list[str]) -> None:
                 f.write(header + note + "\n\n" + table + "\n")
             with open(os.path.join(_WORKDIR.value, "comparison.json"), "w") as f:
                 json.dump(done, f, indent=1)
+            if unseen:
+                with open(os.path.join(_WORKDIR.value, "comparison_unseen.json"), "w") as f:
+                    json.dump(unseen, f, indent=1)
             title = header.split(";")[0].replace(f"{_SEEDS.value} seed(s)",
                                                  f"{seeds_done} of {_SEEDS.value} seed(s)")
             experiments.accuracy_curves(done, os.path.join(_WORKDIR.value, "accuracy_curves.png"),
@@ -401,6 +442,15 @@ def main(argv: list[str]) -> None:
             if not moved:
                 break
             print("diverged at the chosen rate, choosing the next best: " + "; ".join(moved))
+        if _UNSEEN.value >= 0:
+            def write_unseen(partial):
+                unseen_results.update(partial)
+                write(results)
+
+            unseen_results.update(experiments.run_grid(
+                experiments.with_overrides(config, {"seed": _UNSEEN.value}), variants,
+                _SEEDS.value, _WORKDIR.value, _PROGRESS.value, reuse=_REUSE.value,
+                on_seed_done=write_unseen, run_missing=not _REPORT_ONLY.value))
         table = write(results)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError, KeyError,
             TypeError, HeldUploadsExceeded, StorageError) as e:

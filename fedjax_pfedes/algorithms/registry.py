@@ -140,11 +140,12 @@ class AlgorithmEntry:
         only with one default.
       reads: the other config paths its `build` and `check` read ('proxy_dim',
         'clients.shared_arch', 'train.rounds', a section such as 'system'), besides `fields`.
-      norm_model_ratio: the norm rule's `config.upload.norm_outlier_model_ratio` for this
-        method when the config leaves it at -1: only uploads larger than this x the norm of the
-        model they update are judged (0 = all). For a method whose honest upload norms spread
-        over orders of magnitude by construction (the published pFedES's small proxy, which
-        most clients stop moving late in training; docs/threat_model.md).
+      norm_by_model_only: the norm rule judges this method's uploads beyond the round's median
+        factor by the norm of the model they update alone
+        (`config.upload.norm_outlier_model_ratio`), not by the round's spread: for a method
+        whose honest upload norms spread over orders of magnitude by construction (the
+        published pFedES's small proxy, which most clients stop moving late in training;
+        docs/threat_model.md).
     """
 
     name: str
@@ -163,7 +164,7 @@ class AlgorithmEntry:
     summary: str = ""
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     reads: tuple[str, ...] = ()
-    norm_model_ratio: float = 0.0
+    norm_by_model_only: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -190,9 +191,9 @@ class AlgorithmEntry:
                 for p in self.fields):
             raise ValueError(f"{where}: fields must map dotted config paths ('{self.name}.x') "
                              f"to their defaults, got {self.fields!r}")
-        if not (isinstance(self.norm_model_ratio, int | float) and self.norm_model_ratio >= 0):
-            raise ValueError(f"{where}: norm_model_ratio must be a number >= 0, got "
-                             f"{self.norm_model_ratio!r}")
+        if not isinstance(self.norm_by_model_only, bool):
+            raise ValueError(f"{where}: norm_by_model_only must be True or False, got "
+                             f"{self.norm_by_model_only!r}")
         if isinstance(self.reads, str) or not all(isinstance(p, str) for p in self.reads):
             raise ValueError(f"{where}: reads must be a tuple of config paths, got "
                              f"{self.reads!r}")

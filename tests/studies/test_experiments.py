@@ -116,6 +116,37 @@ def test_compare_tunes_each_methods_learning_rate_on_the_grid(tmp_path):
     assert "| fedprox (`train.lr_local`) | not run yet | not run yet |" in report.stdout
     assert not (tmp_path / "fedavg" / "seed2").exists()
     assert not (tmp_path / "lr_tuning" / "fedprox").exists()
+    # --unseen_seeds: a second range at the chosen rates, reported apart; nothing re-tuned
+    tuning_runs = sorted(p for p in (tmp_path / "lr_tuning").rglob("summary.json"))
+    stamps = [p.stat().st_mtime_ns for p in tuning_runs]
+    unseen = subprocess.run(cmd + ["--unseen_seeds=100", "--paired_with=scaffold=fedavg"],
+                            capture_output=True, text=True, timeout=600)
+    assert unseen.returncode == 0, unseen.stderr[-2000:]
+    assert [p.stat().st_mtime_ns for p in tuning_runs] == stamps
+    for method in ("fedavg", "scaffold"):
+        best = json.load(open(tmp_path / method / "seed0" / "summary.json"))
+        for seed in (100, 101):
+            s = json.load(open(tmp_path / method / f"seed{seed}" / "summary.json"))
+            assert s["local_optimizer"]["lr_local"] == best["local_optimizer"]["lr_local"]
+            assert s["config"]["seed"] == seed
+    text = open(tmp_path / "comparison.md").read()
+    assert "**Seeds 100-101**, which neither the tuning nor the table above used" in text
+    assert text.count("Paired differences") == 2
+    assert set(json.load(open(tmp_path / "comparison_unseen.json"))) == {"fedavg", "scaffold"}
+
+
+def test_the_unseen_seed_range_overlaps_neither_reported_nor_tuning_seeds():
+    import ml_collections
+
+    from fedjax_pfedes.errors import ConfigError
+    from launch.compare import check_unseen_seeds
+
+    config = ml_collections.ConfigDict({"seed": 0})
+    check_unseen_seeds(config, -1, 5)
+    check_unseen_seeds(config, 100, 5)
+    for first in (3, 998, -5):  # overlaps 0..4, holds the tuning seed 1000, negative
+        with pytest.raises(ConfigError, match="--unseen_seeds"):
+            check_unseen_seeds(config, first, 5)
 
 
 def test_a_finished_run_is_reused_across_fields_added_later_at_their_default():
