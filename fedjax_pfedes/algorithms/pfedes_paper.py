@@ -238,8 +238,8 @@ register(AlgorithmEntry(
     summary="published pFedES (Yi et al., AAAI 2025): a shared image-to-image proxy G",
     # G has 153 parameters; late in training most clients stop moving it while a few still
     # learn, so honest upload norms of one round spread over orders of magnitude (500x the
-    # median, 57 robust deviations): the norm rule judges its uploads by G's own norm alone.
-    norm_by_model_only=True,
+    # median, 57 robust deviations): the norm rule judges only uploads larger than G itself.
+    norm_model_ratio=1.0,
     # The published pFedES (Yi et al. AAAI 2025), with the authors' schedule and optimizers: F
     # trains E epochs on (1 - mu) CE(F(x)) + mu CE(F(G(x))), then G trains E + g_extra_epochs
     # epochs on CE(F(G(x))); SGD with weight decay after global-norm clipping, both optimizers

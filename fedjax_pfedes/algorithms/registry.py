@@ -140,12 +140,11 @@ class AlgorithmEntry:
         only with one default.
       reads: the other config paths its `build` and `check` read ('proxy_dim',
         'clients.shared_arch', 'train.rounds', a section such as 'system'), besides `fields`.
-      norm_by_model_only: the norm rule judges this method's uploads beyond the round's median
-        factor by the norm of the model they update alone
-        (`config.upload.norm_outlier_model_ratio`), not by the round's spread: for a method
-        whose honest upload norms spread over orders of magnitude by construction (the
-        published pFedES's small proxy, which most clients stop moving late in training;
-        docs/threat_model.md).
+      norm_model_ratio: the norm rule's `config.upload.norm_outlier_model_ratio` for this
+        method when the config leaves it at -1: only uploads larger than this x the norm of the
+        model they update are judged (0 = all). For a method whose honest upload norms spread
+        over orders of magnitude by construction (the published pFedES's small proxy, which
+        most clients stop moving late in training; docs/threat_model.md).
     """
 
     name: str
@@ -164,7 +163,7 @@ class AlgorithmEntry:
     summary: str = ""
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     reads: tuple[str, ...] = ()
-    norm_by_model_only: bool = False
+    norm_model_ratio: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -191,9 +190,9 @@ class AlgorithmEntry:
                 for p in self.fields):
             raise ValueError(f"{where}: fields must map dotted config paths ('{self.name}.x') "
                              f"to their defaults, got {self.fields!r}")
-        if not isinstance(self.norm_by_model_only, bool):
-            raise ValueError(f"{where}: norm_by_model_only must be True or False, got "
-                             f"{self.norm_by_model_only!r}")
+        if not (isinstance(self.norm_model_ratio, int | float) and self.norm_model_ratio >= 0):
+            raise ValueError(f"{where}: norm_model_ratio must be a number >= 0, got "
+                             f"{self.norm_model_ratio!r}")
         if isinstance(self.reads, str) or not all(isinstance(p, str) for p in self.reads):
             raise ValueError(f"{where}: reads must be a tuple of config paths, got "
                              f"{self.reads!r}")

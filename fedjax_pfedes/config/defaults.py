@@ -190,18 +190,17 @@ class UploadSection:
 
     reject_nonfinite: bool = True  # NaN/Inf uploads are rejected, the round goes on
     # Reject an update whose norm per local sample is > norm_outlier_factor x the round's median
-    # AND either whose log-norm lies > norm_outlier_z robust standard deviations (1.4826 x MAD)
-    # above the round's median log-norm (0 = the factor alone) or whose norm per sample is >
-    # norm_outlier_hard_factor x the median whatever the spread (0 = no such bound), OR whose
-    # norm is > norm_outlier_model_ratio x the norm of the model it updates (a model
-    # replacement; 0 = not applied). For a method whose honest spread says nothing
-    # (AlgorithmEntry.norm_by_model_only: pfedes_paper) the model's norm alone decides.
+    # AND whose log-norm lies > norm_outlier_z robust standard deviations (1.4826 x MAD) above
+    # the round's median log-norm (0 = the factor alone) or whose norm per sample is >
+    # norm_outlier_hard_factor x the median whatever the spread (0 = no such bound), AND (when
+    # norm_outlier_model_ratio > 0) whose norm is > that x the norm of the model it updates
+    # (-1 = the method's choice: AlgorithmEntry.norm_model_ratio, 0 but for pfedes_paper).
     # Off at factor 0, under DP (clipping bounds every update) and under secure aggregation.
     # docs/threat_model.md gives its measured false-positive and detection rates.
     norm_outlier_factor: float = 10.0
     norm_outlier_z: float = 8.0
     norm_outlier_hard_factor: float = 100.0
-    norm_outlier_model_ratio: float = 1.0
+    norm_outlier_model_ratio: float = -1.0
     # 'samples' (local training samples) | 'sqrt_samples' | 'uniform' | 'all_samples' (training
     # + local test samples: the published pFedES code's aggregation weights)
     weighting: str = "samples"

@@ -89,8 +89,9 @@ def pipeline_config(config: ml_collections.ConfigDict) -> PipelineConfig:
     return PipelineConfig(
         reject_nonfinite=u.reject_nonfinite, norm_outlier_factor=u.norm_outlier_factor,
         norm_outlier_z=u.norm_outlier_z, norm_outlier_hard_factor=u.norm_outlier_hard_factor,
-        norm_outlier_model_ratio=u.norm_outlier_model_ratio,
-        norm_by_model_only=algorithm_registry.get(config.algorithm).norm_by_model_only,
+        norm_outlier_model_ratio=(
+            algorithm_registry.get(config.algorithm).norm_model_ratio
+            if u.norm_outlier_model_ratio == -1 else u.norm_outlier_model_ratio),
         weighting=u.weighting, aggregator=u.aggregator, trim_fraction=u.trim_fraction,
         compression=compression.CompressionConfig(u.topk_fraction, u.value_encoding,
                                                   u.qsgd_levels),

@@ -57,9 +57,9 @@ NORM_OUTLIER_Z = 8.0
 # honest norms stayed within 15x the median in every run measured but the published pFedES's,
 # whose uploads are judged against its proxy's norm instead: docs/threat_model.md).
 NORM_OUTLIER_HARD_FACTOR = 100.0
-# Beyond the factor, an update larger than this x the norm of the model it updates is rejected
-# whatever the spread: a model replacement (honest updates measured stayed below 0.75 of it).
-NORM_OUTLIER_MODEL_RATIO = 1.0
+# config.upload.norm_outlier_model_ratio's value that lets the method choose
+# (`AlgorithmEntry.norm_model_ratio`); the pipeline receives the resolved value (0 = all judged).
+NORM_OUTLIER_MODEL_RATIO = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,6 @@ class PipelineConfig:
     norm_outlier_z: float = NORM_OUTLIER_Z  # 0 = the factor alone
     norm_outlier_hard_factor: float = NORM_OUTLIER_HARD_FACTOR  # 0 = no bound beyond the z
     norm_outlier_model_ratio: float = NORM_OUTLIER_MODEL_RATIO  # 0 = not applied
-    norm_by_model_only: bool = False  # the method's (`AlgorithmEntry.norm_by_model_only`)
     norm_keys: tuple[str, ...] = ()  # the uploads' model part the norm rule measures (() = all)
     weighting: str = "samples"
     aggregator: str = "mean"
@@ -155,7 +154,7 @@ def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> N
                          f"got {cfg.norm_outlier_hard_factor}")
     if not cfg.norm_outlier_model_ratio >= 0:
         raise ValueError("config.upload.norm_outlier_model_ratio must be >= 0 (0 = not "
-                         f"applied), got {cfg.norm_outlier_model_ratio}")
+                         f"applied) or -1 (the method's), got {cfg.norm_outlier_model_ratio}")
     if not cfg.norm_outlier_z >= 0:
         raise ValueError("config.upload.norm_outlier_z must be >= 0 (0 = the factor alone), "
                          f"got {cfg.norm_outlier_z}")

@@ -277,10 +277,9 @@ def outlier_rule(cfg) -> tuple[float, str]:
         + (f" and log-norm > {z:g} robust standard deviations above the round's median "
            "log-norm" if z > 0 else "")
         + (f", or > {hard:g} x the median," if z > 0 and hard > 0 else "")
-        + (" are rejected" if not cfg.norm_by_model_only else "")
-        + ((" and" if cfg.norm_by_model_only else "; beyond the factor, those") + " larger "
-           f"than {cfg.norm_outlier_model_ratio:g} x the norm of the model they update are "
-           "rejected" if cfg.norm_outlier_model_ratio > 0 else ""))
+        + (f" and > {cfg.norm_outlier_model_ratio:g} x the norm of the model they update"
+           if cfg.norm_outlier_model_ratio > 0 else "")
+        + " are rejected")
 
 
 @register_stage
@@ -344,8 +343,7 @@ class NormOutlierCheck(UploadStage):
     keys: tuple[str, ...] = ()  # the upload's model part (`Algorithm.norm_keys`; () = all)
     z_threshold: float = 0.0  # `validation.norm_outliers`' robust z-score (0 = not applied)
     hard_factor: float = 0.0  # beyond this many medians whatever the z (0 = none)
-    model_ratio: float = 0.0  # beyond the factor, updates larger than this x the model's norm
-    by_model_only: bool = False  # the method's honest spread says nothing: model_ratio alone
+    model_ratio: float = 0.0  # only updates larger than this x the model's norm (0 = all)
     name = "norm_outlier_check"
     position = 30  # measured on what is sent
 
@@ -353,8 +351,7 @@ class NormOutlierCheck(UploadStage):
     def from_config(cls, cfg, noise_multiplier):
         del noise_multiplier
         return cls(outlier_rule(cfg)[0], cfg.norm_keys, cfg.norm_outlier_z,
-                   cfg.norm_outlier_hard_factor, cfg.norm_outlier_model_ratio,
-                   cfg.norm_by_model_only)
+                   cfg.norm_outlier_hard_factor, cfg.norm_outlier_model_ratio)
 
     def client(self, delta, memory, key, info):
         norm = validation.update_norms(jax.tree.map(
@@ -376,19 +373,18 @@ class NormOutlierCheck(UploadStage):
             norms = np.concatenate([np.asarray(r.info[a]["norm"], np.float32) for a in scope])
             sizes = np.concatenate([np.asarray(r.cohorts[a].sizes, np.float32) for a in scope])
             per_sample = norms / np.maximum(sizes, 1.0)
-            outlier = validation.norm_outliers(per_sample, ok, self.factor)  # candidates
+            outlier = validation.norm_outliers(per_sample, ok, self.factor, self.z_threshold,
+                                               self.hard_factor)
             relative = None
-            if outlier.any():
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    if self.model_ratio > 0:  # a template of zeros (statistics): inf or NaN
-                        relative = np.concatenate([
-                            np.asarray(r.info[a]["norm"], np.float32)
-                            / np.float32(validation.model_norm(r.cohorts[a].template,
-                                                               self.keys))
-                            for a in scope])
-                    outlier = validation.norm_outliers(
-                        per_sample, ok, self.factor, self.z_threshold, self.hard_factor,
-                        relative, self.model_ratio, self.by_model_only)
+            if outlier.any() and self.model_ratio > 0:
+                tiny = np.finfo(np.float32).tiny  # a template of zeros: every ratio is huge
+                relative = np.concatenate([
+                    np.asarray(r.info[a]["norm"], np.float32)
+                    / max(validation.model_norm(r.cohorts[a].template, self.keys), tiny)
+                    for a in scope])
+                outlier = validation.norm_outliers(
+                    per_sample, ok, self.factor, self.z_threshold, self.hard_factor, relative,
+                    self.model_ratio)
             z = validation.robust_log_z(per_sample, ok) if outlier.any() else None
             start = 0
             for a in scope:
@@ -400,11 +396,9 @@ class NormOutlierCheck(UploadStage):
                              f"({float(per_sample[start + j]):.3g} per local sample) beyond "
                              f"{self.factor:g} x the round's median per sample "
                              + (f"and {float(z[start + j]):.3g} robust standard deviations "
-                                "above its median log-norm "
-                                if self.z_threshold > 0 and not self.by_model_only else "")
+                                "above its median log-norm " if self.z_threshold > 0 else "")
                              + (f"and {float(relative[start + j]):.3g} x the norm of the model "
-                                "it updates " if relative is not None
-                                and np.isfinite(relative[start + j]) else "")
+                                "it updates " if relative is not None else "")
                              + "(config.upload.norm_outlier_*)")
                 start += n
                 r.valid[a] &= ~mine

@@ -102,30 +102,25 @@ def robust_log_z(norms: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 def norm_outliers(norms: np.ndarray, valid: np.ndarray, factor: float,
                   z_threshold: float = 0.0, hard_factor: float = 0.0,
-                  relative: np.ndarray | None = None, model_ratio: float = 0.0,
-                  by_model_only: bool = False) -> np.ndarray:
+                  relative: np.ndarray | None = None, model_ratio: float = 0.0) -> np.ndarray:
     """[slots] True where a valid slot's norm exceeds `factor` x the median norm of the valid
-    slots and either (a) (when `z_threshold` > 0) its log-norm lies more than `z_threshold`
-    robust standard deviations above their median log-norm (`robust_log_z`) or it exceeds
-    `hard_factor` x the median whatever the spread (when `hard_factor` > 0), or (b) (when
-    `model_ratio` > 0) the update is larger than `model_ratio` x the norm of the model it
-    updates (`relative`). With `by_model_only`, (b) alone decides. Never flags anything with
-    fewer than 3 valid slots (no meaningful median).
+    slots and (when `z_threshold` > 0) its log-norm lies more than `z_threshold` robust
+    standard deviations above their median log-norm (`robust_log_z`), or (when `hard_factor` >
+    0) where it exceeds `hard_factor` x the median whatever the spread; and in every case
+    (when `model_ratio` > 0) only where the update is larger than `model_ratio` x the norm of
+    the model it updates (`relative`). Never flags anything with fewer than 3 valid slots (no
+    meaningful median).
 
     The factor keeps a round of like-sized updates from rejecting an honest 2x one (a tiny MAD
     makes every z large); the z-score keeps a round whose honest norms spread over orders of
     magnitude from rejecting its largest honest ones (a 10x-median rule alone rejected ~4 % of
     the published pFedES's honest uploads; docs/threat_model.md); the hard factor still
-    rejects a boosted update in such a round, where its z can stay small. The model's own norm
-    is the scale no round's spread can blur: an update larger than the model it changes
-    replaces it (the model-replacement attack, Bagdasaryan et al., AISTATS 2020, and the
-    boosted updates of Bhagoji et al., ICML 2019, are several times the model), while honest
-    updates measured stayed below 0.75 of it. It rejects such an update also where the
-    round's few or widely spread honest norms keep its z small (3 uploads in a cohort, one
-    of them boosted 48x, lay 4.9 robust deviations out). Late in training most honest updates
-    of the published pFedES shrink to a common floor while a few clients still learn (honest
-    norms 500x the median at a z of 57 were measured): for such a method (`by_model_only`)
-    the spread says nothing and the model's norm alone judges.
+    rejects a boosted update in such a round, where its z can stay small. Late in training
+    most honest updates can shrink to a common floor while a few clients still learn: the
+    round's median then says nothing of their scale (honest norms 500x the median at a z of 57
+    were measured), and the model's own norm does: an update smaller than the model it changes
+    cannot replace it, and the boosted and model-replacement updates of the threat model are
+    several times larger than the model.
 
     On the host, in float32 as `masked_median` computes it on the device (the same values:
     the rule runs every round, where a handful of eager device calls cost more than it).
@@ -134,13 +129,11 @@ def norm_outliers(norms: np.ndarray, valid: np.ndarray, factor: float,
       norms: [slots] the norms (per local sample, as the stage passes them).
       valid: [slots] which slots count.
       factor: the rule's factor.
-      z_threshold: the robust z-score beyond which (a) flags (0 = (a) flags every norm beyond
-        the factor).
-      hard_factor: beyond this many medians (a) flags a norm whatever its z (0 = none).
-      relative: [slots] each update's norm over the norm of the model it updates (inf or NaN
-        where there is no model to compare with: a template of zeros, statistics).
-      model_ratio: the `relative` beyond which (b) flags (0 = (b) not applied).
-      by_model_only: (a) is not applied.
+      z_threshold: the robust z-score a flagged norm must also exceed (0 = not applied).
+      hard_factor: beyond this many medians a norm is flagged whatever its z (0 = none).
+      relative: [slots] each update's norm over the norm of the model it updates (inf where
+        the reference is all zeros: statistics, not a model).
+      model_ratio: the `relative` a flagged update must also exceed (0 = not applied).
 
     Returns:
       [slots] bool.
@@ -150,21 +143,14 @@ def norm_outliers(norms: np.ndarray, valid: np.ndarray, factor: float,
     n = int(valid.sum())
     median = _valid_median(norms, valid)
     out = valid & (n >= 3) & (norms > np.float32(factor) * median)
-    if not out.any():
-        return out
-    if by_model_only:
-        spread = np.zeros_like(out)
-    elif z_threshold > 0:
-        spread = robust_log_z(norms, valid) > np.float32(z_threshold)
+    if z_threshold > 0 and out.any():
+        beyond = robust_log_z(norms, valid) > np.float32(z_threshold)
         if hard_factor > 0:
-            spread |= norms > np.float32(hard_factor) * median
-    else:
-        spread = np.ones_like(out)
-    larger = np.zeros_like(out)
-    if model_ratio > 0 and relative is not None:
-        relative = np.asarray(relative, np.float32)
-        larger = np.isfinite(relative) & (relative > np.float32(model_ratio))
-    return out & (spread | larger)
+            beyond |= norms > np.float32(hard_factor) * median
+        out &= beyond
+    if model_ratio > 0 and relative is not None and out.any():
+        out &= np.asarray(relative, np.float32) > np.float32(model_ratio)
+    return out
 
 
 def model_norm(template, keys: tuple[str, ...] = ()) -> float:

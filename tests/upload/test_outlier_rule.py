@@ -110,14 +110,14 @@ def test_an_honest_round_spread_over_orders_of_magnitude_is_left_alone_by_defaul
     g_norm = np.float32(3.2)  # the norm of pfedes_paper's proxy G that round
     assert norm_outliers(honest, valid, NORM_OUTLIER_FACTOR).sum() == 3  # the factor alone
     assert norm_outliers(honest, valid, *rule).sum() == 1  # 2.526 is 123x the median
-    # pfedes_paper's uploads are judged by G's norm alone (`norm_by_model_only`): kept
-    assert not norm_outliers(honest, valid, *rule, honest / g_norm, 1.0, True).any()
+    # pfedes_paper's uploads are judged against G's norm (its `norm_model_ratio` 1): kept
+    assert not norm_outliers(honest, valid, *rule, honest / g_norm, 1.0).any()
     # a boosted update (the threat model's 1e4 in each of G's 153 values) among them is only
     # ~5 robust deviations off, and the hard factor catches it
     boosted = np.append(honest, 1e4 * np.sqrt(153)).astype(np.float32)
     assert robust_log_z(boosted, np.ones(11, bool))[-1] < NORM_OUTLIER_Z
     np.testing.assert_array_equal(
-        norm_outliers(boosted, np.ones(11, bool), *rule, boosted / g_norm, 1.0, True),
+        norm_outliers(boosted, np.ones(11, bool), *rule, boosted / g_norm, 1.0),
         [False] * len(honest) + [True])
     # and among like-sized honest updates a model-replacement x100 one is, by its z (U03)
     like = np.random.default_rng(0).uniform(0.9, 1.1, 9).astype(np.float32)
@@ -126,22 +126,19 @@ def test_an_honest_round_spread_over_orders_of_magnitude_is_left_alone_by_defaul
         [False] * 9 + [True])
 
 
-def test_only_the_published_pfedes_is_judged_by_its_model_alone():
-    """The model-size bound is on for every method (`norm_outlier_model_ratio` 1); the
-    published pFedES, whose small proxy's honest updates spread over orders of magnitude, is
-    judged by it alone (`AlgorithmEntry.norm_by_model_only`)."""
+def test_the_model_ratio_is_the_methods_unless_the_config_sets_it():
+    """-1 (the default) takes `AlgorithmEntry.norm_model_ratio`: 1 for the published pFedES,
+    whose small proxy's honest updates spread over orders of magnitude, 0 for the others."""
     import fedjax_pfedes
     from fedjax_pfedes.engine.sections import pipeline_config
 
     config = fedjax_pfedes.default_config()
-    assert config.upload.norm_outlier_model_ratio == 1.0
-    judged = {}
+    assert config.upload.norm_outlier_model_ratio == -1
+    ratios = {}
     for method in ("pfedes_paper", "pfedes", "fedavg"):
         config.algorithm = method
-        c = pipeline_config(config)
-        judged[method] = (c.norm_outlier_model_ratio, c.norm_by_model_only)
-    assert judged == {"pfedes_paper": (1.0, True), "pfedes": (1.0, False),
-                      "fedavg": (1.0, False)}
+        ratios[method] = pipeline_config(config).norm_outlier_model_ratio
+    assert ratios == {"pfedes_paper": 1.0, "pfedes": 0.0, "fedavg": 0.0}
     config.upload.norm_outlier_model_ratio = 0.5
     assert pipeline_config(config).norm_outlier_model_ratio == 0.5
 
@@ -153,48 +150,7 @@ def test_the_model_ratio_condition_by_hand():
     valid = np.ones(6, bool)
     relative = norms / np.float32(150.0)  # the model's norm: 150
     np.testing.assert_array_equal(norm_outliers(norms, valid, 10, 8), [0, 0, 0, 0, 1, 1])
-    # by the model alone: 100 < 150 <= 200
-    np.testing.assert_array_equal(
-        norm_outliers(norms, valid, 10, 8, 1000, relative, 1.0, True), [0, 0, 0, 0, 0, 1])
-    # 0: not applied (by the model alone nothing is judged)
+    np.testing.assert_array_equal(norm_outliers(norms, valid, 10, 8, 1000, relative, 1.0),
+                                  [0, 0, 0, 0, 0, 1])  # 100 < 150 <= 200
     np.testing.assert_array_equal(norm_outliers(norms, valid, 10, 8, 1000, relative, 0.0),
-                                  [0, 0, 0, 0, 1, 1])
-    assert not norm_outliers(norms, valid, 10, 8, 1000, relative, 0.0, True).any()
-    # no model to compare with (a template of zeros: inf, NaN): the spread alone decides
-    for no_model in (np.inf, np.nan):
-        np.testing.assert_array_equal(
-            norm_outliers(norms, valid, 10, 8, 1000, np.full(6, no_model, np.float32), 1.0),
-            [0, 0, 0, 0, 1, 1])
-
-
-def test_a_model_sized_update_in_a_small_or_spread_round_is_rejected():
-    """The real-run case that the spread alone missed (docs/threat_model.md): FedAvg, a cohort
-    of 3 uploads in round 17, the attacker's x100 sign flip 48x the median but only 4.9 robust
-    deviations out (a MAD of 3 values); its update is larger than the model it replaces."""
-    from fedjax_pfedes.upload.pipeline import (
-        NORM_OUTLIER_FACTOR,
-        NORM_OUTLIER_HARD_FACTOR,
-        NORM_OUTLIER_MODEL_RATIO,
-        NORM_OUTLIER_Z,
-    )
-    from fedjax_pfedes.upload.validation import norm_outliers, robust_log_z
-
-    rule = (NORM_OUTLIER_FACTOR, NORM_OUTLIER_Z, NORM_OUTLIER_HARD_FACTOR)
-    per_sample = np.array([0.010, 0.017, 0.48], np.float32)  # the attacker last: 48x
-    valid = np.ones(3, bool)
-    assert 4 < robust_log_z(per_sample, valid)[-1] < NORM_OUTLIER_Z
-    assert not norm_outliers(per_sample, valid, *rule).any()  # the spread alone: kept
-    model_norm = np.float32(30.0)
-    updates = per_sample * np.float32(250.0)  # 250 local samples each: 2.5, 4.25, 120
-    np.testing.assert_array_equal(
-        norm_outliers(per_sample, valid, *rule, updates / model_norm, NORM_OUTLIER_MODEL_RATIO),
-        [False, False, True])
-    # an honest update beyond the factor but below the model's norm stays (the largest
-    # measured: 0.75 of it)
-    honest = np.array([0.010, 0.017, 0.2], np.float32)  # 12x the median
-    assert norm_outliers(honest, valid, NORM_OUTLIER_FACTOR).any()  # beyond the factor
-    model_norm = np.float32(0.2 * 250 / 0.75)  # the update is 0.75 of the model
-    assert not norm_outliers(honest, valid, *rule, honest * 250 / model_norm,
-                             NORM_OUTLIER_MODEL_RATIO).any()
-
-
+                                  [0, 0, 0, 0, 1, 1])  # 0: not applied
