@@ -116,21 +116,35 @@ def collect(workdir: str, only: str = "") -> None:
         print(name, "done", flush=True)
 
 
-def _rounds(run: str):
-    """(round, [(arch, norm, samples)] of one aggregation scope) for each scope and round."""
+def _rounds(run: str) -> dict[int, list[list[tuple]]]:
+    """round -> its aggregation scopes, each a list of (arch, norm, samples) of its uploads."""
     summary = json.load(open(os.path.join(run, "summary.json")))
     kind = registry.get(summary["config"]["algorithm"]).aggregation
-    by = collections.defaultdict(list)
+    by = collections.defaultdict(lambda: collections.defaultdict(list))
     for line in open(os.path.join(run, "clients.jsonl")):
         row = json.loads(line)
         if row.get("update_norm") is None or row["status"] != "delivered":
             continue
-        key = (row["round"], row["arch"]) if kind == "per_cohort" else (row["round"],)
-        by[key].append((row["arch"], row["update_norm"], row["samples"]))
-    return by
+        scope = row["arch"] if kind == "per_cohort" else ""
+        by[row["round"]][scope].append((row["arch"], row["update_norm"], row["samples"]))
+    return {r: list(scopes.values()) for r, scopes in by.items()}
+
+
+def _measures(rows, templates: dict, round_index: int):
+    """(norms, norm per sample, norm / the model's norm) of `rows`; the last is inf where no
+    template norm was logged (round 1)."""
+    norms = np.array([r[1] for r in rows], np.float32)
+    per_sample = norms / np.maximum(np.array([r[2] for r in rows], np.float32), 1)
+    t = templates.get(round_index, {})
+    relative = np.array([norms[i] / t[r[0]] if t.get(r[0]) else np.inf
+                         for i, r in enumerate(rows)], np.float32)
+    return norms, per_sample, relative
 
 
 def report_row(run: str) -> dict:
+    """One honest run's uploads judged, scope by scope as `NormOutlierCheck` does, by the
+    default rule (a scope of fewer than 3 uploads against the round's uploads of every scope)
+    and by the earlier 10x-median rule (such a scope not judged)."""
     summary = json.load(open(os.path.join(run, "summary.json")))
     defaults = fedjax_pfedes.default_config()
     method = summary["config"]["algorithm"]
@@ -139,34 +153,37 @@ def report_row(run: str) -> dict:
     path = os.path.join(run, "template_norms.jsonl")
     if os.path.exists(path):
         templates = {r["round"]: r["template_norm"] for r in map(json.loads, open(path))}
-    uploads = old = default = 0
+    uploads = old = default = pooled = 0
     worst_ratio = worst_z = 0.0
-    for key, rows in _rounds(run).items():
-        norms = np.array([r[1] for r in rows], np.float32)
-        sizes = np.array([r[2] for r in rows], np.float32)
-        per_sample = norms / np.maximum(sizes, 1)
-        valid = np.ones(len(rows), bool)
-        uploads += int((norms > 0).sum())  # Standalone uploads nothing
-        if len(rows) < 3:
-            continue
-        old += int(validation.norm_outliers(per_sample, valid, 10.0).sum())
-        relative = None
-        if pipeline.norm_outlier_model_ratio > 0:  # round 1 has no template logged: inf
-            t = templates.get(key[0], {})
-            relative = np.array([norms[i] / t[r[0]] if t.get(r[0]) else np.inf
-                                 for i, r in enumerate(rows)], np.float32)
-        default += int(validation.norm_outliers(
-            per_sample, valid, pipeline.norm_outlier_factor, pipeline.norm_outlier_z,
-            pipeline.norm_outlier_hard_factor, relative,
-            pipeline.norm_outlier_model_ratio).sum())
-        median = float(np.median(per_sample))
-        if median <= 0:  # nothing uploaded (Standalone): no rule to apply
-            continue
-        ratio = per_sample / median
-        z = validation.robust_log_z(per_sample, valid)
-        worst_ratio = max(worst_ratio, float(ratio.max()))
-        worst_z = max(worst_z, float(z[ratio > 10].max()) if (ratio > 10).any() else 0.0)
-    return {"uploads": uploads, "default": default, "old_rule": old,
+    for round_index, scopes in _rounds(run).items():
+        everything = [row for scope in scopes for row in scope]
+        for scope in scopes:
+            norms, per_sample, relative = _measures(scope, templates, round_index)
+            uploads += int((norms > 0).sum())  # Standalone uploads nothing
+            alone = len(scope) >= 3 or len(scopes) == 1
+            if alone:
+                old += int(validation.norm_outliers(per_sample, np.ones(len(scope), bool),
+                                                    10.0).sum())
+                reference, mine = scope, slice(None)
+            else:  # judged against every scope of the round, as the stage does
+                pooled += len(scope)
+                start = everything.index(scope[0])
+                reference, mine = everything, slice(start, start + len(scope))
+            _, per_sample, relative = _measures(reference, templates, round_index)
+            valid = np.ones(len(reference), bool)
+            default += int(validation.norm_outliers(
+                per_sample, valid, pipeline.norm_outlier_factor, pipeline.norm_outlier_z,
+                pipeline.norm_outlier_hard_factor,
+                relative if pipeline.norm_outlier_model_ratio > 0 else None,
+                pipeline.norm_outlier_model_ratio)[mine].sum())
+            median = float(np.median(per_sample))
+            if len(reference) < 3 or median <= 0:  # nothing uploaded (Standalone)
+                continue
+            ratio = (per_sample / median)[mine]
+            z = validation.robust_log_z(per_sample, valid)[mine]
+            worst_ratio = max(worst_ratio, float(ratio.max()))
+            worst_z = max(worst_z, float(z[ratio > 10].max()) if (ratio > 10).any() else 0.0)
+    return {"uploads": uploads, "default": default, "old_rule": old, "pooled": pooled,
             "max_ratio": worst_ratio, "max_z_beyond_10x": worst_z}
 
 
@@ -176,15 +193,17 @@ def _with_algorithm(config, method: str):
 
 
 def report(workdir: str) -> str:
-    lines = ["| run | honest uploads | rejected by the default rule | by the 10x-median rule "
-             "alone | max norm per sample / round median | max robust z beyond 10x |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| run | honest uploads | judged against every cohort (own cohort < 3) | "
+             "rejected by the default rule | by the 10x-median rule alone | max norm per "
+             "sample / median | max robust z beyond 10x |",
+             "|---|---|---|---|---|---|---|"]
     for name in populations():
         run = os.path.join(workdir, name)
         if not os.path.exists(os.path.join(run, "summary.json")):
             continue
         r = report_row(run)
-        lines.append(f"| {name} | {r['uploads']} | {r['default']} | {r['old_rule']} | "
+        lines.append(f"| {name} | {r['uploads']} | {r['pooled']} | {r['default']} | "
+                     f"{r['old_rule']} | "
                      f"{r['max_ratio']:.1f} | {r['max_z_beyond_10x']:.1f} |")
     return "\n".join(lines)
 
@@ -194,13 +213,14 @@ ATTACKS = {"constant 1e4": ("constant", 1e4), "scale x100": ("scale", 100.0),
            "scale x10": ("scale", 10.0)}
 RULES = {"default": {}, "10x median alone": {"upload.norm_outlier_z": 0.0,
                                              "upload.norm_outlier_hard_factor": 0.0,
-                                             "upload.norm_outlier_model_ratio": 0.0}}
+                                             "upload.norm_outlier_model_ratio": 0.0,
+                                             "upload.norm_outlier_small_cohorts": False}}
 ATTACKER = 3
 
 
 def detect(workdir: str) -> str:
-    lines = ["| method | attack | rule | attacker uploads | rejected | honest uploads rejected |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | attack | rule | attacker uploads | rejected | honest uploads rejected | "
+             "final accuracy of the attacker's cohort |", "|---|---|---|---|---|---|---|"]
     for method in ("pfedes", "fedavg"):
         for attack, (kind, value) in ATTACKS.items():
             for rule, fields in RULES.items():
@@ -222,9 +242,11 @@ def detect(workdir: str) -> str:
                 rows = [json.loads(line) for line in open(os.path.join(out, "clients.jsonl"))]
                 mine = [r for r in rows if r["client"] == ATTACKER and r["status"] == "delivered"]
                 others = [r for r in rows if r["client"] != ATTACKER]
+                final = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][-1]
+                cohort = final["personalized_accuracy_by_arch"][mine[0]["arch"]]
                 lines.append(f"| {method} | {attack} | {rule} | {len(mine)} | "
                              f"{sum(not r['accepted'] for r in mine)} | "
-                             f"{sum(not r['accepted'] for r in others)} |")
+                             f"{sum(not r['accepted'] for r in others)} | {cohort:.3f} |")
                 print(lines[-1], flush=True)
     return "\n".join(lines)
 

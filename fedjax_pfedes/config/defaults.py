@@ -201,6 +201,10 @@ class UploadSection:
     norm_outlier_z: float = 8.0
     norm_outlier_hard_factor: float = 100.0
     norm_outlier_model_ratio: float = -1.0
+    # Under per-cohort aggregation, a cohort that sent fewer than 3 uploads (no median of its
+    # own) is judged against the round's uploads of every cohort (False: not judged, the rule
+    # before 2026-12-05).
+    norm_outlier_small_cohorts: bool = True
     # 'samples' (local training samples) | 'sqrt_samples' | 'uniform' | 'all_samples' (training
     # + local test samples: the published pFedES code's aggregation weights)
     weighting: str = "samples"

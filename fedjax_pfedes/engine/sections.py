@@ -89,6 +89,7 @@ def pipeline_config(config: ml_collections.ConfigDict) -> PipelineConfig:
     return PipelineConfig(
         reject_nonfinite=u.reject_nonfinite, norm_outlier_factor=u.norm_outlier_factor,
         norm_outlier_z=u.norm_outlier_z, norm_outlier_hard_factor=u.norm_outlier_hard_factor,
+        norm_outlier_small_cohorts=u.norm_outlier_small_cohorts,
         norm_outlier_model_ratio=(
             algorithm_registry.get(config.algorithm).norm_model_ratio
             if u.norm_outlier_model_ratio == -1 else u.norm_outlier_model_ratio),

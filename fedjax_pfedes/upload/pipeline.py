@@ -70,6 +70,7 @@ class PipelineConfig:
     norm_outlier_factor: float = NORM_OUTLIER_FACTOR  # 0 = off
     norm_outlier_z: float = NORM_OUTLIER_Z  # 0 = the factor alone
     norm_outlier_hard_factor: float = NORM_OUTLIER_HARD_FACTOR  # 0 = no bound beyond the z
+    norm_outlier_small_cohorts: bool = True  # a cohort of < 3 judged against the whole round
     norm_outlier_model_ratio: float = NORM_OUTLIER_MODEL_RATIO  # 0 = not applied
     norm_keys: tuple[str, ...] = ()  # the uploads' model part the norm rule measures (() = all)
     weighting: str = "samples"

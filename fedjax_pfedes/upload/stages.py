@@ -279,7 +279,9 @@ def outlier_rule(cfg) -> tuple[float, str]:
         + (f", or > {hard:g} x the median," if z > 0 and hard > 0 else "")
         + (f" and > {cfg.norm_outlier_model_ratio:g} x the norm of the model they update"
            if cfg.norm_outlier_model_ratio > 0 else "")
-        + " are rejected")
+        + " are rejected"
+        + ("; a cohort aggregated alone that sent fewer than 3 uploads is judged against the "
+           "round's uploads of every cohort" if cfg.norm_outlier_small_cohorts else ""))
 
 
 @register_stage
@@ -329,7 +331,8 @@ class FiniteCheck(UploadStage):
 class NormOutlierCheck(UploadStage):
     """Measures each update's L2 norm where it stands in the chain (after compression, before
     clipping) and rejects those whose norm PER LOCAL SAMPLE exceeds `factor` x the median of
-    the valid updates aggregated together (`validation.norm_outliers`; needs >= 3 of them).
+    the valid updates aggregated together (`validation.norm_outliers`; needs >= 3 of them: a
+    cohort aggregated alone with fewer is judged against the round's uploads of every cohort).
 
     Per sample, because honest update norms grow with the local steps a client takes, i.e. with
     its sample count: under quantity skew (LogNormal sizes, sigma 2) raw norms of one round
@@ -344,6 +347,7 @@ class NormOutlierCheck(UploadStage):
     z_threshold: float = 0.0  # `validation.norm_outliers`' robust z-score (0 = not applied)
     hard_factor: float = 0.0  # beyond this many medians whatever the z (0 = none)
     model_ratio: float = 0.0  # only updates larger than this x the model's norm (0 = all)
+    small_cohorts: bool = False  # a scope of < 3 judged against every scope of the round
     name = "norm_outlier_check"
     position = 30  # measured on what is sent
 
@@ -351,7 +355,8 @@ class NormOutlierCheck(UploadStage):
     def from_config(cls, cfg, noise_multiplier):
         del noise_multiplier
         return cls(outlier_rule(cfg)[0], cfg.norm_keys, cfg.norm_outlier_z,
-                   cfg.norm_outlier_hard_factor, cfg.norm_outlier_model_ratio)
+                   cfg.norm_outlier_hard_factor, cfg.norm_outlier_model_ratio,
+                   cfg.norm_outlier_small_cohorts)
 
     def client(self, delta, memory, key, info):
         norm = validation.update_norms(jax.tree.map(
@@ -368,40 +373,55 @@ class NormOutlierCheck(UploadStage):
     def server(self, r: RoundUploads) -> None:
         if self.factor <= 0:
             return
+        every = [a for scope in r.scopes for a in scope]
+        valid = {a: r.valid[a].copy() for a in every}  # as the stage found them
         for scope in r.scopes:
-            ok = np.concatenate([r.valid[a] for a in scope])
-            norms = np.concatenate([np.asarray(r.info[a]["norm"], np.float32) for a in scope])
-            sizes = np.concatenate([np.asarray(r.cohorts[a].sizes, np.float32) for a in scope])
-            per_sample = norms / np.maximum(sizes, 1.0)
-            outlier = validation.norm_outliers(per_sample, ok, self.factor, self.z_threshold,
-                                               self.hard_factor)
-            relative = None
-            if outlier.any() and self.model_ratio > 0:
-                tiny = np.finfo(np.float32).tiny  # a template of zeros: every ratio is huge
-                relative = np.concatenate([
-                    np.asarray(r.info[a]["norm"], np.float32)
-                    / max(validation.model_norm(r.cohorts[a].template, self.keys), tiny)
-                    for a in scope])
-                outlier = validation.norm_outliers(
-                    per_sample, ok, self.factor, self.z_threshold, self.hard_factor, relative,
-                    self.model_ratio)
-            z = validation.robust_log_z(per_sample, ok) if outlier.any() else None
-            start = 0
-            for a in scope:
-                n = len(r.valid[a])
-                mine = outlier[start:start + n]
-                for j in np.flatnonzero(mine):
-                    r.reject(r.cohorts[a].client_ids[j:j + 1],
-                             f"update norm {float(norms[start + j]):.3g} "
-                             f"({float(per_sample[start + j]):.3g} per local sample) beyond "
-                             f"{self.factor:g} x the round's median per sample "
-                             + (f"and {float(z[start + j]):.3g} robust standard deviations "
-                                "above its median log-norm " if self.z_threshold > 0 else "")
-                             + (f"and {float(relative[start + j]):.3g} x the norm of the model "
-                                "it updates " if relative is not None else "")
-                             + "(config.upload.norm_outlier_*)")
-                start += n
-                r.valid[a] &= ~mine
+            # A scope of fewer than 3 valid uploads has no median of its own: it is judged
+            # against the round's uploads of every scope (per local sample), so an attacker
+            # alone or with one other in its cohort is judged too (U13).
+            alone = len(r.scopes) == 1 or sum(int(valid[a].sum()) for a in scope) >= 3
+            if alone or self.small_cohorts:
+                self._judge(r, scope if alone else every, scope, valid, alone)
+
+    def _judge(self, r: RoundUploads, reference: list[str], judged: list[str],
+               valid: dict[str, np.ndarray], alone: bool) -> None:
+        """Rejects the outliers among `judged`'s uploads, measured against `reference`'s."""
+        ok = np.concatenate([valid[a] for a in reference])
+        norms = np.concatenate([np.asarray(r.info[a]["norm"], np.float32) for a in reference])
+        sizes = np.concatenate([np.asarray(r.cohorts[a].sizes, np.float32) for a in reference])
+        per_sample = norms / np.maximum(sizes, 1.0)
+        outlier = validation.norm_outliers(per_sample, ok, self.factor, self.z_threshold,
+                                           self.hard_factor)
+        relative = None
+        if outlier.any() and self.model_ratio > 0:
+            tiny = np.finfo(np.float32).tiny  # a template of zeros: every ratio is huge
+            relative = np.concatenate([
+                np.asarray(r.info[a]["norm"], np.float32)
+                / max(validation.model_norm(r.cohorts[a].template, self.keys), tiny)
+                for a in reference])
+            outlier = validation.norm_outliers(
+                per_sample, ok, self.factor, self.z_threshold, self.hard_factor, relative,
+                self.model_ratio)
+        z = validation.robust_log_z(per_sample, ok) if outlier.any() else None
+        median = ("the round's median per sample" if alone else
+                  "the median per sample of the round's uploads of every cohort (its own "
+                  "sent fewer than 3)")
+        start = 0
+        for a in reference:
+            n = len(valid[a])
+            mine = outlier[start:start + n] if a in judged else np.zeros(n, bool)
+            for j in np.flatnonzero(mine):
+                r.reject(r.cohorts[a].client_ids[j:j + 1],
+                         f"update norm {float(norms[start + j]):.3g} "
+                         f"({float(per_sample[start + j]):.3g} per local sample) beyond "
+                         f"{self.factor:g} x {median} "
+                         + (f"and {float(z[start + j]):.3g} robust standard deviations "
+                            "above its median log-norm " if self.z_threshold > 0 else "")
+                         + (f"and {float(relative[start + j]):.3g} x the norm of the model "
+                            "it updates " if relative is not None else "")
+                         + "(config.upload.norm_outlier_*)")
+            start += n
+            r.valid[a] &= ~mine
 
 
 # --- client-side transforms ---------------------------------------------------------------------

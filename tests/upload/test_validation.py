@@ -143,11 +143,42 @@ def test_outliers_are_judged_across_the_cohorts_of_one_shared_tree():
         0, cohorts, {a: {} for a in cohorts}, {a: 1 for a in cohorts},
         jax.random.key(0))
     assert [r["client"] for r in report["rejections"]] == [3]
-    # alone in a cohort: no median to judge by
+    # per-cohort aggregation, every cohort of one upload: no cohort has a median of its own,
+    # so each is judged against the round's uploads of every cohort (U13)
     _, _, report = upload_pipeline("per_cohort").process(
         0, cohorts, {a: {} for a in cohorts}, {a: 1 for a in cohorts},
         jax.random.key(0))
+    assert [r["client"] for r in report["rejections"]] == [3]
+    assert "of the round's uploads of every cohort (its own sent fewer than 3)" in \
+        report["rejections"][0]["reason"]
+    # `norm_outlier_small_cohorts=False`: the rule before, such a cohort is not judged
+    _, _, report = upload_pipeline("per_cohort", norm_outlier_small_cohorts=False).process(
+        0, cohorts, {a: {} for a in cohorts}, {a: 1 for a in cohorts},
+        jax.random.key(0))
     assert report["rejections"] == []
+
+
+def test_a_small_cohort_is_judged_against_every_cohort_and_a_large_one_against_itself():
+    """Per-cohort aggregation: a cohort of 3+ uploads is judged by its own median, one of 1-2
+    by the median of all the round's uploads. Norms per sample by hand: cohort 'big' 1, 1, 1,
+    30 (its own median 1: the 30 is 30x); cohort 'pair' 0.5 and 40 (all seven: median 1, the
+    40 is 40x); cohort 'lone' 0.02 (all: 1/50x, kept)."""
+    template = {"w": jnp.zeros(1)}
+
+    def cohort(values, first_id):
+        return upload_cohort({"w": jnp.array([[v] for v in values])}, template,
+                             [1] * len(values), ids=list(range(first_id, first_id + len(values))))
+
+    cohorts = {"big": cohort([1.0, 1.0, 1.0, 30.0], 0), "pair": cohort([0.5, 40.0], 10),
+               "lone": cohort([0.02], 20)}
+    rule = dict(norm_outlier_z=0.0)  # the factor alone, so the medians alone decide
+    _, _, report = upload_pipeline("per_cohort", **rule).process(
+        0, cohorts, {a: {} for a in cohorts}, {a: 1 for a in cohorts}, jax.random.key(0))
+    assert sorted(r["client"] for r in report["rejections"]) == [3, 11]
+    # were 'pair' judged alone it could not be (2 uploads); were 'big' judged against all
+    # seven, its 30 would still be beyond 10x and its 1s kept: the same verdicts by hand
+    norms = np.array([1, 1, 1, 30, 0.5, 40, 0.02], np.float32)
+    assert np.median(norms) == 1.0 and np.median(norms[:4]) == 1.0
 
 
 def test_when_most_uploads_are_non_finite_the_broadcast_is_blamed():
