@@ -32,8 +32,8 @@ def main() -> None:
             counts[event] += 1
 
     jax.monitoring.register_event_duration_secs_listener(listen)
-    from launch import cli
-    from launch import main as launch_main  # flags are defined on import
+    from fedjax_pfedes.launch import cli
+    from fedjax_pfedes.launch import main as launch_main  # flags are defined on import
 
     try:
         app.run(launch_main.main, argv=["launch.main", *sys.argv[1:]],

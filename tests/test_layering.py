@@ -1,5 +1,5 @@
 """The package's layers, checked on its source: every import points down, no circles, no
-import of the application (`configs/`, `launch/`), one name per module.
+import of the application (`configs/`, the checkout's `launch/`), one name per module.
 
   python -m pytest tests/test_layering.py   # the check
   python tests/test_layering.py             # the layers and each module's imports, printed
@@ -26,6 +26,7 @@ LAYERS = (
     ("engine", ("engine",)),
     ("studies", ("studies",)),
     ("public API", ("",)),  # fedjax_pfedes/__init__.py
+    ("command lines", ("launch",)),  # fedjax_pfedes/launch/: over the public API
 )
 
 
@@ -128,13 +129,42 @@ def test_the_package_never_imports_the_application():
     assert wrong == []
 
 
-def test_each_module_name_is_used_once_across_the_package_and_launch():
+def test_each_module_name_is_used_once_across_the_package():
     names = collections.defaultdict(list)
-    for package in (PACKAGE, "launch"):
-        for m, p in modules(package).items():
-            if p.name != "__init__.py":
-                names[m.rsplit(".", 1)[-1]].append(m)
+    for m, p in modules(PACKAGE).items():
+        if p.name != "__init__.py":
+            names[m.rsplit(".", 1)[-1]].append(m)
     assert {n: ms for n, ms in names.items() if len(ms) > 1} == {}
+
+
+def test_the_checkouts_launch_modules_only_run_the_packages_command_lines():
+    """`launch/NAME.py` (run from a checkout, not installed) imports
+    `fedjax_pfedes.launch.NAME.console` and nothing else; every command line of the package has
+    one, and a console script in pyproject.toml."""
+    import tomllib
+
+    shims = {m.rsplit(".", 1)[-1]: p for m, p in modules("launch").items()
+             if p.name != "__init__.py"}
+    commands = {m.rsplit(".", 1)[-1] for m, p in modules().items()
+                if m.startswith(f"{PACKAGE}.launch.") and "def console()" in p.read_text()}
+    assert set(shims) == commands
+    for name, path in shims.items():
+        assert imports(path, f"launch.{name}") == {f"{PACKAGE}.launch.{name}",
+                                                   f"{PACKAGE}.launch.{name}.console"}, path
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert sorted(v.split(":")[0].rsplit(".", 1)[-1] for v in scripts.values()) == \
+        sorted(commands)
+    assert all(v.endswith(":console") for v in scripts.values())
+
+
+def test_only_the_package_is_installed():
+    """pyproject.toml installs `fedjax_pfedes` alone: `launch` and `configs` as top-level
+    packages in site-packages would shadow a user's own modules of those names."""
+    import tomllib
+
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]
+    assert found["include"] == [f"{PACKAGE}*"]
 
 
 def test_the_checks_see_a_circle_and_an_upward_import():

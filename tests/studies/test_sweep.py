@@ -9,9 +9,9 @@ from fl_helpers import small_config, tiny_config
 from fedjax_pfedes.engine.build import build_federated_data
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.launch.cli import split_sweep_flags
 from fedjax_pfedes.studies import vectorized_sweep
 from fedjax_pfedes.studies.experiments import with_overrides
-from launch.cli import split_sweep_flags
 
 
 def test_sweep_flags_are_split_from_the_rest():

@@ -1,0 +1,474 @@
+"""Compares federated methods under identical data, clients and sampling seeds.
+
+  python -m launch.compare --config=configs/quickstart.py \
+      --algorithms=pfedes,standalone,fedavg,fedprox --seeds=3 --workdir=runs/compare
+
+Runs every method for each seed (config.seed, +1, ...), then writes <workdir>/comparison.md
+(mean personalized accuracy ± std over seeds, global accuracy, upload parameters per client per
+round, wall time), comparison.json and accuracy_curves.png.
+
+With `--lr_grid=0.01,0.02,0.05,0.1` (and `--server_lr_grid=0.3x,1x,3x` for the methods with a
+server learning rate: FedAvgM, FedAdam, SCAFFOLD, FedNova, FedGH; 'Fx' is F times the method's
+configured rate, a plain number the rate itself) each method is first tuned on
+**validation data of a seed that is not reported**: seed config.seed + 1000 runs at every rate
+of the grid with `data.validation_split=True` (each client's local test split set aside unseen,
+the client evaluated on a validation split held out of its training rows), the rate with the
+best final mean personalized validation accuracy is kept (a diverged run counts as the worst),
+and the reported seeds (config.seed, ...) run at that rate on their test splits. The grid is in
+units of the *effective* step of `config.train.local_momentum`: a method whose own local
+momentum m differs (SCAFFOLD and FedMRL run plain SGD) runs at grid x (1 - m) / (1 - train
+momentum), so every method moves its parameters by the same effective step per unit gradient. A
+rate must train on every seed: when a reported seed diverges at the chosen rate, that rate is
+dropped for the method (its diverged runs are kept as evidence under
+<workdir>/lr_tuning/<method>/lr<rate>/seed<k>), the next best rate of the grid is chosen and the
+method's seeds run at it. The grid's table goes into comparison.md too, with the rates dropped
+and the seeds that diverged.
+
+`--unseen_seeds=100` also runs every method, at its chosen rate, on a second seed range (100 ..
+100 + --seeds - 1) that neither the tuning nor the first range saw, and reports it in its own
+table and paired differences below the first: a comparison a reader can check on seeds it was
+not chosen on. A diverged run there is kept and marked (no rate is re-chosen on it).
+
+`--report_only` starts no run: it writes the table (and the grid) from the runs already finished
+in --workdir, saying for each method how many seeds it has; a method whose grid is unfinished is
+left out and named. For looking at a comparison that is still running or was interrupted.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from fedjax_pfedes.algorithms import registry as algorithm_registry
+from fedjax_pfedes.data.catalog import load_dataset
+from fedjax_pfedes.engine.build import load_options
+from fedjax_pfedes.engine.validate import check_against_data, validate_config
+from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError, StorageError
+from fedjax_pfedes.io.workdir import RunLockedError
+from fedjax_pfedes.launch import cli
+from fedjax_pfedes.launch.cli import fail, loaded_config
+from fedjax_pfedes.studies import experiments
+from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+_ALGORITHMS = flags.DEFINE_list("algorithms", ["pfedes", "standalone", "fedavg"],
+                                "Methods to compare (config.algorithm names).")
+_SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per method (config.seed, config.seed+1, ...).")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/compare", "Where runs and the table go.")
+_PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
+_VARIANT = flags.DEFINE_multi_string(
+    "variant", [], "NAME:FIELD=VALUE;FIELD=VALUE (repeatable): compare config variants of "
+    "config.algorithm instead of --algorithms, e.g. --variant=kept: "
+    "--variant=reset:train.reset_local_optimizer=True")
+_LR_GRID = flags.DEFINE_list("lr_grid", [], "Local learning rates to tune each method over "
+                             "(seed config.seed); empty = no tuning.")
+_SERVER_LR_GRID = flags.DEFINE_list(
+    "server_lr_grid", [], "With --lr_grid: server learning rates (or multiples of each method's "
+    "own, e.g. 0.3x,1x,3x) to tune too, for every method "
+    "whose config section has a server_lr (fedavgm, fedadam, scaffold, fednova, fedgh): each "
+    "such method runs every (lr, server_lr) pair; empty = its section's value.")
+_REUSE = flags.DEFINE_bool("reuse", True, "Reuse finished runs in the workdir made with the same "
+                           "config (resume an interrupted comparison).")
+_PAIRED = flags.DEFINE_list(
+    "paired_with", [], "ARM=REFERENCE,... : add to comparison.md each arm's paired difference "
+    "(same seeds) from its reference arm, mean and 95% CI, e.g. --paired_with=fedavg=standalone")
+_UNSEEN = flags.DEFINE_integer(
+    "unseen_seeds", -1, "Also run and report the seeds START .. START + --seeds - 1 at the "
+    "chosen rates, a range no tuning or earlier table used (-1 = none).")
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Start no run: write the table from the "
+                                 "runs already finished in the workdir.")
+
+
+def parse_variants(specs: list[str]) -> dict[str, dict]:
+    """'name:field=value;field=value' -> {name: {field: value}}; values are numbers or
+    True/False where they parse as such, else strings. ConfigError naming the flag for a
+    malformed one."""
+    out = {}
+    for spec in specs:
+        name, sep, body = spec.partition(":")
+        if not sep or not name:
+            raise ConfigError(f"--variant={spec}: expected NAME:FIELD=VALUE;... (NAME: alone "
+                              "for the config as it is)")
+        overrides = {}
+        for item in filter(None, body.split(";")):
+            field, eq, value = item.partition("=")
+            if not eq:
+                raise ConfigError(f"--variant={spec}: '{item}' is not FIELD=VALUE")
+            try:
+                parsed = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                parsed = value
+            overrides[field] = parsed if isinstance(parsed, (bool, int, float)) else value
+        out[name] = overrides
+    return out
+
+
+def lr_field(config, algorithm: str) -> str:
+    """The dotted config field of `algorithm`'s local learning rate."""
+    section = config.get(algorithm)
+    return f"{algorithm}.lr_local" if section is not None and "lr_local" in section \
+        else "train.lr_local"
+
+
+def method_momentum(config, algorithm: str) -> float:
+    """The local heavy-ball momentum `algorithm` trains with: its section's `local_momentum`
+    when set (>= 0), else `config.train.local_momentum`."""
+    section = config.get(algorithm)
+    m = section.get("local_momentum", -1) if section is not None else -1
+    return float(m) if m >= 0 else float(config.train.local_momentum)
+
+
+def grid_rate(config, algorithm: str, lr: float) -> float:
+    """The learning rate of `algorithm` at grid point `lr` (an effective step at
+    `config.train.local_momentum`): lr x (1 - its momentum) / (1 - train momentum)."""
+    scale = (1.0 - method_momentum(config, algorithm)) / (1.0 - config.train.local_momentum)
+    return float(f"{lr * scale:.6g}")
+
+
+TUNING_SEED_OFFSET = 1000  # --seeds must stay below it
+
+
+def tuning_seed(config) -> int:
+    """The seed learning rates are tuned on, config.seed + 1000: never a reported seed
+    (config.seed .. config.seed + --seeds - 1), and the same whatever --seeds is, so a
+    comparison extended to more seeds reuses its tuning."""
+    return config.seed + TUNING_SEED_OFFSET
+
+
+def server_lr_field(config, algorithm: str) -> str | None:
+    """`<algorithm>.server_lr` when the method's section has one, else None."""
+    section = config.get(algorithm)
+    return f"{algorithm}.server_lr" if section is not None and "server_lr" in section else None
+
+
+def server_rate(config, algorithm: str, value: float | str) -> float:
+    """A `--server_lr_grid` entry as `algorithm`'s server learning rate: a number as it is, or
+    'Fx' as F times the rate the method's config section sets (server rates differ by orders
+    of magnitude between methods: FedAdam's 0.01, FedAvgM's 0.1, SCAFFOLD's 1)."""
+    if isinstance(value, str) and value.endswith("x"):
+        return float(value[:-1]) * float(config[algorithm].server_lr)
+    return float(value)
+
+
+def grid_cells(config, algorithm: str, grid: list[float], server_grid: list[float | str]
+               ) -> dict[str, dict]:
+    """The tuning grid of `algorithm`: {cell name: overrides}, e.g. 'lr0.1' ->
+    {'train.lr_local': 0.1}, and with a server grid for a method with a server_lr,
+    'lr0.1_slr0.5' -> {..., 'fedavgm.server_lr': 0.5}. Local rates are `grid_rate`s, server
+    rates `server_rate`s."""
+    field, server = lr_field(config, algorithm), server_lr_field(config, algorithm)
+    cells = {}
+    for g in grid:
+        lr = grid_rate(config, algorithm, g)
+        if server is None or not server_grid:
+            cells[f"lr{lr:g}"] = {"algorithm": algorithm, field: lr}
+            continue
+        for v in server_grid:
+            slr = server_rate(config, algorithm, v)
+            cells[f"lr{lr:g}_slr{slr:g}"] = {"algorithm": algorithm, field: lr, server: slr}
+    return cells
+
+
+def cell_of(config, algorithm: str, overrides: dict) -> str:
+    """The cell name (`grid_cells`) of a tuned method's overrides."""
+    name = f"lr{overrides[lr_field(config, algorithm)]:g}"
+    server = server_lr_field(config, algorithm)
+    return name + (f"_slr{overrides[server]:g}" if server in overrides else "")
+
+
+def diverged_seeds(tuning_dir: str, method: str, cell, seed: int) -> list[int]:
+    """Further seeds (not `seed`, the tuning seed) of `method` that diverged at grid `cell` (a
+    cell name, or a learning rate for 'lr<rate>'): the runs `set_aside_diverged` kept under
+    <tuning_dir>/<method>/<cell>/seed<k>."""
+    folder = os.path.join(tuning_dir, method, cell if isinstance(cell, str) else f"lr{cell:g}")
+    found = []
+    for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        run_dir = os.path.join(folder, entry)
+        if (entry.startswith("seed") and entry != f"seed{seed}"
+                and os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+                and experiments.training_diverged(experiments.read_rounds(run_dir))):
+            found.append(int(entry[len("seed"):]))
+    return found
+
+
+def choose_rate(grid: list[float], scores: list[float], dropped: dict[float, list[int]]
+                ) -> float:
+    """The rate of `grid` with the best tuning-seed score (-inf: diverged) among those not
+    `dropped` (a further seed diverged there); the best of all when every rate is dropped."""
+    kept = [s if lr not in dropped else -np.inf for lr, s in zip(grid, scores, strict=True)]
+    return grid[int(np.argmax(kept if np.isfinite(max(kept)) else scores))]
+
+
+def set_aside_diverged(config, results: dict[str, list[dict]], tuned: dict[str, dict],
+                       workdir: str, tuning: int | None = None) -> list[str]:
+    """Moves each tuned method's diverged reported runs at its chosen rate (`tuning` is the
+    tuning seed, never reported; default `tuning_seed`) to
+    <workdir>/lr_tuning/<method>/lr<rate>/seed<k>, which drops that rate
+    at the next `tune_learning_rates` (`diverged_seeds` reads them with the same
+    `experiments.training_diverged` as the records). Returns what moved ('scaffold lr 0.05
+    seed 1'), empty when nothing diverged or the rate was dropped already (every rate diverges:
+    nothing better to choose)."""
+    moved = []
+    tuning_dir = os.path.join(workdir, "lr_tuning")
+    for method, records in results.items():
+        if method not in tuned:
+            continue
+        cell = cell_of(config, method, tuned[method])
+        seed = tuning_seed(config) if tuning is None else tuning
+        if diverged_seeds(tuning_dir, method, cell, seed):
+            continue  # chosen although dropped: every rate of the grid was dropped
+        for record in records:
+            if record["seed"] != seed and record["diverged"]:
+                dst = os.path.join(tuning_dir, method, cell, f"seed{record['seed']}")
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.move(record["run_dir"], dst)
+                moved.append(f"{method} {cell.replace('lr', 'lr ', 1)} seed {record['seed']}")
+    return moved
+
+
+def grid_cell(score: float, chosen: bool, diverged_on: list[int]) -> str:
+    """One rate's cell of the grid table: the tuning seed's score (bold when chosen), and the
+    further seeds that diverged at it (the rate was dropped)."""
+    text = (f"**{score:.4f}**" if chosen else f"{score:.4f}") if np.isfinite(score) \
+        else "diverged"
+    if diverged_on:
+        text += f" (diverged on seed {', '.join(map(str, diverged_on))})"
+    return text
+
+
+def tune_learning_rates(config, grid: list[float], server_grid: list[float | str] = ()
+                        ) -> tuple[dict[str, dict], str]:
+    """Runs `tuning_seed` of every method on validation data at every rate of `grid` (in
+    <workdir>/lr_tuning/<method>/lr<rate>, the method's own rate `grid_rate`); returns the
+    variants at each method's best rate (`choose_rate`: rates where a reported seed diverged
+    are dropped) and the grid as a Markdown table."""
+    if not grid or any(not lr > 0 for lr in grid):
+        raise ConfigError(f"--lr_grid: rates must be > 0, got {grid}")
+    tuned, rows = {}, []
+    tuning_dir = os.path.join(_WORKDIR.value, "lr_tuning")
+    seed = tuning_seed(config)
+    on_validation = experiments.with_overrides(config, {"seed": seed,
+                                                        "data.validation_split": True})
+    for a in _ALGORITHMS.value:
+        field = lr_field(config, a)
+        cells = grid_cells(config, a, grid, list(server_grid))
+        trials = {f"{a}/{cell}": overrides for cell, overrides in cells.items()}
+        out = experiments.run_grid(on_validation, trials, 1, tuning_dir,
+                                   _PROGRESS.value, reuse=_REUSE.value,
+                                   run_missing=not _REPORT_ONLY.value)
+        if not all(out.values()):  # only with --report_only: no rate can be chosen yet
+            rows.append(f"| {a} (`{field}`) | " + " | ".join(
+                "not run yet" if not r else f"{r[0]['final']['personalized_accuracy_mean']:.4f}"
+                for r in out.values()) + " |")
+            continue
+        scores = [-np.inf if r[0].get("diverged") or not np.isfinite(
+            r[0]["final"]["personalized_accuracy_mean"])
+            else r[0]["final"]["personalized_accuracy_mean"] for r in out.values()]
+        names = list(cells)
+        dropped = {c: seeds for c in names if (seeds := diverged_seeds(tuning_dir, a, c, seed))}
+        best = choose_rate(names, scores, dropped)
+        tuned[a] = cells[best]
+        scaled = ("" if all(grid_rate(config, a, g) == g for g in grid)
+                  else f", momentum {method_momentum(config, a):g}")
+        per_row = len(names) // len(grid)  # server rates per local rate (1 without)
+        for r in range(per_row):
+            row = names[r::per_row]
+            server = server_lr_field(config, a)
+            label = (f"{a} (`{field}`{scaled})" if per_row == 1 else
+                     f"{a} (`{field}`{scaled}; server lr {cells[row[0]][server]:g})")
+            rows.append(f"| {label} | " + " | ".join(
+                (f"{cells[c][field]:g}: " if scaled else "")
+                + grid_cell(scores[names.index(c)], c == best, dropped.get(c, []))
+                for c in row) + " |")
+    head = ("| method | " + " | ".join(f"effective step {lr:g}" for lr in grid) + " |\n|---|"
+            + "---|" * len(grid))
+    return tuned, head + "\n" + "\n".join(rows)
+
+
+def check_unseen_seeds(config, first: int, seeds: int) -> None:
+    """ConfigError unless `first` is -1 (none) or starts a range of `seeds` seeds that overlaps
+    neither the reported seeds (config.seed ..) nor the tuning seed."""
+    if first == -1:
+        return
+    unseen = set(range(first, first + seeds))
+    if first < 0 or unseen & set(range(config.seed, config.seed + seeds)) \
+            or tuning_seed(config) in unseen:
+        raise ConfigError(
+            f"--unseen_seeds={first}: the range {first}..{first + seeds - 1} must be >= 0 and "
+            f"overlap neither the reported seeds {config.seed}..{config.seed + seeds - 1} nor "
+            f"the tuning seed {tuning_seed(config)}")
+
+
+def seed_range_tables(done: dict[str, list[dict]], paired: dict[str, str], seeds: int) -> str:
+    """One seed range's method table and, for the `paired` arms finished in it, the paired
+    differences."""
+    table = experiments.markdown_table(done, seeds)
+    pairs = {a: b for a, b in paired.items() if a in done and b in done}
+    if pairs:
+        table += ("\n\nPaired differences (same seed: same data, clients and "
+                  "sampling; Student-t 95% CI over the seeds, diverged seeds kept):\n\n"
+                  + experiments.paired_table(done, pairs))
+    return table
+
+
+def _check_flags(argv: list[str]) -> tuple[list[float], list[float | str]]:
+    """One line and exit 2 for what the flags alone get wrong; returns the --lr_grid and
+    --server_lr_grid rates."""
+    if len(argv) > 1:
+        fail(f"unexpected arguments {argv[1:]}: flags are --name=value")
+    if not _ALGORITHMS.value and not _VARIANT.value:
+        fail("--algorithms is empty: name the methods to compare, e.g. "
+             "--algorithms=pfedes,fedavg")
+    if os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
+        fail(f"--workdir={_WORKDIR.value} is a file, not a directory")
+    try:
+        grid = [float(v) for v in _LR_GRID.value]
+    except ValueError:
+        fail(f"--lr_grid: '{','.join(_LR_GRID.value)}' is not a comma-separated list of numbers")
+    try:  # 'F' a rate, 'Fx' F times each method's configured rate (`server_rate`)
+        factors = [float(v[:-1] if v.endswith("x") else v) for v in _SERVER_LR_GRID.value]
+    except ValueError:
+        fail(f"--server_lr_grid: '{','.join(_SERVER_LR_GRID.value)}' is not a comma-separated "
+             "list of numbers or of multiples like 0.3x")
+    if factors and not grid:
+        fail("--server_lr_grid needs --lr_grid (it adds an axis to the learning-rate grid)")
+    if any(not v > 0 for v in factors):
+        fail(f"--server_lr_grid: rates must be > 0, got {_SERVER_LR_GRID.value}")
+    if len({v.endswith("x") for v in _SERVER_LR_GRID.value}) > 1:
+        fail("--server_lr_grid: give all rates or all multiples (e.g. 0.3x,1x,3x), not both")
+    server_grid = [v if v.endswith("x") else float(v) for v in _SERVER_LR_GRID.value]
+    return grid, server_grid
+
+
+def main(argv: list[str]) -> None:
+    grid, server_grid = _check_flags(argv)
+    config = loaded_config(_CONFIG)
+    try:
+        known = algorithm_registry.names()
+        unknown = [a for a in _ALGORITHMS.value if a not in known]
+        if unknown:
+            raise ConfigError(f"--algorithms: unknown {unknown}; known: {list(known)}")
+        if not 1 <= _SEEDS.value < TUNING_SEED_OFFSET:
+            raise ConfigError(f"--seeds must be in [1, {TUNING_SEED_OFFSET}), got {_SEEDS.value}")
+        check_unseen_seeds(config, _UNSEEN.value, _SEEDS.value)
+        # A diverging method or learning rate is a result (marked in the table, the worst rate
+        # of a grid), not the end of the comparison.
+        config.train.allow_divergence = True
+        central = load_dataset(config.data.name, load_options(config))
+        methods = [config.algorithm] if _VARIANT.value else _ALGORITHMS.value
+        if _VARIANT.value and _LR_GRID.value:
+            raise ConfigError("--lr_grid tunes --algorithms; it does not combine with --variant")
+        chosen = config.algorithm
+        for name in methods:  # every method checked before the first run starts
+            config.algorithm = name
+            validate_config(config)
+            check_against_data(config, central)
+        config.algorithm = chosen
+        header = (f"{config.data.name}, {config.data.num_clients} clients "
+                  f"({config.clients.architectures}), partition {config.data.partition}, "
+                  f"{config.train.rounds} rounds, {_SEEDS.value} seed(s); accuracy at the last "
+                  "round.")
+
+        unseen_results: dict[str, list[dict]] = {}
+
+        def write(results):  # after every seed, so an interrupted comparison leaves a table
+            done = {k: v for k, v in results.items() if v}
+            if not done:
+                raise ConfigError(f"--report_only: no finished run in {_WORKDIR.value} for these "
+                                  "methods and this config")
+            seeds_done = min(len(v) for v in done.values())
+            table = seed_range_tables(done, paired, _SEEDS.value)
+            unseen = {k: v for k, v in unseen_results.items() if v}
+            if unseen:
+                first = _UNSEEN.value
+                table += (f"\n\n**Seeds {first}-{first + _SEEDS.value - 1}**, which neither "
+                          "the tuning nor the table above used (same rates):\n\n"
+                          + seed_range_tables(unseen, paired, _SEEDS.value))
+            absent = [k for k in names if k not in done]
+            note = "" if seeds_done == _SEEDS.value and not absent else (
+                f" (partial: {seeds_done} of {_SEEDS.value} seeds so far"
+                + (f"; not finished yet: {', '.join(absent)}" if absent else "") + ")")
+            with open(os.path.join(_WORKDIR.value, "comparison.md"), "w") as f:
+                f.write(header + note + "\n\n" + table + "\n")
+            with open(os.path.join(_WORKDIR.value, "comparison.json"), "w") as f:
+                json.dump(done, f, indent=1)
+            if unseen:
+                with open(os.path.join(_WORKDIR.value, "comparison_unseen.json"), "w") as f:
+                    json.dump(unseen, f, indent=1)
+            title = header.split(";")[0].replace(f"{_SEEDS.value} seed(s)",
+                                                 f"{seeds_done} of {_SEEDS.value} seed(s)")
+            experiments.accuracy_curves(done, os.path.join(_WORKDIR.value, "accuracy_curves.png"),
+                                        title)
+            return table
+
+        variants = ({a: {"algorithm": a} for a in _ALGORITHMS.value} if not _VARIANT.value
+                    else parse_variants(_VARIANT.value))
+        for name, overrides in variants.items():
+            unknown = experiments.unknown_fields(config, overrides)
+            if unknown:
+                raise ConfigError(f"--variant={name}: unknown config field(s) {unknown}")
+            validate_config(experiments.with_overrides(config, overrides))
+        names = list(variants)  # tuning leaves out a method whose grid is unfinished
+        paired = {}
+        for item in _PAIRED.value:
+            arm, eq, ref = item.partition("=")
+            if not eq or arm not in variants or ref not in variants:
+                raise ConfigError(f"--paired_with: '{item}' must be ARM=REFERENCE with both "
+                                  f"among {names}")
+            paired[arm] = ref
+        tuning = ""
+        if _LR_GRID.value:
+            header += (f" Learning rate per method tuned over {_LR_GRID.value} (effective "
+                       f"steps at momentum {config.train.local_momentum:g}) on validation "
+                       f"splits of seed {tuning_seed(config)}, which is not reported; a rate "
+                       "that diverges on a reported seed is dropped."
+                       + (f" Server learning rates over {server_grid} for the methods that "
+                          "have one." if server_grid else ""))
+        while True:  # until no chosen rate diverges on a further seed (each pass drops one)
+            if _LR_GRID.value:
+                variants, tuning = tune_learning_rates(config, grid, server_grid)
+            results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
+                                           _PROGRESS.value, reuse=_REUSE.value,
+                                           on_seed_done=write,
+                                           run_missing=not _REPORT_ONLY.value)
+            moved = [] if not _LR_GRID.value or _REPORT_ONLY.value else set_aside_diverged(
+                config, results, variants, _WORKDIR.value)
+            if not moved:
+                break
+            print("diverged at the chosen rate, choosing the next best: " + "; ".join(moved))
+        if _UNSEEN.value >= 0:
+            def write_unseen(partial):
+                unseen_results.update(partial)
+                write(results)
+
+            unseen_results.update(experiments.run_grid(
+                experiments.with_overrides(config, {"seed": _UNSEEN.value}), variants,
+                _SEEDS.value, _WORKDIR.value, _PROGRESS.value, reuse=_REUSE.value,
+                on_seed_done=write_unseen, run_missing=not _REPORT_ONLY.value))
+        table = write(results)
+    except (ConfigError, DatasetUnavailableError, DataError, RunLockedError, KeyError,
+            TypeError, HeldUploadsExceeded, StorageError) as e:
+        fail(str(e))
+    if tuning:
+        with open(os.path.join(_WORKDIR.value, "comparison.md"), "a") as f:
+            f.write("\nLearning-rate grid (seed " + str(tuning_seed(config)) + ", final mean "
+                    "personalized accuracy on the clients' validation splits; the chosen rate "
+                    "in bold):\n\n" + tuning + "\n")
+    print(header + "\n\n" + table + ("\n\n" + tuning if tuning else ""))
+    print(f"\nwrote {_WORKDIR.value}/comparison.md, comparison.json, accuracy_curves.png")
+
+
+def console() -> None:
+    """The command line: `python -m launch.compare` from a checkout, the console script
+    `fedjax-pfedes-compare` where the package is installed."""
+    app.run(main, flags_parser=cli.parse_flags)
+
+
+if __name__ == "__main__":
+    console()
