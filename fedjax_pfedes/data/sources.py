@@ -350,15 +350,19 @@ def _stored(arrays: dict, key: str, kind=None):
     return kind(arrays[key]) if kind else arrays[key]
 
 
-def from_arrays(name: str, x_train, y_train, x_test, y_test, *, modality: str | None = None,
-                num_classes=None, vocab_size=None, client_ids=None,
+def from_arrays(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
+                y_test: np.ndarray, *, modality: str | None = None,
+                num_classes: int | None = None, vocab_size: int | None = None,
+                client_ids: np.ndarray | None = None,
                 options: LoadOptions | None = None, source: str = "") -> CentralDataset:
     """A dataset from a user's arrays (the `.npz` source reads its file through this).
 
     Args:
       name: the dataset's name in reports.
-      x_train, y_train: the pool partitioned across clients; integer labels from 0.
-      x_test, y_test: the global test set.
+      x_train: the inputs of the pool partitioned across clients.
+      y_train: their integer labels, from 0.
+      x_test: the global test set's inputs.
+      y_test: its labels.
       modality: 'image' | 'text' | 'tabular'; None: 'image' for [N, H, W] or [N, H, W, C]
         inputs, else 'tabular'. [N, H, W] images get a channel axis.
       num_classes: None: largest label + 1 (refused when it leaves a class empty); stated:

@@ -59,9 +59,9 @@ def rebase(deltas, template, factors: jax.Array):
 class InFlight:
     """Clients training now, one per slot (saved in checkpoints).
 
-    client [C] (-1 = free slot), start_version [C], arrival_s [C] (simulated time the update
-    reaches the server), and per architecture the stacked updates deltas[arch] [C, ...]
-    (y_i - x_start_i; rows of other architectures' clients are unused).
+    `client [C]` (-1 = free slot), `start_version [C]`, `arrival_s [C]` (simulated time the
+    update reaches the server), and per architecture the stacked updates
+    `deltas[arch] [C, ...]` (y_i - x_start_i; rows of other architectures' clients are unused).
     """
 
     client: np.ndarray

@@ -201,7 +201,8 @@ def simulate_round(cfg: SystemConfig, profiles: ClientProfiles, seed: int, round
     Args:
       clients: [k] selected global ids.
       planned_steps: [k] local steps each would run without a deadline.
-      upload_bytes, download_bytes: [k] bytes each sends / receives.
+      upload_bytes: [k] bytes each sends.
+      download_bytes: [k] bytes each receives.
     """
     clients = np.asarray(clients, np.int64)
     n = len(profiles.phase)

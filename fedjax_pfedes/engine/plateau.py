@@ -11,6 +11,8 @@ stops where the unbroken one does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from fedjax_pfedes.engine.callbacks import Callback, RoundEnd, RunInfo
@@ -18,7 +20,7 @@ from fedjax_pfedes.engine.callbacks import Callback, RoundEnd, RunInfo
 METRIC = "personalized_accuracy_mean"
 
 
-def plateau_reached(accuracies, window: float, tolerance: float,
+def plateau_reached(accuracies: Sequence[float], window: float, tolerance: float,
                     min_evaluations: int = 2) -> bool:
     """Whether an accuracy curve has flattened.
 

@@ -253,7 +253,10 @@ def build_algorithm(config: ml_collections.ConfigDict, num_classes: int,
 
     Args:
       config: the experiment config.
-      num_classes, input_spec, local_epochs, clients_per_arch: as `build_inputs`.
+      num_classes: as `build_inputs`.
+      input_spec: as `build_inputs`.
+      local_epochs: as `build_inputs`.
+      clients_per_arch: as `build_inputs`.
 
     Returns:
       The `Algorithm`.

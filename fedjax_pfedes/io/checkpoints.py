@@ -244,7 +244,8 @@ class Checkpointer:
 
         Args:
           step: the round process 0 resumes from.
-          current, defaults: as `check_config`.
+          current: as `check_config`.
+          defaults: as `check_config`.
 
         Returns:
           The checkpoint's meta.

@@ -78,8 +78,8 @@ def read_jsonl_lines(path: str) -> tuple[list[dict], bool]:
     """(the complete records, whether an unfinished last line was left out).
 
     Raises:
-      ValueError naming the file and the line, for a line before the last that is not JSON
-      (a damaged file, not one being written).
+      ValueError: naming the file and the line, for a line before the last that is not JSON
+        (a damaged file, not one being written).
     """
     if not os.path.exists(path):
         return [], False

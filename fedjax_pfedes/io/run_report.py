@@ -99,7 +99,7 @@ def read_summary(workdir: str) -> dict:
     """summary.json, or {} while the run has not written it (still running, or stopped).
 
     Raises:
-      ValueError naming the file, when it is there but not JSON (cut off or edited).
+      ValueError: naming the file, when it is there but not JSON (cut off or edited).
     """
     path = os.path.join(workdir, "summary.json")
     if not os.path.exists(path):

@@ -303,7 +303,8 @@ def paired_difference(runs: list[dict], reference: list[dict], metric: str,
     (same seed: same data split, clients and sampling), with a Student-t confidence interval.
 
     Args:
-      runs, reference: the two arms' results (`run_grid` rows), matched on their `seed`.
+      runs: one arm's results (`run_grid` rows), matched on their `seed`.
+      reference: the other arm's.
       metric: a key of each run's `final` record, e.g. 'personalized_accuracy_mean'.
       confidence: the interval's coverage.
 
@@ -320,7 +321,8 @@ def paired_difference(runs: list[dict], reference: list[dict], metric: str,
     return {"n": int(len(d)), "mean": mean, "low": low, "high": high}
 
 
-def student_t_interval(diffs, confidence: float = 0.95) -> tuple[float, float, float]:
+def student_t_interval(diffs: Sequence[float],
+                       confidence: float = 0.95) -> tuple[float, float, float]:
     """(mean, low, high): the Student-t interval of the mean of `diffs`. A NaN in `diffs` (a
     seed without a value), fewer than 2 values or values without any spread leave it
     unbounded (-inf, inf): a zero sample deviation (two seeds that happen to give the same

@@ -170,7 +170,8 @@ def paired_verdict(label: str, arm, reference, direction: int, margin: float = 0
 
     Args:
       label: what is compared, for the table.
-      arm, reference: per-seed values of the same seeds, in the same order.
+      arm: per-seed values.
+      reference: per-seed values of the same seeds, in the same order.
       direction: +1 if the claim is that arm exceeds reference by more than `margin`, -1 if
         that it falls short of it by more than `margin` (arm - reference < margin).
       margin: the claimed difference's threshold (0: any difference).

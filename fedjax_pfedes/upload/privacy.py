@@ -205,9 +205,9 @@ def calibrate_noise_multiplier(cfg: ClientDPConfig, num_clients: int, clients_pe
       The noise multiplier sigma (noise std sigma x C on the clipped sum).
 
     Raises:
-      ValueError naming config.dp.target_epsilon when the target lies outside what sigma in
-      `CALIBRATION_RANGE` can give (a target so large that no noise is needed, or so small that
-      the noise would drown every update).
+      ValueError: naming config.dp.target_epsilon when the target lies outside what sigma in
+        `CALIBRATION_RANGE` can give (a target so large that no noise is needed, or so small
+        that the noise would drown every update).
     """
     import dp_accounting
 

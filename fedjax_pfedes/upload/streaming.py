@@ -193,7 +193,8 @@ def finalize(carry: dict, accepted: np.ndarray, rejected_for_norm: np.ndarray, a
       carry: the cohort's reduced carry (held uploads are named by their bucket position).
       accepted: [bucket] the slots the stages kept (valid, finite, not an outlier).
       rejected_for_norm: [bucket] the slots the norm rule rejected (each must be held aside).
-      arch, round_index: the cohort and the 0-based round, for the error.
+      arch: the cohort, for the error.
+      round_index: the 0-based round, for the error.
 
     Raises:
       HeldUploadsExceeded: when an upload the norm rule rejected is in the sum, naming the
