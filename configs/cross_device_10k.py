@@ -5,7 +5,7 @@ Offline data: 'mnist_shifted' (MNIST-5k's digits moved by up to 2 pixels, 250,00
 its own model and SGD momentum (3.4 MB each, 34 GB in all): with
 `config.execution.client_states='offload'` they live in memory-mapped files under
 <workdir>/client_states once they exceed `client_state_budget_gb` of host memory, and each round
-gathers only its 10 participants (docs/guide.md "Scale"; docs/performance.md measures round time and
+gathers only its 10 participants (docs/guide/scale.md; docs/performance.md measures round time and
 memory against N). Evaluation measures a fixed random 500 of the clients every 50 rounds
 (`config.eval.clients`): evaluating all 10,000 would cost more than the training.
 

@@ -8,8 +8,8 @@ top-k sparsified (10%, error feedback), clipped to L2 <= 0.05 (pFedES's proxy up
 ~0.015-0.03 on this population, runs/quickstart/metrics.jsonl), noised so that the 20 rounds spend
 epsilon = 8 at delta = 1e-5 (client level, replace-one neighbours), and summed under secure
 aggregation where 10% of the senders drop before unmasking. With 20 clients the DP noise is
-large next to the signal: client-level DP is made for populations of thousands (docs/guide.md
-"Uploads").
+large next to the signal: client-level DP is made for populations of thousands
+(docs/guide/upload_pipeline.md).
 """
 
 import ml_collections

@@ -1,4 +1,4 @@
-"""The quick start under real-world client behaviour (docs/guide.md "Unreliable clients").
+"""The quick start under real-world client behaviour (docs/guide/clients.md).
 
   python -m launch.budget --config=configs/unreliable_quickstart.py
   python -m launch.main --config=configs/unreliable_quickstart.py --workdir=runs/unreliable

@@ -47,7 +47,7 @@ def _ranges(values, section: str, checks) -> None:
 class DataSection:
     """`config.data`: the dataset, how it is split into clients, and their local splits."""
 
-    # Datasets (docs/guide.md "Datasets"): offline 'mnist5k' | 'mnist_shifted' | 'digits' |
+    # Datasets (docs/guide/datasets.md): offline 'mnist5k' | 'mnist_shifted' | 'digits' |
     # 'breast_cancer' | 'wine' | 'iris' | 'synthetic_text' | 'npz'; tfds 'cifar10' | 'cifar100' |
     # 'mnist' | 'fashion_mnist' | 'emnist_balanced' | 'emnist_byclass' | 'ag_news'; TFF files
     # 'femnist' | 'femnist_digits'.
@@ -184,8 +184,7 @@ class TrainSection:
 
 @dataclasses.dataclass(frozen=True)
 class UploadSection:
-    """`config.upload`. The upload pipeline (docs/guide.md "Uploads: validation, compression,
-    privacy").
+    """`config.upload`. The upload pipeline (docs/guide/upload_pipeline.md).
     """
 
     reject_nonfinite: bool = True  # NaN/Inf uploads are rejected, the round goes on
@@ -278,7 +277,7 @@ class SecAggSection:
 
 @dataclasses.dataclass(frozen=True)
 class SystemSection:
-    """`config.system`. Unreliable clients (docs/guide.md "Unreliable clients"); the defaults model
+    """`config.system`. Unreliable clients (docs/guide/clients.md); the defaults model
     none.
     """
 
@@ -340,7 +339,7 @@ class CheckpointSection:
 
 @dataclasses.dataclass(frozen=True)
 class MonitorSection:
-    """`config.monitor`. Per-round monitoring (docs/guide.md "Monitoring")."""
+    """`config.monitor`. Per-round monitoring (docs/guide/monitoring.md)."""
 
     # Participants' local-test loss before/after the server step; under pFedES also each
     # client's alignment loss at the start and end of its update (finding F4's jump).
@@ -402,7 +401,7 @@ class ExecutionSection:
     cpu_kernels: str = "xla"
     # Where the clients' private states and local data live: 'device' (stacked on the
     # accelerator: fastest for small populations) | 'offload' (host memory, gathered per round
-    # for the participants only: populations of 10,000+ clients, docs/guide.md "Scale").
+    # for the participants only: populations of 10,000+ clients, docs/guide/scale.md).
     client_states: str = "device"
     # 'offload': host memory all cohorts' states may take; above it they are memory-mapped
     # files in client_state_dir ('' = <workdir>/client_states).
@@ -439,8 +438,9 @@ class ExecutionSection:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSection:
-    """`config.distributed`. Several processes (hosts) in one run (`jax.distributed`; docs/guide.md
-    "Scale"): start the same command once per process with its own process_id. '' = one process;
+    """`config.distributed`. Several processes (hosts) in one run (`jax.distributed`;
+    docs/guide/scale.md): start the same command once per process with its own process_id.
+    '' = one process;
     'host:port' of process 0; 'auto' = read the cluster's environment (TPU pod slice, SLURM).
     """
 
@@ -471,7 +471,7 @@ def core_config() -> ml_collections.ConfigDict:
     """
     config = ml_collections.ConfigDict()
     config.seed = 0                      # seeds data split, model init, sampling and batches
-    # Any registered method: `python -m launch.methods` lists them (docs/guide.md "Methods").
+    # Any registered method: `python -m launch.methods` lists them (docs/guide/methods.md).
     config.algorithm = "pfedes"
     # The common feature dimension d of pFedES's E_proxy and of the heterogeneous baselines
     # (LG-FedAvg, FedProto, FedGH, FedKD, FedMRL).

@@ -49,7 +49,7 @@ def _floats(text: str, field: str) -> tuple[float, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class SystemConfig:
-    """`config.system` (docs/guide.md "Unreliable clients")."""
+    """`config.system` (docs/guide/clients.md)."""
 
     availability: tuple[float, ...] = (1.0,)
     availability_period: int = 0

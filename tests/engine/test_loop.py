@@ -10,7 +10,7 @@ from fedjax_pfedes.engine.build import build_federated_data
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.schema import default_values
 
-# Written every round (docs/guide.md "Monitoring"), and the evaluation written at evaluated rounds.
+# Written every round (docs/guide/monitoring.md), and the evaluation written at evaluated rounds.
 ROUND_KEYS = {
     "round", "planned_participants", "online_clients", "selected", "participants",
     "dropped_out", "past_deadline", "partial_work", "uploads_accepted", "upload_success_rate",

@@ -1,6 +1,6 @@
-"""Per-round monitoring: every metric key docs/guide.md documents appears in metrics.jsonl, the CSV
-and TensorBoard files hold the same numbers, the report writes its PNGs, and the round-time
-budget's stages match a hand computation."""
+"""Per-round monitoring: every metric key docs/guide/run_files.md documents appears in
+metrics.jsonl, the CSV and TensorBoard files hold the same numbers, the report writes its PNGs,
+and the round-time budget's stages match a hand computation."""
 
 import json
 import os
@@ -18,18 +18,13 @@ from fedjax_pfedes.io.run_report import write_report
 from fedjax_pfedes.studies import round_budget
 
 GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                     "docs", "guide.md")
+                     "docs", "guide", "run_files.md")
 
 
 def documented_keys() -> dict[str, str]:
-    """{key: when} from docs/guide.md's table under 'What a run writes' (incl. 'also `k`'
-    keys)."""
-    text = open(GUIDE).read()
-    section = text[text.index("## What a run writes"):]
-    end = section.find("\n## ", 5)
-    section = section if end < 0 else section[:end]
+    """{key: when} from docs/guide/run_files.md's tables (incl. 'also `k`' keys)."""
     keys = {}
-    for line in section.splitlines():
+    for line in open(GUIDE).read().splitlines():
         m = re.match(r"\| `([a-z_0-9]+)` \| ([^|]+) \| (.*) \|$", line)
         if not m:
             continue
@@ -96,7 +91,7 @@ def test_every_documented_metric_key_is_written(private_run, async_run):
         if when == "every round" and key not in ("participants",):
             for r in sync_rows:
                 assert key in r or key in pfedes_only, (key, r["round"])
-    # Nothing undocumented: every written key is in docs/guide.md.
+    # Nothing undocumented: every written key is in docs/guide/run_files.md.
     assert written_sync - set(keys) == set()
     assert written_async - set(keys) == set()
 

@@ -42,7 +42,7 @@ from fedjax_pfedes.models import architectures
 
 @dataclasses.dataclass(frozen=True)
 class PFedESConfig(LocalTrainingConfig):
-    """Hyper-parameters of pFedES (defaults inside the ranges of docs/guide.md, "Configs").
+    """Hyper-parameters of pFedES (defaults inside the ranges of docs/guide/configs.md).
 
     `stop_gradient_proxy` / `stop_gradient_local` (both True in the design, docs/design.md):
     whether E_proxy's output is a constant target in the local step, and whether the private
@@ -331,7 +331,7 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
                      mean_server_step=True,
                      client_report_metrics=("align_loss_at_start", "align_loss_at_end"))
 
-# pFedES's config fields: top-level, the flagship's (docs/guide.md "Configs" gives the usual
+# pFedES's config fields: top-level, the flagship's (docs/guide/configs.md gives the usual
 # ranges). The common feature dimension d (`config.proxy_dim`) is shared with the heterogeneous
 # baselines and lives in the core config.
 FIELDS = {
@@ -357,7 +357,8 @@ FIELDS = {
     # every round, as E_proxy arrives fresh from the server).
     "proxy_momentum": 0.0,
     # Start E_proxy from a saved one instead of a random initialization ('' = random), e.g. one
-    # pretrained on the public share of the data: python -m launch.pretrain_proxy (docs/guide.md).
+    # pretrained on the public share of the data: python -m launch.pretrain_proxy
+    # (docs/guide/configs.md).
     "proxy_init": "",
     # Multi-scale alignment: one weight per E_proxy scale ('1.0' = single scale). E.g. '1.0,0.5'
     # also aligns a second client projection head with E_proxy's last conv layer (proxy_cnn).
