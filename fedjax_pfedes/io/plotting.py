@@ -1,4 +1,5 @@
-"""PNG figures (matplotlib, headless Agg backend)."""
+"""PNG figures (matplotlib, headless Agg backend): the package's one plotting set-up. Every
+module that draws imports `plt` and `save` from here."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def label_heatmap(profile: DataProfile, path: str) -> str:
     ax.set_ylabel("client")
     ax.set_title(f"{profile.dataset} / {profile.partition}: label share per client")
     fig.colorbar(image, ax=ax, label="share of the client's train samples")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def size_histogram(profile: DataProfile, path: str) -> str:
@@ -41,12 +42,22 @@ def size_histogram(profile: DataProfile, path: str) -> str:
     ax.set_ylabel("clients")
     ax.set_title(f"{profile.dataset} / {profile.partition}: client sizes "
                  f"(CV {profile.size_cv:.2f})")
-    return _save(fig, path)
+    return save(fig, path)
 
 
-def _save(fig, path: str) -> str:
+def save(fig, path: str, dpi: int = 110) -> str:
+    """Writes `fig` (laid out tightly) to the PNG `path`, making its folder, and closes it.
+
+    Args:
+      fig: a matplotlib figure.
+      path: the PNG file.
+      dpi: its resolution.
+
+    Returns:
+      `path`.
+    """
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

@@ -16,7 +16,7 @@ from collections import defaultdict
 import numpy as np
 
 from fedjax_pfedes.io.metrics import read_jsonl, read_jsonl_lines
-from fedjax_pfedes.io.plotting import MaxNLocator, _save, plt
+from fedjax_pfedes.io.plotting import MaxNLocator, plt, save
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -43,7 +43,7 @@ def _line_plot(rows: list[dict], keys: dict[str, str], title: str, ylabel: str,
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def update_norm_plot(rows: list[dict], clients: list[dict], path: str) -> str | None:
@@ -69,7 +69,7 @@ def update_norm_plot(rows: list[dict], clients: list[dict], path: str) -> str | 
     ax.set_title(f"update norms ({len(per_client)} clients, one thin line each)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def participation_plot(summary: dict, clients: list[dict], path: str) -> str | None:
@@ -92,7 +92,7 @@ def participation_plot(summary: dict, clients: list[dict], path: str) -> str | N
     ax.set_ylabel("rounds")
     ax.set_title(f"participation (selected: min {selected.min()}, max {selected.max()})")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def read_summary(workdir: str) -> dict:

@@ -122,10 +122,7 @@ def main(argv: list[str]) -> None:
 
 
 def _figure(originals, recon, labels_text, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from fedjax_pfedes.io.plotting import plt, save
 
     rows = [("original", list(originals))] + [(labels_text[k], v) for k, v in recon.items()]
     fig, axes = plt.subplots(len(rows), len(originals), squeeze=False,
@@ -138,9 +135,7 @@ def _figure(originals, recon, labels_text, path):
             ax.set_xticks([])
             ax.set_yticks([])
         axes[r, 0].set_ylabel(title, fontsize=7, rotation=0, ha="right", va="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def console() -> None:

@@ -385,10 +385,7 @@ def curve_over_seeds(runs: list[dict], key: str) -> tuple[list[int], np.ndarray,
 def accuracy_curves(results: dict[str, list[dict]], path: str, title: str) -> str:
     """PNG: personalized and global accuracy vs round, mean ± std over seeds
     (`curve_over_seeds`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from fedjax_pfedes.io.plotting import plt, save
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
     colors = plt.get_cmap("tab20")
@@ -405,8 +402,4 @@ def accuracy_curves(results: dict[str, list[dict]], path: str, title: str) -> st
     axes[0].set_ylabel("mean accuracy over clients")
     fig.suptitle(title, fontsize=10)
     axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -98,21 +98,14 @@ def _nanmean(values) -> float:
 
 
 def _plot(path: str, title: str, draw: Callable) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from fedjax_pfedes.io.plotting import plt, save
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     draw(ax)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=100)
 
 
 def _curves_plot(records: Records, names: dict[str, str], key: str, ylabel: str, path: str,

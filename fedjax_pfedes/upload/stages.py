@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -43,9 +43,6 @@ from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.tree_util import tree_size
 from fedjax_pfedes.upload import compression, privacy, robust, validation
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
-
-if TYPE_CHECKING:  # the pipeline builds the stages: a run-time import would be a circle
-    from fedjax_pfedes.upload.pipeline import PipelineConfig
 
 
 @dataclasses.dataclass
@@ -145,7 +142,7 @@ class UploadStage:
     fields: ClassVar[dict[str, Any]] = {}
 
     @classmethod
-    def check(cls, cfg: PipelineConfig) -> None:
+    def check(cls, cfg) -> None:
         """Raises ValueError naming the field for a bad value of the stage's own `fields`.
 
         Args:
@@ -154,7 +151,7 @@ class UploadStage:
         del cfg
 
     @classmethod
-    def from_config(cls, cfg: PipelineConfig, noise_multiplier: float) -> UploadStage | None:
+    def from_config(cls, cfg, noise_multiplier: float) -> UploadStage | None:
         """The stage a run's `pipeline.PipelineConfig` asks for, or None (not in this chain).
 
         Args:
