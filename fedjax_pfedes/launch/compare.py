@@ -267,8 +267,8 @@ def tune_learning_rates(config, grid: list[float], server_grid: list[float | str
                 "not run yet" if not r else f"{r[0]['final']['personalized_accuracy_mean']:.4f}"
                 for r in out.values()) + " |")
             continue
-        scores = [-np.inf if r[0].get("diverged") or not np.isfinite(
-            r[0]["final"]["personalized_accuracy_mean"])
+        scores = [-np.inf if r[0].get("diverged") or not np.isfinite(np.float64(
+            r[0]["final"]["personalized_accuracy_mean"]))  # null: not finite
             else r[0]["final"]["personalized_accuracy_mean"] for r in out.values()]
         names = list(cells)
         dropped = {c: seeds for c in names if (seeds := diverged_seeds(tuning_dir, a, c, seed))}

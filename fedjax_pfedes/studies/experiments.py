@@ -57,9 +57,9 @@ def read_rounds(run_dir: str) -> list[dict]:
 
 
 def training_diverged(every_round: list[dict]) -> bool:
-    """Non-finite training losses in any round: the run diverged (its accuracy is then that of
-    NaN logits, not of a model)."""
-    return any(not np.isfinite(v) for r in every_round for k, v in r.items()
+    """Non-finite training losses in any round (written as null in the records): the run
+    diverged (its accuracy is then that of NaN logits, not of a model)."""
+    return any(v is None or not np.isfinite(v) for r in every_round for k, v in r.items()
                if k.startswith("train_") and k.endswith("_loss_mean"))
 
 

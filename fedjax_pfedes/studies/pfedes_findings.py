@@ -208,7 +208,8 @@ def comparison_table(comparisons: Sequence[Paired], scale: float = 1.0, unit: st
 
 def scored_final(records: list[dict], key: str = "personalized_accuracy_mean") -> np.ndarray:
     """[seeds] final-round value of `key`; a diverged run scores 0 (it left no usable model)."""
-    return np.array([0.0 if r.get("diverged") else r["final"][key] for r in records])
+    return np.array([0.0 if r.get("diverged") else r["final"][key] for r in records],
+                    np.float64)  # a null (non-finite) value: NaN
 
 
 def scored_oscillation(records: list[dict], key: str) -> np.ndarray:

@@ -321,3 +321,12 @@ def test_the_table_counts_the_runs_at_a_plateau():
     rising = run([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9])
     table = experiments.markdown_table({"m": [flat, rising], "n": [flat, flat]})
     assert "| 1/2 |" in table.splitlines()[2] and "| 2/2 |" in table.splitlines()[3]
+
+
+def test_a_run_whose_records_hold_null_losses_is_read_as_diverged():
+    """Records are strict JSON: a NaN loss is written as null. Reading them back, a null
+    training loss is a divergence (a comparison that met one crashed on `np.isfinite(None)`)."""
+    rounds = [{"round": 1, "train_ce_loss_mean": 0.5},
+              {"round": 2, "train_ce_loss_mean": None, "personalized_accuracy_mean": 0.1}]
+    assert experiments.training_diverged(rounds)
+    assert not experiments.training_diverged(rounds[:1])
