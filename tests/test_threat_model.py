@@ -121,6 +121,9 @@ CLI_CASES = {
     "L17": (["--config=configs/quickstart.py", "--config.clients.num_clients=6"],
             r"unknown config field: --config.clients.num_clients \(config.clients has no field "
             r"'num_clients'"),
+    "L23": (["--config=configs/quickstart.py", "--config.train.roundz=3"],
+            r"unknown config field: --config.train.roundz \(config.train has no field "
+            r"'roundz'"),
 }
 
 

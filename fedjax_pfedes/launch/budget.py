@@ -19,7 +19,7 @@ import sys
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from fedjax_pfedes.engine.build import build_context, build_federated_data
@@ -88,10 +88,8 @@ def main(argv: list[str]) -> None:
 
 
 def console() -> None:
-    """The command line: `python -m launch.budget` from a checkout, the console script
-    `fedjax-pfedes-budget` where the package is installed."""
-    flags.mark_flags_as_required(["config"])
-    app.run(main, flags_parser=cli.parse_flags)
+    """`python -m launch.budget` from a checkout; `fedjax-pfedes-budget` installed."""
+    cli.run(main, required=("config",))
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from typing import NoReturn
 
 import ml_collections
-from absl import flags
+from absl import app, flags
 
 # JAX's start-up notes (no TPU library, where the compilation cache lives) are INFO lines that
 # absl prints on stderr; above an error they hide the one line that matters.
@@ -100,7 +101,10 @@ def unknown_override(argv: list[str], error: Exception) -> str | None:
     AttributeError or KeyError of ml_collections) names, as a one-line error; None otherwise."""
     if not isinstance(error, (AttributeError, KeyError)) or not error.args:
         return None
-    key = str(error.args[0]).split("\n")[0].strip("'\" ")
+    # "'key'\nDid you mean ...", or that text's repr when ml_collections re-raises it as an
+    # AttributeError of a nested field ("\\'key\\'\\nDid you mean ...")
+    found = re.match(r"""[\s'"\\]*([A-Za-z_]\w*)""", str(error.args[0]))
+    key = found.group(1) if found else ""
     for a in argv:
         if a.startswith("--config."):
             path = a[len("--config."):].split("=", 1)[0]
@@ -167,3 +171,15 @@ def split_sweep_flags(argv: list[str]) -> tuple[list[str], dict[str, list[float]
         except ValueError:
             fail(f"--sweep.{field}: '{text}' is not a comma-separated list of numbers")
     return rest, swept
+
+
+def run(main, required: tuple[str, ...] = ()) -> None:
+    """Runs `main(argv)` as a command line whose flag errors are one line (`parse_flags`).
+
+    Args:
+      main: the program, given the remaining argv.
+      required: flags it cannot run without (e.g. 'config').
+    """
+    if required:
+        flags.mark_flags_as_required(list(required))
+    app.run(main, flags_parser=parse_flags)

@@ -42,7 +42,7 @@ import os
 import shutil
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
@@ -465,9 +465,8 @@ def main(argv: list[str]) -> None:
 
 
 def console() -> None:
-    """The command line: `python -m launch.compare` from a checkout, the console script
-    `fedjax-pfedes-compare` where the package is installed."""
-    app.run(main, flags_parser=cli.parse_flags)
+    """`python -m launch.compare` from a checkout; `fedjax-pfedes-compare` installed."""
+    cli.run(main)
 
 
 if __name__ == "__main__":

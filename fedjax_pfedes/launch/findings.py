@@ -22,7 +22,7 @@ import sys
 
 import jax
 import ml_collections
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from fedjax_pfedes.engine.validate import validate_config
@@ -136,10 +136,8 @@ def main(argv: list[str]) -> None:
 
 
 def console() -> None:
-    """The command line: `python -m launch.findings` from a checkout, the console script
-    `fedjax-pfedes-findings` where the package is installed."""
-    flags.mark_flags_as_required(["config"])
-    app.run(main, flags_parser=cli.parse_flags)
+    """`python -m launch.findings` from a checkout; `fedjax-pfedes-findings` installed."""
+    cli.run(main, required=("config",))
 
 
 if __name__ == "__main__":

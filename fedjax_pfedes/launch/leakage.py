@@ -18,7 +18,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from fedjax_pfedes.data.catalog import load_dataset
@@ -139,10 +139,8 @@ def _figure(originals, recon, labels_text, path):
 
 
 def console() -> None:
-    """The command line: `python -m launch.leakage` from a checkout, the console script
-    `fedjax-pfedes-leakage` where the package is installed."""
-    flags.mark_flags_as_required(["config"])
-    app.run(main, flags_parser=cli.parse_flags)
+    """`python -m launch.leakage` from a checkout; `fedjax-pfedes-leakage` installed."""
+    cli.run(main, required=("config",))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 import jax
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from fedjax_pfedes.engine.loop import run_experiment
@@ -84,9 +84,8 @@ def main(argv: list[str]) -> None:
 
 
 def console() -> None:
-    """The command line: `python -m launch.main` from a checkout, the console script
-    `fedjax-pfedes` where the package is installed."""
-    app.run(main, flags_parser=cli.parse_flags)
+    """`python -m launch.main` from a checkout; `fedjax-pfedes` installed."""
+    cli.run(main)
 
 
 if __name__ == "__main__":

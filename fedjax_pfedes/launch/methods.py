@@ -49,8 +49,7 @@ def main(argv: list[str]) -> None:
 
 
 def console() -> None:
-    """The command line: `python -m launch.methods` from a checkout, the console script
-    `fedjax-pfedes-methods` where the package is installed."""
+    """`python -m launch.methods` from a checkout; `fedjax-pfedes-methods` installed."""
     app.run(main)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from fedjax_pfedes.algorithms.pfedes import proxy_init
@@ -64,10 +64,9 @@ def main(argv: list[str]) -> None:
 
 
 def console() -> None:
-    """The command line: `python -m launch.pretrain_proxy` from a checkout, the console script
-    `fedjax-pfedes-pretrain-proxy` where the package is installed."""
-    flags.mark_flags_as_required(["config"])
-    app.run(main, flags_parser=cli.parse_flags)
+    """`python -m launch.pretrain_proxy` from a checkout; `fedjax-pfedes-pretrain-proxy`
+    installed."""
+    cli.run(main, required=("config",))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from fedjax_pfedes.engine.build import build_federated_data, write_data_profile
@@ -41,10 +41,8 @@ def main(argv: list[str]) -> None:
 
 
 def console() -> None:
-    """The command line: `python -m launch.profile_data` from a checkout, the console script
-    `fedjax-pfedes-profile-data` where the package is installed."""
-    flags.mark_flags_as_required(["config"])
-    app.run(main, flags_parser=cli.parse_flags)
+    """`python -m launch.profile_data` from a checkout; `fedjax-pfedes-profile-data` installed."""
+    cli.run(main, required=("config",))
 
 
 if __name__ == "__main__":

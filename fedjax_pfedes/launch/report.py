@@ -35,8 +35,7 @@ def main(argv: list[str]) -> None:
 
 
 def console() -> None:
-    """The command line: `python -m launch.report` from a checkout, the console script
-    `fedjax-pfedes-report` where the package is installed."""
+    """`python -m launch.report` from a checkout; `fedjax-pfedes-report` installed."""
     app.run(main)
 
 

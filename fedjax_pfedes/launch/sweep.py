@@ -74,8 +74,7 @@ def main(argv: list[str]) -> None:
 
 
 def console() -> None:
-    """The command line: `python -m launch.sweep` from a checkout, the console script
-    `fedjax-pfedes-sweep` where the package is installed."""
+    """`python -m launch.sweep` from a checkout; `fedjax-pfedes-sweep` installed."""
     app.run(main, flags_parser=parse_flags)
 
 

@@ -18,7 +18,7 @@ import os
 import sys
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from fedjax_pfedes.engine.validate import validate_config
@@ -84,10 +84,9 @@ def main(argv: list[str]) -> None:
 
 
 def console() -> None:
-    """The command line: `python -m launch.sweep_heterogeneity` from a checkout, the console script
-    `fedjax-pfedes-sweep-heterogeneity` where the package is installed."""
-    flags.mark_flags_as_required(["config"])
-    app.run(main, flags_parser=cli.parse_flags)
+    """`python -m launch.sweep_heterogeneity` from a checkout;
+    `fedjax-pfedes-sweep-heterogeneity` installed."""
+    cli.run(main, required=("config",))
 
 
 if __name__ == "__main__":
