@@ -213,7 +213,9 @@ def set_aside_diverged(config, results: dict[str, list[dict]], tuned: dict[str, 
     at the next `tune_learning_rates` (`diverged_seeds` reads them with the same
     `experiments.training_diverged` as the records). Returns what moved ('scaffold lr 0.05
     seed 1'), empty when nothing diverged or the rate was dropped already (every rate diverges:
-    nothing better to choose)."""
+    nothing better to choose). The method's other reported runs at that rate move beside them
+    (kept as runs at the dropped rate: their folders, checkpoints included, would otherwise
+    refuse the re-run at the next rate)."""
     moved = []
     tuning_dir = os.path.join(workdir, "lr_tuning")
     for method, records in results.items():
@@ -223,11 +225,14 @@ def set_aside_diverged(config, results: dict[str, list[dict]], tuned: dict[str, 
         seed = tuning_seed(config) if tuning is None else tuning
         if diverged_seeds(tuning_dir, method, cell, seed):
             continue  # chosen although dropped: every rate of the grid was dropped
-        for record in records:
-            if record["seed"] != seed and record["diverged"]:
-                dst = os.path.join(tuning_dir, method, cell, f"seed{record['seed']}")
-                shutil.rmtree(dst, ignore_errors=True)
-                shutil.move(record["run_dir"], dst)
+        reported = [r for r in records if r["seed"] != seed]
+        if not any(r["diverged"] for r in reported):
+            continue
+        for record in reported:
+            dst = os.path.join(tuning_dir, method, cell, f"seed{record['seed']}")
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.move(record["run_dir"], dst)
+            if record["diverged"]:
                 moved.append(f"{method} {cell.replace('lr', 'lr ', 1)} seed {record['seed']}")
     return moved
 

@@ -234,8 +234,11 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
     moved = set_aside_diverged(config, {"scaffold": records, "fedavg": kept}, tuned,
                                str(tmp_path), tuning=0)
     assert moved == ["scaffold lr 0.05 seed 1"]
-    assert not (tmp_path / "scaffold" / "seed1").exists()  # rerun at the next rate
-    assert (tmp_path / "scaffold" / "seed2").exists() and (tmp_path / "fedavg" / "seed0").exists()
+    # every reported run at the dropped rate is set aside (a folder left in place would hold
+    # checkpoints of the dropped rate, which the re-run at the next rate refuses to resume)
+    assert not (tmp_path / "scaffold" / "seed1").exists()
+    assert not (tmp_path / "scaffold" / "seed2").exists()
+    assert (tmp_path / "fedavg" / "seed0").exists()  # no divergence: stays
     tuning = str(tmp_path / "lr_tuning")
     assert diverged_seeds(tuning, "scaffold", 0.05, 0) == [1]
     assert diverged_seeds(tuning, "scaffold", 0.02, 0) == []
