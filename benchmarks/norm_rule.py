@@ -157,7 +157,8 @@ def report_row(run: str) -> dict:
     worst_ratio = worst_z = 0.0
     for round_index, scopes in _rounds(run).items():
         everything = [row for scope in scopes for row in scope]
-        for scope in scopes:
+        starts = np.cumsum([0] + [len(scope) for scope in scopes])
+        for scope, start in zip(scopes, starts, strict=False):
             norms, per_sample, relative = _measures(scope, templates, round_index)
             uploads += int((norms > 0).sum())  # Standalone uploads nothing
             alone = len(scope) >= 3 or len(scopes) == 1
@@ -167,7 +168,6 @@ def report_row(run: str) -> dict:
                 reference, mine = scope, slice(None)
             else:  # judged against every scope of the round, as the stage does
                 pooled += len(scope)
-                start = everything.index(scope[0])
                 reference, mine = everything, slice(start, start + len(scope))
             _, per_sample, relative = _measures(reference, templates, round_index)
             valid = np.ones(len(reference), bool)
