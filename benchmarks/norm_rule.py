@@ -4,6 +4,8 @@ attacker (docs/threat_model.md, "The norm rule's false positives").
   python -m benchmarks.norm_rule collect --workdir=runs/norm_rule        # the honest runs
   python -m benchmarks.norm_rule report --workdir=runs/norm_rule         # the table
   python -m benchmarks.norm_rule detect --workdir=runs/norm_rule_attacks # detection rates
+  python -m benchmarks.norm_rule collect --set=converged --workdir=runs/norm_rule_converged
+  python -m benchmarks.norm_rule report --set=converged --workdir=runs/norm_rule_converged
 
 `collect` runs every method on the quick start population and on it with quantity skew
 (LogNormal sigma 2), and the published pFedES, FedAvg, FML and FedMRL on the collaboration
@@ -11,15 +13,21 @@ population with 5 and with 2 classes per client (pfedes_paper 300 rounds, the ot
 with the norm rule off (the honest trajectory), one seed (0), without evaluation until the last
 round (the rule does not read it). Every run also writes `template_norms.jsonl`: the norm of the
 model each cohort's uploads update (the upload template) in each round after the first.
-`report` applies, per run and round, the default rule and the earlier one (norm per local sample
+`--set=converged` runs FedAvg instead to a plateau of its evaluated accuracy on the quick start
+(`train.stop_at_plateau`, at most 200 rounds, the local rate `launch.compare` chose there:
+docs/baselines.md "At convergence"), seeds 0-4 and 100-104, where late in training most
+updates shrink to a floor and one client still learning stands out.
+`report` applies, per run and round, the default rule, the default without its model-ratio
+test, and the earlier one (norm per local sample
 > 10x the round's median, nothing else) to the honest uploads (clients.jsonl), which is what a
 run under that rule rejects up to its first rejection, and gives the largest ratio to the median
 and robust z-score an honest upload reached. (A rule that rejects nothing leaves the run equal
 to the honest one, so 0 in its column is exact.)
 
 `detect` runs the quick start (pFedES and FedAvg, 20 rounds, seed 0) with client 3 attacking
-(`config.attack`: each kind of docs/threat_model.md) under the default rule and under the
-earlier one, and counts the attacker's uploads the rule rejected and the honest ones it
+(`config.attack`: each kind of docs/threat_model.md) under the default rule, under it without
+its model-ratio test (the method's `AlgorithmEntry.norm_model_ratio`) and under the earlier
+10x-median rule, and counts the attacker's uploads the rule rejected and the honest ones it
 rejected.
 """
 
@@ -47,8 +55,16 @@ COLLABORATION_METHODS = ("pfedes_paper", "fedavg", "fml", "fedmrl")
 COLLABORATION_ROUNDS = {"pfedes_paper": 300}
 
 
-def populations() -> dict[str, tuple[str, dict]]:
-    """Run name -> (config file, overrides)."""
+CONVERGED_SEEDS = (0, 1, 2, 3, 4, 100, 101, 102, 103, 104)
+CONVERGED_LR = 0.02  # FedAvg's rate tuned by launch.compare at convergence (docs/baselines.md)
+
+
+def populations(which: str = "short") -> dict[str, tuple[str, dict]]:
+    """Run name -> (config file, overrides) of the set `which` ('short' or 'converged')."""
+    if which == "converged":
+        return {f"converged/fedavg/seed{s}": ("configs/quickstart.py", {
+            "algorithm": "fedavg", "seed": s, "train.rounds": 200, "train.stop_at_plateau": True,
+            "train.lr_local": CONVERGED_LR}) for s in CONVERGED_SEEDS}
     out = {}
     for m in METHODS:
         out[f"quickstart/{m}"] = ("configs/quickstart.py", {"algorithm": m})
@@ -87,8 +103,8 @@ def _load(config_file: str):
     return module.get_config()
 
 
-def collect(workdir: str, only: str = "") -> None:
-    for name, (config_file, overrides) in populations().items():
+def collect(workdir: str, only: str = "", which: str = "short") -> None:
+    for name, (config_file, overrides) in populations(which).items():
         if only and only not in name:
             continue
         out = os.path.join(workdir, name)
@@ -101,7 +117,8 @@ def collect(workdir: str, only: str = "") -> None:
             for p in parents:
                 node = node[p]
             node[leaf] = value
-        config.eval.every = 100000  # only the last round: the rule does not read it
+        if which != "converged":  # the plateau stop reads the evaluations
+            config.eval.every = 100000  # only the last round: the rule does not read it
         config.upload.norm_outlier_factor = 0.0  # the honest trajectory; report applies rules
         config.checkpoint.every = 0
         config.monitor.tensorboard = False
@@ -153,8 +170,8 @@ def report_row(run: str) -> dict:
     path = os.path.join(run, "template_norms.jsonl")
     if os.path.exists(path):
         templates = {r["round"]: r["template_norm"] for r in map(json.loads, open(path))}
-    uploads = old = default = pooled = 0
-    worst_ratio = worst_z = 0.0
+    uploads = old = default = no_ratio = pooled = 0
+    worst_ratio = worst_z = worst_relative = 0.0
     for round_index, scopes in _rounds(run).items():
         everything = [row for scope in scopes for row in scope]
         starts = np.cumsum([0] + [len(scope) for scope in scopes])
@@ -171,10 +188,14 @@ def report_row(run: str) -> dict:
                 reference, mine = everything, slice(start, start + len(scope))
             _, per_sample, relative = _measures(reference, templates, round_index)
             valid = np.ones(len(reference), bool)
+            rule = (per_sample, valid, pipeline.norm_outlier_factor, pipeline.norm_outlier_z,
+                    pipeline.norm_outlier_hard_factor)
+            flagged = validation.norm_outliers(*rule)[mine]
+            no_ratio += int(flagged.sum())
+            if flagged.any():
+                worst_relative = max(worst_relative, float(relative[mine][flagged].max()))
             default += int(validation.norm_outliers(
-                per_sample, valid, pipeline.norm_outlier_factor, pipeline.norm_outlier_z,
-                pipeline.norm_outlier_hard_factor,
-                relative if pipeline.norm_outlier_model_ratio > 0 else None,
+                *rule, relative if pipeline.norm_outlier_model_ratio > 0 else None,
                 pipeline.norm_outlier_model_ratio)[mine].sum())
             median = float(np.median(per_sample))
             if len(reference) < 3 or median <= 0:  # nothing uploaded (Standalone)
@@ -183,7 +204,8 @@ def report_row(run: str) -> dict:
             z = validation.robust_log_z(per_sample, valid)[mine]
             worst_ratio = max(worst_ratio, float(ratio.max()))
             worst_z = max(worst_z, float(z[ratio > 10].max()) if (ratio > 10).any() else 0.0)
-    return {"uploads": uploads, "default": default, "old_rule": old, "pooled": pooled,
+    return {"uploads": uploads, "default": default, "no_ratio": no_ratio, "old_rule": old,
+            "pooled": pooled, "worst_relative": worst_relative,
             "max_ratio": worst_ratio, "max_z_beyond_10x": worst_z}
 
 
@@ -192,19 +214,21 @@ def _with_algorithm(config, method: str):
     return config
 
 
-def report(workdir: str) -> str:
+def report(workdir: str, which: str = "short") -> str:
     lines = ["| run | honest uploads | judged against every cohort (own cohort < 3) | "
-             "rejected by the default rule | by the 10x-median rule alone | max norm per "
-             "sample / median | max robust z beyond 10x |",
-             "|---|---|---|---|---|---|---|"]
-    for name in populations():
+             "rejected by the default rule | without its model-ratio test | by the 10x-median "
+             "rule alone | max norm per sample / median | max robust z beyond 10x | max "
+             "norm / model norm of those without the ratio test |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name in populations(which):
         run = os.path.join(workdir, name)
         if not os.path.exists(os.path.join(run, "summary.json")):
             continue
         r = report_row(run)
         lines.append(f"| {name} | {r['uploads']} | {r['pooled']} | {r['default']} | "
-                     f"{r['old_rule']} | "
-                     f"{r['max_ratio']:.1f} | {r['max_z_beyond_10x']:.1f} |")
+                     f"{r['no_ratio']} | {r['old_rule']} | "
+                     f"{r['max_ratio']:.1f} | {r['max_z_beyond_10x']:.1f} | "
+                     + (f"{r['worst_relative']:.3f} |" if r["no_ratio"] else "- |"))
     return "\n".join(lines)
 
 
@@ -214,13 +238,15 @@ ATTACKS = {"constant 1e4": ("constant", 1e4), "scale x100": ("scale", 100.0),
 RULES = {"default": {}, "10x median alone": {"upload.norm_outlier_z": 0.0,
                                              "upload.norm_outlier_hard_factor": 0.0,
                                              "upload.norm_outlier_model_ratio": 0.0,
-                                             "upload.norm_outlier_small_cohorts": False}}
+                                             "upload.norm_outlier_small_cohorts": False},
+         "without the model-ratio test": {"upload.norm_outlier_model_ratio": 0.0}}
 ATTACKER = 3
 
 
 def detect(workdir: str) -> str:
     lines = ["| method | attack | rule | attacker uploads | rejected | honest uploads rejected | "
-             "final accuracy of the attacker's cohort |", "|---|---|---|---|---|---|---|"]
+             "final accuracy of the attacker's cohort | attacker's norm / model norm |",
+             "|---|---|---|---|---|---|---|---|"]
     for method in ("pfedes", "fedavg"):
         for attack, (kind, value) in ATTACKS.items():
             for rule, fields in RULES.items():
@@ -238,15 +264,21 @@ def detect(workdir: str) -> str:
                     config.checkpoint.every = 0
                     config.monitor.tensorboard = False
                     config.train.allow_divergence = True
-                    fedjax_pfedes.run(config, out, progress=False)
+                    fedjax_pfedes.run(config, out, progress=False, callbacks=[
+                        TemplateNorms(os.path.join(out, "template_norms.jsonl"))])
                 rows = [json.loads(line) for line in open(os.path.join(out, "clients.jsonl"))]
                 mine = [r for r in rows if r["client"] == ATTACKER and r["status"] == "delivered"]
                 others = [r for r in rows if r["client"] != ATTACKER]
                 final = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][-1]
                 cohort = final["personalized_accuracy_by_arch"][mine[0]["arch"]]
+                templates = {r["round"]: r["template_norm"] for r in map(
+                    json.loads, open(os.path.join(out, "template_norms.jsonl")))}
+                relative = [r["update_norm"] / templates[r["round"]][r["arch"]] for r in mine
+                            if r["round"] in templates]  # round 1: no template logged
                 lines.append(f"| {method} | {attack} | {rule} | {len(mine)} | "
                              f"{sum(not r['accepted'] for r in mine)} | "
-                             f"{sum(not r['accepted'] for r in others)} | {cohort:.3f} |")
+                             f"{sum(not r['accepted'] for r in others)} | {cohort:.3f} | "
+                             f"{min(relative):.3g}-{max(relative):.3g} |")
                 print(lines[-1], flush=True)
     return "\n".join(lines)
 
@@ -256,13 +288,16 @@ def main() -> None:
     parser.add_argument("command", choices=("collect", "report", "detect"))
     parser.add_argument("--workdir", default="runs/norm_rule")
     parser.add_argument("--only", default="", help="collect only runs whose name contains it")
+    parser.add_argument("--set", default="short", choices=("short", "converged"),
+                        help="the honest runs: every method for a fixed number of rounds, or "
+                             "FedAvg to a plateau")
     args = parser.parse_args()
     if args.command == "collect":
-        collect(args.workdir, args.only)
+        collect(args.workdir, args.only, args.set)
     elif args.command == "detect":
         print(detect(args.workdir))
     else:
-        print(report(args.workdir))
+        print(report(args.workdir, args.set))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from fedjax_pfedes import aggregation
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.fedavg import (
+    PER_COHORT_NORM_MODEL_RATIO,
     ClientState,
     FedAvgConfig,
     check_section,
@@ -117,4 +118,5 @@ register(AlgorithmEntry(
     "fednova", lambda inputs: fednova(fedavg_config(inputs, "fednova")), aggregation="per_cohort",
     check=lambda settings: check_section(settings, "fednova"),
     summary="FedNova (Wang et al., NeurIPS 2020): normalized averaging, per cohort",
-    fields={"fednova.server_lr": 1.0}))  # global step size (1 = average)
+    fields={"fednova.server_lr": 1.0},  # global step size (1 = average)
+    norm_model_ratio=PER_COHORT_NORM_MODEL_RATIO))
