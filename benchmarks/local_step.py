@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import linen as nn
 
-from fedjax_pfedes.execution import runners
 from fedjax_pfedes.models import backbones, layers
 
 _TORCH = flags.DEFINE_bool("torch", False, "Also time the same layers in PyTorch.")
@@ -68,7 +67,7 @@ def _jax_rows(name: str, build, shape) -> list[str]:
         for unroll, kernels in variants:
             f = jax.jit(lambda p, xs, unroll=unroll, step=step:
                         jax.lax.scan(step, p, xs, unroll=unroll)[0],
-                        compiler_options=runners.kernel_options(kernels) or None)
+                        compiler_options=kernels.kernel_options(kernels) or None)
             t0 = time.perf_counter()
             jax.block_until_ready(f(params, xs))
             compile_s = time.perf_counter() - t0

@@ -44,7 +44,6 @@ from absl import app, flags
 from benchmarks import cohort_inputs
 from benchmarks.compare_frameworks import fedavg_config, pfedes_config, write_cifar_shaped
 from fedjax_pfedes.engine.build import build_federated_data
-from fedjax_pfedes.execution import runners
 
 _KERNELS = flags.DEFINE_list("cpu_kernels", ["xla", "eigen"], "config.execution.cpu_kernels "
                              "choices our update is timed with.")
@@ -83,7 +82,7 @@ def matmul_gflops(repeats: int) -> dict[str, float]:
 def compiled_updates(config, kernels: str = "xla"):
     """(arch, compiled client update, its arguments) for the first client of each architecture
     of `config`'s run, compiled with `kernels` (`config.execution.cpu_kernels` choices)."""
-    options = runners.kernel_options(kernels) or None
+    options = kernels.kernel_options(kernels) or None
     for arch, program, args in cohort_inputs.first_clients(config)[1]:
         yield arch, jax.jit(program.client_update, compiler_options=options).lower(
             *args).compile(), args

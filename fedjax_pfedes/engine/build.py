@@ -30,7 +30,8 @@ from fedjax_pfedes.engine.sections import pipeline_config, round_settings
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.execution import choice, compilation, offload, runners
+from fedjax_pfedes.execution import choice, compilation, kernels, offload, placement, runners
+from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.io import plotting
 from fedjax_pfedes.io.metrics import write_json
 from fedjax_pfedes.tree_util import tree_size
@@ -180,11 +181,11 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     states that exceed their memory budget go under it)."""
     algorithm = build_algorithm(config, data)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
-    requested = runners.resolve_strategy(config.execution.strategy)
-    mesh = (runners.client_mesh(config.execution.devices)
-            if runners.needs_mesh(requested) else None)
-    candidates = runners.auto_candidates(mesh) if requested == "auto" else (requested,)
-    kernel_set = runners.kernel_candidates(config.execution.cpu_kernels)
+    requested = protocol.resolve_strategy(config.execution.strategy)
+    mesh = (placement.client_mesh(config.execution.devices)
+            if protocol.needs_mesh(requested) else None)
+    candidates = protocol.auto_candidates(mesh) if requested == "auto" else (requested,)
+    kernel_set = kernels.kernel_candidates(config.execution.cpu_kernels)
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
     ex = config.execution
     # arch -> runner name -> runner: every (strategy, kernels) pair 'auto' may pick.
@@ -209,7 +210,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         cohorts, client_states = build_cohorts(
             data, archs, programs, {a: next(iter(r.values())) for a, r in arch_runners.items()},
             slots_per_round, client_key,
-            mesh.size if any(runners.strategy(s).needs_mesh for s in candidates) else 1,
+            mesh.size if any(protocol.strategy(s).needs_mesh for s in candidates) else 1,
             offload_spec(config, workdir), same_init=config.clients.same_init)
     except offload.BudgetError as e:
         raise ConfigError(str(e)) from None
@@ -270,12 +271,12 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
             choices[c.arch] = picked.as_dict()
     for c in cohorts:  # a mesh strategy reads data and states on its mesh: put them there
         # once (samples only: the sizes stay on the default device, where rounds read them)
-        if (runners.strategy(c.runner.strategy).needs_mesh
+        if (protocol.strategy(c.runner.strategy).needs_mesh
                 and config.execution.client_states == "device"):
-            c.train, c.test = (a.replace(x=runners.client_rows(a.x, mesh),
-                                         y=runners.client_rows(a.y, mesh))
+            c.train, c.test = (a.replace(x=placement.client_rows(a.x, mesh),
+                                         y=placement.client_rows(a.y, mesh))
                                for a in (c.train, c.test))
-            client_states[c.arch] = runners.client_rows(client_states[c.arch], mesh)
+            client_states[c.arch] = placement.client_rows(client_states[c.arch], mesh)
     m = sampling.participants_per_round(n, t.client_fraction)
     if t.sampling == "coverage" and sampling.coverage_pool_size(m, t.coverage_candidates) >= n:
         logging.warning(

@@ -13,7 +13,7 @@ import numpy as np
 from fedjax_pfedes.algorithms.base import CohortProgram, PyTree
 from fedjax_pfedes.data.federated import ClientArrays, FederatedData
 from fedjax_pfedes.execution import offload as client_states
-from fedjax_pfedes.execution.runners import CohortRunner
+from fedjax_pfedes.execution.strategies.protocol import CohortRunner
 from fedjax_pfedes.models.architectures import check_architecture
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from fedjax_pfedes.data.federated import FederatedData
 from fedjax_pfedes.engine.cohorts import Cohort
-from fedjax_pfedes.execution import runners
+from fedjax_pfedes.execution import slot_rows
 from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload.pipeline import UploadPipeline
 
@@ -63,7 +63,7 @@ def evaluate(algorithm, server_state, cohorts: list[Cohort], clients: dict[str, 
             members = np.flatnonzero(np.isin(cohort.client_ids, sample)).astype(np.int32)
             if not len(members):
                 continue
-            m = runners.evaluate_in_buckets(cohort.runner.evaluate_slots, broadcast,
+            m = slot_rows.evaluate_in_buckets(cohort.runner.evaluate_slots, broadcast,
                                               clients[cohort.arch], cohort.test, members,
                                               cohort.bucket, global_x, global_y)
         for k, v in m.items():

@@ -24,7 +24,8 @@ from fedjax_pfedes.engine import attacks, client_system, sampling
 from fedjax_pfedes.engine.cohorts import Cohort
 from fedjax_pfedes.engine.sections import RoundSettings
 from fedjax_pfedes.engine.state import SimState
-from fedjax_pfedes.execution import offload, runners
+from fedjax_pfedes.execution import offload
+from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.tree_util import tree_size
 from fedjax_pfedes.upload import streaming, validation
 from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
@@ -160,11 +161,11 @@ UPLOAD_NORM = "update_norm"  # `upload_finish`'s entry of the update norm
 
 def upload_finish(algorithm, pipeline: UploadPipeline):
     """The per-client function a cohort's program runs on each upload
-    (`execution.runners.Finishing`, with the upload template as its operand): the update norm the
-    monitoring reports, and, when the upload pipeline transforms nothing, its checks' facts
+    (`execution.strategies.protocol.Finishing`, with the upload template as its operand): the update
+    norm the monitoring reports, and, when the upload pipeline transforms nothing, its checks' facts
     (`UploadPipeline.client_facts`: 'finite', 'norm'). Computed while the client's upload is in
-    cache, instead of passes over the stacked uploads after the round's training. Build it
-    once per run: it is part of the compiled program's identity."""
+    cache, instead of passes over the stacked uploads after the round's training. Build it once per
+    run: it is part of the compiled program's identity."""
     streams_clipped = pipeline.streamed_clip_norm is not None
     facts = (pipeline.client_facts if (not pipeline.active or streams_clipped)
              and pipeline.aggregation != "none" else None)
@@ -203,14 +204,15 @@ def stream_reducer(settings: RoundSettings, algorithm, pipeline: UploadPipeline)
 def sent_to_runner(finish, reducer, attack_active: bool, runner, bucket: int, broadcast,
                    template):
     """What a round passes a cohort's `runner.update` as its broadcast: the plain broadcast, or
-    an `execution.runners.Finishing` that computes `finish` per client in the training program (not
-    when an attack rewrites the uploads after it, nor for methods that upload nothing) and,
-    for a 'scan' runner with a `reducer` (bucket -> reducer, `stream_reducer`), streams the
+    an `execution.strategies.protocol.Finishing` that computes `finish` per client in the training
+    program (not when an attack rewrites the uploads after it, nor for methods that upload nothing)
+    and, for a 'scan' runner with a `reducer` (bucket -> reducer, `stream_reducer`), streams the
     uploads. `execution.choice` times the runners with the same."""
     if finish is None or attack_active or not jax.tree.leaves(template):
         return broadcast
-    streams = reducer is not None and runners.strategy(runner.strategy).streams_uploads
-    return runners.Finishing(broadcast, template, finish, reducer(bucket) if streams else None)
+    streams = reducer is not None and protocol.strategy(runner.strategy).streams_uploads
+    return protocol.Finishing(broadcast, template, finish,
+                                   reducer(bucket) if streams else None)
 
 
 def train_arrays(ctx: RunContext, cohort: Cohort, step_limits: dict[int, int]):
@@ -245,7 +247,7 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         keys = participant_keys(round_key, jnp.asarray(ids))
         sent = sent_to_runner(ctx.finish, ctx.reducer, ctx.attack.active, cohort.runner,
                               cohort.bucket, broadcast, template)
-        finishing = isinstance(sent, runners.Finishing)
+        finishing = isinstance(sent, protocol.Finishing)
         stacked, clients[cohort.arch], metrics = cohort.runner.update(
             sent, clients[cohort.arch], train_arrays(ctx, cohort, step_limits), slots, keys)
         reduced, stacked = ((stacked, None) if finishing and sent.reducer is not None
@@ -257,7 +259,7 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
                  if not finishing and valid.any() and jax.tree.leaves(template) else None)
         # One device-to-host transfer for the cohort's per-client metrics, norms and facts.
         host, norms = jax.device_get((metrics, norms))
-        facts = host.pop(runners.UPLOAD_FACTS, {})
+        facts = host.pop(protocol.UPLOAD_FACTS, {})
         if UPLOAD_NORM in facts:
             norms = facts[UPLOAD_NORM]
         # The pipeline reads the facts only when it transforms nothing, where `upload_finish`

@@ -26,7 +26,8 @@ from fedjax_pfedes.engine.sampling import BELOW_MIN
 from fedjax_pfedes.engine.sampling import METHODS as SAMPLING_METHODS
 from fedjax_pfedes.engine.sections import pipeline_config
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.execution import distributed, offload, runners
+from fedjax_pfedes.execution import distributed, kernels, offload, placement
+from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.models.architectures import (
     check_architecture,
     shared_arch,
@@ -115,9 +116,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(0 < config.proxy_dim <= MAX_PROXY_DIM,
              f"config.proxy_dim must be in [1, {MAX_PROXY_DIM}], got {config.proxy_dim}")
     try:
-        runners.resolve_strategy(config.execution.strategy)
-        if runners.needs_mesh(config.execution.strategy):
-            runners.client_mesh(config.execution.devices)
+        protocol.resolve_strategy(config.execution.strategy)
+        if protocol.needs_mesh(config.execution.strategy):
+            placement.client_mesh(config.execution.devices)
         _check_execution_names(config.execution)
         _check_multi_process(distributed.settings(config.get("distributed")), config)
         archs = assign_architectures(config.clients.architectures, config.data.num_clients)
@@ -173,8 +174,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 def _check_execution_names(ex: ml_collections.ConfigDict) -> None:
     """The execution layer's names (its ranges are `ExecutionSection`'s)."""
-    _require(ex.cpu_kernels in runners.KERNEL_SETTINGS, "config.execution.cpu_kernels: "
-             f"unknown '{ex.cpu_kernels}'; known: {list(runners.KERNEL_SETTINGS)}")
+    _require(ex.cpu_kernels in kernels.KERNEL_SETTINGS, "config.execution.cpu_kernels: "
+             f"unknown '{ex.cpu_kernels}'; known: {list(kernels.KERNEL_SETTINGS)}")
     _require(ex.client_states in offload.PLACEMENTS, f"config.execution.client_states: "
              f"unknown '{ex.client_states}'; known: {list(offload.PLACEMENTS)}")
 

@@ -2,7 +2,7 @@
 strategy and CPU kernels by timing them.
 
 For every cohort, every candidate runner (the strategies 'loop', 'vmap' and 'scan', each with the
-kernel choices `execution.runners.kernel_candidates` gives) runs the cohort's local update on a full
+kernel choices `execution.kernels.kernel_candidates` gives) runs the cohort's local update on a full
 bucket of participants with every client cut to one batch of rows (one local step per epoch), on the
 backend the run uses. The compiled programs are the run's own (sizes are data, not shapes), so the
 winner's compilation is reused by the rounds. From the per-call times the expected cost of a real
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes.algorithms.base import PyTree
-from fedjax_pfedes.execution import runners
+from fedjax_pfedes.execution.strategies import protocol
 
 CACHE_FILE = "strategy_choices.json"
 
@@ -72,7 +72,7 @@ class Trial:
     """One cohort's measurement inputs (see `choose`)."""
 
     name: str
-    runners: dict[str, runners.CohortRunner]
+    runners: dict[str, protocol.CohortRunner]
     broadcast: PyTree
     states: PyTree
     train: PyTree
@@ -82,8 +82,8 @@ class Trial:
     epochs: int
     batch_size: int
     # runner -> what a round passes its update as the broadcast (`rounds.sent_to_runner`: an
-    # `execution.runners.Finishing` that streams under 'scan'); None: `broadcast` itself
-    sent: Callable[[runners.CohortRunner], PyTree] | None = None
+    # `execution.strategies.protocol.Finishing` that streams under 'scan'); None: `broadcast` itself
+    sent: Callable[[protocol.CohortRunner], PyTree] | None = None
 
     def inputs(self):
         """(one-step train arrays, slots, keys) of the measurement: every client keeps one full
@@ -98,14 +98,14 @@ class Trial:
         return one_step, slots, keys
 
 
-def _run_once(runner: runners.CohortRunner, broadcast, states, train, slots, keys):
+def _run_once(runner: protocol.CohortRunner, broadcast, states, train, slots, keys):
     copy = jax.tree.map(jnp.copy, states)  # update donates the states it is given
     out = runner.update(broadcast, copy, train, slots, keys)
     jax.block_until_ready(out)
     return out
 
 
-def _time_update(runner: runners.CohortRunner, broadcast, states, train, slots, keys,
+def _time_update(runner: protocol.CohortRunner, broadcast, states, train, slots, keys,
                  repeats: int) -> float:
     out = _run_once(runner, broadcast, states, train, slots, keys)  # compiled (or cached)
     best = float("inf")
@@ -163,7 +163,7 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
     calls_per_round = {"per_participant": per_participant,
                        "longest_schedule": max_steps / epochs}
     expected = {name: seconds * calls_per_round[
-        runners.strategy(trial_runners[name].strategy).cost]
+        protocol.strategy(trial_runners[name].strategy).cost]
         for name, seconds in per_call.items()}
     choice = Choice(min(expected, key=expected.get), per_call, expected)
     if cache_dir:  # re-read: another run may have added its decisions meanwhile

@@ -28,8 +28,8 @@ import numpy as np
 
 from fedjax_pfedes.algorithms.base import PyTree
 from fedjax_pfedes.data.federated import ClientArrays
-from fedjax_pfedes.execution import runners
-from fedjax_pfedes.execution.runners import CohortRunner
+from fedjax_pfedes.execution import slot_rows
+from fedjax_pfedes.execution.strategies.protocol import CohortRunner
 from fedjax_pfedes.tree_util import tree_size
 
 PLACEMENTS = ("device", "offload")
@@ -293,7 +293,7 @@ def offloaded_runner(inner: CohortRunner, bucket: int, on_disk: bool = False) ->
                                     global_y)
 
     def evaluate(broadcast, states, test, global_x=None, global_y=None):
-        return runners.evaluate_in_buckets(evaluate_slots, broadcast, states, test,
+        return slot_rows.evaluate_in_buckets(evaluate_slots, broadcast, states, test,
                                              np.arange(test.num_clients), bucket, global_x,
                                              global_y)
 

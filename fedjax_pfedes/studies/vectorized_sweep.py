@@ -34,8 +34,9 @@ from fedjax_pfedes.algorithms.base import PyTree
 from fedjax_pfedes.data.federated import FederatedData
 from fedjax_pfedes.engine.callbacks import Callback, RunInfo
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.execution import distributed, runners
-from fedjax_pfedes.execution.runners import CohortRunner
+from fedjax_pfedes.execution import distributed, kernels, slot_rows
+from fedjax_pfedes.execution.strategies import protocol
+from fedjax_pfedes.execution.strategies.protocol import CohortRunner
 
 
 def field_value(config: ml_collections.ConfigDict, dotted: str) -> Any:
@@ -151,11 +152,12 @@ class Coordinator:
     def runner(self, member: int, arch: str, inner: CohortRunner) -> CohortRunner:
         """`inner` (the member's own runner, kept for evaluation) with its update routed here.
 
-        A round that asks for per-client upload facts (`execution.runners.Finishing`) gets them
-        from a pass over the member's stacked uploads after the batched update: the members'
-        finishing functions are distinct objects, so they cannot share the batched program."""
+        A round that asks for per-client upload facts (`execution.strategies.protocol.Finishing`)
+        gets them from a pass over the member's stacked uploads after the batched update: the
+        members' finishing functions are distinct objects, so they cannot share the batched
+        program."""
         def update(broadcast, states, train, slots, keys):
-            finishing = broadcast if isinstance(broadcast, runners.Finishing) else None
+            finishing = broadcast if isinstance(broadcast, protocol.Finishing) else None
             if finishing is not None and finishing.reducer is not None:
                 raise ConfigError("launch.sweep needs config.execution.strategy='loop' (a "
                                   "streaming reducer came with the broadcast)")
@@ -164,7 +166,7 @@ class Coordinator:
                 member, arch, _Call(plain, states, train, np.asarray(slots), keys))
             if finishing is not None:
                 facts = _stacked_facts(finishing.fn)(uploads, finishing.operand)
-                metrics = {**metrics, runners.UPLOAD_FACTS: facts}
+                metrics = {**metrics, protocol.UPLOAD_FACTS: facts}
             return uploads, states, metrics
         return dataclasses.replace(inner, update=update)
 
@@ -219,15 +221,17 @@ class Coordinator:
                 return jax.lax.map(lambda m: one(*m, train_row, key), (values, broadcasts, rows))
 
         @functools.partial(jax.jit, donate_argnums=(2, 6, 7), compiler_options=(
-            runners.kernel_options(config.execution.cpu_kernels) or None))
+            kernels.kernel_options(config.execution.cpu_kernels) or None))
         def step(values, broadcasts, states, train, i, key, uploads, metrics, j):
-            rows = jax.tree.map(lambda *a: jnp.stack(a), *[_row(s, i) for s in states])
+            rows = jax.tree.map(lambda *a: jnp.stack(a),
+                                *[slot_rows.get_row(s, i) for s in states])
             stacked = jax.tree.map(lambda *a: jnp.stack(a), *broadcasts)
-            up, new_rows, m = mapped(values, stacked, rows, _row(train, i), key)
+            up, new_rows, m = mapped(values, stacked, rows, slot_rows.get_row(train, i), key)
             member = lambda tree, k: jax.tree.map(lambda a: a[k], tree)  # noqa: E731
-            states = tuple(_set_row(s, i, member(new_rows, k)) for k, s in enumerate(states))
-            uploads = tuple(_set_row(u, j, member(up, k)) for k, u in enumerate(uploads))
-            metrics = tuple(_set_row(x, j, member(m, k)) for k, x in enumerate(metrics))
+            states = tuple(slot_rows.set_row(s, i, member(new_rows, k))
+                           for k, s in enumerate(states))
+            uploads = tuple(slot_rows.set_row(u, j, member(up, k)) for k, u in enumerate(uploads))
+            metrics = tuple(slot_rows.set_row(x, j, member(m, k)) for k, x in enumerate(metrics))
             return states, uploads, metrics
 
         self.calls[arch] = step
@@ -247,11 +251,12 @@ class Coordinator:
             self.shapes[arch] = jax.eval_shape(
                 lambda b, s, t, k: traced_algorithm(
                     self.config, self.data, self.dotted, jnp.float32(0)
-                ).cohort_program(arch).client_update(b, _row(s, 0), _row(t, 0), k),
+                ).cohort_program(arch).client_update(b, slot_rows.get_row(s, 0),
+                                                     slot_rows.get_row(t, 0), k),
                 first.broadcast, first.states, first.train, first.keys[0])
         shapes = self.shapes[arch]
-        uploads = tuple(_zeros_in_slots(shapes[0], bucket) for _ in calls)
-        metrics = tuple(_zeros_in_slots(shapes[2], bucket) for _ in calls)
+        uploads = tuple(slot_rows.zeros_in_slots(shapes[0], bucket) for _ in calls)
+        metrics = tuple(slot_rows.zeros_in_slots(shapes[2], bucket) for _ in calls)
         n = first.train.sizes.shape[0]
         for j in np.flatnonzero(first.slots < n):
             states, uploads, metrics = step(values, broadcasts, states, first.train,
@@ -269,11 +274,6 @@ def _stacked_facts(fn: Callable) -> Callable:
     if fn not in _FACTS:
         _FACTS[fn] = jax.jit(jax.vmap(fn, in_axes=(0, None)))
     return _FACTS[fn]
-
-
-_row = runners._row  # noqa: SLF001 - the runners' own row helpers
-_set_row = runners._set_row  # noqa: SLF001
-_zeros_in_slots = runners._zeros_in_slots  # noqa: SLF001
 
 
 class _Route(Callback):

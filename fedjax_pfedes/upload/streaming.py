@@ -59,7 +59,8 @@ class HeldUploadsExceeded(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class StreamingMean:
-    """The reducer of `execution.runners.Finishing` for 'samples'-weighted means (see the module).
+    """The reducer of `execution.strategies.protocol.Finishing` for 'samples'-weighted means (see
+    the module).
 
     Attributes:
       hold: the most uploads of a cohort the norm rule may reject in a round (0: the rule is
@@ -122,10 +123,10 @@ class StreamingMean:
 
 @dataclasses.dataclass(frozen=True)
 class StreamingClippedSum:
-    """The reducer of `execution.runners.Finishing` under client-level DP: each client's update
-    (upload - template) clipped to L2 <= `clip_norm` and added to a sum, with the count of the
-    updates added. It is the client half of the upload chain when that half is the finite
-    check, the norm and the clip only (`UploadPipeline.streamed_clip_norm`); the DP aggregators
+    """The reducer of `execution.strategies.protocol.Finishing` under client-level DP: each client's
+    update (upload - template) clipped to L2 <= `clip_norm` and added to a sum, with the count of
+    the updates added. It is the client half of the upload chain when that half is the finite check,
+    the norm and the clip only (`UploadPipeline.streamed_clip_norm`); the DP aggregators
     (`stages.DPNoisyMean`, `stages.SecureAggregation` with simulation 'aggregate') then add the
     noise once to the sum, as they do to the sum of the stacked clipped updates.
 

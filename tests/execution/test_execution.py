@@ -12,7 +12,8 @@ import pytest
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
 from fedjax_pfedes.data.federated import stack_clients
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.execution import runners
+from fedjax_pfedes.execution import kernels, runners, slot_rows
+from fedjax_pfedes.execution.strategies import looped, protocol
 
 
 def _setup(arch, num_clients=4):
@@ -128,9 +129,9 @@ def test_a_finishing_broadcast_adds_the_per_client_facts_and_changes_nothing_els
                                              for d in jax.tree.leaves(delta)]))}
 
     up_p, st_p, m_p = runner.update(server.proxy_params, _copy(states), data, slots, keys)
-    up_f, st_f, m_f = runner.update(runners.Finishing(server.proxy_params, template, fn),
+    up_f, st_f, m_f = runner.update(protocol.Finishing(server.proxy_params, template, fn),
                                     _copy(states), data, slots, keys)
-    facts = m_f.pop(runners.UPLOAD_FACTS)
+    facts = m_f.pop(protocol.UPLOAD_FACTS)
     chex.assert_trees_all_equal(up_f, up_p)
     chex.assert_trees_all_equal(st_f, st_p)
     chex.assert_trees_all_equal(m_f, m_p)
@@ -141,7 +142,7 @@ def test_a_finishing_broadcast_adds_the_per_client_facts_and_changes_nothing_els
     assert facts["finite"].dtype == jnp.bool_ and np.asarray(facts["finite"]).tolist() == [
         True, True, False, False]
     again = runner.update(server.proxy_params, _copy(states), data, slots, keys)
-    assert runners.UPLOAD_FACTS not in again[2]
+    assert protocol.UPLOAD_FACTS not in again[2]
 
 
 def test_scan_chunk_below_one_is_refused():
@@ -191,7 +192,7 @@ def test_no_recompilation_after_the_first_round(strategy):
 
 def test_unknown_strategy_names_the_field():
     with pytest.raises(ValueError, match="config.execution.strategy: unknown strategy 'pmap'"):
-        runners.resolve_strategy("pmap")
+        protocol.resolve_strategy("pmap")
 
 
 def _fake_runner(name, seconds_per_step, kernels="xla"):
@@ -204,7 +205,7 @@ def _fake_runner(name, seconds_per_step, kernels="xla"):
         time.sleep(seconds_per_step * float(steps))
         return None, states, {}
 
-    return runners.CohortRunner(name, update, None, None, None, kernels=kernels)
+    return protocol.CohortRunner(name, update, None, None, None, kernels=kernels)
 
 
 def test_auto_strategy_picks_the_cheaper_expected_round_and_caches_it(tmp_path):
@@ -268,11 +269,11 @@ def test_auto_kernels_are_candidates_of_their_own_and_keyed_apart_in_the_cache(t
                                      str(tmp_path), repeats=1)
     assert without.strategy == "loop" and not without.cached
     assert choice.choose(trial(both), str(tmp_path), repeats=1).cached
-    assert runners.kernel_candidates("eigen") == ("eigen",)
+    assert kernels.kernel_candidates("eigen") == ("eigen",)
     expected = ("xla", "eigen") if jax.default_backend() == "cpu" else ("xla",)
-    assert runners.kernel_candidates("auto") == expected
+    assert kernels.kernel_candidates("auto") == expected
     with pytest.raises(ValueError, match="config.execution.cpu_kernels"):
-        runners.kernel_candidates("onednn")
+        kernels.kernel_candidates("onednn")
 
 
 def test_loop_threads_give_the_numbers_of_one_thread():
@@ -339,8 +340,8 @@ def test_eigen_cpu_kernels_compile_without_ynnpack_and_give_the_same_round():
     _, program, data, states, server = _setup("convnet3")
     slots = np.array([2, 0, 4, 4], np.int32)
     keys = jax.random.split(jax.random.key(7), 4)
-    assert runners.kernel_options("xla") == {}
-    options = runners.kernel_options("eigen")
+    assert kernels.kernel_options("xla") == {}
+    options = kernels.kernel_options("eigen")
     args = (server.proxy_params, jax.tree.map(lambda a: a[0], states),
             jax.tree.map(lambda a: a[0], data), keys[0])
     texts = {name: jax.jit(program.client_update, compiler_options=opts or None).lower(
@@ -353,16 +354,16 @@ def test_eigen_cpu_kernels_compile_without_ynnpack_and_give_the_same_round():
     assert any(not np.array_equal(a, b) for a, b in zip(
         jax.tree.leaves(results["xla"]), jax.tree.leaves(results["eigen"]), strict=True))
     with pytest.raises(ValueError, match="config.execution.cpu_kernels"):
-        runners.kernel_options("onednn")
+        kernels.kernel_options("onednn")
 
 
 def test_balanced_groups_split_the_weight_evenly_and_keep_every_slot_once():
     weights = np.array([5.0, 1.0, 4.0, 3.0, 3.0, 2.0])
-    groups = runners.balanced_groups(np.arange(6), weights, 2)
+    groups = looped.balanced_groups(np.arange(6), weights, 2)
     assert sorted(np.concatenate(groups).tolist()) == list(range(6))
     assert [float(weights[g].sum()) for g in groups] == [9.0, 9.0]  # 5+4 and 3+3+2+1
     assert all(list(g) == sorted(g) for g in groups)
-    assert [len(g) for g in runners.balanced_groups(np.arange(2), weights[:2], 4)] == [
+    assert [len(g) for g in looped.balanced_groups(np.arange(2), weights[:2], 4)] == [
         1, 1, 0, 0]
 
 
@@ -377,7 +378,7 @@ def test_zero_buffers_of_a_tree_compile_one_program_and_are_independent():
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, seconds, **kw: compiles.append(event)
         if event == "/jax/core/compile/backend_compile_duration" else None)
-    zeros = runners._zeros_in_slots(shapes, 7)
+    zeros = slot_rows.zeros_in_slots(shapes, 7)
     assert len(compiles) == 1
     assert {k: (v.shape, v.dtype) for k, v in zeros.items()} == {
         "w": ((7, 3, 5), jnp.float32), "b": ((7, 5), jnp.float32), "v": ((7, 5), jnp.float32),
@@ -386,7 +387,7 @@ def test_zero_buffers_of_a_tree_compile_one_program_and_are_independent():
     written = jax.jit(lambda a: a.at[0].set(1.0), donate_argnums=0)(zeros["b"])
     assert float(written.sum()) == 5.0 and not np.asarray(zeros["v"]).any()
     before = len(compiles)
-    runners._zeros_in_slots(shapes, 7)
+    slot_rows.zeros_in_slots(shapes, 7)
     assert len(compiles) == before  # cached: the same tree of shapes compiles nothing more
 
 
@@ -395,15 +396,15 @@ def test_a_registered_strategy_runs_by_name_and_joins_auto():
     as the runner it wraps here), 'auto' times it, and a mesh strategy is left out of 'auto'
     without a multi-device mesh."""
     name = "loop_again_test"
-    runners.register_strategy(runners.Strategy(
-        name, lambda program, o: runners.strategy("loop").build(program, o)))
-    runners.register_strategy(runners.Strategy(
-        "mesh_only_test", lambda program, o: runners.strategy("loop").build(program, o),
+    protocol.register_strategy(protocol.Strategy(
+        name, lambda program, o: protocol.strategy("loop").build(program, o)))
+    protocol.register_strategy(protocol.Strategy(
+        "mesh_only_test", lambda program, o: protocol.strategy("loop").build(program, o),
         needs_mesh=True))
     try:
-        assert name in runners.auto_candidates(None)
-        assert "mesh_only_test" not in runners.auto_candidates(None)
-        assert runners.needs_mesh("mesh_only_test") and not runners.needs_mesh(name)
+        assert name in protocol.auto_candidates(None)
+        assert "mesh_only_test" not in protocol.auto_candidates(None)
+        assert protocol.needs_mesh("mesh_only_test") and not protocol.needs_mesh(name)
         _, program, data, states, server = _setup("convnet3", num_clients=4)
         slots = jnp.array([2, 0, 4], jnp.int32)  # one padded slot
         keys = jax.random.split(jax.random.key(3), 3)
@@ -414,12 +415,12 @@ def test_a_registered_strategy_runs_by_name_and_joins_auto():
             server.proxy_params, _copy(states), data, slots, keys)
         chex.assert_trees_all_equal(out_mine, out_loop)
         with pytest.raises(ValueError, match="'loop_again_test' is registered twice"):
-            runners.register_strategy(runners.Strategy(name, mine.update))
+            protocol.register_strategy(protocol.Strategy(name, mine.update))
         with pytest.raises(ValueError, match="needs a mesh"):
             runners.make_runner(program, "mesh_only_test")
     finally:
-        runners._STRATEGIES.pop(name, None)
-        runners._STRATEGIES.pop("mesh_only_test", None)
+        protocol._STRATEGIES.pop(name, None)
+        protocol._STRATEGIES.pop("mesh_only_test", None)
 
 
 def test_vmap_evaluates_in_chunks_of_clients_when_the_budget_says_so():

@@ -14,7 +14,8 @@ from fl_helpers import CHILD_PATH, ROOT, tiny_config
 
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.execution import runners
+from fedjax_pfedes.execution import placement
+from fedjax_pfedes.execution.strategies import protocol
 
 
 def _run_with_devices(code: str, devices: int = 4, timeout: int = 600) -> dict:
@@ -37,7 +38,7 @@ def test_shard_runner_equals_vmap_on_four_devices():
         _, program, data, states, server = _setup("convnet3", num_clients=5)
         slots = np.array([2, 0, 4, 5, 5, 5, 5, 5], np.int32)  # 3 clients, 5 padded slots
         keys = jax.random.split(jax.random.key(7), 8)
-        mesh = runners.client_mesh(0)
+        mesh = placement.client_mesh(0)
         out = {s: runners.make_runner(program, s, mesh).update(
                    server.proxy_params, _copy(states), data, slots, keys)
                for s in ("vmap", "shard")}
@@ -74,12 +75,12 @@ def test_a_cohort_that_fills_the_mesh_is_split_over_it_with_the_vmap_numbers():
         from fedjax_pfedes.execution import runners
         from test_execution import _setup, _copy
         _, program, data, states, server = _setup("convnet3", num_clients=8)
-        mesh = runners.client_mesh(0)
+        mesh = placement.client_mesh(0)
         slots = np.array([6, 1, 3, 8], np.int32)  # 3 clients, one padded slot
         keys = jax.random.split(jax.random.key(7), 4)
-        placed = data.replace(x=runners.client_rows(data.x, mesh),
-                              y=runners.client_rows(data.y, mesh))
-        split_states = runners.client_rows(_copy(states), mesh)
+        placed = data.replace(x=placement.client_rows(data.x, mesh),
+                              y=placement.client_rows(data.y, mesh))
+        split_states = placement.client_rows(_copy(states), mesh)
         up_v, st_v, _ = runners.make_runner(program, "vmap").update(
             server.proxy_params, _copy(states), data, slots, keys)
         shard = runners.make_runner(program, "shard", mesh)
@@ -93,7 +94,7 @@ def test_a_cohort_that_fills_the_mesh_is_split_over_it_with_the_vmap_numbers():
         print(json.dumps({
             "uploads": diff(up_v, up_s), "states": diff(st_v.params, st_s.params),
             "evaluate": diff(ev_v, ev_s),
-            "split": leaf.sharding.spec == runners.P(runners.CLIENT_AXIS),
+            "split": leaf.sharding.spec == placement.P(placement.CLIENT_AXIS),
             "rows_per_device": [s.data.shape[0] for s in leaf.addressable_shards],
             "x_rows_per_device": [s.data.shape[0] for s in placed.x.addressable_shards]}))
     """)
@@ -105,10 +106,10 @@ def test_a_cohort_that_fills_the_mesh_is_split_over_it_with_the_vmap_numbers():
 
 
 def test_row_spec_splits_only_counts_the_mesh_divides():
-    mesh = runners.client_mesh(0)
-    assert runners.row_spec((3 * mesh.size, 5), mesh) == runners.P(runners.CLIENT_AXIS)
+    mesh = placement.client_mesh(0)
+    assert placement.row_spec((3 * mesh.size, 5), mesh) == placement.P(placement.CLIENT_AXIS)
     if mesh.size > 1:
-        assert runners.row_spec((mesh.size + 1, 5), mesh) == runners.P()
+        assert placement.row_spec((mesh.size + 1, 5), mesh) == placement.P()
 
 
 @pytest.mark.slow  # two end-to-end runs with 4 simulated devices: ~1 min
@@ -142,7 +143,7 @@ def test_a_mesh_larger_than_the_devices_is_refused_naming_the_field():
 
 
 def test_auto_considers_shard_only_with_several_devices():
-    mesh = runners.client_mesh(0)
+    mesh = placement.client_mesh(0)
     expected = ("vmap", "loop", "scan") + (("shard",) if mesh.size > 1 else ())
-    assert runners.auto_candidates(mesh) == expected
-    assert runners.auto_candidates(None) == ("vmap", "loop", "scan")
+    assert protocol.auto_candidates(mesh) == expected
+    assert protocol.auto_candidates(None) == ("vmap", "loop", "scan")

@@ -14,6 +14,7 @@ import pytest
 from fedjax_pfedes.algorithms import registry
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.execution import runners
+from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.upload import streaming
 
 
@@ -209,7 +210,7 @@ def test_a_reducer_needs_the_scan_strategy():
     from test_execution import _setup
     _, program, data, states, server = _setup("mlp")
     runner = runners.make_runner(program, "vmap")
-    bcast = runners.Finishing(server.proxy_params, server.proxy_params,
+    bcast = protocol.Finishing(server.proxy_params, server.proxy_params,
                                 lambda u, t: {}, streaming.reducer(0, 2, True))
     with pytest.raises(ValueError, match="'scan' strategy"):
         runner.update(bcast, states, data, np.array([0, 1], np.int32),

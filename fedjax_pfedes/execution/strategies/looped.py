@@ -1,0 +1,196 @@
+"""The 'loop' strategy: one jitted call per real participant, reading and writing its row of the
+stacked state in place; with several host threads, the participants split over them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pfedes.algorithms.base import CohortProgram, PyTree, global_accuracy
+from fedjax_pfedes.execution.slot_rows import get_row, set_row, zeros_in_slots
+from fedjax_pfedes.execution.strategies.protocol import (
+    CohortRunner,
+    Finishing,
+    Strategy,
+    refuse_reducer,
+    register_strategy,
+)
+
+
+def balanced_groups(slots: np.ndarray, weights: np.ndarray, groups: int) -> list[np.ndarray]:
+    """Positions of `slots` split into `groups` lists of nearly equal total weight (longest
+    first onto the lightest list; ties in slot order), each list in ascending position order.
+    The 'loop' strategy's threads take one list each."""
+    lists: list[list[int]] = [[] for _ in range(groups)]
+    load = np.zeros(groups)
+    for j in sorted(range(len(slots)), key=lambda j: (-weights[j], j)):
+        g = int(np.argmin(load))
+        lists[g].append(j)
+        load[g] += weights[j]
+    return [np.asarray(sorted(g), np.int64) for g in lists]
+
+
+def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.jit
+                 ) -> CohortRunner:
+    """One jitted call per participant. Each training call also writes the client's upload and
+    metrics into row `j` of bucket-shaped output buffers (donated, updated in place), so a round
+    runs no eager per-leaf stacking and nothing compiles after the first call. Evaluation calls
+    return one client's metrics (and, given a global test set, its `global_accuracy` from a
+    second program), written into the bucket by a small donated call: the monitoring of a
+    round's participants and the evaluation of every client then share one compiled program.
+
+    With `threads` > 1 the participants are split over host threads (`balanced_groups` by
+    sample count); each thread's calls return the client's outputs, which the calling thread
+    then writes into the bucket and the state rows (one small donated call each). Every client
+    computes the same function of the same inputs, so the numbers are those of one thread.
+    `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`)."""
+
+    # Traced once: the output shapes below and the jitted call share this trace.
+    client_update = jax.jit(program.client_update)
+
+    @functools.partial(jit, donate_argnums=(1, 5, 6))
+    def one_client_update(broadcast, states, train, i, key, uploads, metrics, j):
+        upload, new_row, m = client_update(broadcast, get_row(states, i), get_row(train, i), key)
+        return (set_row(uploads, j, upload), set_row(states, i, new_row),
+                set_row(metrics, j, m))
+
+    shapes: dict = {}  # output shapes, traced once per kind (they never change)
+
+    def update_buffers(broadcast, states, train, keys, bucket):
+        # A `Finishing` broadcast adds outputs: its function is part of the shapes' key.
+        kind = ("update", broadcast.fn if isinstance(broadcast, Finishing) else None)
+        if kind not in shapes:
+            first_row = functools.partial(jax.eval_shape, lambda tree: get_row(tree, 0))
+            shapes[kind] = client_update.eval_shape(broadcast, first_row(states),
+                                                    first_row(train), keys[0])
+        uploads, _, metrics = shapes[kind]
+        return zeros_in_slots((uploads, metrics), bucket)
+
+    @jit
+    def one_update(broadcast, states, train, i, key):  # the threads' calls: outputs only
+        return client_update(broadcast, get_row(states, i), get_row(train, i), key)
+
+    @jit
+    def one_evaluate(broadcast, states, test, i):
+        return program.evaluate(broadcast, get_row(states, i), get_row(test, i))
+
+    def evaluate_buffer(broadcast, states, test, bucket):
+        if "evaluate" not in shapes:  # the same trace as one_evaluate's first call
+            shapes["evaluate"] = one_evaluate.eval_shape(broadcast, states, test, jnp.int32(0))
+        return zeros_in_slots(shapes["evaluate"], bucket)
+
+    @jit
+    def one_global(broadcast, states, i, global_x, global_y):
+        return global_accuracy(program, broadcast, get_row(states, i), global_x, global_y)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def put_update(uploads, states, metrics, i, j, outputs):
+        upload, new_row, m = outputs
+        return (set_row(uploads, j, upload), set_row(states, i, new_row),
+                set_row(metrics, j, m))
+
+    put_evaluate = jax.jit(set_row, donate_argnums=0)
+
+    def update(broadcast, states, train, slots, keys):
+        refuse_reducer(broadcast, "loop")
+        slots = np.asarray(slots)
+        real = np.flatnonzero(slots < train.sizes.shape[0])
+        uploads, metrics = update_buffers(broadcast, states, train, keys, len(slots))
+        if pool is not None and len(real):
+            sizes = np.asarray(train.sizes)[slots[real]].astype(np.float64)
+            outputs = pool.run("update", lambda j: one_update(
+                broadcast, states, train, jnp.int32(slots[j]), keys[j]), real, sizes)
+            for j in real:
+                uploads, states, metrics = put_update(uploads, states, metrics,
+                                                      jnp.int32(slots[j]), jnp.int32(j),
+                                                      outputs[int(j)])
+            return uploads, states, metrics
+        for j in real:
+            uploads, states, metrics = one_client_update(
+                broadcast, states, train, jnp.int32(slots[j]), keys[j], uploads, metrics,
+                jnp.int32(j))
+        return uploads, states, metrics
+
+    def evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None):
+        slots = np.asarray(slots)
+        real = np.flatnonzero(slots < test.sizes.shape[0])
+        out = evaluate_buffer(broadcast, states, test, len(slots))
+        accuracy = None if global_x is None else zeros_in_slots(
+            jax.ShapeDtypeStruct((), jnp.float32), len(slots))
+        if not len(real):
+            return out if accuracy is None else {**out, "global_accuracy": accuracy}
+        # Unlike training, the per-client programs here take no bucket-shaped buffer, so the
+        # monitoring (a round's participants) and the evaluation of every client share them.
+        run = (lambda kind, call, weights: pool.run(kind, call, real, weights)) if pool else (
+            lambda kind, call, weights: {int(j): call(int(j)) for j in real})
+        sizes = np.asarray(test.sizes)[slots[real]].astype(np.float64)
+        outputs = run("evaluate", lambda j: one_evaluate(broadcast, states, test,
+                                                         jnp.int32(slots[j])), sizes)
+        for j in real:
+            out = put_evaluate(out, jnp.int32(j), outputs[int(j)])
+        if accuracy is None:
+            return out
+        scores = run(f"global{global_x.shape}", lambda j: one_global(  # equal work per client
+            broadcast, states, jnp.int32(slots[j]), global_x, global_y), np.ones(len(real)))
+        for j in real:
+            accuracy = put_evaluate(accuracy, jnp.int32(j), scores[int(j)])
+        return {**out, "global_accuracy": accuracy}
+
+    def evaluate(broadcast, states, test, global_x=None, global_y=None):
+        every = np.arange(test.sizes.shape[0], dtype=np.int32)
+        return evaluate_slots(broadcast, states, test, every, global_x, global_y)
+
+    def computed_steps(steps: np.ndarray, bucket: int) -> float:
+        del bucket  # padded slots are never called
+        return float(np.sum(steps))
+
+    pool = _ClientThreads(threads) if threads > 1 else None
+    return CohortRunner("loop", update, evaluate, evaluate_slots, computed_steps)
+
+
+class _ClientThreads:
+    """Host threads for the 'loop' strategy (see `_loop_runner`): `run` calls a jitted
+    per-client function for every participant, split over the threads by `balanced_groups`.
+    The first call of each kind runs on the calling thread alone, so the threads never compile
+    the same program at once."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.lock = threading.Lock()
+        self.compiled: set[str] = set()
+
+    def run(self, kind: str, call: Callable[[int], PyTree], real: np.ndarray,
+            weights: np.ndarray) -> dict[int, PyTree]:
+        """call(j) for every slot position j in `real` (its weight the expected cost);
+        {j: output}, each output computed."""
+        out: dict[int, PyTree] = {}
+        todo = real
+        if kind not in self.compiled or len(real) == 1:
+            out[int(real[0])] = jax.block_until_ready(call(int(real[0])))
+            self.compiled.add(kind)
+            todo, weights = real[1:], weights[1:]
+        groups = [g for g in balanced_groups(todo, weights, self.threads) if len(g)]
+        if not groups:
+            return out
+
+        def work(group: np.ndarray) -> dict[int, PyTree]:
+            return {int(todo[p]): jax.block_until_ready(call(int(todo[p]))) for p in group}
+
+        with self.lock:
+            if self.pool is None:
+                self.pool = concurrent.futures.ThreadPoolExecutor(
+                    self.threads, thread_name_prefix="loop_client")
+            for done in self.pool.map(work, groups):
+                out.update(done)
+        return out
+
+
+register_strategy(Strategy("loop", lambda program, o: _loop_runner(
+    program, o.loop_threads, jit=o.jit)))

@@ -1,0 +1,155 @@
+"""The 'scan' strategy: a cohort's participants pass through one compiled `lax.scan`, one client
+(or a vmapped chunk) per iteration, the stacked states as the carry; it can stream the uploads
+into a reducer instead of stacking them (`upload.streaming`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pfedes.algorithms.base import CohortProgram, PyTree, global_accuracy
+from fedjax_pfedes.execution.slot_rows import get_row
+from fedjax_pfedes.execution.strategies.protocol import (
+    UPLOAD_FACTS,
+    CohortRunner,
+    Finishing,
+    Strategy,
+    register_strategy,
+)
+from fedjax_pfedes.tree_util import put_rows, take_rows
+
+
+def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
+                 ) -> CohortRunner:
+    """'scan': a cohort's participants pass through one compiled `lax.scan`, `chunk` of them
+    per iteration (one at a time: the client function itself; more: vmapped over the chunk).
+
+    The stacked private states are the scan's carry, updated row by row in place (the buffer is
+    donated); uploads and metrics are its stacked outputs. One program per round however many
+    participants: no per-client dispatch as in 'loop', and at `chunk` = 1 only one client's model
+    and activations are live at a time instead of the bucket's copies of 'vmap' (a small model
+    then stays in cache). Padded slots (out of range) hold no samples, take no local step, write
+    nothing and return zeros. Evaluation maps the per-client programs the same way (`lax.map`).
+    `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`)."""
+    if chunk < 1:
+        raise ValueError(f"config.execution.scan_chunk must be >= 1, got {chunk}")
+    per_chunk = (lambda fn, in_axes: fn) if chunk == 1 else (
+        lambda fn, in_axes: jax.vmap(fn, in_axes=in_axes))
+    client_update = per_chunk(program.client_update, (None, 0, 0, 0))
+
+    def chunked(slots: jax.Array, n: int) -> jax.Array:
+        """[bucket] -> [bucket / chunk, chunk] (padded out of range), or [bucket] at chunk 1."""
+        if chunk == 1:
+            return slots
+        pad = -slots.shape[0] % chunk
+        return jnp.concatenate([slots, jnp.full((pad,), n, slots.dtype)]).reshape(-1, chunk)
+
+    def unchunked(tree: PyTree, bucket: int) -> PyTree:
+        if chunk == 1:
+            return tree
+        return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:])[:bucket], tree)
+
+    def rows_at(tree: PyTree, slot: jax.Array) -> PyTree:
+        return get_row(tree, slot) if chunk == 1 else take_rows(tree, slot)
+
+    def write_rows(tree: PyTree, slot: jax.Array, valid: jax.Array, rows: PyTree) -> PyTree:
+        if chunk > 1:
+            return put_rows(tree, slot, rows)  # out-of-range slots are dropped
+        i = jnp.minimum(slot, jax.tree.leaves(tree)[0].shape[0] - 1)
+        return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(
+            a, jnp.where(valid, r, jax.lax.dynamic_index_in_dim(a, i, keepdims=False)), i, 0),
+            tree, rows)
+
+    def zero_padded(tree: PyTree, valid: jax.Array) -> PyTree:
+        return jax.tree.map(lambda a: jnp.where(
+            valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a,
+            jnp.zeros((), a.dtype)), tree)  # a bool stays a bool
+
+    @functools.partial(jit, donate_argnums=1)
+    def scanned_update(broadcast, states, train, slots, keys):
+        n = train.sizes.shape[0]
+        bucket = slots.shape[0]
+        padded_keys = keys if chunk == 1 else jnp.concatenate(
+            [keys, keys[jnp.zeros(-bucket % chunk, jnp.int32)]]).reshape(-1, chunk)
+
+        reducer = broadcast.reducer if isinstance(broadcast, Finishing) else None
+
+        def reduce(carry, upload, metrics, sizes, position, valid):
+            facts = metrics[UPLOAD_FACTS]
+            template = broadcast.operand
+            if chunk == 1:
+                return reducer.add(carry, upload, facts, sizes, position, valid, template)
+            return jax.lax.scan(lambda c, xs: (reducer.add(c, *xs, template), None), carry,
+                                (upload, facts, sizes, position, valid))[0]
+
+        def body(carry, xs):
+            states, reduced = carry
+            slot, key, position = xs
+            valid = slot < n
+            rows = rows_at(train, slot)
+            # A padded slot holds no samples, so it takes no local step.
+            rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
+            upload, new_rows, metrics = client_update(broadcast, rows_at(states, slot), rows, key)
+            states = write_rows(states, slot, valid, new_rows)
+            if reducer is None:  # the uploads are stacked outputs
+                return (states, reduced), (zero_padded(upload, valid),
+                                           zero_padded(metrics, valid))
+            reduced = reduce(reduced, upload, metrics, rows.sizes, position, valid)
+            return (states, reduced), (None, zero_padded(metrics, valid))
+
+        start = None if reducer is None else reducer.init(broadcast.operand)
+        positions = chunked(jnp.arange(bucket, dtype=jnp.int32), bucket)  # slot j of the bucket
+        (states, reduced), (uploads, metrics) = jax.lax.scan(
+            body, (states, start), (chunked(slots, n), padded_keys, positions))
+        uploads = unchunked(uploads, bucket) if reducer is None else reduced
+        return uploads, states, unchunked(metrics, bucket)
+
+    def mapped(fn: Callable, slots: jax.Array, n: int) -> PyTree:
+        """fn(slot) -> per-client pytree, over `slots`, `chunk` at a time; zeros where padded."""
+        def one(slot):
+            return zero_padded(fn(jnp.minimum(slot, n - 1)), slot < n)
+        return jax.lax.map(one, slots, batch_size=chunk if chunk > 1 else None)
+
+    @jit
+    def scanned_evaluate_slots(broadcast, states, test, slots):
+        n = test.sizes.shape[0]
+        return mapped(lambda i: program.evaluate(broadcast, get_row(states, i), get_row(test, i)),
+                      slots, n)
+
+    @jit
+    def scanned_global_slots(broadcast, states, sizes, slots, global_x, global_y):
+        return mapped(lambda i: global_accuracy(program, broadcast, get_row(states, i), global_x,
+                                                global_y), slots, sizes.shape[0])
+
+    def update(broadcast, states, train, slots, keys):
+        return scanned_update(broadcast, states, train, jnp.asarray(slots, jnp.int32), keys)
+
+    def evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None):
+        slots = jnp.asarray(slots, jnp.int32)
+        metrics = scanned_evaluate_slots(broadcast, states, test, slots)
+        if global_x is None:
+            return metrics
+        return {**metrics, "global_accuracy": scanned_global_slots(
+            broadcast, states, test.sizes, slots, global_x, global_y)}
+
+    def evaluate(broadcast, states, test, global_x=None, global_y=None):
+        every = np.arange(test.sizes.shape[0], dtype=np.int32)
+        return evaluate_slots(broadcast, states, test, every, global_x, global_y)
+
+    def computed_steps(steps: np.ndarray, bucket: int) -> float:
+        del bucket  # padded slots take no step
+        if chunk == 1 or not len(steps):
+            return float(np.sum(steps))
+        # A chunk iterates until its longest schedule ends (participants fill the first slots).
+        padded = np.concatenate([steps, np.zeros(-len(steps) % chunk)]).reshape(-1, chunk)
+        return float(chunk * padded.max(axis=1).sum())
+
+    return CohortRunner("scan", update, evaluate, evaluate_slots, computed_steps)
+
+
+register_strategy(Strategy("scan", lambda program, o: _scan_runner(
+    program, o.scan_chunk, jit=o.jit), streams_uploads=True))
