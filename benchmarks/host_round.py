@@ -7,8 +7,8 @@ garbage collector.
   python -m benchmarks.host_round --norm_rule    # + the norm rule's decision and finalize
 
 Work B of `benchmarks.cross_device` (FedAvg, `mlp_small`, 1,000 clients, 100 a round, strategy
-'scan'). The first part captures one round's inputs of `rounds.client_report` and
-`rounds.client_means` and times each call alone (median of `--calls` calls). `--gc` runs
+'scan'). The first part captures one round's inputs of `records.client_report` and
+`records.client_means` and times each call alone (median of `--calls` calls). `--gc` runs
 `--trials` pairs of `--gc_rounds` rounds in one process, the collector as it is and with every
 object alive at the start frozen (`gc.freeze`), and prints each arm's mean, median, 99th
 percentile and longest round. `--noise` times what distributed DP noise costs at this size
@@ -97,7 +97,7 @@ def noise_draws(senders: int = 100, size: int = 50_890) -> dict[str, float]:
 
 def main(argv: list[str]) -> None:
     del argv
-    from fedjax_pfedes.engine import rounds
+    from fedjax_pfedes.engine import records, rounds
     from fedjax_pfedes.engine.build import build_context
 
     data = cross_device.synthetic(1000)
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> None:
         captured["args"] = args
         return report(*args)
 
-    rounds.client_report = capture
+    rounds.client_report = capture  # the name sync_round calls
     try:
         for r in range(5):
             state, _, _, _ = rounds.sync_round(ctx, state, r)
@@ -120,13 +120,13 @@ def main(argv: list[str]) -> None:
     print(f"JAX {jax.__version__} on {jax.default_backend()}, 100 participants a round")
     print("| function | ms per call |\n|---|---|")
     for name, call in (("client_report", lambda: report(*args)),
-                       ("client_means", lambda: rounds.client_means(args[2].client_metrics))):
+                       ("client_means", lambda: records.client_means(args[2].client_metrics))):
         times = []
         for _ in range(_CALLS.value):
             t = time.perf_counter()
             call()
             times.append(time.perf_counter() - t)
-        print(f"| `rounds.{name}` | {np.median(times) * 1e3:.3f} |")
+        print(f"| `records.{name}` | {np.median(times) * 1e3:.3f} |")
     if _NORM_RULE.value:
         print("\n| the norm rule's host parts | ms per call |\n|---|---|")
         for name, ms in norm_rule_parts().items():

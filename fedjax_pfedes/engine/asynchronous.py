@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes.config.defaults import STALENESS
-from fedjax_pfedes.engine import client_system, rounds, sampling
+from fedjax_pfedes.engine import client_system, context, records, rounds, sampling
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.upload import validation
 
@@ -93,9 +93,9 @@ def next_arrivals(in_flight: InFlight, buffer_size: int) -> np.ndarray:
     return order[:buffer_size]
 
 
-def launch(ctx: rounds.RunContext, server_state, clients: dict[str, Any], in_flight: InFlight,
+def launch(ctx: context.RunContext, server_state, clients: dict[str, Any], in_flight: InFlight,
            sampler: sampling.SamplerState, round_index: int, clock_s: float
-           ) -> tuple[dict[str, Any], client_system.RoundTiming, rounds.Trained, dict[str, Any]]:
+           ) -> tuple[dict[str, Any], client_system.RoundTiming, records.Trained, dict[str, Any]]:
     """Fills the free slots: selects clients not in flight, trains them from the current server
     state (their private states change now: the new `clients` is returned) and parks their
     updates in `in_flight` until they arrive."""
@@ -108,7 +108,7 @@ def launch(ctx: rounds.RunContext, server_state, clients: dict[str, Any], in_fli
     runs = timing.clients[timing.trains]
     limits = dict(zip(runs.tolist(), timing.step_limit[timing.trains].tolist(), strict=True))
     trained, clients = rounds.train_participants(ctx, server_state, clients, runs,
-                                                 rounds.fold_in(ctx.train_key, round_index),
+                                                 context.fold_in(ctx.train_key, round_index),
                                                  limits)
     sampler.record_selected(selected)  # drop-outs never deliver: their streak grows now
     sampler.record_outcome(np.zeros(0, np.int64), np.setdiff1d(selected, runs))
@@ -133,7 +133,7 @@ def launch(ctx: rounds.RunContext, server_state, clients: dict[str, Any], in_fli
     return counts, timing, trained, clients
 
 
-def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
+def async_round(ctx: context.RunContext, state: SimState, round_index: int
                 ) -> tuple[SimState, dict[str, Any], list[dict], list[dict]]:
     """One server step of FedBuff: (new state, record, client rows, rejections). `state` itself
     is not changed (its device buffers may be donated: use the returned state)."""
@@ -167,11 +167,11 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
         uploads[cohort.arch] = rounds.cohort_uploads(ctx, cohort, stacked, template, local,
                                                      valid, ids)
     norms = _stored_norms(in_flight, ctx, slots, arrivals)
-    arrived = rounds.Trained(uploads, rounds.ClientMetrics(
+    arrived = records.Trained(uploads, records.ClientMetrics(
         np.asarray(arrivals, np.int64),
         {"train_ce_loss": np.asarray(in_flight.train_loss[slots], np.float64),
          "local_steps": np.asarray(in_flight.steps[slots], np.float64),
-         rounds.UPLOAD_NORM: np.asarray(factors * norms, np.float64)}), launched.traffic)
+         records.UPLOAD_NORM: np.asarray(factors * norms, np.float64)}), launched.traffic)
     sampler.record_outcome(arrivals, np.zeros(0, np.int64))
     timing = client_system.RoundTiming(
         arrivals, np.full(len(slots), client_system.DELIVERED), in_flight.steps[slots],
@@ -187,9 +187,9 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
                 "upload_success_rate": accepted / len(slots) if len(slots) else None}
 
     def client_rows(rejected: set[int]) -> list[dict]:
-        return rounds.client_report(ctx, timing, arrived, rejected, staleness) + [
-            row for row in rounds.client_report(
-                ctx, launch_timing, rounds.Trained({}, rounds.ClientMetrics.empty(), []), set())
+        return records.client_report(ctx, timing, arrived, rejected, staleness) + [
+            row for row in records.client_report(
+                ctx, launch_timing, records.Trained({}, records.ClientMetrics.empty(), []), set())
             if row["status"] == client_system.DROPPED_OUT]
 
     return rounds.conclude(
@@ -202,7 +202,7 @@ def async_round(ctx: rounds.RunContext, state: SimState, round_index: int
         clock_s=new_clock)
 
 
-def _stored_norms(in_flight: InFlight, ctx: rounds.RunContext, slots: np.ndarray,
+def _stored_norms(in_flight: InFlight, ctx: context.RunContext, slots: np.ndarray,
                   clients: np.ndarray) -> np.ndarray:
     """L2 norm of each parked update (y_i - x_start_i) in `slots`."""
     norms = np.zeros(len(slots))

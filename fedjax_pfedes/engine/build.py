@@ -24,7 +24,15 @@ from fedjax_pfedes.data.federated import FederatedData, partition_dataset
 from fedjax_pfedes.data.profile import DataProfile, profile_partition
 from fedjax_pfedes.data.public import split_public
 from fedjax_pfedes.data.sources import CentralDataset, LoadOptions
-from fedjax_pfedes.engine import asynchronous, attacks, client_system, rounds, sampling, sections
+from fedjax_pfedes.engine import (
+    asynchronous,
+    attacks,
+    client_system,
+    context,
+    finishing,
+    sampling,
+    sections,
+)
 from fedjax_pfedes.engine.cohorts import Offload, assign_architectures, build_cohorts
 from fedjax_pfedes.engine.sections import pipeline_config, round_settings
 from fedjax_pfedes.engine.state import SimState
@@ -171,7 +179,7 @@ def offload_spec(config: ml_collections.ConfigDict, workdir: str | None) -> Offl
 
 def build_context(config: ml_collections.ConfigDict, data: FederatedData,
                   strategies: dict[str, str] | None = None, workdir: str | None = None
-                  ) -> tuple[rounds.RunContext, SimState]:
+                  ) -> tuple[context.RunContext, SimState]:
     """Everything static of a run, and the run's state at round 0.
 
     `strategies` (arch -> runner name, e.g. 'loop' | 'vmap' | 'loop/eigen') fixes the cohorts'
@@ -236,9 +244,9 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         raise ConfigError(str(e)) from None
     # Per-client facts (and streaming under 'scan') in the training program: built once, the
     # same objects for the strategy measurement and the rounds (part of the programs' identity).
-    finish = rounds.upload_finish(algorithm, pipeline)
+    finish = finishing.upload_finish(algorithm, pipeline)
     settings = round_settings(config)
-    reducer = rounds.stream_reducer(settings, algorithm, pipeline)
+    reducer = finishing.stream_reducer(settings, algorithm, pipeline)
     choices = {}
     # Clients that train per round, on average (FedBuff: the buffer's worth of arrivals).
     launches_per_round = (config.asynchronous.buffer_size if config.asynchronous.enabled
@@ -258,7 +266,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         cache_dir = compilation.configure_cache(config.execution.compilation_cache_dir)
         for c in cohorts:
             broadcast = algorithm.broadcast(server_state, c.arch)
-            sent = functools.partial(rounds.sent_to_runner, finish, reducer, attack.active,
+            sent = functools.partial(finishing.sent_to_runner, finish, reducer, attack.active,
                                      bucket=c.bucket, broadcast=broadcast,
                                      template=algorithm.upload_template(server_state, c.arch))
             picked = choice.choose(choice.Trial(
@@ -288,7 +296,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     if not eligible.any():
         raise ConfigError(f"config.train.min_samples={t.min_samples}: no client has that many "
                           f"local samples (largest: {sizes.max()})")
-    ctx = rounds.RunContext(
+    ctx = context.RunContext(
         settings=settings, algorithm=algorithm, cohorts=cohorts,
         server_step=jax.jit(algorithm.server_update),
         server_metrics=(jax.jit(algorithm.server_metrics) if algorithm.server_metrics else None),
@@ -307,7 +315,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     return ctx, initial_state(ctx, server_state, client_states)
 
 
-def initial_state(ctx: rounds.RunContext, server_state, clients: dict[str, Any]) -> SimState:
+def initial_state(ctx: context.RunContext, server_state, clients: dict[str, Any]) -> SimState:
     """The run's state at round 0 (what a checkpoint holds, see `io.checkpoints`)."""
     pipeline, algorithm = ctx.pipeline, ctx.algorithm
     memories = {c.arch: pipeline.init_memory(algorithm.upload_template(server_state, c.arch),

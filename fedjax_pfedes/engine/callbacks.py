@@ -35,8 +35,8 @@ import ml_collections
 from absl import logging
 from tqdm.auto import tqdm
 
+from fedjax_pfedes.engine.context import RunContext
 from fedjax_pfedes.engine.evaluation import dp_sgd_metrics, evaluate, non_finite_metrics
-from fedjax_pfedes.engine.rounds import RunContext
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.execution import distributed
 from fedjax_pfedes.io import checkpoints, metrics

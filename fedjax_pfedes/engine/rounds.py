@@ -10,8 +10,6 @@ Everything random is keyed by (seed, round), so resuming from a checkpoint repea
 from __future__ import annotations
 
 import copy
-import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,197 +20,23 @@ from absl import logging
 
 from fedjax_pfedes.engine import attacks, client_system, sampling
 from fedjax_pfedes.engine.cohorts import Cohort
-from fedjax_pfedes.engine.sections import RoundSettings
+from fedjax_pfedes.engine.context import ATTACK_STREAM, RunContext, fold_in, participant_keys
+from fedjax_pfedes.engine.finishing import sent_to_runner
+from fedjax_pfedes.engine.records import (
+    UPLOAD_NORM,
+    ClientMetrics,
+    Trained,
+    client_means,
+    client_report,
+    count_dp_sgd_steps,
+    outcome_counts,
+)
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.execution import offload
 from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.tree_util import tree_size
-from fedjax_pfedes.upload import streaming, validation
-from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
-from fedjax_pfedes.upload.stages import outlier_rule
-
-ATTACK_STREAM = 0x5EED_A77  # folded into the round key for the attackers' randomness
-
-
-@jax.jit
-def participant_keys(round_key: jax.Array, ids: jax.Array) -> jax.Array:
-    """[slots] RNG keys: `round_key` folded with each slot's client id (one compiled call; an
-    eager vmapped fold_in costs milliseconds of dispatch every cohort and round)."""
-    return jax.vmap(lambda i: jax.random.fold_in(round_key, i))(ids)
-
-
-fold_in = jax.jit(jax.random.fold_in)  # the same bits as jax.random.fold_in, one dispatch
-
-
-@dataclasses.dataclass
-class RunContext:
-    """What a run's rounds read but never change (built once by `engine.build`)."""
-
-    settings: RoundSettings
-    algorithm: Any
-    cohorts: list[Cohort]
-    server_step: Any
-    pipeline: UploadPipeline
-    system: client_system.SystemConfig
-    profiles: client_system.ClientProfiles
-    client_arch: list[str]       # [N] architecture of every client
-    sizes: np.ndarray            # [N] local train samples
-    epochs: np.ndarray           # [N] local epochs (adaptive / minimum-samples rule)
-    planned_steps: np.ndarray    # [N] local steps without a deadline
-    strategy_choices: dict       # arch -> execution.choice.Choice as a dict ('auto' only)
-    statically_eligible: np.ndarray  # [N] False below the minimum-samples threshold ('skip')
-    strata: np.ndarray           # [N] stratum of every client (stratified sampling)
-    label_counts: np.ndarray     # [N, C] local train labels (coverage sampling, monitoring)
-    upload_bytes: dict[str, float]    # per architecture, as sent (simulated upload time)
-    download_bytes: dict[str, float]  # per architecture
-    step_limits: bool            # whether local steps are capped per client (ClientArrays)
-    train_key: jax.Array
-    upload_key: jax.Array
-    attack: attacks.AttackConfig = attacks.AttackConfig()  # simulated malicious clients
-    server_metrics: Any = None  # jitted Algorithm.server_metrics, or None
-    finish: Any = None  # `upload_finish`: per-client facts inside the cohort's program, or None
-    reducer: Any = None  # bucket -> `upload.streaming` reducer of 'scan' cohorts, or None
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.sizes)
-
-    def arch_of(self, clients: np.ndarray) -> list[str]:
-        return [self.client_arch[int(c)] for c in clients]
-
-
-@dataclasses.dataclass
-class ClientMetrics:
-    """Per-client metrics of a set of trained clients, as columns (no per-client Python when a
-    round builds, averages or reports them).
-
-    Iterating gives the client ids (so `set(...)`, `sorted(...)`, `in` and `len` read it as the
-    set of trained clients); `metrics[cid]` is one client's metrics as a dict.
-
-    Attributes:
-      ids: [n] global client ids, in training order.
-      columns: metric -> [n] float64 values, in the order the metrics were first reported.
-    """
-
-    ids: np.ndarray
-    columns: dict[str, np.ndarray]
-
-    @classmethod
-    def empty(cls) -> ClientMetrics:
-        return cls(np.zeros(0, np.int64), {})
-
-    @classmethod
-    def concatenate(cls, parts: list[ClientMetrics]) -> ClientMetrics:
-        """The clients of `parts` in order; a metric some part lacks is NaN there."""
-        parts = [p for p in parts if len(p)]
-        if not parts:
-            return cls.empty()
-        names = list(dict.fromkeys(k for p in parts for k in p.columns))
-        nan = [np.full(len(p), np.nan) for p in parts]
-        return cls(np.concatenate([p.ids for p in parts]),
-                   {k: np.concatenate([p.columns.get(k, n) for p, n in zip(parts, nan,
-                                                                           strict=True)])
-                    for k in names})
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __iter__(self):
-        return iter(self.ids.tolist())
-
-    def __contains__(self, cid) -> bool:
-        return bool(np.any(self.ids == cid))
-
-    def positions(self, clients: np.ndarray) -> np.ndarray:
-        """Each of `clients`' row in the columns, -1 for a client without metrics."""
-        order = np.argsort(self.ids, kind="stable")
-        sorted_ids = self.ids[order]
-        at = np.searchsorted(sorted_ids, clients)
-        at = np.minimum(at, max(len(sorted_ids) - 1, 0))
-        found = (sorted_ids[at] == clients) if len(sorted_ids) else np.zeros(len(clients), bool)
-        return np.where(found, order[at] if len(order) else 0, -1)
-
-    def __getitem__(self, cid: int) -> dict[str, float]:
-        j = int(self.positions(np.array([cid]))[0])
-        if j < 0:
-            raise KeyError(cid)
-        return {k: float(v[j]) for k, v in self.columns.items()}
-
-
-@dataclasses.dataclass
-class Trained:
-    """Local updates of a set of clients: per-cohort uploads plus per-client metrics."""
-
-    uploads: dict[str, CohortUploads]
-    client_metrics: ClientMetrics
-    traffic: list[tuple]  # (clients, upload params, upload bytes, download params, bytes)
-    useful_steps: float = 0.0    # local steps of the participants' own schedules
-    computed_steps: float = 0.0  # local steps the execution strategy actually ran
-
-    def padded_step_fraction(self) -> dict[str, float]:
-        """{'padded_step_fraction': computed / useful local steps} (1.0 = no wasted steps)."""
-        if self.useful_steps <= 0:
-            return {}
-        return {"padded_step_fraction": self.computed_steps / self.useful_steps}
-
-
-UPLOAD_NORM = "update_norm"  # `upload_finish`'s entry of the update norm
-
-
-def upload_finish(algorithm, pipeline: UploadPipeline):
-    """The per-client function a cohort's program runs on each upload
-    (`execution.strategies.protocol.Finishing`, with the upload template as its operand): the update
-    norm the monitoring reports, and, when the upload pipeline transforms nothing, its checks' facts
-    (`UploadPipeline.client_facts`: 'finite', 'norm'). Computed while the client's upload is in
-    cache, instead of passes over the stacked uploads after the round's training. Build it once per
-    run: it is part of the compiled program's identity."""
-    streams_clipped = pipeline.streamed_clip_norm is not None
-    facts = (pipeline.client_facts if (not pipeline.active or streams_clipped)
-             and pipeline.aggregation != "none" else None)
-    keys = algorithm.norm_keys
-
-    def finish(upload, template):
-        out = {UPLOAD_NORM: validation.upload_norm(upload, template, keys)}
-        return out if facts is None else {**facts(upload, template), **out}
-
-    return finish
-
-
-def stream_reducer(settings: RoundSettings, algorithm, pipeline: UploadPipeline):
-    """bucket -> the reducer with which a 'scan' cohort of that bucket sums its uploads as
-    they are made (`upload.streaming`), or None where the stacked uploads are needed: the
-    server step must be a weighted mean (`Algorithm.mean_server_step`), the rounds synchronous
-    (buffered asynchronous rounds keep each upload), and the upload pipeline must either
-    transform nothing (no compression, privacy, robust aggregation or other weights than
-    samples: `StreamingMean`) or be client-level DP that adds its noise to the sum of the
-    clipped updates (`UploadPipeline.streamed_clip_norm`: `StreamingClippedSum`)."""
-    if (not algorithm.mean_server_step or settings.asynchronous is not None
-            or pipeline.aggregation not in ("per_cohort", "shared")):
-        return None
-    clip = pipeline.streamed_clip_norm
-    if clip is not None:
-        clipped = streaming.clipped_sum_reducer(clip, bool(pipeline.cfg.reject_nonfinite))
-        return lambda bucket: clipped
-    if pipeline.active:
-        return None
-    factor, _ = outlier_rule(pipeline.cfg)
-    hold = settings.scan_held_uploads if factor > 0 else 0
-    return functools.partial(streaming.reducer, hold,
-                             reject_nonfinite=bool(pipeline.cfg.reject_nonfinite))
-
-
-def sent_to_runner(finish, reducer, attack_active: bool, runner, bucket: int, broadcast,
-                   template):
-    """What a round passes a cohort's `runner.update` as its broadcast: the plain broadcast, or
-    an `execution.strategies.protocol.Finishing` that computes `finish` per client in the training
-    program (not when an attack rewrites the uploads after it, nor for methods that upload nothing)
-    and, for a 'scan' runner with a `reducer` (bucket -> reducer, `stream_reducer`), streams the
-    uploads. `execution.choice` times the runners with the same."""
-    if finish is None or attack_active or not jax.tree.leaves(template):
-        return broadcast
-    streams = reducer is not None and protocol.strategy(runner.strategy).streams_uploads
-    return protocol.Finishing(broadcast, template, finish,
-                                   reducer(bucket) if streams else None)
+from fedjax_pfedes.upload import validation
+from fedjax_pfedes.upload.pipeline import CohortUploads
 
 
 def train_arrays(ctx: RunContext, cohort: Cohort, step_limits: dict[int, int]):
@@ -394,69 +218,6 @@ def restore_states(ctx: RunContext, clients: dict[str, Any], before: dict, rejec
     return clients
 
 
-def client_means(client_metrics: ClientMetrics) -> dict[str, float]:
-    """`<metric>_mean` over clients, the local-loss variance and the update-norm distribution."""
-    if not len(client_metrics):
-        return {}
-    columns = client_metrics.columns
-    out = {f"{k}_mean": float(np.mean(v)) for k, v in columns.items() if k != UPLOAD_NORM}
-    if "train_ce_loss" in columns:
-        out["client_loss_var"] = float(columns["train_ce_loss"].var())
-    norms = columns[UPLOAD_NORM]
-    out.update(update_norm_min=float(norms.min()), update_norm_median=float(np.median(norms)),
-               update_norm_max=float(norms.max()))
-    return out
-
-
-def client_report(ctx: RunContext, timing: client_system.RoundTiming, trained: Trained,
-                  rejected: set[int], staleness: dict[int, int] | None = None) -> list[dict]:
-    """One row per selected client: outcome, samples, steps, local loss, update norm, times.
-
-    Built column by column (numpy), then zipped into the rows: a client without metrics (it
-    did not train or its update never arrived) has `train_loss` and `update_norm` None and its
-    planned `local_steps`."""
-    clients = np.asarray(timing.clients, np.int64)
-    metrics = trained.client_metrics
-    at = metrics.positions(clients)
-    has = at >= 0
-    take = np.maximum(at, 0)
-    has_list = has.tolist()
-
-    def metric(name: str) -> list:
-        if name not in metrics.columns:
-            return [None] * len(clients)
-        return [v if h else None
-                for v, h in zip(metrics.columns[name][take].tolist(), has_list, strict=True)]
-
-    steps = np.asarray(timing.step_limit)
-    if "local_steps" in metrics.columns:
-        steps = np.where(has, metrics.columns["local_steps"][take], steps)
-    rejected_mask = np.isin(clients, np.fromiter(rejected, np.int64, len(rejected)))
-    ids = clients.tolist()
-    columns = {
-        "client": ids, "arch": ctx.arch_of(clients),
-        "status": [str(v) for v in np.asarray(timing.status).tolist()],
-        "accepted": (has & ~rejected_mask).tolist(),
-        "samples": np.asarray(ctx.sizes)[clients].astype(np.int64).tolist(),
-        "epochs": np.asarray(ctx.epochs)[clients].astype(np.int64).tolist(),
-        "local_steps": steps.astype(np.int64).tolist(),
-        "train_loss": metric("train_ce_loss"), "update_norm": metric(UPLOAD_NORM),
-        **{k: np.asarray(getattr(timing, k), np.float64).tolist()
-           for k in ("download_s", "compute_s", "upload_s", "total_s")}}
-    rows = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(),
-                                                                      strict=True)]
-    extra = [k for k in ctx.algorithm.client_report_metrics if k in metrics.columns]
-    if extra:
-        values = {k: metrics.columns[k][take].tolist() for k in extra}
-        for i in np.flatnonzero(has).tolist():
-            rows[i].update({k: values[k][i] for k in extra})
-    if staleness is not None:
-        for row in rows:
-            if row["client"] in staleness:
-                row["staleness"] = staleness[row["client"]]
-    return rows
-
-
 def select_clients(ctx: RunContext, sampler: sampling.SamplerState, round_index: int,
                    excluded: np.ndarray | None = None, count: int | None = None
                    ) -> tuple[np.ndarray, dict[str, Any]]:
@@ -513,27 +274,6 @@ def simulate_selected(ctx: RunContext, round_index: int, selected: np.ndarray
         ctx.system, ctx.profiles, ctx.settings.seed, round_index, selected,
         ctx.planned_steps[selected], [ctx.upload_bytes[a] for a in archs],
         [ctx.download_bytes[a] for a in archs])
-
-
-def outcome_counts(timing: client_system.RoundTiming, uploads_accepted: int) -> dict[str, Any]:
-    s = timing.status
-    selected = len(s)
-    return {"participants": int(timing.trains.sum()),
-            "dropped_out": int((s == client_system.DROPPED_OUT).sum()),
-            "past_deadline": int((s == client_system.PAST_DEADLINE).sum()),
-            "partial_work": int((s == client_system.PARTIAL).sum()),
-            "uploads_accepted": uploads_accepted,
-            "upload_success_rate": uploads_accepted / selected if selected else None}
-
-
-def count_dp_sgd_steps(steps: np.ndarray, rows: list[dict]) -> np.ndarray:
-    """`steps` plus the local steps of the clients whose training counted this round (delivered
-    or partial work: their noisy gradients were computed)."""
-    steps = np.array(steps)
-    for row in rows:
-        if row["status"] in (client_system.DELIVERED, client_system.PARTIAL):
-            steps[row["client"]] += row["local_steps"]
-    return steps
 
 
 _NO_DP = object()  # the round's report holds no DP noise multiplier (client-level DP is off)

@@ -81,7 +81,7 @@ class Trial:
     planned_steps: np.ndarray
     epochs: int
     batch_size: int
-    # runner -> what a round passes its update as the broadcast (`rounds.sent_to_runner`: an
+    # runner -> what a round passes its update as the broadcast (`finishing.sent_to_runner`: an
     # `execution.strategies.protocol.Finishing` that streams under 'scan'); None: `broadcast` itself
     sent: Callable[[protocol.CohortRunner], PyTree] | None = None
 

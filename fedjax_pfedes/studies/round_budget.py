@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfedes.engine import client_system, rounds, sampling
+from fedjax_pfedes.engine import client_system, context, rounds, sampling
 from fedjax_pfedes.engine.state import SimState
 
 
-def client_stages(ctx: rounds.RunContext) -> dict[str, np.ndarray]:
+def client_stages(ctx: context.RunContext) -> dict[str, np.ndarray]:
     """[N] download / compute / upload / total seconds of every client (no jitter)."""
     p = ctx.profiles
     down = np.array([ctx.download_bytes[a] for a in ctx.client_arch]) / p.download_Bps
@@ -40,7 +40,7 @@ def client_stages(ctx: rounds.RunContext) -> dict[str, np.ndarray]:
             "total_s": down + compute + up}
 
 
-def replay_rounds(ctx: rounds.RunContext) -> dict[str, np.ndarray]:
+def replay_rounds(ctx: context.RunContext) -> dict[str, np.ndarray]:
     """Per round of the configured run: selected, delivered, round time, waiting time."""
     sampler = sampling.SamplerState.create(ctx.num_clients, int(ctx.strata.max()) + 1)
     out: dict[str, list] = {"selected": [], "delivered": [], "round_s": [], "waiting_s": [],
@@ -60,7 +60,7 @@ def replay_rounds(ctx: rounds.RunContext) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in out.items()}
 
 
-def budget_table(ctx: rounds.RunContext) -> list[dict[str, Any]]:
+def budget_table(ctx: context.RunContext) -> list[dict[str, Any]]:
     """One row per (architecture, speed class): clients, steps and stage times (median, max)."""
     stages = client_stages(ctx)
     rows = []
@@ -79,7 +79,7 @@ def budget_table(ctx: rounds.RunContext) -> list[dict[str, Any]]:
     return rows
 
 
-def measure_step_times(ctx: rounds.RunContext, state: SimState, repeats: int = 3
+def measure_step_times(ctx: context.RunContext, state: SimState, repeats: int = 3
                        ) -> dict[str, float]:
     """Seconds per local step of each architecture on this machine: one client's compiled local
     update (the cohort's largest client), best of `repeats` timed runs after a compiling one.
@@ -103,8 +103,8 @@ def measure_step_times(ctx: rounds.RunContext, state: SimState, repeats: int = 3
     return out
 
 
-def with_step_times(ctx: rounds.RunContext, seconds_per_step: dict[str, float]
-                    ) -> rounds.RunContext:
+def with_step_times(ctx: context.RunContext, seconds_per_step: dict[str, float]
+                    ) -> context.RunContext:
     """`ctx` with every client's step time = its architecture's time x its speed multiplier."""
     mult = np.asarray(ctx.system.speed_classes)[ctx.profiles.speed_class]
     base = np.array([seconds_per_step[a] for a in ctx.client_arch])

@@ -64,7 +64,7 @@ def test_drop_partial_batch_runs_whole_batches_only(tmp_path):
 
 
 def test_client_metrics_columns_read_as_the_set_of_trained_clients():
-    from fedjax_pfedes.engine.rounds import ClientMetrics, client_means
+    from fedjax_pfedes.engine.records import ClientMetrics, client_means
 
     a = ClientMetrics(np.array([7, 2]), {"train_ce_loss": np.array([1.0, 3.0]),
                                          "update_norm": np.array([0.5, 1.5])})
