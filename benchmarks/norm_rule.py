@@ -13,10 +13,10 @@ population with 5 and with 2 classes per client (pfedes_paper 300 rounds, the ot
 with the norm rule off (the honest trajectory), one seed (0), without evaluation until the last
 round (the rule does not read it). Every run also writes `template_norms.jsonl`: the norm of the
 model each cohort's uploads update (the upload template) in each round after the first.
-`--set=converged` runs FedAvg instead to a plateau of its evaluated accuracy on the quick start
-(`train.stop_at_plateau`, at most 200 rounds, the local rate `launch.compare` chose there:
-docs/baselines.md "At convergence"), seeds 0-4 and 100-104, where late in training most
-updates shrink to a floor and one client still learning stands out.
+`--set=converged` runs FedAvg (seeds 0-4 and 100-104) and FedMRL (seeds 0-4) instead to a
+plateau of their evaluated accuracy on the quick start (`train.stop_at_plateau`, at most 200
+rounds; the local rates of `CONVERGED_LR`), where late in training most updates shrink to a
+floor and one client still learning stands out.
 `report` applies, per run and round, the default rule, the default without its model-ratio
 test, and the earlier one (norm per local sample
 > 10x the round's median, nothing else) to the honest uploads (clients.jsonl), which is what a
@@ -24,11 +24,11 @@ run under that rule rejects up to its first rejection, and gives the largest rat
 and robust z-score an honest upload reached. (A rule that rejects nothing leaves the run equal
 to the honest one, so 0 in its column is exact.)
 
-`detect` runs the quick start (pFedES and FedAvg, 20 rounds, seed 0) with client 3 attacking
-(`config.attack`: each kind of docs/threat_model.md) under the default rule, under it without
-its model-ratio test (the method's `AlgorithmEntry.norm_model_ratio`) and under the earlier
-10x-median rule, and counts the attacker's uploads the rule rejected and the honest ones it
-rejected.
+`detect` runs the quick start (pFedES, FedAvg and FedMRL, 20 rounds, seed 0) with client 3
+attacking (`config.attack`: each kind of docs/threat_model.md) under the default rule, under it
+without its model-ratio test (the method's `AlgorithmEntry.norm_model_ratio`, where it is not 0)
+and under the earlier 10x-median rule, and counts the attacker's uploads the rule rejected and
+the honest ones it rejected.
 """
 
 from __future__ import annotations
@@ -56,15 +56,19 @@ COLLABORATION_ROUNDS = {"pfedes_paper": 300}
 
 
 CONVERGED_SEEDS = (0, 1, 2, 3, 4, 100, 101, 102, 103, 104)
-CONVERGED_LR = 0.02  # FedAvg's rate tuned by launch.compare at convergence (docs/baselines.md)
+# The local rates of the runs at convergence: FedAvg's tuned by launch.compare there
+# (docs/baselines.md); FedMRL's the rate it reached after its higher ones diverged, where its
+# runs showed honest rejections under the rule without the model-ratio test.
+CONVERGED_LR = {"fedavg": 0.02, "fedmrl": 0.05}
 
 
 def populations(which: str = "short") -> dict[str, tuple[str, dict]]:
     """Run name -> (config file, overrides) of the set `which` ('short' or 'converged')."""
     if which == "converged":
-        return {f"converged/fedavg/seed{s}": ("configs/quickstart.py", {
-            "algorithm": "fedavg", "seed": s, "train.rounds": 200, "train.stop_at_plateau": True,
-            "train.lr_local": CONVERGED_LR}) for s in CONVERGED_SEEDS}
+        return {f"converged/{m}/seed{s}": ("configs/quickstart.py", {
+            "algorithm": m, "seed": s, "train.rounds": 200, "train.stop_at_plateau": True,
+            "train.lr_local": lr}) for m, lr in CONVERGED_LR.items() for s in CONVERGED_SEEDS
+            if m == "fedavg" or s < 100}
     out = {}
     for m in METHODS:
         out[f"quickstart/{m}"] = ("configs/quickstart.py", {"algorithm": m})
@@ -241,15 +245,20 @@ RULES = {"default": {}, "10x median alone": {"upload.norm_outlier_z": 0.0,
                                              "upload.norm_outlier_small_cohorts": False},
          "without the model-ratio test": {"upload.norm_outlier_model_ratio": 0.0}}
 ATTACKER = 3
+DETECT_METHODS = ("pfedes", "fedavg", "fedmrl")
 
 
 def detect(workdir: str) -> str:
     lines = ["| method | attack | rule | attacker uploads | rejected | honest uploads rejected | "
              "final accuracy of the attacker's cohort | attacker's norm / model norm |",
              "|---|---|---|---|---|---|---|---|"]
-    for method in ("pfedes", "fedavg"):
+    defaults = fedjax_pfedes.default_config()
+    for method in DETECT_METHODS:
+        ratio = sections.pipeline_config(_with_algorithm(defaults, method)).norm_outlier_model_ratio
         for attack, (kind, value) in ATTACKS.items():
             for rule, fields in RULES.items():
+                if rule == "without the model-ratio test" and ratio == 0:
+                    continue  # the default itself
                 out = os.path.join(workdir, method, attack.replace(" ", "_"),
                                    rule.replace(" ", "_"))
                 if not os.path.exists(os.path.join(out, "summary.json")):
@@ -271,14 +280,16 @@ def detect(workdir: str) -> str:
                 others = [r for r in rows if r["client"] != ATTACKER]
                 final = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][-1]
                 cohort = final["personalized_accuracy_by_arch"][mine[0]["arch"]]
+                path = os.path.join(out, "template_norms.jsonl")
                 templates = {r["round"]: r["template_norm"] for r in map(
-                    json.loads, open(os.path.join(out, "template_norms.jsonl")))}
+                    json.loads, open(path))} if os.path.exists(path) else {}
                 relative = [r["update_norm"] / templates[r["round"]][r["arch"]] for r in mine
                             if r["round"] in templates]  # round 1: no template logged
                 lines.append(f"| {method} | {attack} | {rule} | {len(mine)} | "
                              f"{sum(not r['accepted'] for r in mine)} | "
                              f"{sum(not r['accepted'] for r in others)} | {cohort:.3f} | "
-                             f"{min(relative):.3g}-{max(relative):.3g} |")
+                             + (f"{min(relative):.3g}-{max(relative):.3g} |" if relative
+                                else "not logged |"))
                 print(lines[-1], flush=True)
     return "\n".join(lines)
 

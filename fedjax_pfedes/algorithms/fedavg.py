@@ -235,15 +235,6 @@ FIELDS = {
                 "fedadam.b1": 0.9, "fedadam.b2": 0.99, "fedadam.eps": 1e-3},
 }
 
-# The norm rule's model-ratio for the methods that average full model deltas per cohort
-# (`AlgorithmEntry.norm_model_ratio`): only an upload larger than a tenth of the model it updates
-# can be rejected. Late in training most of a cohort's updates shrink to a floor and the one
-# client still learning lies tens of robust deviations above it: at convergence on the quick
-# start the z/hard-factor rule alone rejected 9 honest FedAvg uploads, all at most 0.04 of the
-# model's norm, while every boosted update of docs/threat_model.md was at least 0.2 of it
-# (measured there: `python -m benchmarks.norm_rule converged` and `detect`).
-PER_COHORT_NORM_MODEL_RATIO = 0.1
-
 _PAPERS = {
     "fedavg": "FedAvg (McMahan et al., AISTATS 2017), one global model per cohort",
     "fedprox": "FedProx (Li et al., MLSys 2020): FedAvg + proximal term",
@@ -255,5 +246,4 @@ for _name in SERVER_OPTIMIZER_OF:
         _name, lambda inputs, name=_name: fedavg(fedavg_config(inputs, name)),
         aggregation="per_cohort", asynchronous=True, dp_sgd=True,
         check=lambda settings, name=_name: check_section(settings, name),
-        summary=_PAPERS[_name], fields=FIELDS[_name],
-        norm_model_ratio=PER_COHORT_NORM_MODEL_RATIO))
+        summary=_PAPERS[_name], fields=FIELDS[_name]))

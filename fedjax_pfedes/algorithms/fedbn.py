@@ -25,11 +25,7 @@ from flax import struct, traverse_util
 from fedjax_pfedes import aggregation
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
-from fedjax_pfedes.algorithms.fedavg import (
-    PER_COHORT_NORM_MODEL_RATIO,
-    FedAvgConfig,
-    fedavg_config,
-)
+from fedjax_pfedes.algorithms.fedavg import FedAvgConfig, fedavg_config
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
 from fedjax_pfedes.models import architectures
 
@@ -161,5 +157,4 @@ def fedbn(cfg: FedAvgConfig) -> Algorithm:
 register(AlgorithmEntry(
     "fedbn", lambda inputs: fedbn(fedavg_config(inputs, "fedbn")), aggregation="per_cohort",
     asynchronous=True, batch_norm=True,
-    summary="FedBN (Li et al., ICLR 2021): BatchNorm kept local, per cohort",
-    norm_model_ratio=PER_COHORT_NORM_MODEL_RATIO))
+    summary="FedBN (Li et al., ICLR 2021): BatchNorm kept local, per cohort"))

@@ -23,7 +23,6 @@ from fedjax_pfedes import aggregation
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.fedavg import (
-    PER_COHORT_NORM_MODEL_RATIO,
     ClientState,
     FedAvgConfig,
     check_section,
@@ -118,5 +117,4 @@ register(AlgorithmEntry(
     "fednova", lambda inputs: fednova(fedavg_config(inputs, "fednova")), aggregation="per_cohort",
     check=lambda settings: check_section(settings, "fednova"),
     summary="FedNova (Wang et al., NeurIPS 2020): normalized averaging, per cohort",
-    fields={"fednova.server_lr": 1.0},  # global step size (1 = average)
-    norm_model_ratio=PER_COHORT_NORM_MODEL_RATIO))
+    fields={"fednova.server_lr": 1.0}))  # global step size (1 = average)

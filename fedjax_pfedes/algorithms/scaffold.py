@@ -31,7 +31,6 @@ from fedjax_pfedes import aggregation
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.fedavg import (
-    PER_COHORT_NORM_MODEL_RATIO,
     FedAvgConfig,
     check_section,
     cohort_models,
@@ -158,4 +157,4 @@ register(AlgorithmEntry(
         # start (docs/baselines.md), so SCAFFOLD's local optimizer is plain SGD (-1 =
         # config.train's).
         "scaffold.local_momentum": 0.0,
-    }, norm_model_ratio=PER_COHORT_NORM_MODEL_RATIO))
+    }))

@@ -185,21 +185,21 @@ def test_late_in_training_a_learning_client_is_kept_and_a_boosted_one_rejected_b
     """U26. Per-cohort FedAvg late in training: eight updates at a floor (norm 0.02 each, by
     hand), one client still learning at 0.8 (40x the median, tens of robust deviations out:
     the z/hard-factor rule alone rejects it) and a boosted one at 3.0 (150x). The model they
-    update has norm 20: with the per-cohort methods' model ratio 0.1 only updates beyond 2.0
+    update has norm 20: with the default model ratio 0.1 only updates beyond 2.0
     can be rejected, so the learner (0.04 of the model) is kept, the boosted one (0.15) not."""
     template = {"w": jnp.full((4,), 10.0)}  # norm 20
     floor = [0.02 * (1 + 0.01 * k) for k in range(8)]  # a tiny spread: a tiny MAD
     values = floor + [0.8, 3.0]
     ups = {"w": jnp.array([[10.0 + v, 10.0, 10.0, 10.0] for v in values])}  # template + update
     cohort = upload_cohort(ups, template, [1] * 10, ids=range(10))
-    from fedjax_pfedes.algorithms.fedavg import PER_COHORT_NORM_MODEL_RATIO
+    from fedjax_pfedes.algorithms.registry import DEFAULT_NORM_MODEL_RATIO
 
     def rejected(**rule):
         _, _, report = upload_pipeline("per_cohort", **rule).process(
             0, {"a": cohort}, {"a": {}}, {"a": 10}, jax.random.key(0))
         return [r["client"] for r in report["rejections"]], report["rejections"]
 
-    clients, rejections = rejected(norm_outlier_model_ratio=PER_COHORT_NORM_MODEL_RATIO)
+    clients, rejections = rejected(norm_outlier_model_ratio=DEFAULT_NORM_MODEL_RATIO)
     assert clients == [9]
     assert "0.15 x the norm of the model it updates" in rejections[0]["reason"]
     assert rejected(norm_outlier_model_ratio=0.0)[0] == [8, 9]  # without the model-size test

@@ -486,7 +486,7 @@ def _check(settings) -> None:  # pFedES's view of the config (`BuildInputs.setti
 
 register(AlgorithmEntry(
     "pfedes", _build, asynchronous=True, dp_sgd=True, check=_check, proxy_init=True,
-    private_optimizer=True,
+    private_optimizer=True, norm_model_ratio=0.0,  # its proxy's updates are ~0.006 of it
     summary="pFedES, feature alignment to a shared proxy extractor (docs/design.md)",
     fields=FIELDS,
     check_data=lambda settings, spec: architectures.check_proxy(settings.proxy_arch,
