@@ -16,7 +16,7 @@ PACKAGE = "fedjax_pfedes"
 
 # Lowest first: a module may import its own layer and the ones before it.
 LAYERS = (
-    ("leaves", ("errors", "tree_util", "aggregation", "config")),
+    ("leaves", ("errors", "tree_util", "aggregation", "markdown", "config")),
     ("data", ("data",)),
     ("models", ("models",)),
     ("algorithms", ("algorithms",)),

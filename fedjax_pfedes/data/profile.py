@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fedjax_pfedes import markdown
 from fedjax_pfedes.data.federated import FederatedData
 
 
@@ -93,12 +94,10 @@ class DataProfile:
         lines = [f"{self.dataset}, partition '{self.partition}': {self.num_clients} clients, "
                  f"{self.num_classes} classes, {int(self.train_sizes.sum())} train / "
                  f"{int(self.test_sizes.sum())} test samples on clients; coefficient of "
-                 f"variation of client sizes {self.size_cv:.3f}", "",
-                 "| per client | min | median | mean | max |", "|---|---|---|---|---|"]
-        for name, v in rows:
-            v = np.asarray(v, np.float64)
-            lines.append(f"| {name} | {v.min():.3g} | {np.median(v):.3g} | {v.mean():.3g} | "
-                         f"{v.max():.3g} |")
+                 f"variation of client sizes {self.size_cv:.3f}", ""]
+        cells = [[name, *(f"{f(np.asarray(v, np.float64)):.3g}"
+                          for f in (np.min, np.median, np.mean, np.max))] for name, v in rows]
+        lines.append(markdown.table(["per client", "min", "median", "mean", "max"], cells))
         return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from fedjax_pfedes import markdown
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError
 from fedjax_pfedes.launch import cli
@@ -61,10 +62,9 @@ def section(config, seeds: int, command: str, verdicts: list[tuple], output: str
     lines = [f"<!-- findings:{name} -->", f"## {name}", "", population(config, seeds) + ".",
              "", experiments.plateau_note(results), "",
              "```bash", command, "```", "",
-             "| finding | claim | verdict | what the rule compared |", "|---|---|---|---|"]
-    for f, v in verdicts:
-        lines.append(f"| [{f.id}](#{name}-{f.id.lower()}) | {f.claim} | **{v.verdict}** | "
-                     f"{v.reason} |")
+             markdown.table(["finding", "claim", "verdict", "what the rule compared"],
+                            [[f"[{f.id}](#{name}-{f.id.lower()})", f.claim, f"**{v.verdict}**",
+                              v.reason] for f, v in verdicts])]
     for f, v in verdicts:
         lines += ["", f"<a id=\"{name}-{f.id.lower()}\"></a>", f"### {name} {f.id}: {f.claim}",
                   "", f"Rule: {f.rule}.", "", f"**Verdict: {v.verdict}** ({v.reason}).", "",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
+from fedjax_pfedes import markdown
 from fedjax_pfedes.algorithms import registry
 
 _FIELDS = flags.DEFINE_bool("fields", False, "list each method's own config fields (declared "
@@ -22,14 +23,13 @@ _FIELDS = flags.DEFINE_bool("fields", False, "list each method's own config fiel
 
 def table() -> str:
     """The registry as a Markdown table."""
-    rows = ["| config.algorithm | aggregation | async | DP-SGD | BatchNorm | private opt. | "
-            "modalities | method |", "|---|---|---|---|---|---|---|---|"]
-    for name, e in sorted(registry.entries().items()):
-        flags = ["yes" if f else "" for f in (e.asynchronous, e.dp_sgd, e.batch_norm,
-                                               e.private_optimizer)]
-        rows.append(f"| `{name}` | {e.aggregation} | {' | '.join(flags)} | "
-                    f"{', '.join(e.modalities)} | {e.summary} |")
-    return "\n".join(rows)
+    rows = [[f"`{name}`", e.aggregation,
+             *("yes" if f else "" for f in (e.asynchronous, e.dp_sgd, e.batch_norm,
+                                           e.private_optimizer)),
+             ", ".join(e.modalities), e.summary]
+            for name, e in sorted(registry.entries().items())]
+    return markdown.table(["config.algorithm", "aggregation", "async", "DP-SGD", "BatchNorm",
+                           "private opt.", "modalities", "method"], rows)
 
 
 def fields() -> str:

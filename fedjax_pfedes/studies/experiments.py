@@ -17,6 +17,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from fedjax_pfedes import markdown
 from fedjax_pfedes.config.defaults import TrainSection
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.plateau import plateau_reached
@@ -275,26 +276,24 @@ def markdown_table(results: dict[str, list[dict]], seeds: int | None = None) -> 
     `config.train.stop_at_plateau` add the round each seed stopped at ('max': it reached
     `train.rounds` first, and comparisons with it are inconclusive)."""
     stopping = any(stopping_rounds(runs) for runs in results.values())
-    lines = ["| method | mean personalized accuracy | mean global accuracy | "
-             "upload params / client / round | uploads rejected | at a plateau | "
-             + ("stopped at round | " if stopping else "") + "wall time s |",
-             "|---|---|---|---|---|---|---|" + ("---|" if stopping else "")]
+    header = ["method", "mean personalized accuracy", "mean global accuracy",
+              "upload params / client / round", "uploads rejected", "at a plateau",
+              *(["stopped at round"] if stopping else []), "wall time s"]
+    rows = []
     for name, runs in results.items():
         diverged = sum(bool(r.get("diverged")) for r in runs)
         note = f" (diverged: non-finite training loss in {diverged}/{len(runs)} seeds)" \
             if diverged else ""
         if seeds is not None and len(runs) < seeds:
             note += f" ({len(runs)} of {seeds} seeds)"
-        lines.append(
-            f"| {name} | {mean_std([r['final']['personalized_accuracy_mean'] for r in runs])}"
-            f"{note} | "
-            f"{mean_std([r['final']['global_accuracy_mean'] for r in runs])} | "
-            f"{int(np.mean([r['upload_params_per_client'] for r in runs])):,} | "
-            f"{rejected_per_seed(runs)} | "
-            f"{sum(at_plateau(r) for r in runs)}/{len(runs)} | "
-            + (f"{stopping_rounds(runs) or '-'} | " if stopping else "")
-            + f"{np.mean([r['wall_time_s'] for r in runs]):.0f} |")
-    return "\n".join(lines)
+        rows.append([
+            name, mean_std([r["final"]["personalized_accuracy_mean"] for r in runs]) + note,
+            mean_std([r["final"]["global_accuracy_mean"] for r in runs]),
+            f"{int(np.mean([r['upload_params_per_client'] for r in runs])):,}",
+            rejected_per_seed(runs), f"{sum(at_plateau(r) for r in runs)}/{len(runs)}",
+            *([stopping_rounds(runs) or "-"] if stopping else []),
+            f"{np.mean([r['wall_time_s'] for r in runs]):.0f}"])
+    return markdown.table(header, rows)
 
 
 def paired_difference(runs: list[dict], reference: list[dict], metric: str,
@@ -352,8 +351,7 @@ def paired_table(results: dict[str, list[dict]], pairs: dict[str, str]) -> str:
     reference) in personalized and global accuracy, mean [95% CI] over the paired seeds, and
     whether the interval excludes 0. A run that reached `train.rounds` before its plateau
     (under `config.train.stop_at_plateau`) makes its pair inconclusive whatever the interval."""
-    lines = ["| arm | against | seeds | Δ personalized accuracy [95% CI] | "
-             "Δ global accuracy [95% CI] |", "|---|---|---|---|---|"]
+    rows = []
     for arm, ref in pairs.items():
         cells = []
         for metric in ("personalized_accuracy_mean", "global_accuracy_mean"):
@@ -365,8 +363,9 @@ def paired_table(results: dict[str, list[dict]], pairs: dict[str, str]) -> str:
                             "a plateau)")
             cells.append(f"{p['mean']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}]{verdict}")
         n = paired_difference(results[arm], results[ref], "personalized_accuracy_mean")["n"]
-        lines.append(f"| {arm} | {ref} | {n} | {cells[0]} | {cells[1]} |")
-    return "\n".join(lines)
+        rows.append([arm, ref, n, *cells])
+    return markdown.table(["arm", "against", "seeds", "Δ personalized accuracy [95% CI]",
+                           "Δ global accuracy [95% CI]"], rows)
 
 
 def curve_over_seeds(runs: list[dict], key: str) -> tuple[list[int], np.ndarray, np.ndarray]:

@@ -27,21 +27,27 @@ from collections.abc import Callable, Sequence
 import ml_collections
 import numpy as np
 
+from fedjax_pfedes import markdown
 from fedjax_pfedes.studies.experiments import (
     heterogeneous_architectures,
     mean_std,
-    student_t_interval,
+)
+from fedjax_pfedes.studies.paired_verdicts import (
+    INCONCLUSIVE,
+    REPRODUCED,
+    Paired,
+    combined,
+    comparison_table,
+    curve,
+    final,
+    oscillation,
+    paired_verdict,
+    scored_final,
+    scored_oscillation,
+    within_verdict,
 )
 
 Records = dict[str, list[dict]]  # variant name -> one record per seed (experiments.run_grid)
-
-REPRODUCED, REFUTED, INCONCLUSIVE = "reproduced", "refuted", "inconclusive"
-VERDICTS = (REPRODUCED, REFUTED, INCONCLUSIVE)
-CONFIDENCE = 0.95
-# A diverged run's loss curve is taken to swing by its own mean every round: far above any
-# converging curve's oscillation (mean |second difference| / mean loss).
-DIVERGED_OSCILLATION = 1.0
-
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
@@ -63,32 +69,6 @@ class Finding:
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def final(records: list[dict], key: str = "personalized_accuracy_mean") -> np.ndarray:
-    """[seeds] final-round value of `key` (NaN for a diverged run)."""
-    return np.array([np.nan if r.get("diverged") else r["final"][key] for r in records])
-
-
-def curve(records: list[dict], key: str) -> np.ndarray:
-    """[seeds, rounds] per-round values of `key`: NaN where missing, and after the last round of
-    a run that stopped early (diverged)."""
-    rows = [[np.nan if v is None else v for v in r["curves"][key]] for r in records]
-    out = np.full((len(rows), max(map(len, rows), default=0)), np.nan)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row
-    return out
-
-
-def oscillation(values: np.ndarray) -> float:
-    """Round-to-round roughness of a loss curve: mean |L[t+1] - 2 L[t] + L[t-1]| / mean L (a
-    smooth monotone curve scores ~0, a zig-zag high); inf when the curve is not finite."""
-    v = np.asarray(values, np.float64)
-    if len(v) < 3:
-        return float("nan")
-    if not np.all(np.isfinite(v)):
-        return float("inf")
-    return float(np.mean(np.abs(np.diff(v, 2))) / max(np.mean(np.abs(v)), 1e-12))
 
 
 def _nanmean(values) -> float:
@@ -123,101 +103,6 @@ def _curves_plot(records: Records, names: dict[str, str], key: str, ylabel: str,
         ax.set_ylabel(ylabel)
 
     return _plot(path, title, draw)
-
-
-def _table(header: Sequence[str], rows: list[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------- the statistical rule
-
-
-@dataclasses.dataclass(frozen=True)
-class Paired:
-    """A paired comparison over seeds: per-seed differences and their confidence interval."""
-
-    label: str
-    diffs: np.ndarray      # [seeds] arm - reference (NaN: no value for that seed)
-    mean: float
-    low: float
-    high: float
-    verdict: str
-
-    def row(self, scale: float = 1.0, unit: str = "") -> list[str]:
-        """[label, 'mean [low, high] unit', n, verdict] for a Markdown table."""
-        n = int(np.isfinite(self.diffs).sum())
-        return [self.label, f"{scale * self.mean:+.4g} [{scale * self.low:+.4g}, "
-                f"{scale * self.high:+.4g}]{unit}", f"{n}/{len(self.diffs)}", self.verdict]
-
-
-def confidence_interval(diffs, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
-    """(mean, low, high) of the paired differences' Student-t interval
-    (`experiments.student_t_interval`: unbounded with a NaN, fewer than 2 values or no spread)."""
-    return student_t_interval(diffs, confidence)
-
-
-def paired_verdict(label: str, arm, reference, direction: int, margin: float = 0.0) -> Paired:
-    """Verdict on the claim `direction * (arm - reference - margin) > 0`, paired by seed.
-
-    Args:
-      label: what is compared, for the table.
-      arm: per-seed values.
-      reference: per-seed values of the same seeds, in the same order.
-      direction: +1 if the claim is that arm exceeds reference by more than `margin`, -1 if
-        that it falls short of it by more than `margin` (arm - reference < margin).
-      margin: the claimed difference's threshold (0: any difference).
-
-    Returns:
-      'reproduced' when the confidence interval of arm - reference lies beyond `margin` on the
-      claimed side, 'refuted' when it lies on the other side, 'inconclusive' otherwise.
-    """
-    diffs = np.asarray(arm, np.float64) - np.asarray(reference, np.float64)
-    mean, low, high = confidence_interval(diffs)
-    beyond, short = (low > margin, high < margin) if direction > 0 else (high < margin,
-                                                                           low > margin)
-    verdict = REPRODUCED if beyond else REFUTED if short else INCONCLUSIVE
-    return Paired(label, diffs, mean, low, high, verdict)
-
-
-def within_verdict(label: str, arm, reference, margin: float) -> Paired:
-    """Verdict on the claim |arm - reference| <= margin (equivalence), paired by seed:
-    'reproduced' when the whole interval lies in [-margin, margin], 'refuted' when it lies
-    wholly outside it, 'inconclusive' otherwise."""
-    diffs = np.asarray(arm, np.float64) - np.asarray(reference, np.float64)
-    mean, low, high = confidence_interval(diffs)
-    verdict = (REPRODUCED if -margin <= low and high <= margin
-               else REFUTED if low > margin or high < -margin else INCONCLUSIVE)
-    return Paired(label, diffs, mean, low, high, verdict)
-
-
-def combined(comparisons: Sequence[Paired]) -> str:
-    """Reproduced when every comparison is, refuted when any is, inconclusive otherwise."""
-    verdicts = [c.verdict for c in comparisons]
-    if verdicts and all(v == REPRODUCED for v in verdicts):
-        return REPRODUCED
-    return REFUTED if REFUTED in verdicts else INCONCLUSIVE
-
-
-def comparison_table(comparisons: Sequence[Paired], scale: float = 1.0, unit: str = "") -> str:
-    """Markdown: one row per paired comparison (mean [95% CI], seeds with a value, verdict)."""
-    return _table(["paired difference (same seeds)", "mean [95% CI]", "seeds", "verdict"],
-                  [c.row(scale, unit) for c in comparisons])
-
-
-def scored_final(records: list[dict], key: str = "personalized_accuracy_mean") -> np.ndarray:
-    """[seeds] final-round value of `key`; a diverged run scores 0 (it left no usable model)."""
-    return np.array([0.0 if r.get("diverged") else r["final"][key] for r in records],
-                    np.float64)  # a null (non-finite) value: NaN
-
-
-def scored_oscillation(records: list[dict], key: str) -> np.ndarray:
-    """[seeds] oscillation of the per-round curve `key`; a diverged run (or any non-finite
-    curve) scores `DIVERGED_OSCILLATION`."""
-    out = np.array([oscillation(c) for c in curve(records, key)])
-    diverged = np.array([bool(r.get("diverged")) for r in records]) | ~np.isfinite(out)
-    return np.where(diverged, DIVERGED_OSCILLATION, out)
 
 
 DEFAULT = "pfedes_default"  # the base config's pFedES run, shared by F3-F7
@@ -266,7 +151,7 @@ def _f1_variants(base):
 
 def _f1(records: Records, base, variants, figure: str) -> Verdict:
     rows = [[m, mean_std(final(records[f"hetero_r0_{m}"]))] for m in HETERO_METHODS]
-    table = _table(["method (all clients convnet3)", "personalized accuracy"], rows)
+    table = markdown.table(["method (all clients convnet3)", "personalized accuracy"], rows)
     same = within_verdict("pFedES − FedAvg, within ±1 pp",
                           scored_final(records["hetero_r0_pfedes"]),
                           scored_final(records["hetero_r0_fedavg"]), ONE_PP)
@@ -286,7 +171,7 @@ def _f2(records: Records, base, variants, figure: str) -> Verdict:
                      ["clients.architectures"], mean_std(p), mean_std(f),
                      mean_std(final(records[f"hetero_r{ratio:g}_standalone"])),
                      f"{100 * np.mean(leads[ratio]):+.1f} pp"])
-    table = _table(["heterogeneity ratio", "architectures", "pfedes", "fedavg (per cohort)",
+    table = markdown.table(["heterogeneity ratio", "architectures", "pfedes", "fedavg (per cohort)",
                     "standalone", "pfedes − fedavg"], rows)
     top = RATIOS[-1]
     grows = paired_verdict(f"lead at {top:g} − lead at 0", leads[top], leads[0.0], +1)
@@ -325,7 +210,7 @@ def _f3(records: Records, base, variants, figure: str) -> Verdict:
     names = {lam: _lam_name(lam, base) for lam in LAMBDAS}
     rows = [[f"{lam:g}", mean_std(final(records[n])),
              mean_std(final(records[n], "global_accuracy_mean"))] for lam, n in names.items()]
-    table = _table(["λ", "personalized accuracy", "global accuracy"], rows)
+    table = markdown.table(["λ", "personalized accuracy", "global accuracy"], rows)
 
     def draw(ax):
         for key, label in (("personalized_accuracy_mean", "personalized"),
@@ -419,7 +304,7 @@ def _f4(records: Records, base, variants, figure: str) -> Verdict:
     rows = [[f"{b:g}", mean_std(_jump(records[n]), digits=5),
              mean_std(_server_jump(records[n]), digits=5),
              mean_std(final(records[n]))] for b, n in names.items()]
-    table = _table([f"β (server momentum; {_f4_setup_words()}, {f4_rounds(base)} rounds)",
+    table = markdown.table([f"β (server momentum; {_f4_setup_words()}, {f4_rounds(base)} rounds)",
                     "jump a client sees (loss "
                     "at the start of a participation − at the end of its previous one)",
                     "server-step change (local test, new − old E_proxy)",
@@ -466,7 +351,7 @@ def _f5(records: Records, base, variants, figure: str) -> Verdict:
         rows.append([label, mean_std(osc[name]),
                      mean_std(_osc(records[name], "train_ce_loss_mean")),
                      mean_std(final(records[name]))])
-    table = _table(["variant", "oscillation of the alignment loss", "oscillation of the CE "
+    table = markdown.table(["variant", "oscillation of the alignment loss", "oscillation of the CE "
                     "loss", "personalized accuracy"], rows)
     path = _curves_plot(records, F5_VARIANTS, "train_align_loss_mean",
                         "mean training alignment loss", figure,
@@ -508,7 +393,7 @@ def _f6(records: Records, base, variants, figure: str) -> Verdict:
              for n in names}
     rows = [[label, mean_std(conv[n], digits=1), mean_std(early[n]),
              mean_std(final(records[n]))] for n, label in names.items()]
-    table = _table(["variant", "rounds to 90% of the alignment-loss drop", "mean alignment "
+    table = markdown.table(["variant", "rounds to 90% of the alignment-loss drop", "mean alignment "
                     "loss, rounds 1-5", "personalized accuracy"], rows)
     path = _curves_plot(records, names, "train_align_loss_mean", "mean training alignment loss",
                         figure, "F6: projection-head convergence with / without warm-up")
@@ -540,7 +425,7 @@ def _f7(records: Records, base, variants, figure: str) -> Verdict:
     names = {e: _epoch_name(e, base) for e in EPOCHS}
     osc = {e: scored_oscillation(records[n], "train_align_loss_mean") for e, n in names.items()}
     rows = [[str(e), mean_std(osc[e]), mean_std(final(records[n]))] for e, n in names.items()]
-    table = _table(["local epochs E", "oscillation of the alignment loss",
+    table = markdown.table(["local epochs E", "oscillation of the alignment loss",
                     "personalized accuracy"], rows)
     path = _curves_plot(records, {n: f"E = {e}" for e, n in names.items()},
                         "train_align_loss_mean", "mean training alignment loss", figure,

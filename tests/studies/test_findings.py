@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from configs import quickstart
-from fedjax_pfedes.studies import experiments, pfedes_findings
-from fedjax_pfedes.studies.pfedes_findings import INCONCLUSIVE, REFUTED, REPRODUCED
+from fedjax_pfedes.studies import experiments, paired_verdicts, pfedes_findings
+from fedjax_pfedes.studies.paired_verdicts import INCONCLUSIVE, REFUTED, REPRODUCED
 
 
 def test_oscillation_and_convergence_round_by_hand():
-    assert pfedes_findings.oscillation([3.0, 2.0, 1.0, 0.0]) == 0.0  # a straight line
+    assert paired_verdicts.oscillation([3.0, 2.0, 1.0, 0.0]) == 0.0  # a straight line
     # zig-zag 1, 2, 1, 2: second differences 2, -2 -> mean |.| 2 / mean 1.5
-    assert pfedes_findings.oscillation([1.0, 2.0, 1.0, 2.0]) == pytest.approx(2 / 1.5)
-    assert pfedes_findings.oscillation([1.0, np.nan, 1.0]) == np.inf
+    assert paired_verdicts.oscillation([1.0, 2.0, 1.0, 2.0]) == pytest.approx(2 / 1.5)
+    assert paired_verdicts.oscillation([1.0, np.nan, 1.0]) == np.inf
     # drop 10 -> 0: 90% done once the loss is <= 1, first at round 3
     assert pfedes_findings.convergence_round([10.0, 5.0, 0.9, 0.5, 0.0]) == 3.0
 
@@ -59,18 +59,18 @@ def _arm(acc, glob=None, noise=None):
 
 
 def test_confidence_interval_by_hand_and_the_three_verdicts():
-    mean, low, high = pfedes_findings.confidence_interval([1.0, 2.0, 3.0])
+    mean, low, high = paired_verdicts.confidence_interval([1.0, 2.0, 3.0])
     half = 4.302653 * 1.0 / np.sqrt(3)  # t(0.975, 2) * sd / sqrt(n)
     assert (mean, low, high) == pytest.approx((2.0, 2.0 - half, 2.0 + half), rel=1e-5)
-    assert pfedes_findings.paired_verdict("x", [1, 2, 3], [0, 0, 0], +1).verdict == INCONCLUSIVE
-    assert pfedes_findings.paired_verdict("x", [5, 6, 7], [0, 0, 0], +1).verdict == REPRODUCED
-    assert pfedes_findings.paired_verdict("x", [5, 6, 7], [0, 0, 0], -1).verdict == REFUTED
+    assert paired_verdicts.paired_verdict("x", [1, 2, 3], [0, 0, 0], +1).verdict == INCONCLUSIVE
+    assert paired_verdicts.paired_verdict("x", [5, 6, 7], [0, 0, 0], +1).verdict == REPRODUCED
+    assert paired_verdicts.paired_verdict("x", [5, 6, 7], [0, 0, 0], -1).verdict == REFUTED
     # a seed without a value leaves the interval unbounded: never a verdict on fewer seeds
-    assert pfedes_findings.paired_verdict("x", [5, 6, np.nan], [0, 0, 0], +1).verdict == \
+    assert paired_verdicts.paired_verdict("x", [5, 6, np.nan], [0, 0, 0], +1).verdict == \
         INCONCLUSIVE
-    assert pfedes_findings.within_verdict("x", [0.1, -0.1, 0.0], [0, 0, 0], 1.0).verdict == \
+    assert paired_verdicts.within_verdict("x", [0.1, -0.1, 0.0], [0, 0, 0], 1.0).verdict == \
         REPRODUCED
-    assert pfedes_findings.within_verdict("x", [5.0, 5.1, 4.9], [0, 0, 0], 1.0).verdict == \
+    assert paired_verdicts.within_verdict("x", [5.0, 5.1, 4.9], [0, 0, 0], 1.0).verdict == \
         REFUTED
 
 
@@ -261,7 +261,7 @@ def test_launch_findings_writes_and_replaces_its_section(tmp_path):
     assert "### breast_cancer F4" in text and "**Verdict: " in text
     assert (tmp_path / "figures" / "findings_breast_cancer_F4.png").exists()
     verdicts = json.loads((tmp_path / "runs" / "breast_cancer" / "findings.json").read_text())
-    assert verdicts["F4"]["verdict"] in pfedes_findings.VERDICTS
+    assert verdicts["F4"]["verdict"] in paired_verdicts.VERDICTS
     rows = [json.loads(line) for line in
             open(tmp_path / "runs" / "breast_cancer" / "f4_beta0" / "seed0" / "clients.jsonl")]
     assert all("align_loss_at_start" in r for r in rows if r["accepted"])
@@ -281,7 +281,7 @@ def test_a_run_that_stopped_early_counts_as_oscillating():
     """A diverged run stops early: its curve is padded with NaN and its oscillation is inf."""
     records = [_record(0.9, train_align_loss_mean=[1.0, 0.9, 0.8, 0.7]),
                _record(0.9, train_align_loss_mean=[1.0, 0.9, float("nan")])]
-    c = pfedes_findings.curve(records, "train_align_loss_mean")
+    c = paired_verdicts.curve(records, "train_align_loss_mean")
     assert c.shape == (2, 4) and np.isnan(c[1, 2:]).all()
-    assert pfedes_findings.oscillation(c[0]) == pytest.approx(0.0, abs=1e-9)
-    assert pfedes_findings.oscillation(c[1]) == np.inf
+    assert paired_verdicts.oscillation(c[0]) == pytest.approx(0.0, abs=1e-9)
+    assert paired_verdicts.oscillation(c[1]) == np.inf
