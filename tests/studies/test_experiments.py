@@ -139,7 +139,7 @@ def test_the_unseen_seed_range_overlaps_neither_reported_nor_tuning_seeds():
     import ml_collections
 
     from fedjax_pfedes.errors import ConfigError
-    from fedjax_pfedes.launch.compare import check_unseen_seeds
+    from fedjax_pfedes.studies.lr_tuning import check_unseen_seeds
 
     config = ml_collections.ConfigDict({"seed": 0})
     check_unseen_seeds(config, -1, 5)
@@ -208,7 +208,7 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
     such a rate must not stand for the method."""
     import json
 
-    from fedjax_pfedes.launch.compare import choose_rate, diverged_seeds, set_aside_diverged
+    from fedjax_pfedes.studies.lr_tuning import choose_rate, diverged_seeds, set_aside_diverged
 
     grid, scores = [0.01, 0.02, 0.05], [0.70, 0.74, 0.82]
     assert choose_rate(grid, scores, {}) == 0.05
@@ -250,7 +250,7 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
 
 def test_the_tuning_grid_scales_by_momentum_and_crosses_server_rates():
     from configs import quickstart
-    from fedjax_pfedes.launch.compare import cell_of, grid_cells
+    from fedjax_pfedes.studies.lr_tuning import cell_of, grid_cells
 
     config = quickstart.get_config()  # train momentum 0.9; scaffold runs plain SGD
     assert grid_cells(config, "fedavg", [0.01, 0.05], []) == {
