@@ -108,18 +108,6 @@ def work_config(strategy: str, clients: int, participants: int, rounds: int,
     return c
 
 
-def synthetic(clients: int):
-    from fedjax_pfedes.data.federated import partition_dataset
-    from fedjax_pfedes.data.sources import make_dataset
-    rng = np.random.default_rng(0)
-    rows = clients * _SAMPLES
-    x = rng.integers(0, 256, (rows, 28, 28, 1), dtype=np.uint8)
-    y = rng.integers(0, 10, rows).astype(np.int32)
-    return partition_dataset(make_dataset("synthetic_mnist", "image", x, y, x[:100], y[:100],
-                                          10), clients, "iid", 0, local_test_fraction=0.2,
-                             min_samples_per_client=1)
-
-
 def engine_round_s(data, strategy: str, participants: int, rounds: int,
                    private: bool = False, simulation: str = "sum") -> tuple[float, float]:
     """(median s/round of rounds 3.., mean local steps per participant)."""
@@ -249,11 +237,6 @@ def reference_round_s(data, participants: int, rounds: int) -> float:
     return float(np.median(times[2:]))
 
 
-def _client_arrays(data) -> list[tuple[np.ndarray, np.ndarray]]:
-    c = data.central
-    return [(c.x_train[np.asarray(i)], c.y_train[np.asarray(i)]) for i in data.train_indices]
-
-
 def _peer_round_s(run, data, participants: int, rounds: int, **kw) -> float:
     """Median s/round of rounds 3.. of a PyTorch-based peer `run` (torch_loop / pfl_loop
     `run_fedavg`) on the work's clients, with one intra-op thread: a 20-sample step of a
@@ -264,7 +247,7 @@ def _peer_round_s(run, data, participants: int, rounds: int, **kw) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        result = run(_client_arrays(data), c.input_spec.mean, c.input_spec.std, c.num_classes,
+        result = run(works.client_arrays(data), c.input_spec.mean, c.input_spec.std, c.num_classes,
                      rounds, participants, 32, _LOCAL_STEPS.value, _LR, **kw)
     finally:
         torch.set_num_threads(threads)
@@ -314,7 +297,7 @@ def flower_round_s(data, participants: int, rounds: int) -> float | None:
     if _ALGORITHM.value != "fedavg" or _MODEL.value not in torch_loop.MODELS:
         return None
     c = data.central
-    result = flower_loop.run_in(_FLOWER.value, _client_arrays(data), c.input_spec.mean,
+    result = flower_loop.run_in(_FLOWER.value, works.client_arrays(data), c.input_spec.mean,
                                 c.input_spec.std, c.num_classes, _MODEL.value, participants,
                                 32, _LOCAL_STEPS.value, _LR, rounds)
     return float(np.median(result["round_s"][2:]))
@@ -342,7 +325,7 @@ def main(argv):
     print("|---|---|---|---|---|---|---|---|---|---|")
     for m in map(int, _PARTICIPANTS.value):
         n = max(1000, 10 * m)
-        data = synthetic(n)
+        data = works.cross_device_data(n)
         reference = reference_round_s(data, m, rounds) if plain_math else None
         peer = torch_round_s(data, m, rounds) if _TORCH.value else None
         pfl = pfl_round_s(data, m, rounds) if _PFL.value else None

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from benchmarks import cross_device
+from benchmarks import cross_device, works
 
 _CALLS = flags.DEFINE_integer("calls", 2000, "Calls timed per function.")
 _GC = flags.DEFINE_bool("gc", False, "Also compare rounds with and without gc.freeze().")
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> None:
     from fedjax_pfedes.engine import records, rounds
     from fedjax_pfedes.engine.build import build_context
 
-    data = cross_device.synthetic(1000)
+    data = works.cross_device_data(1000)
     total = 5 + (2 * _ROUNDS.value * _TRIALS.value if _GC.value else 0)
     ctx, state = build_context(cross_device.work_config("scan", 1000, 100, total), data)
     captured = {}

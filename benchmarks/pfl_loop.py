@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from benchmarks import works
+
 
 def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_classes: int,
                rounds: int, per_round: int, batch_size: int, epochs: int, lr: float,
@@ -180,7 +182,6 @@ def main(argv) -> None:
     import torch
     from absl import flags
 
-    from benchmarks import cross_device
     rounds = max(flags.FLAGS.rounds, 4)
     processes = int(os.environ.get("WORLD_SIZE", 1))
     if flags.FLAGS.pfl_work in ("fedavg", "pfl_cifar"):
@@ -190,13 +191,13 @@ def main(argv) -> None:
         label = ("work A (convnet3, 10 participants x 5 steps)" if run is work_a else
                  "its CIFAR-10 setting (simple_cnn, cohort 50, batch 10)")
     else:
-        participants = int(flags.FLAGS.participants[0])
-        data = cross_device.synthetic(max(1000, 10 * participants))
+        participants = flags.FLAGS.participants
+        data = works.cross_device_data(max(1000, 10 * participants))
         c = data.central
         torch.set_num_threads(1)
-        clients = cross_device._client_arrays(data)  # noqa: SLF001 - the work's own clients
+        clients = works.client_arrays(data)
         result = run_fedavg(clients, c.input_spec.mean, c.input_spec.std, c.num_classes,
-                            rounds, participants, 32, 1, cross_device._LR)  # noqa: SLF001
+                            rounds, participants, 32, 1, works.CROSS_DEVICE_LR)
         label = f"{participants} participants"
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"pfl-research, {processes} process(es), {label}: "
@@ -206,7 +207,8 @@ def main(argv) -> None:
 if __name__ == "__main__":
     from absl import app, flags
 
-    from benchmarks import cross_device  # noqa: F401 - defines --participants and --rounds
+    flags.DEFINE_integer("participants", 100, "Clients per round of work B (cross_device).")
+    flags.DEFINE_integer("rounds", 12, "Rounds per measurement (>= 4).")
     flags.DEFINE_enum("pfl_work", "cross_device", ["cross_device", "fedavg", "pfl_cifar"],
                       "cross_device: benchmarks.cross_device's work B; fedavg: "
                       "benchmarks.compare_frameworks' FedAvg work A; pfl_cifar: its own "

@@ -141,3 +141,22 @@ def write_mnist_shaped(path: str, clients: int,
 def write_cifar_shaped(path: str, clients: int = 20, per_client: int = 400) -> None:
     """Random 32x32x3 uint8 images, 10 classes: 400 per client -> 320 local train = 5 x 64."""
     _write_random_images(path, (32, 32, 3), clients * per_client, 500)
+
+
+def cross_device_data(clients: int):
+    """Work B's clients: `clients` of `CROSS_DEVICE_SAMPLES` random 28x28 images each, IID."""
+    from fedjax_pfedes.data.federated import partition_dataset
+    from fedjax_pfedes.data.sources import make_dataset
+    rng = np.random.default_rng(0)
+    rows = clients * CROSS_DEVICE_SAMPLES
+    x = rng.integers(0, 256, (rows, 28, 28, 1), dtype=np.uint8)
+    y = rng.integers(0, 10, rows).astype(np.int32)
+    return partition_dataset(make_dataset("synthetic_mnist", "image", x, y, x[:100], y[:100],
+                                          10), clients, "iid", 0, local_test_fraction=0.2,
+                             min_samples_per_client=1)
+
+
+def client_arrays(data) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every client's (x, y) train arrays of `data`, for the peers that take plain arrays."""
+    c = data.central
+    return [(c.x_train[np.asarray(i)], c.y_train[np.asarray(i)]) for i in data.train_indices]
