@@ -18,7 +18,6 @@ described below (the authors' published schedule is `pfedes_paper.py`):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -32,100 +31,17 @@ from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import (
     Algorithm,
     CohortProgram,
-    LocalTrainingConfig,
-    classifier_metrics,
 )
-from fedjax_pfedes.algorithms.pfedes import alignment, proxy_init
+from fedjax_pfedes.algorithms.pfedes import alignment, client_program, proxy_init
+from fedjax_pfedes.algorithms.pfedes.client_program import ClientState  # noqa: F401
+from fedjax_pfedes.algorithms.pfedes.hyperparameters import (  # noqa: F401  (the API)
+    PROXY_LR_RULES,
+    SYMMETRIC_ALIGNMENTS,
+    PFedESConfig,
+    proxy_learning_rate,
+)
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.models import architectures
-
-
-@dataclasses.dataclass(frozen=True)
-class PFedESConfig(LocalTrainingConfig):
-    """Hyper-parameters of pFedES (defaults inside the ranges of docs/guide/configs.md).
-
-    `stop_gradient_proxy` / `stop_gradient_local` (both True in the design, docs/design.md):
-    whether E_proxy's output is a constant target in the local step, and whether the private
-    embedding is a constant target in E_proxy's step. Turned off, the gradient of that step's
-    loss also reaches the other side's parameters in the same step, as autodiff without a
-    `detach` does (finding F5 asks what that does): E_proxy then also descends
-    lam * align(e_local, E_proxy(x)) at its own learning rate, and the private model also
-    descends align(E_proxy(x), e_local) at the local one. For a symmetric alignment loss
-    (align(a, b) = align(b, a): 'mse', 'cosine') that is no new dynamics, only a rescaling:
-    without `stop_gradient_local` the private model descends CE + (lam + 1) align, without
-    `stop_gradient_proxy` E_proxy's step is (1 + lam) times larger. Those combinations are
-    refused (`SYMMETRIC_ALIGNMENTS`); InfoNCE ('contrastive') is asymmetric (row-wise softmax
-    over the other side's batch), and there the coupled step is a different update.
-
-    `proxy_scales`: alignment weight of each E_proxy scale (the design's multi-scale extension):
-    (1.0,) is the single-scale algorithm; with S weights E_proxy also emits features of its S - 1
-    last conv layers (`models.registry.ProxyExtractor`), every client gets one projection head
-    per scale, and the alignment loss is sum_s w_s align(P_k^s(z), E_proxy^s(x)) on both sides.
-
-    `proxy_init`: path of a saved E_proxy (`launch.pretrain_proxy`; `{seed}` in the config value
-    stands for the run's seed, `proxy_init.resolve`) to start from instead of a
-    random initialization ('' = random).
-
-    `align_diagnostics`: report `align_loss_at_start` / `align_loss_at_end` (two extra forward
-    passes of the private model and of E_proxy on a batch of rows per client and round, about
-    2/3 of one local step's arithmetic; `config.monitor.aggregation_loss` switches them).
-
-    `proxy_momentum`: heavy-ball momentum of E_proxy's local SGD (trace reset every round, as
-    E_proxy arrives fresh from the server).
-
-    `proxy_lr_rule`: what `proxy_lr_ratio` is a ratio of. The design states E_proxy's step as
-    0.1x the private model's. With heavy-ball momentum m an SGD step of learning rate lr moves
-    the parameters by lr / (1 - m) per unit gradient once its trace has built up (the effective
-    step; Polyak 1964, also Goh, "Why momentum really works", Distill 2017). 'effective' (the
-    default): E_proxy's effective step is proxy_lr_ratio x the private model's, i.e. its
-    learning rate is `proxy_lr_ratio * lr_local * (1 - proxy_momentum) / (1 - local_momentum)`
-    (= lr_local at m = 0.9 and ratio 0.1). 'raw': `proxy_lr_ratio * lr_local` whatever the
-    momenta, the rule before this option existed: with m = 0.9 on the private model and none on
-    E_proxy its effective step is 0.01x the private one and E_proxy hardly moves.
-    """
-
-    lam: float = 0.5
-    align: str = "mse"
-    contrastive_temperature: float = 0.1
-    proxy_dim: int = 128
-    proxy_arch: str = "proxy_cnn"
-    proxy_lr_ratio: float = 0.1
-    projection_layernorm: bool = False
-    warmup_steps: int = 0
-    server_momentum: float = 0.5
-    dp_sgd: local_training.DPSGDConfig | None = None
-    stop_gradient_proxy: bool = True
-    stop_gradient_local: bool = True
-    proxy_momentum: float = 0.0
-    proxy_lr_rule: str = "effective"
-    proxy_init: str = ""
-    proxy_scales: tuple[float, ...] = (1.0,)
-    align_diagnostics: bool = True
-
-
-PROXY_LR_RULES = ("effective", "raw")
-
-# Alignment losses with align(a, b) = align(b, a): removing a stop-gradient only rescales lam or
-# E_proxy's learning rate (see PFedESConfig), so `_check` refuses that combination.
-SYMMETRIC_ALIGNMENTS = ("mse", "cosine")
-
-
-def proxy_learning_rate(cfg: PFedESConfig) -> float:
-    """E_proxy's local SGD learning rate under `cfg.proxy_lr_rule` (see `PFedESConfig`).
-
-    Args:
-      cfg: the method's hyper-parameters.
-
-    Returns:
-      The learning rate of E_proxy's local steps.
-    """
-    if cfg.proxy_lr_rule == "raw":
-        return cfg.proxy_lr_ratio * cfg.lr_local
-    if cfg.proxy_lr_rule == "effective":
-        return (cfg.proxy_lr_ratio * cfg.lr_local * (1.0 - cfg.proxy_momentum)
-                / (1.0 - cfg.local_momentum))
-    raise ValueError(f"config.proxy_lr_rule must be one of {list(PROXY_LR_RULES)}, got "
-                     f"'{cfg.proxy_lr_rule}'")
 
 
 def relative_change(old: dict, new: dict) -> jax.Array:
@@ -141,21 +57,6 @@ class ServerState:
 
     proxy_params: dict
     round: jnp.ndarray
-
-
-@struct.dataclass
-class ClientState:
-    """A client's private model, its optimizer state and its local step count (for warm-up)."""
-
-    params: dict
-    opt_state: optax.OptState
-    steps: jnp.ndarray
-
-
-def _freeze_backbone(grads: dict, frozen: jnp.ndarray) -> dict:
-    inner = dict(grads["params"])
-    inner["backbone"] = jax.tree.map(lambda g: jnp.where(frozen, 0.0, g), inner["backbone"])
-    return {**grads, "params": inner}
 
 
 def pfedes(cfg: PFedESConfig) -> Algorithm:
@@ -191,134 +92,9 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
 
     def cohort_program(arch: str) -> CohortProgram:
         model = architectures.client_model(arch, cfg.num_classes, cfg.proxy_dim, cfg.input_spec,
-                                      cfg.projection_layernorm, scales)
-
-        def init_client(rng: jax.Array) -> ClientState:
-            params = model.init(rng, dummy_x)
-            return ClientState(params, local_opt.init(params), jnp.zeros((), jnp.int32))
-
-        def local_loss(p, batch):
-            x, y, mask, e_proxy = batch
-            logits, e_local = model.apply(p, x)
-            ce = local_training.cross_entropy(logits, y, mask)
-            al = align(e_local, e_proxy, mask)
-            return ce + cfg.lam * al, (ce, al, e_local)
-
-        def proxy_loss_fn(q, batch):
-            x, mask, e_target = batch
-            return align(proxy.apply(q, x), e_target, mask), ()
-
-        def private_step(params, proxy_params, e_proxy, batch):
-            """Both steps with DP-SGD: per-example clipping and noise (own keys per step)."""
-            x, y, mask, key = batch
-            k_local, k_proxy = jax.random.split(key)
-            grads, _ = local_training.private_gradient(local_loss, params, (x, y, mask, e_proxy),
-                                                       mask, k_local, cfg.dp_sgd)
-            _, (ce, al, e_local) = local_loss(params, (x, y, mask, e_proxy))
-            e_target = jax.lax.stop_gradient(e_local)
-            proxy_grads, proxy_loss = local_training.private_gradient(
-                proxy_loss_fn, proxy_params, (x, mask, e_target), mask, k_proxy, cfg.dp_sgd)
-            return grads, proxy_grads, ce, al, proxy_loss
-
-        def coupled_step(params, proxy_params, batch):
-            """Both gradients with one or both stop-gradients removed (F5)."""
-            x, y, mask = batch[:3]
-
-            def objectives(p, q):
-                logits, e_local = model.apply(p, x)
-                e_proxy = proxy.apply(q, x)
-                target_for_local = (jax.lax.stop_gradient(e_proxy) if cfg.stop_gradient_proxy
-                                    else e_proxy)
-                target_for_proxy = (jax.lax.stop_gradient(e_local) if cfg.stop_gradient_local
-                                    else e_local)
-                ce = local_training.cross_entropy(logits, y, mask)
-                al = align(e_local, target_for_local, mask)
-                proxy_loss = align(e_proxy, target_for_proxy, mask)
-                return ce + cfg.lam * al, proxy_loss, ce, al
-
-            (g_local_p, g_local_q), (g_proxy_p, g_proxy_q) = jax.jacrev(
-                lambda p, q: objectives(p, q)[:2], argnums=(0, 1))(params, proxy_params)
-            _, proxy_loss, ce, al = objectives(params, proxy_params)
-            # Each side descends its own loss; a removed stop-gradient adds the other loss's
-            # gradient (zero while the stop-gradient is in place).
-            grads = jax.tree.map(jnp.add, g_local_p, g_proxy_p)
-            proxy_grads = jax.tree.map(jnp.add, g_proxy_q, g_local_q)
-            return grads, proxy_grads, ce, al, proxy_loss
-
-        def train_step(carry, batch):
-            params, opt_state, (proxy_params, proxy_trace), steps = carry
-            x, y, mask = batch[:3]
-            # One forward pass of E_proxy serves both steps: its output is a constant target in
-            # the local step, and its VJP gives the proxy step's gradient.
-            e_proxy, proxy_vjp = jax.vjp(lambda q: proxy.apply(q, x), proxy_params)
-            e_proxy = jax.lax.stop_gradient(e_proxy)
-
-            if cfg.dp_sgd is not None:
-                grads, proxy_grads, ce, al, proxy_loss = private_step(params, proxy_params,
-                                                                      e_proxy, batch)
-            elif not (cfg.stop_gradient_proxy and cfg.stop_gradient_local):
-                grads, proxy_grads, ce, al, proxy_loss = coupled_step(params, proxy_params,
-                                                                      batch)
-            else:
-                grads, (ce, al, e_local) = jax.grad(local_loss, has_aux=True)(
-                    params, (x, y, mask, e_proxy))
-                e_target = jax.lax.stop_gradient(e_local)
-                proxy_loss, d_e_proxy = jax.value_and_grad(
-                    lambda e: align(e, e_target, mask))(e_proxy)
-                (proxy_grads,) = proxy_vjp(d_e_proxy)
-            grads = _freeze_backbone(grads, steps < cfg.warmup_steps)
-            updates, new_opt_state = local_opt.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            if cfg.proxy_momentum > 0:  # heavy-ball, as optax.sgd: t = g + m t; q -= lr t
-                proxy_trace = jax.tree.map(lambda t, g: g + cfg.proxy_momentum * t, proxy_trace,
-                                           proxy_grads)
-                proxy_grads = proxy_trace
-            new_proxy = jax.tree.map(lambda q, g: q - lr_proxy * g, proxy_params, proxy_grads)
-
-            return ((new_params, new_opt_state, (new_proxy, proxy_trace), steps + 1),
-                    jnp.stack([ce, al, proxy_loss]))
-
-        def client_update(global_proxy, state: ClientState, data, rng):
-            trace = (jax.tree.map(jnp.zeros_like, global_proxy) if cfg.proxy_momentum > 0
-                     else ())
-            carry = (state.params, state.opt_state, (global_proxy, trace), state.steps)
-            (params, opt_state, (local_proxy, _), steps), sums, n_active = \
-                local_training.run_local_epochs(train_step, carry, data, rng, cfg.local_schedule(),
-                                                step_keys=cfg.dp_sgd is not None)
-            n_steps = jnp.maximum(n_active, 1.0)
-            delta = jax.tree.map(jnp.subtract, local_proxy, global_proxy)
-            metrics = {
-                "train_ce_loss": sums[0] / n_steps,
-                "train_align_loss": sums[1] / n_steps,
-                "train_proxy_align_loss": sums[2] / n_steps,
-                "local_steps": n_active,
-                "proxy_update_norm": optax.tree.norm(delta),
-            }
-            if cfg.align_diagnostics:
-                # The alignment loss on the client's first batch of rows, right after receiving
-                # the aggregated E_proxy and at the end of its local training: across two
-                # participations of a client, start minus the previous end is the jump
-                # aggregation causes (F4).
-                rows = min(cfg.batch_size, data.y.shape[0])
-                x0, mask0 = data.x[:rows], jnp.arange(rows) < data.sizes
-                metrics["align_loss_at_start"] = align(
-                    model.apply(state.params, x0)[1], proxy.apply(global_proxy, x0), mask0)
-                metrics["align_loss_at_end"] = align(
-                    model.apply(params, x0)[1], proxy.apply(local_proxy, x0), mask0)
-            return local_proxy, ClientState(params, opt_state, steps), metrics
-
-        def evaluate(global_proxy, state: ClientState, test):
-            logits, e_local = model.apply(state.params, test.x)
-            mask = jnp.arange(test.y.shape[0]) < test.sizes
-            e_proxy = proxy.apply(global_proxy, test.x)
-            return {**classifier_metrics(logits, test),
-                    "test_align_loss": align(e_local, e_proxy, mask)}
-
-        def predict(global_proxy, state: ClientState, x):
-            del global_proxy  # inference uses the private model alone
-            return model.apply(state.params, x)[0]
-
-        return CohortProgram(init_client, client_update, evaluate, predict)
+                                           cfg.projection_layernorm, scales)
+        return client_program.cohort_program(client_program.Parts(
+            cfg, model, proxy, align, local_opt, lr_proxy, dummy_x))
 
     # With DP-SGD each local step releases two noisy gradients of its batch (private model and
     # E_proxy), both accounted.
