@@ -193,7 +193,7 @@ class UploadSection:
     # the round's median log-norm (0 = the factor alone) or whose norm per sample is >
     # norm_outlier_hard_factor x the median whatever the spread (0 = no such bound), AND (when
     # norm_outlier_model_ratio > 0) whose norm is > that x the norm of the model it updates
-    # (-1 = the method's choice: AlgorithmEntry.norm_model_ratio, 0 but for pfedes_paper).
+    # (-1 = the method's choice, AlgorithmEntry.norm_model_ratio: 0.1; pfedes_paper 1, pfedes 0).
     # Off at factor 0, under DP (clipping bounds every update) and under secure aggregation.
     # docs/threat_model.md gives its measured false-positive and detection rates.
     norm_outlier_factor: float = 10.0
