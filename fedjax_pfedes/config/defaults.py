@@ -198,7 +198,7 @@ class UploadSection:
     # docs/threat_model.md gives its measured false-positive and detection rates.
     norm_outlier_factor: float = 10.0
     norm_outlier_z: float = 8.0
-    norm_outlier_hard_factor: float = 100.0
+    norm_outlier_hard_factor: float = 50.0
     norm_outlier_model_ratio: float = -1.0
     # Under per-cohort aggregation, a cohort that sent fewer than 3 uploads (no median of its
     # own) is judged against the round's uploads of every cohort (False: not judged, the rule

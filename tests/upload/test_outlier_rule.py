@@ -158,3 +158,29 @@ def test_the_model_ratio_condition_by_hand():
                                   [0, 0, 0, 0, 0, 1])  # 100 < 150 <= 200
     np.testing.assert_array_equal(norm_outliers(norms, valid, 10, 8, 1000, relative, 0.0),
                                   [0, 0, 0, 0, 1, 1])  # 0: not applied
+
+
+def test_a_boosted_update_among_widely_spread_honest_ones_is_caught_by_the_hard_factor():
+    """U27. FedMRL-like round: honest norms per sample spread over ~20x (a robust spread of
+    log-norms near 0.8), a x100 update landing 80x the round's median is only ~4 robust
+    deviations out; the hard factor (50) rejects it, an honest 15x one is kept. The model's norm
+    (100) makes both larger than 0.1 of it, so the model-ratio test does not decide here."""
+    from fedjax_pfedes.upload.pipeline import (
+        NORM_OUTLIER_FACTOR,
+        NORM_OUTLIER_HARD_FACTOR,
+        NORM_OUTLIER_Z,
+    )
+    from fedjax_pfedes.upload.validation import norm_outliers, robust_log_z
+
+    honest = np.array([0.5, 0.8, 1.0, 1.0, 1.3, 2.0, 3.0, 0.3, 15.0], np.float32)
+    norms = np.append(honest, 80.0).astype(np.float32)  # median 1.15: the boosted is ~70x
+    valid = np.ones(len(norms), bool)
+    assert NORM_OUTLIER_HARD_FACTOR == 50.0
+    assert robust_log_z(norms, valid)[-1] < NORM_OUTLIER_Z  # the z alone lets it through
+    rule = (NORM_OUTLIER_FACTOR, NORM_OUTLIER_Z, NORM_OUTLIER_HARD_FACTOR)
+    relative = norms / np.float32(100.0)
+    np.testing.assert_array_equal(norm_outliers(norms, valid, *rule, relative, 0.1),
+                                  [False] * len(honest) + [True])
+    # the earlier hard factor (100) let it through
+    assert not norm_outliers(norms, valid, NORM_OUTLIER_FACTOR, NORM_OUTLIER_Z, 100.0,
+                             relative, 0.1).any()
