@@ -281,7 +281,8 @@ def detect(workdir: str, only: str = "") -> str:
                 templates = {r["round"]: r["template_norm"] for r in map(
                     json.loads, open(path))} if os.path.exists(path) else {}
                 relative = [r["update_norm"] / templates[r["round"]][r["arch"]] for r in mine
-                            if r["round"] in templates]  # round 1: no template logged
+                            if r["round"] in templates  # round 1: no template logged
+                            and r["update_norm"] is not None]  # null: not finite
                 lines.append(f"| {method} | {attack} | {rule} | {len(mine)} | "
                              f"{sum(not r['accepted'] for r in mine)} | "
                              f"{sum(not r['accepted'] for r in others)} | {cohort:.3f} | "
