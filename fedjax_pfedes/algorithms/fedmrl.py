@@ -183,6 +183,9 @@ register(AlgorithmEntry(
                                 f"config.fedmrl.sub_dim (0 = half of config.proxy_dim="
                                 f"{c.proxy_dim})"),
     private_optimizer=True, reads=("proxy_dim", "clients.shared_arch"),
+    # Late in training at rates near its divergence edge an honest client's update of the shared
+    # model reaches 0.39 of its norm at 250x the round's median (docs/threat_model.md).
+    norm_model_ratio=0.5,
     summary="FedMRL (Yi et al., NeurIPS 2024): nested representation learning",
     fields={
         "fedmrl.sub_dim": 0,  # nested dim read by the shared header (0 = d/2)

@@ -129,7 +129,8 @@ def test_an_honest_round_spread_over_orders_of_magnitude_is_left_alone_by_defaul
 def test_the_model_ratio_is_the_methods_unless_the_config_sets_it():
     """-1 (the default) takes `AlgorithmEntry.norm_model_ratio`: 1 for the published pFedES,
     whose small proxy's honest updates spread over orders of magnitude, 0 for pFedES (its
-    proxy's honest updates are ~0.006 of it), `DEFAULT_NORM_MODEL_RATIO` (0.1) for the others."""
+    proxy's honest updates are ~0.006 of it), 0.5 for FedMRL (honest updates of its shared model
+    reach 0.39 of it at convergence), `DEFAULT_NORM_MODEL_RATIO` (0.1) for the others."""
     import fedjax_pfedes
     from fedjax_pfedes.algorithms import registry
     from fedjax_pfedes.engine.sections import pipeline_config
@@ -142,7 +143,7 @@ def test_the_model_ratio_is_the_methods_unless_the_config_sets_it():
         ratios[method] = pipeline_config(config).norm_outlier_model_ratio
     assert registry.DEFAULT_NORM_MODEL_RATIO == 0.1
     assert ratios == {**dict.fromkeys(registry.names(), 0.1), "pfedes_paper": 1.0,
-                      "pfedes": 0.0}
+                      "pfedes": 0.0, "fedmrl": 0.5}
     config.upload.norm_outlier_model_ratio = 0.5
     assert pipeline_config(config).norm_outlier_model_ratio == 0.5
 
