@@ -6,6 +6,7 @@ attacker (docs/threat_model.md, "The norm rule's false positives").
   python -m benchmarks.norm_rule detect --workdir=runs/norm_rule_attacks # detection rates
   python -m benchmarks.norm_rule collect --set=converged --workdir=runs/norm_rule_converged
   python -m benchmarks.norm_rule report --set=converged --workdir=runs/norm_rule_converged
+  python -m benchmarks.norm_rule audit --workdir=runs/compare_converged  # archived runs that stand
 
 `collect` runs every method on the quick start population and on it with quantity skew
 (LogNormal sigma 2), and the published pFedES, FedAvg, FML and FedMRL on the collaboration
@@ -292,9 +293,30 @@ def detect(workdir: str, only: str = "") -> str:
     return "\n".join(lines)
 
 
+def audit(workdir: str) -> str:
+    """Every finished run under `workdir` (any depth): the norm-rule rejections it recorded and
+    the uploads today's default rule would flag on its trajectory without the model-ratio test
+    (the test needs template norms, which only this module's runs log, so this count is an upper
+    bound of what the default rejects). A run with 0 in both is the run today's default makes
+    from its config: its archived numbers stand."""
+    lines = ["| run | norm-rule rejections recorded | flagged by today's default without the "
+             "model-ratio test | stands |", "|---|---|---|---|"]
+    for root, _, files in sorted(os.walk(workdir)):
+        if "summary.json" not in files or "clients.jsonl" not in files:
+            continue
+        recorded = 0
+        path = os.path.join(root, "rejections.jsonl")
+        if os.path.exists(path):
+            recorded = sum("update norm" in json.loads(line)["reason"] for line in open(path))
+        flagged = report_row(root)["no_ratio"]
+        lines.append(f"| {os.path.relpath(root, workdir)} | {recorded} | {flagged} | "
+                     f"{'yes' if recorded == flagged == 0 else 'no: re-run it'} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=("collect", "report", "detect"))
+    parser.add_argument("command", choices=("collect", "report", "detect", "audit"))
     parser.add_argument("--workdir", default="runs/norm_rule")
     parser.add_argument("--only", default="", help="collect: only runs whose name contains it; "
                                                    "detect: only this method")
@@ -306,6 +328,8 @@ def main() -> None:
         collect(args.workdir, args.only, args.set)
     elif args.command == "detect":
         print(detect(args.workdir, args.only))
+    elif args.command == "audit":
+        print(audit(args.workdir))
     else:
         print(report(args.workdir, args.set))
 
