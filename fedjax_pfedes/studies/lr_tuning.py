@@ -166,7 +166,9 @@ def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: 
       grid: effective local steps (each method's own rate is its `grid_rate`).
       workdir: the comparison's; the runs go to <workdir>/lr_tuning/<method>/lr<rate>.
       server_grid: server rates (`server_rate`) for the methods that have one.
-      show_progress, reuse, run_missing: as `experiments.run_grid`'s.
+      show_progress: progress bars.
+      reuse: take a finished run made with the same config (`experiments.run_grid`).
+      run_missing: False: start no run (a report on what is finished).
 
     Returns:
       The variants at each method's best rate (`choose_rate`: rates where a reported seed

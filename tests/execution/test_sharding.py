@@ -33,7 +33,7 @@ def test_shard_runner_equals_vmap_on_four_devices():
     3 real) equal 'vmap''s; padded slots upload zeros; non-participants keep their states."""
     result = _run_with_devices("""
         import json, jax, jax.numpy as jnp, numpy as np
-        from fedjax_pfedes.execution import runners
+        from fedjax_pfedes.execution import placement, runners
         from test_execution import _setup, _copy
         _, program, data, states, server = _setup("convnet3", num_clients=5)
         slots = np.array([2, 0, 4, 5, 5, 5, 5, 5], np.int32)  # 3 clients, 5 padded slots
@@ -72,7 +72,7 @@ def test_a_cohort_that_fills_the_mesh_is_split_over_it_with_the_vmap_numbers():
     after an update, and give 'vmap''s uploads, states and evaluation."""
     result = _run_with_devices("""
         import json, jax, jax.numpy as jnp, numpy as np
-        from fedjax_pfedes.execution import runners
+        from fedjax_pfedes.execution import placement, runners
         from test_execution import _setup, _copy
         _, program, data, states, server = _setup("convnet3", num_clients=8)
         mesh = placement.client_mesh(0)
