@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from fedjax_pfedes import markdown
 from fedjax_pfedes.io.metrics import read_jsonl, read_jsonl_lines
 from fedjax_pfedes.io.plotting import MaxNLocator, plt, save
 
@@ -170,23 +171,24 @@ def _write_markdown(workdir: str, rows: list[dict], evaluated: list[dict], summa
     if in_progress:
         lines += [f"**Run in progress (or stopped before its end): the {len(rows)} complete "
                   "rounds written so far; no summary.json yet.**", ""]
-    lines += ["| metric | value |", "|---|---|", f"| rounds written | {last['round']} |"]
+    table = [["rounds written", last["round"]]]
     if evaluated:
         e = evaluated[-1]
-        lines += [f"| personalized accuracy (round {e['round']}) | "
-                  f"{e['personalized_accuracy_mean']:.4f} "
-                  f"(std {e['personalized_accuracy_std']:.4f}) |",
-                  f"| global accuracy | {e['global_accuracy_mean']:.4f} |"]
+        table += [[f"personalized accuracy (round {e['round']})",
+                   f"{e['personalized_accuracy_mean']:.4f} "
+                   f"(std {e['personalized_accuracy_std']:.4f})"],
+                  ["global accuracy", f"{e['global_accuracy_mean']:.4f}"]]
     for key, label in (("simulated_clock_s", "simulated wall-clock (s)"),
                        ("uploads_rejected_total", "uploads rejected"),
                        ("dp_epsilon", "DP epsilon")):
         if last.get(key) is not None:
-            lines.append(f"| {label} | {last[key]:.4g} |")
+            table.append([label, f"{last[key]:.4g}"])
     rates = [r["upload_success_rate"] for r in rows if r.get("upload_success_rate") is not None]
     if rates:
-        lines.append(f"| mean upload success rate | {np.mean(rates):.3f} |")
+        table.append(["mean upload success rate", f"{np.mean(rates):.3f}"])
     if "wall_time_s" in summary:
-        lines.append(f"| wall time (s) | {summary['wall_time_s']:.0f} |")
+        table.append(["wall time (s)", f"{summary['wall_time_s']:.0f}"])
+    lines.append(markdown.table(["metric", "value"], table))
     lines.append("")
     for name, path in plots.items():
         lines += [f"## {name.replace('_', ' ')}", "",

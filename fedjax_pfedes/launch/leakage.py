@@ -21,6 +21,7 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
+from fedjax_pfedes import markdown
 from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.engine.build import load_options
 from fedjax_pfedes.errors import DatasetUnavailableError
@@ -93,8 +94,7 @@ def main(argv: list[str]) -> None:
                    "secagg": f"secure aggregation of {_SECAGG.value} clients"}
     lines = [f"Gradient inversion (Geiping et al. 2020) of a `{_ARCH.value}` client's upload at "
              f"initialization, {config.data.name}, one image per client, {_VICTIMS.value} "
-             f"victims, {_STEPS.value} Adam steps; mean ± std over victims.", "",
-             "| upload seen by the server | PSNR dB | SSIM |", "|---|---|---|"]
+             f"victims, {_STEPS.value} Adam steps; mean ± std over victims.", ""]
     noise_rng = np.random.default_rng(config.seed + 1)
     references = {  # what no attack at all scores against the same images
         "reference: all-zero image (no attack)": [
@@ -105,10 +105,12 @@ def main(argv: list[str]) -> None:
             for v in range(_VICTIMS.value)
             for r in [noise_rng.random(images[v].shape)]],
     }
+    cells = []
     for name, vals in [*((labels_text[k], v) for k, v in rows.items()), *references.items()]:
         v = np.array(vals)
-        lines.append(f"| {name} | {v[:, 0].mean():.2f} ± {v[:, 0].std():.2f} | "
-                     f"{v[:, 1].mean():.3f} ± {v[:, 1].std():.3f} |")
+        cells.append([name, f"{v[:, 0].mean():.2f} ± {v[:, 0].std():.2f}",
+                      f"{v[:, 1].mean():.3f} ± {v[:, 1].std():.3f}"])
+    lines.append(markdown.table(["upload seen by the server", "PSNR dB", "SSIM"], cells))
     table = "\n".join(lines)
     with open(os.path.join(_WORKDIR.value, "leakage.md"), "w") as f:
         f.write(table + "\n")

@@ -21,6 +21,7 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
+from fedjax_pfedes import markdown
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DatasetUnavailableError
 from fedjax_pfedes.launch import cli
@@ -59,19 +60,17 @@ def main(argv: list[str]) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     methods = _ALGORITHMS.value
-    lines = ["| heterogeneity ratio | architectures | "
-             + " | ".join(f"{m} personalized acc" for m in methods)
-             + (" | pfedes − fedavg |" if {"pfedes", "fedavg"} <= set(methods) else " |"),
-             "|---|---|" + "---|" * len(methods)
-             + ("---|" if {"pfedes", "fedavg"} <= set(methods) else "")]
+    both = {"pfedes", "fedavg"} <= set(methods)
+    rows = []
     for ratio in map(float, _RATIOS.value):
         acc = {m: np.mean([r["final"]["personalized_accuracy_mean"]
                            for r in results[f"r{ratio:g}/{m}"]]) for m in methods}
         archs = variants[f"r{ratio:g}/{methods[0]}"]["clients.architectures"]
-        row = f"| {ratio:g} | {archs} | " + " | ".join(f"{acc[m]:.4f}" for m in methods)
-        if {"pfedes", "fedavg"} <= set(methods):
-            row += f" | {100 * (acc['pfedes'] - acc['fedavg']):+.1f} pp"
-        lines.append(row + " |")
+        rows.append([f"{ratio:g}", archs, *(f"{acc[m]:.4f}" for m in methods),
+                     *([f"{100 * (acc['pfedes'] - acc['fedavg']):+.1f} pp"] if both else [])])
+    lines = [markdown.table(["heterogeneity ratio", "architectures",
+                             *(f"{m} personalized acc" for m in methods),
+                             *(["pfedes − fedavg"] if both else [])], rows)]
     header = (f"{config.data.name}, {n} clients, partition {config.data.partition}, "
               f"{config.train.rounds} rounds, {_SEEDS.value} seed(s); mean personalized accuracy "
               "over all clients at the last round.")

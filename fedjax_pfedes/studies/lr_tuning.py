@@ -12,6 +12,7 @@ import shutil
 
 import numpy as np
 
+from fedjax_pfedes import markdown
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.studies import experiments
 
@@ -188,9 +189,9 @@ def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: 
         out = experiments.run_grid(on_validation, trials, 1, tuning_dir, show_progress,
                                    reuse=reuse, run_missing=run_missing)
         if not all(out.values()):  # only with --report_only: no rate can be chosen yet
-            rows.append(f"| {a} (`{field}`) | " + " | ".join(
+            rows.append([f"{a} (`{field}`)", *(
                 "not run yet" if not r else f"{r[0]['final']['personalized_accuracy_mean']:.4f}"
-                for r in out.values()) + " |")
+                for r in out.values())])
             continue
         scores = [-np.inf if r[0].get("diverged") or not np.isfinite(np.float64(
             r[0]["final"]["personalized_accuracy_mean"]))  # null: not finite
@@ -207,13 +208,10 @@ def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: 
             server = server_lr_field(config, a)
             label = (f"{a} (`{field}`{scaled})" if per_row == 1 else
                      f"{a} (`{field}`{scaled}; server lr {cells[row[0]][server]:g})")
-            rows.append(f"| {label} | " + " | ".join(
-                (f"{cells[c][field]:g}: " if scaled else "")
-                + grid_cell(scores[names.index(c)], c == best, dropped.get(c, []))
-                for c in row) + " |")
-    head = ("| method | " + " | ".join(f"effective step {lr:g}" for lr in grid) + " |\n|---|"
-            + "---|" * len(grid))
-    return tuned, head + "\n" + "\n".join(rows)
+            rows.append([label, *((f"{cells[c][field]:g}: " if scaled else "")
+                                  + grid_cell(scores[names.index(c)], c == best,
+                                              dropped.get(c, [])) for c in row)])
+    return tuned, markdown.table(["method", *(f"effective step {lr:g}" for lr in grid)], rows)
 
 
 def check_unseen_seeds(config, first: int, seeds: int) -> None:
