@@ -40,18 +40,19 @@ from fedjax_pfedes.tree_util import put_rows, take_rows
 from fedjax_pfedes.upload import compression, privacy, robust, stages, streaming, validation
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 
-# Default of config.upload.norm_outlier_factor: an update whose L2 norm exceeds 10x the median of
-# the round's valid updates is rejected. Honest updates of one round differ in norm by a few x
-# (sample counts, local epochs); a scaled or boosted poisoning update (Bhagoji et al., "Analyzing
-# Federated Learning through an Adversarial Lens", ICML 2019) is orders of magnitude larger.
-NORM_OUTLIER_FACTOR = 10.0
-# Default of config.upload.norm_outlier_z: an update beyond the factor is rejected only when its
-# log-norm is also this many robust standard deviations above the round's median log-norm. Where
-# honest norms of a round spread over orders of magnitude (the published pFedES's small proxy on
-# 2-class clients late in training: 0.002 to 2.5 in one round) a 10x-median rule rejected ~4 % of
-# honest uploads; a robust z-score scales with that spread, while a boosted update among
-# like-sized honest ones stays dozens of deviations off (docs/threat_model.md).
-NORM_OUTLIER_Z = 8.0
+# Default of config.upload.norm_outlier_factor (declared in `config.defaults`): an update whose L2
+# norm exceeds 10x the median of the round's valid updates is rejected. Honest updates of one round
+# differ in norm by a few x (sample counts, local epochs); a scaled or boosted poisoning update
+# (Bhagoji et al., "Analyzing Federated Learning through an Adversarial Lens", ICML 2019) is orders
+# of magnitude larger.
+NORM_OUTLIER_FACTOR = UploadSection.norm_outlier_factor
+# Default of config.upload.norm_outlier_z (declared in `config.defaults`): an update beyond the
+# factor is rejected only when its log-norm is also this many robust standard deviations above the
+# round's median log-norm. Where honest norms of a round spread over orders of magnitude (the
+# published pFedES's small proxy on 2-class clients late in training: 0.002 to 2.5 in one round) a
+# 10x-median rule rejected ~4 % of honest uploads; a robust z-score scales with that spread, while a
+# boosted update among like-sized honest ones stays dozens of deviations off (docs/threat_model.md).
+NORM_OUTLIER_Z = UploadSection.norm_outlier_z
 # Default of config.upload.norm_outlier_hard_factor (declared in `config.defaults`): beyond this
 # many times the round's median an update is rejected whatever the spread (a round spread over
 # three orders of magnitude puts even a 1e4-per-value update only ~5 robust deviations off, and
