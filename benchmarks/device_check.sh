@@ -30,14 +30,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 python -c "import jax, sys; print('JAX', jax.__version__, jax.devices(), 'Python', sys.version.split()[0])"
 # Work B at 1,000-100,000 participants per round: scan and vmap, plain and private
 # ('aggregate'), peak device memory per row; the plain-scan reference beside it.
-run cross_device python -m benchmarks.cross_device --participants="$participants" \
+run cross_device python -m benchmarks.peers.cross_device --participants="$participants" \
   --strategies=scan,vmap --rounds=5 --private --secagg_simulations=aggregate --notorch
 # The same work in pfl-research and the PyTorch loop (pfl and torch as installed there).
-run cross_device_peers python -m benchmarks.cross_device --participants="${participants%%,*}" \
+run cross_device_peers python -m benchmarks.peers.cross_device --participants="${participants%%,*}" \
   --strategies=scan --rounds=5 --pfl
 # Work A and pFedES's CIFAR-shaped work with the PyTorch loop on the GPU too.
-run compare_frameworks python -m benchmarks.compare_frameworks --work=fedavg,pfedes \
+run compare_frameworks python -m benchmarks.peers.compare_frameworks --work=fedavg,pfedes \
   --clients="$clients" --rounds=5 --strategies=loop,vmap,scan
 # The cross-device work and pfl-research's own CIFAR-10 setting beside the PyTorch peers.
-run compare_cross_device python -m benchmarks.compare_frameworks --work=cross_device,pfl_cifar \
+run compare_cross_device python -m benchmarks.peers.compare_frameworks --work=cross_device,pfl_cifar \
   --rounds=5 --strategies=scan,vmap,loop

@@ -1,5 +1,6 @@
-"""The works `benchmarks.compare_frameworks`, `benchmarks.cross_device` and `benchmarks.pfl_loop`
-time, as engine configs (no command-line flags here, so all of them can import them)."""
+"""The works `benchmarks.peers.compare_frameworks`, `benchmarks.peers.cross_device` and
+`benchmarks.peers.pfl_loop` time, as engine configs (no command-line flags here, so all of them
+can import them)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import flower_loop, works
+from benchmarks import works
+from benchmarks.peers import flower_loop
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models.architectures import ClientModel
 from fedjax_pfedes.models.backbones import BACKBONES
@@ -74,5 +75,5 @@ def test_flower_names_a_missing_interpreter_and_model(tmp_path):
 
 def test_peer_models_are_the_pytorch_peers_models():
     pytest.importorskip("torch")  # the bench extra; CI installs only dev
-    from benchmarks import torch_loop
+    from benchmarks.peers import torch_loop
     assert tuple(torch_loop.MODELS) == works.PEER_MODELS

@@ -59,10 +59,15 @@ def imports(path: pathlib.Path, name: str) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
-    """Module → the package's modules it imports (names that are not modules dropped)."""
-    mods = modules()
+def graph(packages: tuple[str, ...] = (PACKAGE,)) -> dict[str, set[str]]:
+    """Module → the modules of `packages` it imports (names that are not modules dropped)."""
+    mods = {m: p for package in packages for m, p in modules(package).items()}
     return {m: {d for d in imports(p, m) if d in mods and d != m} for m, p in mods.items()}
+
+
+# Everything in the checkout that Python imports: the package, its command lines and configs,
+# the benchmarks and the tools.
+TREE = (PACKAGE, "launch", "configs", "benchmarks", "tools")
 
 
 def layer_of(module: str) -> int:
@@ -113,6 +118,14 @@ def _is_ancestor_package(importer: str, imported: str) -> bool:
 
 def test_the_package_has_no_import_circle():
     edges = {m: {d for d in ds if not _is_ancestor_package(m, d)} for m, ds in graph().items()}
+    assert cycles(edges) == []
+
+
+def test_the_whole_tree_has_no_import_circle():
+    # benchmarks/ and tools/ included: their shared works live in benchmarks/works.py
+    edges = {m: {d for d in ds if not _is_ancestor_package(m, d)}
+             for m, ds in graph(TREE).items()}
+    assert len(edges) > len(graph())  # the benchmarks and tools were found
     assert cycles(edges) == []
 
 

@@ -74,7 +74,7 @@ class Cohort:
 
 # Initialization runs once: XLA backend optimization level 1 compiles it faster than the
 # default level with identical values; level 0 changes the last bit of some initial weights
-# (measurements: docs/performance.md, "What did not help" and the set-up table).
+# (measurements: docs/performance_history.md, "What did not help" and the set-up table).
 @functools.partial(jax.jit, static_argnums=0,
                    compiler_options={"xla_backend_optimization_level": 1})
 def _init_states(init_client, rng: jax.Array, ids: jax.Array) -> PyTree:

@@ -16,7 +16,8 @@ from jax.experimental.compilation_cache import compilation_cache
 
 # Every compiled program is written, however quick its compilation (JAX's own default skips
 # those under 1 s): a run compiles dozens of small programs (row writes, upload checks,
-# buffers), and loading one is faster than compiling it (docs/performance.md, "Second runs").
+# buffers), and loading one is faster than compiling it (docs/performance_history.md,
+# "Second runs").
 MIN_COMPILE_TIME_S = 0.0
 
 

@@ -27,7 +27,7 @@ give the same numbers (up to float reassociation):
 
 Which one is faster depends on the models, the bucket and the backend (on CPU vmapped per-client
 convolutions become grouped convolutions); 'auto' measures both per cohort at start-up
-(`execution.choice`), see benchmarks/execution_strategies.py for the side-by-side numbers.
+(`execution.choice`), see benchmarks/micro/execution_strategies.py for the side-by-side numbers.
 
 On a CPU backend the client programs can also be compiled with two kernel libraries
 (`config.execution.cpu_kernels`, `kernel_options`): which is faster depends on the CPU and the

@@ -1,7 +1,7 @@
 """FedAvg `convnet3` and pFedES CNN-1..5 in plain JAX: the floor the engine's local update is
 held to.
 
-Used by `benchmarks.compare_frameworks` (its `plain JAX` row). Shares no code with the engine:
+Used by `benchmarks.peers.compare_frameworks` (its `plain JAX` row). Shares no code with the engine:
 parameters are a dict of arrays initialized here (LeCun normal kernels, zero biases, as
 flax's defaults), convolutions are `lax.conv_general_dilated` (3x3, SAME, channels last),
 pooling a reshape and a max, then Dense(128) + ReLU and the Dense classifier. A client's
@@ -9,9 +9,9 @@ local epoch is one jitted call: its rows shuffled by `jax.random.permutation`, i
 ceil(n / B) SGD steps on the masked mean cross-entropy unrolled in the program (a client has
 a handful of steps). The server's weighted sum is a jitted add per client; one host
 synchronization per round. pFedES (`run_pfedes`) is written the same way after
-`benchmarks.torch_loop.run_pfedes`: private CNN-k with classifier and projection head, E_proxy,
-one proxy forward per step serving both losses, plain SGD, server momentum. The engine's issue
-holds its local update to within 1.1x of these.
+`benchmarks.peers.torch_loop.run_pfedes`: private CNN-k with classifier and projection head,
+E_proxy, one proxy forward per step serving both losses, plain SGD, server momentum. The
+engine's issue holds its local update to within 1.1x of these.
 """
 
 from __future__ import annotations

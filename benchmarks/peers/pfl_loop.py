@@ -1,6 +1,6 @@
 """FedAvg in pfl-research (Apple's `pfl` package, PyTorch backend), as its own benchmarks run it.
 
-Used by `benchmarks.cross_device --pfl`. pfl 0.6 pins dp-accounting < 0.6, which pins absl-py
+Used by `benchmarks.peers.cross_device --pfl`. pfl 0.6 pins dp-accounting < 0.6, which pins absl-py
 1.x, while this project needs absl-py >= 2.1, so it is not in an extra; install it beside the
 project without its pins (it runs with dp-accounting 0.6 and absl-py 2):
 
@@ -16,12 +16,12 @@ pfl simulates a round by training the cohort's users one after another in one pr
 `torchrun` several processes share the cohort (each trains its part, then they all-reduce).
 Run as a module for the cross-device work in either configuration:
 
-  python -m benchmarks.pfl_loop --participants=100                      # one process
-  torchrun --nproc_per_node=2 -m benchmarks.pfl_loop --participants=100 # two processes
-  torchrun --nproc_per_node=2 -m benchmarks.pfl_loop --pfl_work=fedavg --rounds=8  # work A
-  torchrun --nproc_per_node=2 -m benchmarks.pfl_loop --pfl_work=pfl_cifar --rounds=8
+  python -m benchmarks.peers.pfl_loop --participants=100                      # one process
+  torchrun --nproc_per_node=2 -m benchmarks.peers.pfl_loop --participants=100 # two processes
+  torchrun --nproc_per_node=2 -m benchmarks.peers.pfl_loop --pfl_work=fedavg --rounds=8  # work A
+  torchrun --nproc_per_node=2 -m benchmarks.peers.pfl_loop --pfl_work=pfl_cifar --rounds=8
 
-`benchmarks.compare_frameworks --work=fedavg` also runs it in one process, beside the engine.
+`benchmarks.peers.compare_frameworks --work=fedavg` also runs it in one process, beside the engine.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def run_fedavg(clients: list[tuple[np.ndarray, np.ndarray]], mean, std, num_clas
     start = time.perf_counter()
     torch.manual_seed(seed)
     np.random.seed(seed)
-    from benchmarks import torch_loop
+    from benchmarks.peers import torch_loop
     users = {}
     for u, (x, y) in enumerate(clients):
         if make_model is not None:
@@ -149,10 +149,11 @@ def _run_config(config, threads: int | None, make_model) -> dict:
 
 
 def work_a(rounds: int, threads: int | None = None) -> dict:
-    """pfl-research on `benchmarks.compare_frameworks`' FedAvg work (work A: `convnet3`,
+    """pfl-research on `benchmarks.peers.compare_frameworks`' FedAvg work (work A: `convnet3`,
     MNIST-5k IID, 20 clients, 10 per round, 5 steps of 32, lr 0.05), with `threads` PyTorch
     intra-op threads (None: PyTorch's default)."""
-    from benchmarks import torch_loop, works
+    from benchmarks import works
+    from benchmarks.peers import torch_loop
     return _run_config(works.fedavg_config(rounds), threads, torch_loop.fedavg_model)
 
 
@@ -164,7 +165,8 @@ def pfl_cifar(rounds: int, threads: int | None = None) -> dict:
     import os
     import tempfile
 
-    from benchmarks import torch_loop, works
+    from benchmarks import works
+    from benchmarks.peers import torch_loop
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "cifar_shaped_users.npz")
         works.write_cifar_shaped(path, clients=works.PFL_CIFAR_USERS, per_client=62)
@@ -173,8 +175,8 @@ def pfl_cifar(rounds: int, threads: int | None = None) -> dict:
 
 
 def main(argv) -> None:
-    """Prints pfl-research's median s/round (rounds 3..) on `benchmarks.cross_device`'s work,
-    or with --pfl_work=fedavg on `benchmarks.compare_frameworks`' FedAvg work (rank 0 only
+    """Prints pfl-research's median s/round (rounds 3..) on `benchmarks.peers.cross_device`'s work,
+    or with --pfl_work=fedavg on `benchmarks.peers.compare_frameworks`' FedAvg work (rank 0 only
     under torchrun)."""
     del argv
     import os
@@ -210,7 +212,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("participants", 100, "Clients per round of work B (cross_device).")
     flags.DEFINE_integer("rounds", 12, "Rounds per measurement (>= 4).")
     flags.DEFINE_enum("pfl_work", "cross_device", ["cross_device", "fedavg", "pfl_cifar"],
-                      "cross_device: benchmarks.cross_device's work B; fedavg: "
-                      "benchmarks.compare_frameworks' FedAvg work A; pfl_cifar: its own "
+                      "cross_device: benchmarks.peers.cross_device's work B; fedavg: "
+                      "benchmarks.peers.compare_frameworks' FedAvg work A; pfl_cifar: its own "
                       "CIFAR-10 cross-device setting (works.pfl_cifar_config).")
     app.run(main)

@@ -1,6 +1,6 @@
 """Where a run's first-call time goes: JAX's tracing, lowering, compiling and cache loading.
 
-  python -m benchmarks.compile_events --config=configs/quickstart.py --workdir=/tmp/q \
+  python -m benchmarks.micro.compile_events --config=configs/quickstart.py --workdir=/tmp/q \
       --config.execution.compilation_cache_dir=/tmp/cache     # run it twice: first, second run
 
 Runs `launch.main` with the given flags (any of its flags and config overrides) and, at the end,

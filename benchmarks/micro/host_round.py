@@ -1,12 +1,12 @@
 """The host's share of a cross-device round: the per-client report and means, and the cyclic
 garbage collector.
 
-  python -m benchmarks.host_round                 # the report and the means, per call
-  python -m benchmarks.host_round --gc --gc_rounds=150 --trials=3
-  python -m benchmarks.host_round --noise        # + the DP noise shares' draws alone
-  python -m benchmarks.host_round --norm_rule    # + the norm rule's decision and finalize
+  python -m benchmarks.micro.host_round                 # the report and the means, per call
+  python -m benchmarks.micro.host_round --gc --gc_rounds=150 --trials=3
+  python -m benchmarks.micro.host_round --noise        # + the DP noise shares' draws alone
+  python -m benchmarks.micro.host_round --norm_rule    # + the norm rule's decision and finalize
 
-Work B of `benchmarks.cross_device` (FedAvg, `mlp_small`, 1,000 clients, 100 a round, strategy
+Work B of `benchmarks.peers.cross_device` (FedAvg, `mlp_small`, 1,000 clients, 100 a round, strategy
 'scan'). The first part captures one round's inputs of `records.client_report` and
 `records.client_means` and times each call alone (median of `--calls` calls). `--gc` runs
 `--trials` pairs of `--gc_rounds` rounds in one process, the collector as it is and with every
@@ -29,7 +29,8 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from benchmarks import cross_device, works
+from benchmarks import works
+from benchmarks.peers import cross_device
 
 _CALLS = flags.DEFINE_integer("calls", 2000, "Calls timed per function.")
 _GC = flags.DEFINE_bool("gc", False, "Also compare rounds with and without gc.freeze().")

@@ -29,7 +29,7 @@ try:
     from torch import nn
     from torch.nn import functional as F
 except ImportError as e:  # pragma: no cover - exercised only without the bench extra
-    raise ImportError("benchmarks.torch_loop needs PyTorch: pip install -e '.[bench]'") from e
+    raise ImportError("benchmarks.peers.torch_loop needs PyTorch: pip install -e '.[bench]'") from e
 
 
 class ConvStack(nn.Module):

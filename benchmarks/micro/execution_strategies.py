@@ -5,8 +5,8 @@ Workloads:
   cifar: CIFAR-shaped inputs (32x32x3, 10 classes; synthetic pixels, the timing does not depend
     on them), CNN-1..CNN-5, 20 participants (4 per cohort; --cifar_clients), 200 samples each.
 
-  python -m benchmarks.execution_strategies --workload=quickstart,cifar --repeats=3
-  python -m benchmarks.execution_strategies --workload=cifar --cifar_clients=20   # 100 clients
+  python -m benchmarks.micro.execution_strategies --workload=quickstart,cifar --repeats=3
+  python -m benchmarks.micro.execution_strategies --workload=cifar --cifar_clients=20  # 100 clients
 
 Prints a Markdown table: compile time (first call minus a steady call), steady time per round,
 client-steps per second for each strategy, and the vmap/loop throughput ratio.

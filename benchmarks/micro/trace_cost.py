@@ -1,13 +1,13 @@
 """Python-side cost of a cohort's first local update: tracing and lowering, per architecture.
 
-  python -m benchmarks.trace_cost                          # the quick start's pFedES cohorts
-  python -m benchmarks.trace_cost --algorithm=fedavg --repeats=3
+  python -m benchmarks.micro.trace_cost                          # the quick start's pFedES cohorts
+  python -m benchmarks.micro.trace_cost --algorithm=fedavg --repeats=3
 
 For every architecture of configs/quickstart.py, traces one client's `client_update` of a
 freshly built cohort program (nothing cached) and lowers it to StableHLO; prints the seconds of
 each, the best of `--repeats`, and a hash of the lowered module (equal hashes: the same
 program, hence the same numbers, e.g. before and after a change to how the program is traced).
-XLA compiling comes after this and is not included (benchmarks.compile_events reports it for a
+XLA compiling comes after this and is not included (benchmarks.micro.compile_events reports it for a
 whole run).
 """
 
@@ -19,7 +19,7 @@ import time
 import jax
 from absl import app, flags
 
-from benchmarks import cohort_inputs
+from benchmarks.micro import cohort_inputs
 from configs import quickstart
 
 _ALGORITHM = flags.DEFINE_string("algorithm", "pfedes", "config.algorithm")

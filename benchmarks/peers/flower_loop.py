@@ -1,7 +1,7 @@
 """FedAvg in Flower's simulation engine (Ray backend), on the clients and model the other peers use.
 
-Used by `benchmarks.cross_device --flower_python=...` (work B: the MLP, 100 of 1,000 clients
-per round, one local step) and `benchmarks.compare_frameworks --flower_python=...` (work A:
+Used by `benchmarks.peers.cross_device --flower_python=...` (work B: the MLP, 100 of 1,000 clients
+per round, one local step) and `benchmarks.peers.compare_frameworks --flower_python=...` (work A:
 `convnet3`, 10 of 20 clients, 5 steps of 32). Flower 1.42 pins protobuf < 7 and rich < 15, which
 the project's own environment has newer, so it runs in its own virtual environment, which needs
 no JAX: the benchmark writes the work's clients to an .npz (`write_work`) and runs this module
@@ -9,9 +9,10 @@ with that environment's Python, which prints one JSON line back.
 
   python -m venv /tmp/flwr_venv
   /tmp/flwr_venv/bin/pip install "flwr[simulation]==1.42.0" torch
-  python -m benchmarks.cross_device --strategies=scan --flower_python=/tmp/flwr_venv/bin/python
+  python -m benchmarks.peers.cross_device --strategies=scan \
+      --flower_python=/tmp/flwr_venv/bin/python
   # by hand, from the repository root, on an .npz written by `write_work`:
-  /tmp/flwr_venv/bin/python -m benchmarks.flower_loop --work=/tmp/work.npz --rounds=12
+  /tmp/flwr_venv/bin/python -m benchmarks.peers.flower_loop --work=/tmp/work.npz --rounds=12
 
 The set-up follows Flower's PyTorch tutorial with the Message API: a `ClientApp` whose
 `@app.train()` function builds the model, loads the `ArrayRecord` it was sent, trains its
@@ -20,7 +21,7 @@ partition (`context.node_config['partition-id']`) and replies with its arrays an
 `num-examples`, `fraction_train` = participants / clients, no federated evaluation); both
 launched by `flwr.simulation.run_simulation` with one virtual SuperNode per client and the Ray
 backend, one CPU per client (`client_resources`), i.e. as many Ray workers as cores. The local
-update is `benchmarks.torch_loop`'s (same model, normalization, shuffled batches, plain SGD);
+update is `benchmarks.peers.torch_loop`'s (same model, normalization, shuffled batches, plain SGD);
 each worker keeps its clients' tensors after first use, as a dataset cache would. Round times
 are the intervals between the strategy's `evaluate_fn` calls (it runs before round 1 and after
 every round and does nothing here); set-up is the time to the first call.
@@ -71,7 +72,7 @@ def _work() -> dict:
 
 
 def _model():
-    from benchmarks import torch_loop
+    from benchmarks.peers import torch_loop
     w = _work()
     in_ch, spatial = w["x"].shape[3], w["x"].shape[1]
     return torch_loop.MODELS[str(w["model"])](in_ch, spatial, int(w["num_classes"]))
@@ -80,7 +81,7 @@ def _model():
 def _client_tensors(k: int):
     """Client k's normalized channels-first tensors (`torch_loop._to_tensors`), kept per
     worker after first use."""
-    from benchmarks import torch_loop
+    from benchmarks.peers import torch_loop
     key = ("client", k)
     if key not in _cache:
         w = _work()
@@ -99,7 +100,7 @@ def _apps(rounds: int, stamps: list[float]):
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg
 
-    from benchmarks import torch_loop
+    from benchmarks.peers import torch_loop
 
     client_app = ClientApp()
 
@@ -157,8 +158,8 @@ def run(work_path: str, rounds: int, cpus_per_client: float = 1.0) -> dict:
     import logging
     logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower logs every round at INFO
     os.environ[_WORK_ENV] = os.path.abspath(work_path)
-    # The Ray workers import this module and benchmarks.torch_loop by name.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The Ray workers import this module and benchmarks.peers.torch_loop by name.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     w = _work()
@@ -191,13 +192,13 @@ def run_in(python: str, clients: list[tuple[np.ndarray, np.ndarray]], mean, std,
     """
     if not os.path.isfile(python):
         raise FileNotFoundError(f"--flower_python: no such interpreter {python!r} "
-                                "(benchmarks/flower_loop.py says how to make one)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+                                "(benchmarks/peers/flower_loop.py says how to make one)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "work.npz")
         write_work(path, clients, mean, std, num_classes, model, per_round, batch_size, epochs,
                    lr)
-        done = subprocess.run([python, "-m", "benchmarks.flower_loop", f"--work={path}",
+        done = subprocess.run([python, "-m", "benchmarks.peers.flower_loop", f"--work={path}",
                                f"--rounds={rounds}"], cwd=root, capture_output=True,
                               text=True, check=False)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]

@@ -1,8 +1,8 @@
 """One local SGD step of a backbone: unrolled vs rolled loops, autodiff's conv gradient vs ours.
 
-  python -m benchmarks.local_step                       # cnn1, convnet3, vit; ~1 min on 2 cores
-  python -m benchmarks.local_step --torch               # adds the same layers in PyTorch
-  python -m benchmarks.local_step --cpu_kernels=xla,eigen   # also the rolled loop on Eigen
+  python -m benchmarks.micro.local_step  # cnn1, convnet3, vit; ~1 min on 2 cores
+  python -m benchmarks.micro.local_step --torch               # adds the same layers in PyTorch
+  python -m benchmarks.micro.local_step --cpu_kernels=xla,eigen   # also the rolled loop on Eigen
 
 For each backbone, 10 SGD steps of sum(F(x)^2) run as a `lax.scan` fully unrolled and rolled,
 once with `flax.linen.Conv` (autodiff's backward convolutions) and once with
@@ -83,7 +83,7 @@ def _jax_rows(name: str, build, shape) -> list[str]:
 def _torch_row(name: str, shape) -> str:
     import torch
 
-    from benchmarks import torch_loop
+    from benchmarks.peers import torch_loop
     b, h, _, c = shape
     if name == "cnn1":
         model = torch_loop.PublishedCNN(c, h, 32, 2000)

@@ -1,18 +1,19 @@
 """Cross-device rounds: many small clients per round, FedAvg on an MLP, engine against a plain
 jitted `lax.scan` of the same math.
 
-  python -m benchmarks.cross_device                               # 100 per round, ~2 min
-  python -m benchmarks.cross_device --participants=10,100,1000 --strategies=scan,loop,vmap
+  python -m benchmarks.peers.cross_device                               # 100 per round, ~2 min
+  python -m benchmarks.peers.cross_device --participants=10,100,1000 --strategies=scan,loop,vmap
   pip install -e ".[bench]"   # adds the PyTorch per-client loop's column (--notorch: without)
-  python -m benchmarks.cross_device --participants=1000 --strategies=scan --breakdown
-  python -m benchmarks.cross_device --strategies=scan --private   # + DP (and secure aggregation)
-  python -m benchmarks.cross_device --strategies=scan --private --protocol   # + the crypto run
-  python -m benchmarks.cross_device --strategies=scan --pfl   # + pfl-research (see pfl_loop)
-  python -m benchmarks.cross_device --strategies=scan --flower_python=/tmp/flwr_venv/bin/python
+  python -m benchmarks.peers.cross_device --participants=1000 --strategies=scan --breakdown
+  python -m benchmarks.peers.cross_device --strategies=scan --private  # + DP (+ secure agg.)
+  python -m benchmarks.peers.cross_device --strategies=scan --private --protocol  # + the crypto run
+  python -m benchmarks.peers.cross_device --strategies=scan --pfl   # + pfl-research (see pfl_loop)
+  python -m benchmarks.peers.cross_device --strategies=scan \
+      --flower_python=/tmp/flwr_venv/bin/python
       # + Flower, in its own environment (see flower_loop)
-  python -m benchmarks.cross_device --strategies=scan --private --profile --notorch --rounds=5
-  python -m benchmarks.cross_device --strategies=scan --notorch --nonorm_rule   # same math only
-  python -m benchmarks.cross_device --participants=10,100,1000,10000 --model=convnet3 \
+  python -m benchmarks.peers.cross_device --strategies=scan --private --profile --notorch --rounds=5
+  python -m benchmarks.peers.cross_device --strategies=scan --notorch --nonorm_rule  # same math
+  python -m benchmarks.peers.cross_device --participants=10,100,1000,10000 --model=convnet3 \
       --local_steps=5 --algorithm=pfedes --strategies=scan --private   # the other axes
 
 Work (the speed issue's "work B"): FedAvg, `mlp_small` (784-64 ReLU, then the 10-way classifier),
@@ -68,16 +69,16 @@ _PROFILE = flags.DEFINE_bool("profile", False, "Also print a cProfile of the eng
                               "3.. (the functions with the most cumulative time) for each "
                               "strategy, with --private for the private configuration.")
 _TORCH = flags.DEFINE_bool("torch", True, "Also time a PyTorch per-client loop of the same "
-                           "work (benchmarks.torch_loop; needs the `bench` extra, skipped "
+                           "work (benchmarks.peers.torch_loop; needs the `bench` extra, skipped "
                            "without it).")
 _TORCH_DEVICE = flags.DEFINE_enum("torch_device", "auto", ["auto", "cpu", "cuda"], "Device of "
                                   "the PyTorch loop: auto = cuda when JAX runs on a GPU and "
                                   "PyTorch sees one, else cpu.")
 _PFL = flags.DEFINE_bool("pfl", False, "Also time pfl-research (Apple's `pfl`, PyTorch "
-                         "backend, one process; benchmarks.pfl_loop says how to install it).")
+                         "backend, one process; benchmarks.peers.pfl_loop says how to install it).")
 _FLOWER = flags.DEFINE_string("flower_python", "", "Also time Flower (its simulation engine, Ray "
                              "backend, one worker per core): the Python of an environment with "
-                             "Flower and PyTorch (benchmarks/flower_loop.py says how to make "
+                             "Flower and PyTorch (benchmarks/peers/flower_loop.py says how to make "
                              "one); empty = not timed.")
 _MODEL = flags.DEFINE_string("model", "mlp_small", "The clients' architecture: mlp_small (work "
                              "B) or convnet3 (or any image backbone of the engine).")
@@ -259,7 +260,7 @@ def torch_round_s(data, participants: int, rounds: int) -> float | None:
     one SGD step in Python, the sample-weighted mean of the flat parameters), or None without
     PyTorch."""
     try:
-        from benchmarks import torch_loop
+        from benchmarks.peers import torch_loop
     except ImportError:
         return None
     models = {"mlp_small": torch_loop.mlp_model, "convnet3": torch_loop.fedavg_model}
@@ -280,7 +281,7 @@ def pfl_round_s(data, participants: int, rounds: int) -> float | None:
         import torch  # noqa: F401 - pfl's backend
     except ImportError:
         return None
-    from benchmarks import pfl_loop, torch_loop
+    from benchmarks.peers import pfl_loop, torch_loop
     if _ALGORITHM.value != "fedavg" or _MODEL.value not in ("mlp_small", "convnet3"):
         return None
     kw = {} if _MODEL.value == "mlp_small" else {"make_model": torch_loop.fedavg_model}
@@ -293,7 +294,7 @@ def pfl_round_s(data, participants: int, rounds: int) -> float | None:
 def flower_round_s(data, participants: int, rounds: int) -> float | None:
     """Flower's FedAvg on the same clients and model (`flower_loop`, run by --flower_python's
     interpreter), or None where the work is not FedAvg of the MLP or `convnet3`."""
-    from benchmarks import flower_loop, torch_loop
+    from benchmarks.peers import flower_loop, torch_loop
     if _ALGORITHM.value != "fedavg" or _MODEL.value not in torch_loop.MODELS:
         return None
     c = data.central
@@ -331,7 +332,7 @@ def main(argv):
         pfl = pfl_round_s(data, m, rounds) if _PFL.value else None
         if _PFL.value:
             print("  pfl-research (PyTorch, 1 process): "
-                  + ("not installed (benchmarks/pfl_loop.py says how)" if pfl is None
+                  + ("not installed (benchmarks/peers/pfl_loop.py says how)" if pfl is None
                      else f"{pfl:.4f} s/round"), flush=True)
         flower = flower_round_s(data, m, rounds) if _FLOWER.value else None
         if flower is not None:

@@ -1,9 +1,9 @@
 """Records what a refactor must not change, and compares two records.
 
-  python -m benchmarks.behaviour record --out=/tmp/before    # on the old code
-  python -m benchmarks.behaviour record --out=/tmp/after     # on the new code
-  python -m benchmarks.behaviour compare /tmp/before /tmp/after
-  python -m benchmarks.behaviour record --out=/tmp/some --only=quickstart,method_fml
+  python -m tools.behaviour record --out=/tmp/before    # on the old code
+  python -m tools.behaviour record --out=/tmp/after     # on the new code
+  python -m tools.behaviour compare /tmp/before /tmp/after
+  python -m tools.behaviour record --out=/tmp/some --only=quickstart,method_fml
 
 `record` runs, through the command line (`python -m launch.main`, so it does not depend on the
 package's module layout), the quick start, the private and the unreliable quick starts and 3

@@ -1,0 +1,2 @@
+"""Micro-benchmarks: one part of the engine (a local step, a reduction, a round's host work)
+timed alone."""
