@@ -15,8 +15,12 @@ and, to bring your own model, data or method:
   fedjax_pfedes.register_architecture("mynet", MyFlaxModule(), modalities=("image",))
   fedjax_pfedes.register_dataset("mydata", lambda options: fedjax_pfedes.from_arrays(
       "mydata", x_train, y_train, x_test, y_test, options=options))
+  @dataclasses.dataclass(frozen=True)
+  class MySection(fedjax_pfedes.Section):   # its config fields, each declared once
+      SECTION = "mymethod"
+      weight: float = fedjax_pfedes.param(0.5, "the weight of my term", fedjax_pfedes.at_least(0))
   fedjax_pfedes.register_algorithm(fedjax_pfedes.AlgorithmEntry(
-      "mymethod", build=..., fields={"mymethod.weight": 0.5}))  # its config fields
+      "mymethod", build=..., section=MySection))  # build gets BuildInputs.section built
   config = fedjax_pfedes.default_config()  # after registering: has config.mymethod.weight
   fedjax_pfedes.register_stage(MyStage)                  # an UploadStage subclass
   fedjax_pfedes.run(config, "runs/mine", callbacks=[MyCallback()])   # per-round hooks
@@ -35,8 +39,10 @@ import ml_collections
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs
 from fedjax_pfedes.algorithms.registry import register as register_algorithm
+from fedjax_pfedes.config.fields import Range, Section, above, at_least, between, one_of, param
+from fedjax_pfedes.data.arrays import from_arrays
 from fedjax_pfedes.data.catalog import register_dataset
-from fedjax_pfedes.data.sources import CentralDataset, LoadOptions, from_arrays
+from fedjax_pfedes.data.sources import CentralDataset, LoadOptions
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.engine.callbacks import Callback, RoundEnd, RunInfo
 from fedjax_pfedes.engine.loop import run_experiment
@@ -67,8 +73,15 @@ __all__ = [
     "InputSpec",
     "LoadOptions",
     "NothingTrainedError",
+    "Range",
     "RoundEnd",
     "RunInfo",
+    "Section",
+    "above",
+    "at_least",
+    "between",
+    "one_of",
+    "param",
     "UploadStage",
     "default_config",
     "from_arrays",

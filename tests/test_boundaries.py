@@ -18,6 +18,7 @@ from fl_helpers import CHILD_PATH, ROOT, tiny_config
 
 import fedjax_pfedes
 from fedjax_pfedes.algorithms import registry
+from fedjax_pfedes.config import fields
 from fedjax_pfedes.data import catalog
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.errors import ConfigError, DataError
@@ -102,10 +103,29 @@ def _entry(**kw):
     return dataclasses.replace(fedavg, **{"name": "user_method", **kw})
 
 
+def _section(path: str, default=1):
+    """A user's section declaring the one field `path` ('x.y': SECTION 'x'; 'y': top level)."""
+    where, _, name = path.rpartition(".")
+    return dataclasses.make_dataclass(
+        "UserSection", [(name, type(default), fields.param(default, "a user's field"))],
+        bases=(fields.Section,), frozen=True, namespace={"SECTION": where})
+
+
+@dataclasses.dataclass(frozen=True)
+class Bare(fields.Section):
+    SECTION = "user_method"
+    weight: float = 1.0  # not made with fields.param: no help, no range
+
+
 ENTRY_CASES = {  # B07-B09: AlgorithmEntry fields, checked when it is made
     "B07": (dict(build=None), r"build must be a function of BuildInputs.*got NoneType"),
     "B08": (dict(modalities="image"), r"modalities must be a non-empty tuple"),
-    "B09": (dict(fields={"user_method weight": 1}), r"fields must map dotted config paths"),
+    "B09": (dict(section=Bare), r"field 'weight' of Bare is not declared with "
+                                  r"config.fields.param"),
+    "B09b": (dict(section=dict), r"section must be a dataclass deriving from "
+                                 r"config.fields.Section"),
+    "B09c": (dict(section=_section("fedprox.mu")), r"its section's SECTION must be "
+                                                   r"'user_method'"),
 }
 
 
@@ -131,27 +151,31 @@ def test_B11_a_build_that_returns_no_algorithm_is_named():
         registry._ENTRIES.pop("user_method", None)
 
 
-@pytest.mark.parametrize("path,clash", [("train.rounds", "train.rounds"),
-                                        ("train", "train"), ("proxy_dim.x", "proxy_dim")])
-def test_B12_fields_that_collide_with_the_core_config_are_refused_at_registration(path, clash):
+@pytest.mark.parametrize("name,path,clash", [("train", "train.rounds", "train.rounds"),
+                                             ("user_method", "train", "train"),
+                                             ("proxy_dim", "proxy_dim.x", "proxy_dim")])
+def test_B12_fields_that_collide_with_the_core_config_are_refused_at_registration(name, path,
+                                                                                  clash):
     with pytest.raises(ValueError, match=rf"'config\.{path}' collides with the core "
                                          rf"config's 'config\.{clash}'"):
-        registry.register(_entry(fields={path: 1}))
+        registry.register(_entry(name=name, section=_section(path)))
+    assert name not in registry.entries() or name == "user_method"
     assert "user_method" not in registry.entries()
     fedjax_pfedes.default_config()  # and the process is not left broken
 
 
-def test_B12_a_field_inside_another_methods_field_names_both():
+def test_B12_a_section_named_as_another_methods_field_names_both():
+    # method 'lam' keeps its fields in config.lam: pFedES's top-level field config.lam
     with pytest.raises(ValueError, match=r"'config\.lam\.x' collides with the field "
                                          r"'config\.lam' of 'pfedes'"):
-        registry.register(_entry(fields={"lam.x": 1}))
+        registry.register(_entry(name="lam", section=_section("lam.x")))
     fedjax_pfedes.default_config()
 
 
 def test_B12_a_field_another_method_declares_differently_names_both():
-    with pytest.raises(ValueError, match=r"'config\.fedprox\.mu' is declared by 'fedprox' "
-                                         r"too, with default 0\.01 \(here 0\.5\)"):
-        registry.register(_entry(fields={"fedprox.mu": 0.5}))
+    with pytest.raises(ValueError, match=r"'config\.lam' is declared by 'pfedes' "
+                                         r"too, with default 0\.5 \(here 0\.9\)"):
+        registry.register(_entry(section=_section("lam", 0.9)))
 
 
 def test_B12_a_stage_field_that_collides_is_refused():

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from fl_helpers import tiny_config
 
-from fedjax_pfedes.data.sources import LoadOptions, load_npz
+from fedjax_pfedes.data.arrays import load_npz
+from fedjax_pfedes.data.sources import LoadOptions
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DataError, NothingTrainedError

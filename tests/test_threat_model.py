@@ -21,8 +21,9 @@ from fl_helpers import tiny_config
 
 from configs import quickstart
 from fedjax_pfedes.data import partitions
+from fedjax_pfedes.data.arrays import load_npz
 from fedjax_pfedes.data.federated import partition_dataset
-from fedjax_pfedes.data.sources import LoadOptions, load_npz, make_dataset
+from fedjax_pfedes.data.sources import LoadOptions, make_dataset
 from fedjax_pfedes.engine import attacks
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.validate import validate_config

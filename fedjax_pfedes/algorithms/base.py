@@ -23,9 +23,12 @@ PyTree = Any
 Metrics = dict[str, jax.Array]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalTrainingConfig:
     """What every method's local training needs; each method's config dataclass extends it.
+
+    Keyword-only, so a method's config may also derive from its config section
+    (`config.fields.Section`), whose fields come first and carry their own defaults.
 
     Attributes:
       num_classes: labels of the dataset.

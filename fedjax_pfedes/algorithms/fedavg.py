@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -34,29 +35,84 @@ from fedjax_pfedes.algorithms.base import (
     classifier_program,
 )
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
+from fedjax_pfedes.config.fields import Section, above, at_least, between, param
 from fedjax_pfedes.models import architectures
-
-SERVER_OPTIMIZERS = ("none", "sgd_momentum", "adam")
 
 
 @dataclasses.dataclass(frozen=True)
+class FedAvgSection(Section):
+    """`config.fedavg`: FedAvg has no fields of its own; the family's base: plain averaging
+    (no server optimizer) and no proximal term. Each member's section derives from it."""
+
+    SECTION: ClassVar[str] = "fedavg"
+
+    def server_optimizer(self) -> optax.GradientTransformation | None:
+        """The optax optimizer applied to the pseudo-gradient (None: new = average)."""
+        return None
+
+    def proximal_weight(self) -> float:
+        """FedProx's mu (0: FedAvg's local loss)."""
+        return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FedProxSection(FedAvgSection):
+    """`config.fedprox`."""
+
+    SECTION: ClassVar[str] = "fedprox"
+
+    mu: float = param(0.01, "proximal weight: the local loss adds mu/2 ||w - w_global||^2 "
+                      "(0 = FedAvg)", at_least(0))
+
+    def proximal_weight(self) -> float:
+        return self.mu
+
+
+@dataclasses.dataclass(frozen=True)
+class FedAvgMSection(FedAvgSection):
+    """`config.fedavgm`: server SGD with heavy-ball momentum on the pseudo-gradient."""
+
+    SECTION: ClassVar[str] = "fedavgm"
+
+    server_lr: float = param(0.1, "server learning rate (lr 1.0 diverged on the quick start, "
+                             "docs/baselines.md; 0.1 with momentum 0.9 is a steady-state step "
+                             "of 1)", above(0))
+    server_momentum: float = param(0.9, "server heavy-ball momentum", between(0, 1, "[)"))
+
+    def server_optimizer(self) -> optax.GradientTransformation:
+        return optax.sgd(self.server_lr, momentum=self.server_momentum)
+
+
+@dataclasses.dataclass(frozen=True)
+class FedAdamSection(FedAvgSection):
+    """`config.fedadam`: server Adam on the pseudo-gradient (Reddi et al. 2021)."""
+
+    SECTION: ClassVar[str] = "fedadam"
+
+    server_lr: float = param(0.01, "server learning rate (Reddi et al. 2021 tune it in "
+                             "[1e-3, 1])", above(0))
+    b1: float = param(0.9, "Adam's first-moment decay", between(0, 1, "[)"))
+    b2: float = param(0.99, "Adam's second-moment decay", between(0, 1, "[)"))
+    eps: float = param(1e-3, "Adam's epsilon (adaptivity)", above(0))
+
+    def server_optimizer(self) -> optax.GradientTransformation:
+        return optax.adam(self.server_lr, b1=self.b1, b2=self.b2, eps=self.eps)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class FedAvgConfig(LocalTrainingConfig):
-    """Hyper-parameters of the FedAvg family.
+    """Settings of the FedAvg family's build.
 
     Attributes:
-      prox_mu: FedProx's proximal weight (0 = FedAvg).
-      server_optimizer: 'none' (new = average), 'sgd_momentum' (FedAvgM) or 'adam' (FedAdam).
-      server_lr, server_momentum, adam_b1, adam_b2, adam_eps: the server optimizer's settings.
+      name: the method (`config.algorithm`).
+      section: the method's own section: its server optimizer and proximal weight (FedAvg's
+        own, no fields, for FedAvg, Standalone and FedBN); SCAFFOLD and FedNova read their
+        `server_lr` from theirs.
+      dp_sgd: sample-level DP-SGD, or None.
     """
 
-    prox_mu: float = 0.0
-    server_optimizer: str = "none"
-    server_lr: float = 1.0
-    server_momentum: float = 0.9
-    adam_b1: float = 0.9
-    adam_b2: float = 0.99
-    adam_eps: float = 1e-3
     name: str = "fedavg"
+    section: Section = FedAvgSection()
     dp_sgd: local_training.DPSGDConfig | None = None
 
 
@@ -74,18 +130,6 @@ class ClientState:
     """FedAvg clients keep nothing between rounds but the count of rounds they took part in."""
 
     rounds: jnp.ndarray
-
-
-def server_optimizer(cfg: FedAvgConfig) -> optax.GradientTransformation | None:
-    """The optax optimizer applied to the pseudo-gradient (None: plain averaging)."""
-    if cfg.server_optimizer == "none":
-        return None
-    if cfg.server_optimizer == "sgd_momentum":
-        return optax.sgd(cfg.server_lr, momentum=cfg.server_momentum)
-    if cfg.server_optimizer == "adam":
-        return optax.adam(cfg.server_lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps)
-    raise ValueError(f"server optimizer must be one of {SERVER_OPTIMIZERS}, got "
-                     f"'{cfg.server_optimizer}'")
 
 
 def cohort_models(cfg: FedAvgConfig):
@@ -110,7 +154,8 @@ def init_cohort_models(model_of, rng: jax.Array, archs: tuple[str, ...], cfg: Fe
 def fedavg(cfg: FedAvgConfig) -> Algorithm:
     """Builds FedAvg (or FedProx / FedAvgM / FedAdam, by `cfg`) run per cohort."""
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
-    server_opt = server_optimizer(cfg)
+    server_opt = cfg.section.server_optimizer()
+    prox_mu = cfg.section.proximal_weight()
     model_of = cohort_models(cfg)
 
     def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
@@ -159,7 +204,7 @@ def fedavg(cfg: FedAvgConfig) -> Algorithm:
                     grads, ce = local_training.private_gradient(ce_loss, params, batch[:3],
                                                                 batch[2], batch[3], cfg.dp_sgd)
                 drift = jax.tree.map(jnp.subtract, params, global_params)
-                grads = jax.tree.map(lambda g, d: g + cfg.prox_mu * d, grads, drift)
+                grads = jax.tree.map(lambda g, d: g + prox_mu * d, grads, drift)
                 updates, opt_state = local_opt.update(grads, opt_state, params)
                 return (optax.apply_updates(params, updates), opt_state), jnp.stack([ce])
 
@@ -181,69 +226,23 @@ def fedavg(cfg: FedAvgConfig) -> Algorithm:
                      aggregation="per_cohort", mean_server_step=True)
 
 
-# Server optimizer of each FedAvg-family name.
-SERVER_OPTIMIZER_OF = {"fedavg": "none", "fedprox": "none", "fedavgm": "sgd_momentum",
-                     "fedadam": "adam"}
-
-
 def fedavg_config(inputs: BuildInputs, name: str) -> FedAvgConfig:
-    """`FedAvgConfig` of a per-cohort method from `config.train` and the method's section
-    (`config.fedprox`, `config.fedavgm`, `config.fedadam`, `config.scaffold`, `config.fednova`)."""
-    c = inputs.settings
-    kw = {}
-    if name == "fedprox":
-        kw = dict(prox_mu=c.fedprox.mu)
-    elif name == "fedavgm":
-        kw = dict(server_lr=c.fedavgm.server_lr, server_momentum=c.fedavgm.server_momentum)
-    elif name == "fedadam":
-        kw = dict(server_lr=c.fedadam.server_lr, adam_b1=c.fedadam.b1, adam_b2=c.fedadam.b2,
-                  adam_eps=c.fedadam.eps)
-    elif name in ("scaffold", "fednova"):
-        kw = dict(server_lr=c[name].server_lr)
-    return FedAvgConfig(**inputs.local_training(),
-                        server_optimizer=SERVER_OPTIMIZER_OF.get(name, "none"), name=name,
-                        dp_sgd=inputs.dp_sgd(), **kw)
+    """`FedAvgConfig` of a per-cohort method: `config.train`'s local training and the method's
+    own section (`BuildInputs.section`; FedAvg's for a method without one)."""
+    section = inputs.section if isinstance(inputs.section, FedAvgSection) else FedAvgSection()
+    return FedAvgConfig(**inputs.local_training(), name=name, section=section,
+                        dp_sgd=inputs.dp_sgd())
 
-
-def check_section(settings, name: str) -> None:
-    """Range checks of a FedAvg-family method's config section (ValueError naming the field).
-
-    Args:
-      settings: the method's view of the config (`BuildInputs.settings`).
-      name: the method, whose section is checked.
-    """
-    section = settings[name] if name in settings else {}
-    for key, value in section.items():
-        field = f"config.{name}.{key}"
-        if key in ("server_lr", "eps") and not value > 0:
-            raise ValueError(f"{field} must be > 0, got {value}")
-        if key in ("mu",) and not value >= 0:
-            raise ValueError(f"{field} must be >= 0, got {value}")
-        if key in ("server_momentum", "b1", "b2") and not 0 <= value < 1:
-            raise ValueError(f"{field} must be in [0, 1), got {value}")
-
-
-# The config fields of each FedAvg-family method (`config.<name>.*`) with their defaults.
-FIELDS = {
-    "fedavg": {},
-    "fedprox": {"fedprox.mu": 0.01},  # mu/2 * ||w - w_global||^2
-    # FedAvgM / FedAdam server learning rates. With lr 1.0 both diverged on the quick start
-    # (docs/baselines.md): 0.1 with momentum 0.9 is a steady-state step of 1.
-    "fedavgm": {"fedavgm.server_lr": 0.1,
-                "fedavgm.server_momentum": 0.9},  # server heavy-ball momentum
-    "fedadam": {"fedadam.server_lr": 0.01,  # Reddi et al. 2021 tune it in [1e-3, 1]
-                "fedadam.b1": 0.9, "fedadam.b2": 0.99, "fedadam.eps": 1e-3},
-}
 
 _PAPERS = {
-    "fedavg": "FedAvg (McMahan et al., AISTATS 2017), one global model per cohort",
-    "fedprox": "FedProx (Li et al., MLSys 2020): FedAvg + proximal term",
-    "fedavgm": "FedAvgM (Hsu et al., 2019): server momentum",
-    "fedadam": "FedAdam (Reddi et al., ICLR 2021): server Adam",
+    FedAvgSection: "FedAvg (McMahan et al., AISTATS 2017), one global model per cohort",
+    FedProxSection: "FedProx (Li et al., MLSys 2020): FedAvg + proximal term",
+    FedAvgMSection: "FedAvgM (Hsu et al., 2019): server momentum",
+    FedAdamSection: "FedAdam (Reddi et al., ICLR 2021): server Adam",
 }
-for _name in SERVER_OPTIMIZER_OF:
+for _section, _summary in _PAPERS.items():
     register(AlgorithmEntry(
-        _name, lambda inputs, name=_name: fedavg(fedavg_config(inputs, name)),
-        aggregation="per_cohort", asynchronous=True, dp_sgd=True,
-        check=lambda settings, name=_name: check_section(settings, name),
-        summary=_PAPERS[_name], fields=FIELDS[_name]))
+        _section.SECTION,
+        lambda inputs, name=_section.SECTION: fedavg(fedavg_config(inputs, name)),
+        aggregation="per_cohort", asynchronous=True, dp_sgd=True, summary=_summary,
+        section=_section if dataclasses.fields(_section) else None))

@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import struct
 
@@ -35,27 +35,24 @@ from fedjax_pfedes.algorithms.base import (
 )
 from fedjax_pfedes.algorithms.fedproto import class_prototypes
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
+from fedjax_pfedes.config.fields import Range, Section, param
 from fedjax_pfedes.models import architectures
 
 
-def check(section: ml_collections.ConfigDict | FedDistillConfig) -> None:
-    """Range checks of `config.feddistill` (ValueError naming the field)."""
-    if not (math.isfinite(section.lam) and section.lam >= 0):
-        raise ValueError(f"config.feddistill.lam must be finite and >= 0, got {section.lam}")
+@dataclasses.dataclass(frozen=True)
+class FedDistillSection(Section):
+    """`config.feddistill`."""
+
+    SECTION: ClassVar[str] = "feddistill"
+
+    lam: float = param(1.0, "weight of the per-class logit distillation (0 = Standalone "
+                       "training with logit uploads)",
+                       Range(lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"))
 
 
 @dataclasses.dataclass(frozen=True)
-class FedDistillConfig(LocalTrainingConfig):
-    """Local training (`BuildInputs.local_training`) and `config.feddistill`.
-
-    Attributes:
-      lam: weight of the distillation term (0 = Standalone training with logit uploads).
-    """
-
-    lam: float = 1.0
-
-    def __post_init__(self):
-        check(self)
+class FedDistillConfig(FedDistillSection, LocalTrainingConfig):
+    """Local training (`BuildInputs.local_training`) and `config.feddistill`."""
 
 
 @struct.dataclass
@@ -151,13 +148,10 @@ def feddistill(cfg: FedDistillConfig) -> Algorithm:
 
 
 def _build(inputs: BuildInputs) -> Algorithm:
-    return feddistill(FedDistillConfig(**inputs.local_training(),
-                                       **inputs.settings.feddistill.to_dict()))
+    return feddistill(FedDistillConfig(**inputs.local_training(), **inputs.own()))
 
 
 register(AlgorithmEntry(
     "feddistill", _build, aggregation="custom",
-    check=lambda settings: check(settings.feddistill),
-    private_optimizer=True,
-    summary="FedDistill (Jeong et al., 2018): per-class average logits, distilled locally",
-    fields={"feddistill.lam": 1.0}))  # weight of the per-class logit distillation
+    section=FedDistillSection, private_optimizer=True,
+    summary="FedDistill (Jeong et al., 2018): per-class average logits, distilled locally"))

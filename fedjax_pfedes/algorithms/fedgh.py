@@ -6,8 +6,8 @@ has the same shape everywhere and the server keeps the global one. Each round a 
 replaces its header with the global header, trains its whole model with CE for E local epochs,
 then computes its class prototypes (mean d-dimensional representation per class over its training
 data, with the trained model) and uploads them with the per-class counts. The server trains the
-global header on the uploaded (prototype, class) pairs with cross-entropy: `gh_server_epochs`
-passes of SGD at `gh_server_lr`, one step per pair in a fixed order (cohort, client slot, class),
+global header on the uploaded (prototype, class) pairs with cross-entropy: `server_epochs`
+passes of SGD at `server_lr`, one step per pair in a fixed order (cohort, client slot, class),
 pairs of absent classes and padded slots skipped. Inference: the client's own F_k, P_k with the
 global header. Only prototypes go up (classes x d numbers + counts per client).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -23,30 +24,34 @@ import optax
 from flax import struct
 
 from fedjax_pfedes.algorithms import local_training
-from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, check_range
+from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedproto import class_prototypes
 from fedjax_pfedes.algorithms.lg_fedavg import LGFedAvgConfig, global_head_program
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
+from fedjax_pfedes.config.fields import Section, above, at_least, param
 from fedjax_pfedes.models import architectures
 
 
 @dataclasses.dataclass(frozen=True)
-class FedGHConfig(LGFedAvgConfig):
-    """FedGH's settings: LG-FedAvg's, and the server's training of the global header.
+class FedGHSection(Section):
+    """`config.fedgh`: the server's training of the global header."""
 
-    Attributes:
-      gh_server_lr, gh_server_epochs: the server's SGD on the uploaded prototypes
-        (config.fedgh.server_lr / server_epochs).
-    """
+    SECTION: ClassVar[str] = "fedgh"
 
-    gh_server_lr: float = 0.05
-    gh_server_epochs: int = 1
+    server_lr: float = param(0.05, "server SGD learning rate on the uploaded prototypes",
+                             above(0))
+    server_epochs: int = param(1, "server epochs over the uploaded prototypes per round",
+                               at_least(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class FedGHConfig(FedGHSection, LGFedAvgConfig):
+    """FedGH's settings: its section and LG-FedAvg's."""
 
 
 def _config(inputs: BuildInputs) -> FedGHConfig:
-    c = inputs.settings
-    return FedGHConfig(**inputs.local_training(), dim=c.proxy_dim,
-                       gh_server_lr=c.fedgh.server_lr, gh_server_epochs=c.fedgh.server_epochs)
+    return FedGHConfig(**inputs.local_training(), **inputs.own(),
+                       dim=inputs.settings.proxy_dim)
 
 
 @struct.dataclass
@@ -108,7 +113,7 @@ def fedgh(cfg: FedGHConfig) -> Algorithm:
             valid.append(((uploads["counts"] > 0) & (weights[:, None] > 0)).reshape(-1))
         head = train_header_on_prototypes(
             state.head, head_apply, jnp.concatenate(protos), jnp.concatenate(labels),
-            jnp.concatenate(valid), cfg.gh_server_lr, cfg.gh_server_epochs)
+            jnp.concatenate(valid), cfg.server_lr, cfg.server_epochs)
         return ServerState(head, state.round + 1)
 
     def prototype_upload(model, params, data, global_head):
@@ -126,10 +131,5 @@ def fedgh(cfg: FedGHConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fedgh", lambda inputs: fedgh(_config(inputs)), aggregation="custom",
-    check=lambda c: (check_range(c.fedgh.server_lr, 0, None, "config.fedgh.server_lr",
-                                 low_open=True),
-                     check_range(c.fedgh.server_epochs, 1, None, "config.fedgh.server_epochs")),
-    private_optimizer=True, reads=("proxy_dim",),
-    summary="FedGH (Yi et al., ACM MM 2023): a global header trained on prototypes",
-    fields={"fedgh.server_lr": 0.05,  # server SGD on the uploaded prototypes
-            "fedgh.server_epochs": 1}))
+    section=FedGHSection, private_optimizer=True, reads=("proxy_dim",),
+    summary="FedGH (Yi et al., ACM MM 2023): a global header trained on prototypes"))

@@ -13,7 +13,7 @@ each scaled by the inverse of the summed task losses (treated as a weight: no gr
 through the denominator; the KL targets are stop-gradients). Participants upload the mentee's
 update compressed by truncated SVD: every leaf with >= 2 dimensions, reshaped to a matrix, keeps
 the fewest singular values whose energy (sum of squares) reaches the threshold T, raised linearly
-from `kd_energy_start` to `kd_energy_end` over the rounds as in the paper; vectors go dense. The
+from `energy_start` to `energy_end` over the rounds as in the paper; vectors go dense. The
 upload carries the reconstructed update (the simulator sums dense trees), and the metrics carry
 the number of numbers the factors take (`upload_encoded_params`), which the round summary
 reports as the upload size. The server adds the weighted mean update to the mentee. The downlink
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -37,37 +38,46 @@ from fedjax_pfedes.algorithms.base import (
     Algorithm,
     CohortProgram,
     LocalTrainingConfig,
-    check_range,
     classifier_program,
 )
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
+from fedjax_pfedes.config.fields import Section, between, param
 from fedjax_pfedes.models import architectures
 
 
 @dataclasses.dataclass(frozen=True)
-class FedKDConfig(LocalTrainingConfig):
-    """FedKD's settings.
+class FedKDSection(Section):
+    """`config.fedkd`: the SVD energy threshold of the uploads, raised linearly from
+    energy_start (round 1) to energy_end (the last round)."""
+
+    SECTION: ClassVar[str] = "fedkd"
+
+    energy_start: float = param(0.95, "SVD energy kept in the uploads, first round",
+                                between(0, 1, "(]"))
+    energy_end: float = param(0.98, "SVD energy kept in the uploads, last round",
+                              between(0, 1, "(]"))
+
+
+@dataclasses.dataclass(frozen=True)
+class FedKDConfig(FedKDSection, LocalTrainingConfig):
+    """FedKD's settings: its section, local training and
 
     Attributes:
       dim: the hidden dimension both mentor and mentee project to (config.proxy_dim).
       shared_arch: the shared mentee ('' = the modality's default small model;
         config.clients.shared_arch).
-      kd_energy_start, kd_energy_end, rounds: the SVD energy threshold, raised linearly from
-        start (round 1) to end (round `rounds`) (config.fedkd.*, config.train.rounds).
+      rounds: the round at which the energy reaches energy_end (config.train.rounds).
     """
 
     dim: int = 128
     shared_arch: str = ""
-    kd_energy_start: float = 0.95
-    kd_energy_end: float = 0.98
     rounds: int = 1
 
 
 def _config(inputs: BuildInputs) -> FedKDConfig:
     c = inputs.settings
-    return FedKDConfig(**inputs.local_training(), dim=c.proxy_dim,
-                       shared_arch=c.clients.shared_arch, kd_energy_start=c.fedkd.energy_start,
-                       kd_energy_end=c.fedkd.energy_end, rounds=c.train.rounds)
+    return FedKDConfig(**inputs.local_training(), **inputs.own(), dim=c.proxy_dim,
+                       shared_arch=c.clients.shared_arch, rounds=c.train.rounds)
 
 
 @struct.dataclass
@@ -112,10 +122,10 @@ def compress_update(update: dict, energy: jax.Array) -> tuple[dict, jax.Array]:
 
 
 def energy_threshold(round_index: jax.Array, cfg: FedKDConfig) -> jax.Array:
-    """T for 0-based `round_index`: kd_energy_start at the first round, kd_energy_end at the
+    """T for 0-based `round_index`: energy_start at the first round, energy_end at the
     last."""
     frac = jnp.clip(round_index / max(cfg.rounds - 1, 1), 0.0, 1.0)
-    return cfg.kd_energy_start + (cfg.kd_energy_end - cfg.kd_energy_start) * frac
+    return cfg.energy_start + (cfg.energy_end - cfg.energy_start) * frac
 
 
 def fedkd(cfg: FedKDConfig) -> Algorithm:
@@ -204,9 +214,6 @@ def fedkd(cfg: FedKDConfig) -> Algorithm:
 register(AlgorithmEntry(
     "fedkd", lambda inputs: fedkd(_config(inputs)), shared_model=True,
     schedule_depends_on_rounds=True,
-    check=lambda c: [check_range(c.fedkd[k], 0, 1, f"config.fedkd.{k}", low_open=True)
-                     for k in ("energy_start", "energy_end")],
-    private_optimizer=True, reads=("proxy_dim", "clients.shared_arch", "train.rounds"),
-    summary="FedKD (Wu et al., Nature Communications 2022): distilled mentee, SVD uploads",
-    fields={"fedkd.energy_start": 0.95,  # SVD energy kept in uploads, first round ..
-            "fedkd.energy_end": 0.98}))  # .. raised linearly to this at the last round
+    section=FedKDSection, private_optimizer=True,
+    reads=("proxy_dim", "clients.shared_arch", "train.rounds"),
+    summary="FedKD (Wu et al., Nature Communications 2022): distilled mentee, SVD uploads"))

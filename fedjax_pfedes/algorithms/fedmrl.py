@@ -6,7 +6,7 @@ extractor G (architecture `FedMRLConfig.shared_arch`, its ReLU features) and the
 private heterogeneous extractor F_k. A private lightweight projector fuses them,
 r = P_k([G(x), F_k(x)]) in R^d, and two headers read nested prefixes of r (Matryoshka
 representation learning, Kusupati et al., NeurIPS 2022): the shared header reads r[:d1]
-(`mrl_sub_dim`, 0 = d/2), the private header reads all of r. The local loss is
+(`sub_dim`, 0 = d/2), the private header reads all of r. The local loss is
 CE(shared header) + CE(private header); every part is trained together. Participants upload G and
 the shared header; the server averages them over all cohorts by sample counts. Inference uses the
 private header's output (as in HtFLlib's FedMRL).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,13 @@ from fedjax_pfedes.algorithms.base import (
     classifier_program,
 )
 from fedjax_pfedes.algorithms.lg_fedavg import ClientState
-from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
+from fedjax_pfedes.algorithms.registry import (
+    AlgorithmEntry,
+    BuildInputs,
+    local_override,
+    register,
+)
+from fedjax_pfedes.config.fields import Section, at_least, param
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models import architectures
 from fedjax_pfedes.models.backbones import BACKBONES
@@ -45,26 +52,36 @@ SHARED_KEYS = ("shared_backbone", "shared_header")
 
 
 @dataclasses.dataclass(frozen=True)
-class FedMRLConfig(LocalTrainingConfig):
-    """FedMRL's settings.
+class FedMRLSection(Section):
+    """`config.fedmrl`."""
+
+    SECTION: ClassVar[str] = "fedmrl"
+
+    sub_dim: int = param(0, "the nested (Matryoshka) dimension read by the shared header "
+                         "(<= config.proxy_dim; 0 = half of it)", at_least(0))
+    local_momentum: float = local_override(
+        "local_momentum", 0.0, "its fused representation feeds unnormalized linear headers; "
+        "with momentum 0.9 it diverged on the quick start (docs/baselines.md)")
+
+
+@dataclasses.dataclass(frozen=True)
+class FedMRLConfig(FedMRLSection, LocalTrainingConfig):
+    """FedMRL's settings: its section, local training and
 
     Attributes:
       dim: the fused representation's dimension d (config.proxy_dim).
       shared_arch: the shared small extractor ('' = the modality's default small model;
         config.clients.shared_arch).
-      mrl_sub_dim: the nested (Matryoshka) dimension read by the shared header (<= dim;
-        0 = dim // 2; config.fedmrl.sub_dim).
     """
 
     dim: int = 128
     shared_arch: str = ""
-    mrl_sub_dim: int = 0
 
 
 def _config(inputs: BuildInputs) -> FedMRLConfig:
     c = inputs.settings
-    return FedMRLConfig(**inputs.local_training(), dim=c.proxy_dim,
-                        shared_arch=c.clients.shared_arch, mrl_sub_dim=c.fedmrl.sub_dim)
+    return FedMRLConfig(**inputs.local_training(), **inputs.own(), dim=c.proxy_dim,
+                        shared_arch=c.clients.shared_arch)
 
 
 @struct.dataclass
@@ -109,10 +126,10 @@ def with_shared(params: dict, shared: dict) -> dict:
 
 def fedmrl(cfg: FedMRLConfig) -> Algorithm:
     """Builds FedMRL for heterogeneous cohorts."""
-    sub_dim = cfg.mrl_sub_dim or cfg.dim // 2
+    sub_dim = cfg.sub_dim or cfg.dim // 2
     if not 0 < sub_dim <= cfg.dim:
         raise ValueError(f"config.fedmrl.sub_dim must be in [0, config.proxy_dim="
-                         f"{cfg.dim}] (0 = half of it), got {cfg.mrl_sub_dim}")
+                         f"{cfg.dim}] (0 = half of it), got {cfg.sub_dim}")
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
     small = architectures.shared_arch(cfg.shared_arch, cfg.input_spec)
@@ -187,9 +204,4 @@ register(AlgorithmEntry(
     # model reaches 0.39 of its norm at 250x the round's median (docs/threat_model.md).
     norm_model_ratio=0.5,
     summary="FedMRL (Yi et al., NeurIPS 2024): nested representation learning",
-    fields={
-        "fedmrl.sub_dim": 0,  # nested dim read by the shared header (0 = d/2)
-        # Its fused representation feeds unnormalized linear headers: with momentum 0.9 it
-        # diverged on the quick start (docs/baselines.md); plain SGD (-1 = config.train's).
-        "fedmrl.local_momentum": 0.0,
-    }))
+    section=FedMRLSection))

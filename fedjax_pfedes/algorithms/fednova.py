@@ -13,7 +13,9 @@ and tau_eff = sum_i p_i a_i. When every participant has the same a_i this is Fed
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +27,23 @@ from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_p
 from fedjax_pfedes.algorithms.fedavg import (
     ClientState,
     FedAvgConfig,
-    check_section,
+    FedAvgSection,
     cohort_models,
     fedavg_config,
     init_cohort_models,
 )
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
+from fedjax_pfedes.config.fields import above, param
+
+
+@dataclasses.dataclass(frozen=True)
+class FedNovaSection(FedAvgSection):
+    """`config.fednova`."""
+
+    SECTION: ClassVar[str] = "fednova"
+
+    server_lr: float = param(1.0, "global step size lr_g (1 = the normalized average)",
+                             above(0))
 
 
 @struct.dataclass
@@ -59,7 +72,8 @@ def normalized_aggregate(old: dict, normalized: dict, solver_norms: jax.Array,
 
 
 def fednova(cfg: FedAvgConfig) -> Algorithm:
-    """Builds FedNova per cohort (`cfg.server_lr` is the global step size lr_g)."""
+    """Builds FedNova per cohort (`FedNovaSection.server_lr` is the global step size lr_g)."""
+    section = cfg.section if isinstance(cfg.section, FedNovaSection) else FedNovaSection()
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     model_of = cohort_models(cfg)
 
@@ -81,7 +95,8 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
         for arch, (uploads, weights) in groups.items():
             old = state.params[arch]
             new, total = normalized_aggregate(old, uploads["normalized_update"],
-                                              uploads["solver_norm"], weights, cfg.server_lr)
+                                              uploads["solver_norm"], weights,
+                                              section.server_lr)
             params[arch] = local_training.select_tree(total > 0, new, old)
         return ServerState(params, state.round + 1)
 
@@ -115,6 +130,5 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fednova", lambda inputs: fednova(fedavg_config(inputs, "fednova")), aggregation="per_cohort",
-    check=lambda settings: check_section(settings, "fednova"),
-    summary="FedNova (Wang et al., NeurIPS 2020): normalized averaging, per cohort",
-    fields={"fednova.server_lr": 1.0}))  # global step size (1 = average)
+    section=FedNovaSection,
+    summary="FedNova (Wang et al., NeurIPS 2020): normalized averaging, per cohort"))

@@ -2,7 +2,7 @@
 
 Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients", AAAI 2022.
 Every client model is F_k -> P_k (to a common dimension d) -> H_k, all private. A local step
-minimizes CE(H_k(e), y) + proto_lambda * mean_d (e - global_prototype[y])^2 (the authors' MSE;
+minimizes CE(H_k(e), y) + lam * mean_d (e - global_prototype[y])^2 (the authors' MSE;
 mean over the samples whose class has a global prototype), e = P_k(F_k(x)). After E local epochs
 a participant uploads its class prototypes (mean e per class over its training data) and
 per-class counts; the server's
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -27,30 +28,38 @@ from fedjax_pfedes.algorithms.base import (
     Algorithm,
     CohortProgram,
     LocalTrainingConfig,
-    check_range,
     classifier_program,
 )
 from fedjax_pfedes.algorithms.lg_fedavg import ClientState
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
+from fedjax_pfedes.config.fields import Section, at_least, param
 from fedjax_pfedes.models import architectures
 
 
 @dataclasses.dataclass(frozen=True)
-class FedProtoConfig(LocalTrainingConfig):
-    """FedProto's settings.
+class FedProtoSection(Section):
+    """`config.fedproto`."""
+
+    SECTION: ClassVar[str] = "fedproto"
+
+    lam: float = param(1.0, "weight of the prototype term mean_d (e - global prototype[y])^2",
+                       at_least(0))
+
+
+@dataclasses.dataclass(frozen=True)
+class FedProtoConfig(FedProtoSection, LocalTrainingConfig):
+    """FedProto's settings: its section, local training and
 
     Attributes:
       dim: the dimension d of the prototype space (config.proxy_dim).
-      proto_lambda: the weight of the prototype-regularization term (config.fedproto.lam).
     """
 
     dim: int = 128
-    proto_lambda: float = 1.0
 
 
 def _config(inputs: BuildInputs) -> FedProtoConfig:
-    c = inputs.settings
-    return FedProtoConfig(**inputs.local_training(), dim=c.proxy_dim, proto_lambda=c.fedproto.lam)
+    return FedProtoConfig(**inputs.local_training(), **inputs.own(),
+                          dim=inputs.settings.proxy_dim)
 
 
 @struct.dataclass
@@ -131,7 +140,7 @@ def fedproto(cfg: FedProtoConfig) -> Algorithm:
                     # Mean over the d dimensions, as the authors' code (nn.MSELoss); the sum
                     # over d made the term d times larger and the quick start diverge.
                     dist = jnp.mean((e - protos[y]) ** 2, axis=-1)
-                    return ce + cfg.proto_lambda * local_training.masked_mean(dist, has), ce
+                    return ce + cfg.lam * local_training.masked_mean(dist, has), ce
 
                 grads, ce = jax.grad(loss_fn, has_aux=True)(params)
                 updates, opt_state = local_opt.update(grads, opt_state, params)
@@ -159,7 +168,5 @@ def fedproto(cfg: FedProtoConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fedproto", lambda inputs: fedproto(_config(inputs)), aggregation="custom",
-    check=lambda c: check_range(c.fedproto.lam, 0, None, "config.fedproto.lam"),
-    private_optimizer=True, reads=("proxy_dim",),
-    summary="FedProto (Tan et al., AAAI 2022): class prototypes instead of parameters",
-    fields={"fedproto.lam": 1.0}))  # weight of mean_d (e - global prototype[y])^2
+    section=FedProtoSection, private_optimizer=True, reads=("proxy_dim",),
+    summary="FedProto (Tan et al., AAAI 2022): class prototypes instead of parameters"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,33 +30,41 @@ from fedjax_pfedes.algorithms.base import (
     Algorithm,
     CohortProgram,
     LocalTrainingConfig,
-    check_range,
     classifier_program,
 )
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
+from fedjax_pfedes.config.fields import Section, between, param
 from fedjax_pfedes.models import architectures
 
 
 @dataclasses.dataclass(frozen=True)
-class FMLConfig(LocalTrainingConfig):
-    """FML's settings.
+class FMLSection(Section):
+    """`config.fml`: each model's loss is alpha (or beta) x its CE plus the rest x the KL term
+    to the other model."""
+
+    SECTION: ClassVar[str] = "fml"
+
+    alpha: float = param(0.5, "CE weight of the private model (the rest: KL to the meme)",
+                         between(0, 1, "[]"))
+    beta: float = param(0.5, "CE weight of the shared meme model (the rest: KL to the private "
+                        "one)", between(0, 1, "[]"))
+
+
+@dataclasses.dataclass(frozen=True)
+class FMLConfig(FMLSection, LocalTrainingConfig):
+    """FML's settings: its section, local training and
 
     Attributes:
       shared_arch: the small "meme" model every client shares ('' = the modality's default,
         `architectures.DEFAULT_SHARED_ARCH`; config.clients.shared_arch).
-      fml_alpha, fml_beta: the CE weights of the private and the shared model; the rest of each
-        loss is the KL term to the other model (config.fml.alpha / beta).
     """
 
     shared_arch: str = ""
-    fml_alpha: float = 0.5
-    fml_beta: float = 0.5
 
 
 def _config(inputs: BuildInputs) -> FMLConfig:
-    c = inputs.settings
-    return FMLConfig(**inputs.local_training(), shared_arch=c.clients.shared_arch,
-                     fml_alpha=c.fml.alpha, fml_beta=c.fml.beta)
+    return FMLConfig(**inputs.local_training(), **inputs.own(),
+                     shared_arch=inputs.settings.clients.shared_arch)
 
 
 @struct.dataclass
@@ -115,7 +124,7 @@ def fml(cfg: FMLConfig) -> Algorithm:
             def loss_fn(both):
                 p_logits, m_logits = model.apply(both[0], x), meme_model.apply(both[1], x)
                 loss_p, loss_m, ce_p, ce_m = mutual_losses(p_logits, m_logits, y, mask,
-                                                           cfg.fml_alpha, cfg.fml_beta)
+                                                           cfg.alpha, cfg.beta)
                 # Each loss reaches only its own model: the KL targets are stop-gradients.
                 return loss_p + loss_m, jnp.stack([ce_p, ce_m])
 
@@ -145,8 +154,5 @@ def fml(cfg: FMLConfig) -> Algorithm:
 
 register(AlgorithmEntry(
     "fml", lambda inputs: fml(_config(inputs)), asynchronous=True, shared_model=True,
-    check=lambda c: [check_range(c.fml[k], 0, 1, f"config.fml.{k}") for k in ("alpha", "beta")],
-    private_optimizer=True, reads=("clients.shared_arch",),
-    summary="FML (Shen et al., 2020): mutual learning with a shared meme model",
-    fields={"fml.alpha": 0.5,  # CE weight of the private model (rest: KL to the meme)
-            "fml.beta": 0.5}))  # CE weight of the shared meme model
+    section=FMLSection, private_optimizer=True, reads=("clients.shared_arch",),
+    summary="FML (Shen et al., 2020): mutual learning with a shared meme model"))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -40,37 +41,55 @@ from fedjax_pfedes.algorithms.base import (
     classifier_program,
 )
 from fedjax_pfedes.algorithms.registry import (
-    OPTIMIZER_OVERRIDES,
     AlgorithmEntry,
     BuildInputs,
+    local_override,
     register,
 )
+from fedjax_pfedes.config.fields import Section, above, at_least, between, one_of, param
 from fedjax_pfedes.models import architectures, init_styles
+
+SCHEDULES = ("paper", "interleaved")
 
 
 @dataclasses.dataclass(frozen=True)
-class PFedESPaperConfig(LocalTrainingConfig):
-    """Hyper-parameters of the published pFedES (defaults: the authors' code).
+class PFedESPaperHyper(Section):
+    """The published pFedES's own hyper-parameters (defaults: the authors' code): F trains E
+    epochs on (1 - mu) CE(F(x)) + mu CE(F(G(x))), then G trains E + g_extra_epochs epochs on
+    CE(F(G(x))); SGD with weight decay after global-norm clipping configures both optimizers."""
 
-    `lr_local`, `local_momentum`, `weight_decay`, `grad_clip_norm` (0 = off) configure both
-    optimizers; G's learning rate is `g_lr_ratio * lr_local`. `g_extra_epochs`: G trains that many
-    epochs more than F (paper schedule). `init`: 'flax' (Flax's default initializers) or
-    'pytorch' (PyTorch's default Linear/Conv2d draws, as the authors' models start;
-    `models.init_styles`).
-    """
+    SECTION: ClassVar[str] = "pfedes_paper"
 
-    mu: float = 0.5
-    g_lr_ratio: float = 1.0
-    schedule: str = "paper"
-    g_extra_epochs: int = 10
-    weight_decay: float = 1e-3
-    grad_clip_norm: float = 50.0
-    lr_local: float = 0.01
-    local_momentum: float = 0.9
-    init: str = "flax"
+    mu: float = param(0.5, "weight of CE(F(G(x))) in F's loss", between(0, 1, "[]"))
+    schedule: str = param("paper", "'paper' (F's epochs, then G's) | 'interleaved' (one F, one "
+                          "G step a batch)", one_of(*SCHEDULES))
+    g_extra_epochs: int = param(10, "G trains this many epochs more than F (schedule 'paper')",
+                                at_least(0))
+    weight_decay: float = param(1e-3, "SGD weight decay of both optimizers", at_least(0))
+    grad_clip_norm: float = param(50.0, "global gradient-norm clip of both optimizers (0 = off)",
+                                  at_least(0))
+    g_lr_ratio: float = param(1.0, "G's learning rate = g_lr_ratio x lr_local", above(0))
+    init: str = param("flax", "'flax' (Flax's default initializers) | 'pytorch' (PyTorch's "
+                      "default Linear/Conv2d draws, as the authors' models start)",
+                      one_of(*init_styles.STYLES))
 
 
-SCHEDULES = ("paper", "interleaved")
+@dataclasses.dataclass(frozen=True)
+class PFedESPaperSection(PFedESPaperHyper):
+    """`config.pfedes_paper`: its hyper-parameters and the authors' local optimizer, set here
+    rather than by config.train (both optimizers fresh every round)."""
+
+    lr_local: float = local_override("lr_local", 0.01, "the authors' learning rate")
+    local_momentum: float = local_override("local_momentum", 0.9, "the authors' momentum")
+    reset_local_optimizer: bool = local_override(
+        "reset_local_optimizer", True, "the authors' optimizers start fresh every round")
+    batch_size: int = local_override("batch_size", -1, "-1 = config.train.batch_size (the "
+                                     "authors used 512)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedESPaperConfig(PFedESPaperHyper, LocalTrainingConfig):
+    """The published pFedES's build settings: its hyper-parameters and local training."""
 
 
 def paper_sgd(lr: float, momentum: float, weight_decay: float,
@@ -205,26 +224,11 @@ def g_phase_arrays(data, schedule: local_training.LocalSchedule, extra_epochs: i
 
 
 def _build(inputs: BuildInputs) -> Algorithm:
-    section = {k: v for k, v in inputs.settings.pfedes_paper.to_dict().items()
-               if k not in OPTIMIZER_OVERRIDES}  # those arrive through local_training()
-    return pfedes_paper(PFedESPaperConfig(**inputs.local_training(), **section))
+    return pfedes_paper(PFedESPaperConfig(**inputs.local_training(), **inputs.own()))
 
 
 def _check(settings) -> None:
     section = settings.pfedes_paper
-    if not 0 <= section.mu <= 1:
-        raise ValueError(f"config.pfedes_paper.mu must be in [0, 1], got {section.mu}")
-    if not section.g_lr_ratio > 0:
-        raise ValueError(f"config.pfedes_paper.g_lr_ratio must be > 0, got {section.g_lr_ratio}")
-    if section.schedule not in SCHEDULES:
-        raise ValueError(f"config.pfedes_paper.schedule: unknown '{section.schedule}'; known: "
-                         f"{list(SCHEDULES)}")
-    if section.init not in init_styles.STYLES:
-        raise ValueError(f"config.pfedes_paper.init must be one of {list(init_styles.STYLES)}, "
-                         f"got '{section.init}'")
-    for field in ("g_extra_epochs", "weight_decay", "grad_clip_norm"):
-        if section[field] < 0:
-            raise ValueError(f"config.pfedes_paper.{field} must be >= 0, got {section[field]}")
     if section.schedule == "paper" and settings.system.deadline_s > 0:
         raise ValueError("config.system.deadline_s: the round-deadline model counts one pass "
                          "over the data per local epoch, and pfedes_paper's schedule 'paper' "
@@ -239,21 +243,4 @@ register(AlgorithmEntry(
     # G has 153 parameters; late in training most clients stop moving it while a few still
     # learn, so honest upload norms of one round spread over orders of magnitude (500x the
     # median, 57 robust deviations): the norm rule judges only uploads larger than G itself.
-    norm_model_ratio=1.0,
-    # The published pFedES (Yi et al. AAAI 2025), with the authors' schedule and optimizers: F
-    # trains E epochs on (1 - mu) CE(F(x)) + mu CE(F(G(x))), then G trains E + g_extra_epochs
-    # epochs on CE(F(G(x))); SGD with weight decay after global-norm clipping, both optimizers
-    # fresh every round. Its local optimizer is set here, not by config.train (-1 = inherit).
-    fields={
-        "pfedes_paper.mu": 0.5,
-        "pfedes_paper.schedule": "paper",  # 'paper' | 'interleaved' (one F, one G step a batch)
-        "pfedes_paper.g_extra_epochs": 10,
-        "pfedes_paper.lr_local": 0.01,
-        "pfedes_paper.local_momentum": 0.9,
-        "pfedes_paper.weight_decay": 1e-3,
-        "pfedes_paper.grad_clip_norm": 50.0,  # 0 = off
-        "pfedes_paper.g_lr_ratio": 1.0,  # G's lr = g_lr_ratio * lr_local
-        "pfedes_paper.reset_local_optimizer": True,
-        "pfedes_paper.batch_size": -1,  # -1 = config.train.batch_size (the authors used 512)
-        "pfedes_paper.init": "flax",  # 'flax' | 'pytorch' (PyTorch's default draws, theirs)
-    }))
+    norm_model_ratio=1.0, section=PFedESPaperSection))

@@ -29,6 +29,7 @@ import ml_collections
 
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, with_fresh_local_optimizer
+from fedjax_pfedes.config import fields
 from fedjax_pfedes.config.defaults import core_config
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.errors import ConfigError
@@ -65,6 +66,33 @@ def check_optimizer_overrides(name: str, section: Mapping[str, Any]) -> None:
                          f"config.train.batch_size), got {b}")
 
 
+_OVERRIDE_RANGES = {
+    "lr_local": fields.Range(lambda v: v == -1 or v > 0,
+                             "> 0 (or -1 = config.train.lr_local)"),
+    "local_momentum": fields.Range(lambda v: v == -1 or 0 <= v < 1,
+                                   "in [0, 1) (or -1 = config.train.local_momentum)"),
+    "batch_size": fields.Range(
+        lambda v: v == -1 or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+        "an integer >= 1 (or -1 = config.train.batch_size)"),
+    "reset_local_optimizer": None,
+}
+
+
+def local_override(name: str, default: Any, help: str) -> Any:  # noqa: A002
+    """A method section's field overriding `config.train.<name>` (one of
+    `OPTIMIZER_OVERRIDES`; numbers: -1 = inherit), declared with its range.
+
+    Args:
+      name: the `config.train` field it overrides.
+      default: the method's default.
+      help: why the method sets it.
+
+    Returns:
+      A `config.fields.param`.
+    """
+    return fields.param(default, f"overrides config.train.{name}: {help}", _OVERRIDE_RANGES[name])
+
+
 @dataclasses.dataclass(frozen=True)
 class BuildInputs:
     """What `build` gets: the method's own config values and the facts of the dataset.
@@ -83,6 +111,8 @@ class BuildInputs:
       input_spec: modality, shape and normalization statistics of the inputs.
       local_epochs: the most local epochs any client runs (fewer are masked per client).
       clients_per_arch: how many clients use each architecture.
+      section: the method's own config section (`AlgorithmEntry.section`), built from the
+        config with `**` and checked; None for a method without one.
     """
 
     settings: ml_collections.FrozenConfigDict
@@ -92,10 +122,20 @@ class BuildInputs:
     input_spec: InputSpec
     local_epochs: int
     clients_per_arch: collections.Counter
+    section: fields.Section | None = None
 
     def local_training(self) -> dict:
         """The local-training keyword arguments of every method's config dataclass."""
         return dict(self.local)
+
+    def own(self) -> dict:
+        """The method's own section as keyword arguments ({} without one): a method's config
+        dataclass that derives from its section is built with `**inputs.own()`."""
+        if self.section is None:
+            return {}
+        # its local-optimizer overrides are resolved into `local` (`local_training`)
+        return {f.name: getattr(self.section, f.name) for f in dataclasses.fields(self.section)
+                if f.name not in OPTIMIZER_OVERRIDES}
 
     def dp_sgd(self) -> local_training.DPSGDConfig | None:
         """Sample-level DP-SGD settings (`config.dp_sgd`), or None when it is off."""
@@ -145,10 +185,13 @@ class AlgorithmEntry:
         only the dataset decides (e.g. an extractor of the data's modality); run by
         `engine.validate.check_against_data` once the data is loaded, before building.
       summary: one line for listings, with the paper.
-      fields: the config fields the method owns, with their defaults, as dotted paths
-        ('fedkd.energy_start': its section; 'lam': pFedES's top-level fields). They join the
-        default config (`engine.schema.default_config`); two methods may declare one path
-        only with one default.
+      section: the method's config section: a frozen dataclass deriving from
+        `config.fields.Section` whose `SECTION` is the method's name ('fedkd':
+        `config.fedkd.energy_start`) or '' (pFedES's top-level fields, `config.lam`), every
+        field made with `config.fields.param` (default, help, range). Its fields join the
+        default config (`engine.schema.default_config`), `build` gets it built and checked
+        (`BuildInputs.section`), `launch.methods --fields` lists it; two methods may declare
+        one path only with one default. None: the method has no fields of its own.
       reads: the other config paths its `build` and `check` read ('proxy_dim',
         'clients.shared_arch', 'train.rounds', a section such as 'system'), besides `fields`.
       norm_model_ratio: the norm rule's `config.upload.norm_outlier_model_ratio` for this
@@ -174,7 +217,7 @@ class AlgorithmEntry:
     check: Callable[[ml_collections.FrozenConfigDict], None] | None = None
     check_data: Callable[[ml_collections.FrozenConfigDict, InputSpec], None] | None = None
     summary: str = ""
-    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    section: type[fields.Section] | None = None
     reads: tuple[str, ...] = ()
     norm_model_ratio: float = DEFAULT_NORM_MODEL_RATIO
 
@@ -198,17 +241,49 @@ class AlgorithmEntry:
                 or not set(self.modalities) <= {"image", "text", "tabular"}):
             raise ValueError(f"{where}: modalities must be a non-empty tuple of 'image', "
                              f"'text', 'tabular', got {self.modalities!r}")
-        if not isinstance(self.fields, Mapping) or not all(
-                isinstance(p, str) and p and all(part.isidentifier() for part in p.split("."))
-                for p in self.fields):
-            raise ValueError(f"{where}: fields must map dotted config paths ('{self.name}.x') "
-                             f"to their defaults, got {self.fields!r}")
+        if self.section is not None:
+            if not (isinstance(self.section, type) and issubclass(self.section, fields.Section)
+                    and dataclasses.is_dataclass(self.section)):
+                raise ValueError(f"{where}: section must be a dataclass deriving from "
+                                 f"config.fields.Section, got {self.section!r}")
+            if self.section.SECTION not in (self.name, ""):
+                raise ValueError(f"{where}: its section's SECTION must be '{self.name}' (or '' "
+                                 f"for top-level fields), got '{self.section.SECTION}'")
+            bare = fields.undeclared(self.section)
+            if bare:
+                raise ValueError(f"{where}: field '{bare[0]}' of {self.section.__name__} is not "
+                                 "declared with config.fields.param (default, help, range)")
         if not (isinstance(self.norm_model_ratio, int | float) and self.norm_model_ratio >= 0):
             raise ValueError(f"{where}: norm_model_ratio must be a number >= 0, got "
                              f"{self.norm_model_ratio!r}")
         if isinstance(self.reads, str) or not all(isinstance(p, str) for p in self.reads):
             raise ValueError(f"{where}: reads must be a tuple of config paths, got "
                              f"{self.reads!r}")
+
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The config fields the method owns, {dotted path: default} (from `section`)."""
+        if self.section is None:
+            return {}
+        return {fields.config_path(self.section, name)[len("config."):]: default
+                for name, default in fields.defaults_of(self.section).items()}
+
+    def read_section(self, config: ml_collections.ConfigDict) -> fields.Section | None:
+        """The method's section built from `config` (ConfigError naming a field out of range).
+
+        Local-optimizer overrides the section does not declare (`OPTIMIZER_OVERRIDES`) are
+        `engine.sections.local_optimizer`'s, not the section's."""
+        if self.section is None:
+            return None
+        names = [f.name for f in dataclasses.fields(self.section)]
+        if self.section.SECTION:
+            node = config.get(self.section.SECTION) or {}
+            values = {k: v for k, v in dict(node).items()
+                      if k in names or k not in OPTIMIZER_OVERRIDES}
+        else:
+            values = {k: config[k] for k in names if k in config}
+        return fields.build(self.section, values)
 
 
 _ENTRIES: dict[str, AlgorithmEntry] = {}
@@ -325,7 +400,7 @@ def get(name: str) -> AlgorithmEntry:
     """The entry of `config.algorithm` (ValueError naming the field and the known names)."""
     known = entries()
     if name not in known:
-        raise ValueError(f"config.algorithm: unknown algorithm '{name}'; known: {list(known)}")
+        raise ConfigError(f"config.algorithm: unknown algorithm '{name}'; known: {list(known)}")
     return known[name]
 
 

@@ -20,7 +20,9 @@ Upload size is twice FedAvg's (model + control delta), as in the paper.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +34,26 @@ from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram, classifier_program
 from fedjax_pfedes.algorithms.fedavg import (
     FedAvgConfig,
-    check_section,
+    FedAvgSection,
     cohort_models,
     fedavg_config,
     init_cohort_models,
 )
 from fedjax_pfedes.algorithms.fednova import local_solver_norm
-from fedjax_pfedes.algorithms.registry import AlgorithmEntry, register
+from fedjax_pfedes.algorithms.registry import AlgorithmEntry, local_override, register
+from fedjax_pfedes.config.fields import above, param
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaffoldSection(FedAvgSection):
+    """`config.scaffold`."""
+
+    SECTION: ClassVar[str] = "scaffold"
+
+    server_lr: float = param(1.0, "global step size lr_g (1 = the averaged model)", above(0))
+    local_momentum: float = local_override(
+        "local_momentum", 0.0, "control variates correct plain SGD steps; with momentum 0.9 "
+        "SCAFFOLD diverged on the quick start (docs/baselines.md)")
 
 
 @struct.dataclass
@@ -68,7 +83,8 @@ def server_control_update(control: dict, deltas: dict, weights: jax.Array, num_c
 
 def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
     """Builds SCAFFOLD per cohort; `cohort_sizes[arch]` is N, the cohort's number of clients.
-    `cfg.server_lr` is the global step size lr_g (1 = the averaged model)."""
+    `ScaffoldSection.server_lr` is the global step size lr_g (1 = the averaged model)."""
+    section = cfg.section if isinstance(cfg.section, ScaffoldSection) else ScaffoldSection()
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
     model_of = cohort_models(cfg)
@@ -95,7 +111,7 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
         for arch, (uploads, weights) in groups.items():
             average, total = aggregation.weighted_mean([(uploads["params"], weights)])
             old = state.params[arch]
-            new = jax.tree.map(lambda o, a: (o + cfg.server_lr * (a - o)).astype(o.dtype),
+            new = jax.tree.map(lambda o, a: (o + section.server_lr * (a - o)).astype(o.dtype),
                                old, average)
             params[arch] = local_training.select_tree(total > 0, new, old)
             control[arch] = server_control_update(state.control[arch], uploads["control_delta"],
@@ -149,12 +165,5 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
 register(AlgorithmEntry(
     "scaffold", lambda inputs: scaffold(fedavg_config(inputs, "scaffold"),
                                         inputs.clients_per_arch),
-    aggregation="per_cohort", check=lambda settings: check_section(settings, "scaffold"),
-    summary="SCAFFOLD (Karimireddy et al., ICML 2020): control variates, per cohort",
-    fields={
-        "scaffold.server_lr": 1.0,  # global step size (1 = average)
-        # Control variates correct plain SGD steps; with momentum 0.9 it diverged on the quick
-        # start (docs/baselines.md), so SCAFFOLD's local optimizer is plain SGD (-1 =
-        # config.train's).
-        "scaffold.local_momentum": 0.0,
-    }))
+    aggregation="per_cohort", section=ScaffoldSection,
+    summary="SCAFFOLD (Karimireddy et al., ICML 2020): control variates, per cohort"))

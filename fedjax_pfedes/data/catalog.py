@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fedjax_pfedes.data import sources, text
+from fedjax_pfedes.data import arrays, offline_sources, sources, text
 from fedjax_pfedes.data.femnist import FILES as FEMNIST_FILES
 from fedjax_pfedes.data.femnist import femnist_loader
 from fedjax_pfedes.data.sources import CentralDataset, LoadOptions
@@ -21,14 +21,14 @@ def load_synthetic_text(options: LoadOptions) -> CentralDataset:
 
 
 LOADERS: dict[str, Callable[[LoadOptions], CentralDataset]] = {
-    "mnist5k": sources.load_mnist5k,
-    "mnist_shifted": sources.load_mnist_shifted,
-    "digits": sources.load_sklearn_digits,
-    "breast_cancer": sources.load_breast_cancer,
-    "wine": sources.load_wine,
-    "iris": sources.load_iris,
+    "mnist5k": offline_sources.load_mnist5k,
+    "mnist_shifted": offline_sources.load_mnist_shifted,
+    "digits": offline_sources.load_sklearn_digits,
+    "breast_cancer": offline_sources.load_breast_cancer,
+    "wine": offline_sources.load_wine,
+    "iris": offline_sources.load_iris,
     "synthetic_text": load_synthetic_text,
-    "npz": sources.load_npz,
+    "npz": arrays.load_npz,
     **{name: tfds_loader(name) for name in TFDS_DATASETS},
     **{name: femnist_loader(name) for name in FEMNIST_FILES},
 }
@@ -43,7 +43,7 @@ def register_dataset(name: str, loader: Callable[[LoadOptions], CentralDataset])
       name: the name configs use; a built-in name is refused, a name registered earlier in this
         process is replaced.
       loader: a function of the `LoadOptions` (seed, subsampling, paths) returning the dataset,
-        typically `lambda options: sources.from_arrays(name, x_train, y_train, x_test, y_test,
+        typically `lambda options: arrays.from_arrays(name, x_train, y_train, x_test, y_test,
         options=options)`; pass `client_ids=` there to give each client its own natural group
         (`config.data.partition='natural'`).
     """

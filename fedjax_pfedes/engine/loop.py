@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-from absl import logging
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.engine import asynchronous, rounds, schema, sections
@@ -44,8 +43,8 @@ from fedjax_pfedes.engine.evaluation import (
 from fedjax_pfedes.engine.plateau import PlateauStop
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DivergedError, NothingTrainedError, StorageError
-from fedjax_pfedes.execution import compilation, distributed, offload
-from fedjax_pfedes.io import checkpoints, metrics, storage
+from fedjax_pfedes.execution import compilation, distributed
+from fedjax_pfedes.io import metrics, storage
 from fedjax_pfedes.io.workdir import WorkdirLock, data_fingerprint
 from fedjax_pfedes.tree_util import tree_size
 
@@ -132,90 +131,31 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
         raise ConfigError(str(e)) from None
     writer = out_dir is None
     out_dir = workdir if out_dir is None else out_dir
-    ck = config.checkpoint
-    checkpointer, first_round, meta = None, 0, None
-    if ck.every > 0:
-        if writer:
-            ckpt_dir = os.path.join(workdir, "checkpoints")
-            if not ck.resume and os.path.isdir(ckpt_dir):
-                shutil.rmtree(ckpt_dir)  # start this workdir over
-            checkpointer = checkpoints.Checkpointer(workdir, ck.max_to_keep)
-            meta = checkpointer.check_config(  # before any data is loaded
-                config.to_dict(), schema.default_values())
-        # Over several processes: process 0 chose the round; the others read that checkpoint.
-        chosen = distributed.from_process_0(
-            checkpointer.step if writer and meta is not None else -1)
-        if not writer and chosen >= 0:
-            checkpointer = checkpoints.Checkpointer(workdir, ck.max_to_keep, read_only=True)
-            meta = checkpointer.use_step(chosen, config.to_dict(), schema.default_values())
-        if meta is not None and checkpointer.step > config.train.rounds:
-            raise ConfigError(
-                f"config.train.rounds={config.train.rounds} is below the round of the "
-                f"checkpoint in {checkpointer.directory} ({checkpointer.step}); raise it, or "
-                "start over with --config.checkpoint.resume=False")
+    # the checkpoint to resume from, refused before any data is loaded if it cannot be
+    saving = Checkpointing.open(config, workdir, writer, schema.default_values())
     data = build_federated_data(config)
     fingerprint = data_fingerprint(data)
-    if meta is not None and meta.get("data_fingerprint", fingerprint) != fingerprint:
-        raise ConfigError(
-            f"cannot resume from {checkpointer.directory}/{checkpointer.step}: the data "
-            f"contents changed since it was written (fingerprint {meta['data_fingerprint'][:12]}"
-            f" then, {fingerprint[:12]} now) although the config did not; use another "
-            "--workdir, or --config.checkpoint.resume=False to start over")
+    saving.check_data(fingerprint)
     write_data_profile(data, config.data.partition, out_dir)
-    ctx, state = build_context(config, data, (meta or {}).get("execution_strategy_by_arch"),
-                               out_dir)
+    ctx, state = build_context(config, data, saving.strategies(), out_dir)
     if writer:
-        storage.check_space(workdir, tree_size(state.to_checkpoint())[1], ck.every > 0)
-    if meta is not None:
-        first_round, restored = checkpointer.restore(
-            distributed.process_local(state.to_checkpoint()))
-        if config.execution.client_states == "offload":  # back into the host / disk store
-            restored["clients"] = {a: offload.refill(state.clients[a], r)
-                                   for a, r in restored["clients"].items()}
-        state = state.from_checkpoint(
-            restored, meta["history"],
-            list(meta.get("dp_round_noise_multipliers", []))[:first_round])
-        logging.info("resumed from %s at round %d", checkpointer.directory, first_round)
+        storage.check_space(workdir, tree_size(state.to_checkpoint())[1],
+                            config.checkpoint.every > 0)
+    first_round, state = saving.restore(state, config.execution.client_states == "offload")
     writers = metrics.RunWriters(out_dir, first_round, config.monitor.tensorboard,
                                  config.monitor.client_report)
-    rejected_total = sum(1 for _ in metrics.read_jsonl(writers.rejections.path))
-    batch_size = sections.local_optimizer(config)["batch_size"]
-    batch_rate = {int(cid): min(1.0, min(batch_size, c.train.capacity) / max(n, 1))
-                  for c in ctx.cohorts
-                  for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
     divergence = DivergenceCheck()
     chain = [Evaluation(global_test_set(data, config.eval.global_test_samples, config.seed),
                         evaluation_sample(config.eval.clients, config.seed, ctx.num_clients),
-                        batch_rate),
+                        _batch_rates(config, ctx)),
              divergence, *plateau_stop(config.train), *callbacks, MetricsWriter(writers),
-             ProgressBar(show_progress),
-             Checkpointing(checkpointer, writer, fingerprint)]
+             ProgressBar(show_progress), saving]
     run = RunInfo(config, ctx, out_dir, first_round, config.train.rounds, start)
-    last = state.history[-1] if state.history else {}
-    stopped = None
-    round_fn = asynchronous.async_round if config.asynchronous.enabled else rounds.sync_round
+    rejected_before = sum(1 for _ in metrics.read_jsonl(writers.rejections.path))
     try:
         for cb in chain:
             cb.on_run_start(run)
-        for r in range(first_round, run.rounds):
-            t0 = time.time()
-            state, record, rows, rejections = round_fn(ctx, state, r)
-            jax.block_until_ready(state.server)
-            rejected_total += record["uploads_rejected"]
-            record = {"round": r + 1, **record, "uploads_rejected_total": rejected_total,
-                      "simulated_clock_s": state.clock_s,
-                      "participation_min": int(state.sampler.selected.min()),
-                      "participation_max": int(state.sampler.selected.max()),
-                      **privacy_metrics(ctx.pipeline, state.dp_noise_multipliers)}
-            end = RoundEnd(r + 1, state, record, rows, rejections, t0)
-            for cb in chain:
-                cb.on_round_end(run, end)
-            state = end.state
-            if end.evaluated:
-                last = end.record
-            if end.stop:
-                stopped = end
-                break
+        state, last, stopped = _train(run, state, chain, rejected_before)
         summary = _summary(run, state, last, data, fingerprint, divergence.diverged,
                            stopped, workdir)
         for cb in chain:
@@ -224,7 +164,53 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
         for cb in chain:
             cb.close()
     metrics.write_json(f"{out_dir}/summary.json", summary)
-    diverged = divergence.diverged
+    _refuse_unusable_end(config, ctx, state, divergence.diverged, workdir)
+    return summary
+
+
+def _batch_rates(config: ml_collections.ConfigDict, ctx) -> dict[int, float]:
+    """Each client's batch sampling rate (its batch over its samples; DP-SGD's accountant)."""
+    batch_size = sections.local_optimizer(config)["batch_size"]
+    return {int(cid): min(1.0, min(batch_size, c.train.capacity) / max(n, 1))
+            for c in ctx.cohorts
+            for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
+
+
+def _train(run: RunInfo, state, chain: Sequence[Callback], rejected_total: int):
+    """The rounds from `run.first_round`, each ended through the callbacks.
+
+    Returns:
+      (the last state, the last evaluated round's record, the `RoundEnd` that stopped the run
+      early or None).
+    """
+    config, ctx = run.config, run.ctx
+    round_fn = asynchronous.async_round if config.asynchronous.enabled else rounds.sync_round
+    last = state.history[-1] if state.history else {}
+    for r in range(run.first_round, run.rounds):
+        t0 = time.time()
+        state, record, rows, rejections = round_fn(ctx, state, r)
+        jax.block_until_ready(state.server)
+        rejected_total += record["uploads_rejected"]
+        record = {"round": r + 1, **record, "uploads_rejected_total": rejected_total,
+                  "simulated_clock_s": state.clock_s,
+                  "participation_min": int(state.sampler.selected.min()),
+                  "participation_max": int(state.sampler.selected.max()),
+                  **privacy_metrics(ctx.pipeline, state.dp_noise_multipliers)}
+        end = RoundEnd(r + 1, state, record, rows, rejections, t0)
+        for cb in chain:
+            cb.on_round_end(run, end)
+        state = end.state
+        if end.evaluated:
+            last = end.record
+        if end.stop:
+            return state, last, end
+    return state, last, None
+
+
+def _refuse_unusable_end(config: ml_collections.ConfigDict, ctx, state, diverged,
+                         workdir: str) -> None:
+    """DivergedError / NothingTrainedError for a run whose figures cannot be used as they are
+    (unless the config accepts it); its summary.json is written already."""
     if diverged is not None and not config.train.allow_divergence:
         cause = divergence_cause(config, ctx.pipeline)
         raise DivergedError(
@@ -239,7 +225,6 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
             "train): "
             f"every figure in {workdir}/summary.json describes the initial models; set "
             "--config.train.allow_untrained=True to accept that")
-    return summary
 
 
 def plateau_stop(train: ml_collections.ConfigDict) -> list[Callback]:

@@ -242,8 +242,10 @@ def build_inputs(config: ml_collections.ConfigDict, num_classes: int, input_spec
                  augment=config.train.augment)
     d = config.dp_sgd
     dp_sgd = local_training.DPSGDConfig(d.clip_norm, d.noise_multiplier) if d.enabled else None
+    entry = algorithm_registry.get(config.algorithm)
     return algorithm_registry.BuildInputs(method_settings(config), local, dp_sgd, num_classes,
-                                          input_spec, local_epochs, clients_per_arch)
+                                          input_spec, local_epochs, clients_per_arch,
+                                          section=entry.read_section(config))
 
 
 def build_algorithm(config: ml_collections.ConfigDict, num_classes: int,

@@ -1,6 +1,6 @@
 """Checks an experiment config before any data is loaded or compiled.
 
-Each section checks its own ranges (`config/defaults.py`, built here with `read_section`), each
+Each section checks its own ranges (`config/*_sections.py`, built here with `read_section`), each
 method its own fields (`AlgorithmEntry.check`), each upload stage its own; what is left here are
 the rules that read several sections or another layer's names (a dataset, a partition, a
 sampling rule, an execution strategy). Every error names the offending field, e.g.
@@ -14,7 +14,7 @@ import math
 import ml_collections
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
-from fedjax_pfedes.config.defaults import SECTIONS, read_section
+from fedjax_pfedes.config.defaults import SECTIONS, read_section, read_top_level
 from fedjax_pfedes.data import augmentation
 from fedjax_pfedes.data.catalog import LOADERS
 from fedjax_pfedes.data.federated import PARTITIONS
@@ -35,10 +35,6 @@ from fedjax_pfedes.models.architectures import (
 )
 from fedjax_pfedes.models.probe import check_backbone
 from fedjax_pfedes.upload.pipeline import check_compatible
-
-# Largest representation width of the proxy / projection: a classifier over 2**16 features per
-# class is already far beyond any model here (2**31 ran XLA out of memory).
-MAX_PROXY_DIM = 65536
 
 
 def aggregation_kind(algorithm: str) -> str:
@@ -104,17 +100,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              if unknown else "")
     bad = _non_finite_fields(config)
     _require(not bad, bad[0] if bad else "")
-    try:
-        entry = algorithm_registry.get(config.algorithm)
-        for name in SECTIONS:  # each section's own ranges (config/defaults.py)
-            read_section(config, name)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _require(isinstance(config.seed, int) and 0 <= config.seed < 2 ** 32,
-             f"config.seed must be an integer in [0, 2**32), got {config.seed!r}")
-    # the common feature dimension d of pFedES and the heterogeneous baselines
-    _require(0 < config.proxy_dim <= MAX_PROXY_DIM,
-             f"config.proxy_dim must be in [1, {MAX_PROXY_DIM}], got {config.proxy_dim}")
+    read_top_level(config)  # each section checks its own ranges (ConfigError naming the field)
+    for name in SECTIONS:
+        read_section(config, name)
+    entry = algorithm_registry.get(config.algorithm)
     try:
         protocol.resolve_strategy(config.execution.strategy)
         if protocol.needs_mesh(config.execution.strategy):
@@ -125,6 +114,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         attacks.attack_config(config.attack, config.data.num_clients)
         algorithm_registry.check_optimizer_overrides(entry.name,
                                                      config.get(entry.name) or {})
+        entry.read_section(config)  # the method's own ranges
         if entry.check is not None:
             entry.check(sections.method_settings(config))
     except ValueError as e:

@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 from configs import tabular_hetero
-from fedjax_pfedes.algorithms.fedavg import fedavg
+from fedjax_pfedes.algorithms.fedavg import (
+    FedAdamSection,
+    FedAvgMSection,
+    FedProxSection,
+    fedavg,
+)
 from fedjax_pfedes.algorithms.fedproto import FedProtoConfig
 from fedjax_pfedes.algorithms.lg_fedavg import LGFedAvgConfig
 from fedjax_pfedes.algorithms.standalone import standalone
@@ -55,7 +60,7 @@ def test_fedprox_with_mu_zero_equals_fedavg_and_mu_pulls_toward_the_global_model
     cfg = dict(batch_size=4, local_epochs=2)
     runs = {}
     for name, mu in (("fedavg", 0.0), ("fedprox0", 0.0), ("fedprox", 5.0)):
-        alg = fedavg(_cfg(prox_mu=mu, name=name, **cfg))
+        alg = fedavg(_cfg(section=FedProxSection(mu=mu), name=name, **cfg))
         server = alg.init_server(jax.random.key(0), ("mlp",))
         program = alg.cohort_program("mlp")
         runs[name] = (server.params["mlp"], program.client_update(
@@ -75,7 +80,8 @@ def test_fedprox_two_steps_match_the_proximal_gradient_by_hand():
     """Step 1 starts at w_g (prox gradient 0); step 2 adds mu * (w1 - w_g)."""
     mu, lr = 3.0, 0.1
     data = _data(n=16, capacity=16)
-    alg = fedavg(_cfg(prox_mu=mu, batch_size=16, local_epochs=2, lr_local=lr))
+    alg = fedavg(_cfg(section=FedProxSection(mu=mu), batch_size=16, local_epochs=2,
+                      lr_local=lr))
     server = alg.init_server(jax.random.key(0), ("mlp_small",))
     program = alg.cohort_program("mlp_small")
     upload, _, _ = program.client_update(server.params["mlp_small"],
@@ -117,7 +123,7 @@ def test_server_averages_per_cohort_by_sample_counts_and_skips_empty_cohorts():
 
 def test_fedavgm_applies_heavy_ball_momentum_to_the_pseudo_gradient():
     lr, beta = 0.5, 0.9
-    alg = fedavg(_cfg(server_optimizer="sgd_momentum", server_lr=lr, server_momentum=beta))
+    alg = fedavg(_cfg(section=FedAvgMSection(server_lr=lr, server_momentum=beta)))
     s0 = alg.init_server(jax.random.key(0), ("mlp_small",))
     g = 0.2  # every round the clients' average sits 0.2 below the current model
     weights = jnp.array([1.0, 3.0])
@@ -135,7 +141,7 @@ def test_fedavgm_applies_heavy_ball_momentum_to_the_pseudo_gradient():
 
 def test_fedadam_first_step_is_lr_times_sign_scaled_by_eps():
     lr, eps = 0.01, 1e-3
-    alg = fedavg(_cfg(server_optimizer="adam", server_lr=lr, adam_eps=eps))
+    alg = fedavg(_cfg(section=FedAdamSection(server_lr=lr, eps=eps)))
     s0 = alg.init_server(jax.random.key(0), ("mlp_small",))
     w0 = s0.params["mlp_small"]
     g = 0.05

@@ -250,7 +250,7 @@ def test_fedkd_svd_keeps_the_fewest_singular_values_reaching_the_energy():
     tree = {"kernel": jnp.asarray(m, jnp.float32), "bias": jnp.ones(5)}
     _, sent = compress_update(tree, 0.9)
     assert float(sent) == 2 * (6 + 5 + 1) + 5
-    cfg = _hetero(FedKDConfig, rounds=11, kd_energy_start=0.9, kd_energy_end=0.95)
+    cfg = _hetero(FedKDConfig, rounds=11, energy_start=0.9, energy_end=0.95)
     np.testing.assert_allclose([energy_threshold(0, cfg), energy_threshold(5, cfg),
                                 energy_threshold(10, cfg)], [0.9, 0.925, 0.95], rtol=1e-6)
 
@@ -258,7 +258,7 @@ def test_fedkd_svd_keeps_the_fewest_singular_values_reaching_the_energy():
 def test_fedkd_uploads_the_compressed_mentee_update_and_server_adds_the_mean():
     from fedjax_pfedes.algorithms.fedkd import fedkd
 
-    alg = fedkd(_hetero(FedKDConfig, kd_energy_start=0.5, kd_energy_end=0.5))
+    alg = fedkd(_hetero(FedKDConfig, energy_start=0.5, energy_end=0.5))
     server = alg.init_server(jax.random.key(0), ("mlp",))
     prog = alg.cohort_program("mlp")
     up, _, m = prog.client_update(alg.broadcast(server, "mlp"), prog.init_client(
@@ -322,7 +322,7 @@ def test_fedgh_uploads_class_prototypes_of_its_trained_model_with_the_global_hea
 def test_fedmrl_shares_the_small_model_and_its_header_reads_only_the_nested_prefix():
     from fedjax_pfedes.algorithms.fedmrl import SHARED_KEYS, MatryoshkaModel, fedmrl
 
-    alg = fedmrl(_hetero(FedMRLConfig, dim=6, mrl_sub_dim=2))
+    alg = fedmrl(_hetero(FedMRLConfig, dim=6, sub_dim=2))
     server = alg.init_server(jax.random.key(0), ("mlp",))
     assert set(server.shared) == set(SHARED_KEYS)
     assert server.shared["shared_header"]["kernel"].shape == (2, 3)

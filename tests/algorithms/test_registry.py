@@ -8,6 +8,7 @@ from fl_helpers import SPEC
 
 import fedjax_pfedes
 from fedjax_pfedes.algorithms import registry
+from fedjax_pfedes.config import fields
 from fedjax_pfedes.engine import sections
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError
@@ -18,16 +19,20 @@ def _register_mine(seen: list):
     fedavg = registry.get("fedavg")
 
     def build(inputs):
-        seen.append(inputs.settings)
+        seen.append(inputs)
         return dataclasses.replace(fedavg.build(inputs), name="mine")
 
-    def check(settings):
-        if not 0 <= settings.mine.weight <= 1:
-            raise ValueError(f"config.mine.weight must be in [0, 1], got {settings.mine.weight}")
-
     return registry.register(registry.AlgorithmEntry(
-        "mine", build, aggregation="per_cohort", check=check,
-        fields={"mine.weight": 0.25}, reads=("proxy_dim", "train.rounds")))
+        "mine", build, aggregation="per_cohort", section=MineSection,
+        reads=("proxy_dim", "train.rounds")))
+
+
+@dataclasses.dataclass(frozen=True)
+class MineSection(fields.Section):
+    """`config.mine`: a user's section, each field declared once."""
+
+    SECTION = "mine"
+    weight: float = fields.param(0.25, "the weight of my term", fields.between(0, 1, "[]"))
 
 
 def test_a_method_brings_its_fields_and_sees_only_what_it_declared():
@@ -41,7 +46,8 @@ def test_a_method_brings_its_fields_and_sees_only_what_it_declared():
         config.mine.weight = 0.5
         validate_config(config)
         sections.build_algorithm(config, 3, SPEC, 1, collections.Counter({"mlp_small": 2}))
-        view = seen[-1]
+        view = seen[-1].settings
+        assert seen[-1].section == MineSection(weight=0.5)  # built from the config, checked
         assert view.mine.weight == 0.5 and view.proxy_dim == config.proxy_dim
         assert view.train.rounds == config.train.rounds and view.algorithm == "mine"
         assert set(view.train.keys()) == {"rounds"}  # only the declared field of the section
@@ -57,21 +63,28 @@ def test_a_method_brings_its_fields_and_sees_only_what_it_declared():
     assert "mine" not in fedjax_pfedes.default_config()
 
 
+@dataclasses.dataclass(frozen=True)
+class TwinSection(fields.Section):
+    """Top-level fields, as pFedES's: one named as pFedES's, at another default."""
+
+    SECTION = ""
+    lam: float = fields.param(0.9, "a twin's weight")
+
+
 def test_two_methods_may_not_declare_one_field_with_two_defaults():
-    fedprox = registry.get("fedprox")
-    twin = dataclasses.replace(fedprox, name="fedprox_twin", fields={"fedprox.mu": 0.5})
-    with pytest.raises(ValueError, match=r"AlgorithmEntry\('fedprox_twin'\): field "
-                                         r"'config\.fedprox\.mu' is declared by 'fedprox' too, "
-                                         r"with default 0\.01 \(here 0\.5\)"):
+    twin = dataclasses.replace(registry.get("fedavg"), name="pfedes_twin", section=TwinSection)
+    with pytest.raises(ValueError, match=r"AlgorithmEntry\('pfedes_twin'\): field "
+                                         r"'config\.lam' is declared by 'pfedes' too, "
+                                         r"with default 0\.5 \(here 0\.9\)"):
         registry.register(twin)  # refused when registered, naming both
-    assert "fedprox_twin" not in registry.entries()
-    registry._ENTRIES["fedprox_twin"] = twin  # past the registration check: still caught
+    assert "pfedes_twin" not in registry.entries()
+    registry._ENTRIES["pfedes_twin"] = twin  # past the registration check: still caught
     try:
-        with pytest.raises(ValueError, match=r"config\.fedprox\.mu: declared by 'fedprox' with "
-                                             r"default 0\.01 and by 'fedprox_twin' with 0\.5"):
+        with pytest.raises(ValueError, match=r"config\.lam: declared by 'pfedes' with "
+                                             r"default 0\.5 and by 'pfedes_twin' with 0\.9"):
             fedjax_pfedes.default_config()
     finally:
-        registry._ENTRIES.pop("fedprox_twin", None)
+        registry._ENTRIES.pop("pfedes_twin", None)
 
 
 def test_a_declared_read_the_config_lacks_is_named():

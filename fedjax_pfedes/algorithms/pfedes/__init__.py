@@ -18,7 +18,6 @@ described below (the authors' published schedule is `pfedes_paper.py`):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import jax
@@ -35,9 +34,12 @@ from fedjax_pfedes.algorithms.base import (
 from fedjax_pfedes.algorithms.pfedes import alignment, client_program, proxy_init
 from fedjax_pfedes.algorithms.pfedes.client_program import ClientState  # noqa: F401
 from fedjax_pfedes.algorithms.pfedes.hyperparameters import (  # noqa: F401  (the API)
+    MULTI_SCALE_BODIES,
     PROXY_LR_RULES,
     SYMMETRIC_ALIGNMENTS,
     PFedESConfig,
+    PFedESSection,
+    parse_scales,
     proxy_learning_rate,
 )
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
@@ -61,10 +63,11 @@ class ServerState:
 
 def pfedes(cfg: PFedESConfig) -> Algorithm:
     """Builds the pFedES algorithm for a dataset described by `cfg`."""
-    scales = len(cfg.proxy_scales)
+    weights = cfg.scale_weights()
+    scales = len(weights)
     proxy = architectures.proxy_model(cfg.proxy_arch, cfg.proxy_dim, cfg.input_spec, scales)
     align = alignment.multi_scale(alignment.get_alignment(cfg.align, cfg.contrastive_temperature),
-                                  cfg.proxy_scales)
+                                  weights)
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     lr_proxy = proxy_learning_rate(cfg)
     dummy_x = cfg.input_spec.dummy_batch()
@@ -107,71 +110,14 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
                      mean_server_step=True,
                      client_report_metrics=("align_loss_at_start", "align_loss_at_end"))
 
-# pFedES's config fields: top-level, the flagship's (docs/guide/configs.md gives the usual
-# ranges). The common feature dimension d (`config.proxy_dim`) is shared with the heterogeneous
-# baselines and lives in the core config.
-FIELDS = {
-    "lam": 0.5,  # weight of the alignment loss; 0.1-1.0, 2.0 collapses
-    "align": "mse",  # 'mse' | 'cosine' | 'contrastive' (InfoNCE)
-    "contrastive_temperature": 0.1,  # InfoNCE temperature (align='contrastive' only)
-    # E_proxy body: image 'proxy_cnn' | 'proxy_mlp', tabular 'proxy_mlp', text 'proxy_text'
-    "proxy_arch": "proxy_cnn",
-    # E_proxy's step relative to the private model's. proxy_lr_rule 'effective': a ratio of
-    # effective (momentum-adjusted) steps, lr_proxy = ratio * lr_local * (1 - proxy_momentum)
-    # / (1 - train.local_momentum) (= lr_local at the defaults); 'raw': lr_proxy = ratio *
-    # lr_local, which with local momentum 0.9 made E_proxy's effective step 1% of the private one.
-    "proxy_lr_ratio": 0.1,
-    "proxy_lr_rule": "effective",
-    "projection_layernorm": False,  # LayerNorm after the projection head's ReLU
-    "warmup_steps": 0,  # first W local steps of a client: backbone frozen
-    "server_momentum": 0.5,  # beta: new = beta * old + (1 - beta) * average
-    # The two stop-gradients of the design (finding F5 turns them off): E_proxy's output is a
-    # constant in the local step / the private embedding is a constant in E_proxy's step.
-    "stop_gradient_proxy": True,
-    "stop_gradient_local": True,
-    # Heavy-ball momentum of E_proxy's local SGD (0 = plain SGD, the design; its trace restarts
-    # every round, as E_proxy arrives fresh from the server).
-    "proxy_momentum": 0.0,
-    # Start E_proxy from a saved one instead of a random initialization ('' = random), e.g. one
-    # pretrained on the public share of the data: python -m launch.pretrain_proxy
-    # (docs/guide/configs.md).
-    "proxy_init": "",
-    # Multi-scale alignment: one weight per E_proxy scale ('1.0' = single scale). E.g. '1.0,0.5'
-    # also aligns a second client projection head with E_proxy's last conv layer (proxy_cnn).
-    "proxy_scales": "1.0",
-}
-
-
 def _build(inputs: BuildInputs) -> Algorithm:
     c = inputs.settings
     return pfedes(PFedESConfig(
-        **inputs.local_training(), lam=c.lam, align=c.align,
-        contrastive_temperature=c.contrastive_temperature, proxy_dim=c.proxy_dim,
-        proxy_arch=c.proxy_arch, proxy_lr_ratio=c.proxy_lr_ratio,
-        projection_layernorm=c.projection_layernorm, warmup_steps=c.warmup_steps,
-        server_momentum=c.server_momentum, dp_sgd=inputs.dp_sgd(),
-        stop_gradient_proxy=c.stop_gradient_proxy, stop_gradient_local=c.stop_gradient_local,
-        proxy_momentum=c.proxy_momentum, proxy_lr_rule=c.proxy_lr_rule,
-        proxy_init=proxy_init.resolve(c.proxy_init, c.seed),
-        proxy_scales=parse_scales(c.proxy_scales),
+        **inputs.local_training(),
+        **{**inputs.own(), "proxy_init": proxy_init.resolve(c.proxy_init, c.seed)},
+        proxy_dim=c.proxy_dim, dp_sgd=inputs.dp_sgd(),
         align_diagnostics=c.monitor.aggregation_loss))
 
-
-def parse_scales(text: str) -> tuple[float, ...]:
-    """`config.proxy_scales` ('1.0' or '1.0,0.5,...') as weights; ValueError naming the field."""
-    try:
-        weights = tuple(float(v) for v in str(text).split(","))
-    except ValueError:
-        raise ValueError(f"config.proxy_scales: '{text}' is not a comma-separated list of "
-                         "weights, e.g. '1.0,0.5'") from None
-    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
-        raise ValueError(f"config.proxy_scales: weights must be finite, >= 0 and not all 0; "
-                         f"got '{text}'")
-    return weights
-
-
-# E_proxy bodies with intermediate layers to tap for config.proxy_scales.
-MULTI_SCALE_BODIES = ("proxy_cnn",)
 
 # Settings that decide which samples form the pool (and so its public share).
 POOL_FIELDS = ("data.name", "seed", "data.max_train_samples", "data.global_test_fraction",
@@ -214,30 +160,10 @@ def check_proxy_init(settings) -> None:
                              "samples. Set the same values, or pretrain again")
 
 
-def _check(settings) -> None:  # pFedES's view of the config (`BuildInputs.settings`)
-    for ok, message in (
-            (settings.lam >= 0, f"config.lam must be >= 0, got {settings.lam}"),
-            (settings.proxy_lr_ratio >= 0, "config.proxy_lr_ratio must be >= 0 (0 = E_proxy "
-             f"frozen), got {settings.proxy_lr_ratio}"),
-            (0 <= settings.server_momentum < 1,
-             f"config.server_momentum must be in [0, 1), got {settings.server_momentum}"),
-            (settings.warmup_steps >= 0,
-             f"config.warmup_steps must be >= 0, got {settings.warmup_steps}"),
-            (settings.contrastive_temperature > 0, "config.contrastive_temperature must be > 0, "
-             f"got {settings.contrastive_temperature}")):
-        if not ok:
-            raise ValueError(message)
-    alignment.get_alignment(settings.align)
-    architectures.check_proxy(settings.proxy_arch)
-    scales = parse_scales(settings.proxy_scales)
-    if len(scales) > 1 and settings.proxy_arch not in MULTI_SCALE_BODIES:
-        raise ValueError(f"config.proxy_scales: {len(scales)} scales need a conv E_proxy "
-                         f"({list(MULTI_SCALE_BODIES)}), config.proxy_arch is "
-                         f"'{settings.proxy_arch}'")
+def _check(settings) -> None:
+    """The rules of a run's config beyond `PFedESSection`'s ranges and names."""
     if settings.proxy_init:
         check_proxy_init(settings)
-    if not 0 <= settings.proxy_momentum < 1:
-        raise ValueError(f"config.proxy_momentum must be in [0, 1), got {settings.proxy_momentum}")
     coupled = [f for f in ("stop_gradient_proxy", "stop_gradient_local") if not settings[f]]
     if coupled and settings.align in SYMMETRIC_ALIGNMENTS:
         same = ("config.lam + 1" if coupled == ["stop_gradient_local"]
@@ -247,9 +173,6 @@ def _check(settings) -> None:  # pFedES's view of the config (`BuildInputs.setti
                          f"symmetric loss) is the design's step with {same}, not a new "
                          "dynamics; use config.align='contrastive', or change lam / "
                          "proxy_lr_ratio")
-    if settings.proxy_lr_rule not in PROXY_LR_RULES:
-        raise ValueError(f"config.proxy_lr_rule must be one of {list(PROXY_LR_RULES)}, got "
-                         f"'{settings.proxy_lr_rule}'")
     if settings.dp_sgd.enabled and not (settings.stop_gradient_proxy
                                         and settings.stop_gradient_local):
         raise ValueError("config.dp_sgd.enabled needs config.stop_gradient_proxy and "
@@ -264,7 +187,7 @@ register(AlgorithmEntry(
     "pfedes", _build, asynchronous=True, dp_sgd=True, check=_check, proxy_init=True,
     private_optimizer=True, norm_model_ratio=0.0,  # its proxy's updates are ~0.006 of it
     summary="pFedES, feature alignment to a shared proxy extractor (docs/design.md)",
-    fields=FIELDS,
+    section=PFedESSection,
     check_data=lambda settings, spec: architectures.check_proxy(settings.proxy_arch,
                                                                  modality=spec.modality),
     reads=("proxy_dim", "dp_sgd.enabled", "monitor.aggregation_loss", *POOL_FIELDS)))

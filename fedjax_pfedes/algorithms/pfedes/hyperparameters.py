@@ -1,15 +1,102 @@
-"""pFedES's hyper-parameters (`PFedESConfig`) and the rule for E_proxy's learning rate."""
+"""pFedES's config section (`PFedESSection`: each field declared once), its build settings
+(`PFedESConfig`) and the rule for E_proxy's learning rate."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import ClassVar
 
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import LocalTrainingConfig
+from fedjax_pfedes.algorithms.pfedes import alignment
+from fedjax_pfedes.config.fields import Section, above, at_least, between, one_of, param
+from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.models import architectures
+
+PROXY_LR_RULES = ("effective", "raw")
+
+# Alignment losses with align(a, b) = align(b, a): removing a stop-gradient only rescales lam or
+# E_proxy's learning rate (see PFedESConfig), so a run's config check refuses that combination
+# (building PFedESConfig directly allows it: the tests compare the two).
+SYMMETRIC_ALIGNMENTS = ("mse", "cosine")
+
+# E_proxy bodies with intermediate layers to tap for config.proxy_scales.
+MULTI_SCALE_BODIES = ("proxy_cnn",)
+
+
+def parse_scales(text: str) -> tuple[float, ...]:
+    """`config.proxy_scales` ('1.0' or '1.0,0.5,...') as weights; ValueError naming the field."""
+    try:
+        weights = tuple(float(v) for v in str(text).split(","))
+    except ValueError:
+        raise ConfigError(f"config.proxy_scales: '{text}' is not a comma-separated list of "
+                          "weights, e.g. '1.0,0.5'") from None
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+        raise ConfigError(f"config.proxy_scales: weights must be finite, >= 0 and not all 0; "
+                          f"got '{text}'")
+    return weights
 
 
 @dataclasses.dataclass(frozen=True)
-class PFedESConfig(LocalTrainingConfig):
+class PFedESSection(Section):
+    """pFedES's config fields: at the top level of the config (`config.lam`), the flagship's
+    (docs/guide/configs.md gives the usual ranges). The common feature dimension d
+    (`config.proxy_dim`) is shared with the heterogeneous baselines and lives in the core."""
+
+    SECTION: ClassVar[str] = ""
+
+    lam: float = param(0.5, "weight of the alignment loss (0.1-1.0 usual; 2.0 collapses)",
+                       at_least(0))
+    align: str = param("mse", "'mse' | 'cosine' | 'contrastive' (InfoNCE)")
+    contrastive_temperature: float = param(0.1, "InfoNCE temperature (align='contrastive')",
+                                           above(0))
+    proxy_arch: str = param("proxy_cnn", "E_proxy's body: image 'proxy_cnn' | 'proxy_mlp', "
+                            "tabular 'proxy_mlp', text 'proxy_text'")
+    proxy_lr_ratio: float = param(
+        0.1, "E_proxy's step relative to the private model's (proxy_lr_rule says how)",
+        at_least(0, " (0 = E_proxy frozen)"))
+    proxy_lr_rule: str = param(
+        "effective", "'effective': a ratio of momentum-adjusted steps, lr_proxy = ratio x "
+        "lr_local x (1 - proxy_momentum) / (1 - train.local_momentum) (= lr_local at the "
+        "defaults); 'raw': ratio x lr_local, which with local momentum 0.9 made E_proxy's "
+        "effective step 1% of the private one", one_of(*PROXY_LR_RULES))
+    projection_layernorm: bool = param(False, "LayerNorm after the projection head's ReLU")
+    warmup_steps: int = param(0, "first W local steps of a client: backbone frozen",
+                              at_least(0))
+    server_momentum: float = param(0.5, "beta: new = beta x old + (1 - beta) x average",
+                                   between(0, 1, "[)"))
+    stop_gradient_proxy: bool = param(
+        True, "E_proxy's output is a constant in the local step (the design; finding F5 turns "
+        "it off)")
+    stop_gradient_local: bool = param(
+        True, "the private embedding is a constant in E_proxy's step (the design)")
+    proxy_momentum: float = param(
+        0.0, "heavy-ball momentum of E_proxy's local SGD (its trace restarts every round, as "
+        "E_proxy arrives fresh from the server)", between(0, 1, "[)"))
+    proxy_init: str = param(
+        "", "start E_proxy from a saved one ('' = random), e.g. one pretrained on the public "
+        "share of the data by `launch.pretrain_proxy`; '{seed}' stands for the run's seed")
+    proxy_scales: str = param(
+        "1.0", "multi-scale alignment: one weight per E_proxy scale ('1.0' = single scale; "
+        "'1.0,0.5' also aligns a second projection head with E_proxy's last conv layer)")
+
+    def scale_weights(self) -> tuple[float, ...]:
+        """`proxy_scales` as weights."""
+        return parse_scales(self.proxy_scales)
+
+    def check(self) -> None:
+        alignment.get_alignment(self.align)
+        architectures.check_proxy(self.proxy_arch)
+        scales = self.scale_weights()
+        if len(scales) > 1 and self.proxy_arch not in MULTI_SCALE_BODIES:
+            raise ConfigError(f"config.proxy_scales: {len(scales)} scales need a conv E_proxy "
+                              f"({list(MULTI_SCALE_BODIES)}), config.proxy_arch is "
+                              f"'{self.proxy_arch}'")
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedESConfig(PFedESSection, LocalTrainingConfig):
     """Hyper-parameters of pFedES (defaults inside the ranges of docs/guide/configs.md).
 
     `stop_gradient_proxy` / `stop_gradient_local` (both True in the design, docs/design.md):
@@ -26,13 +113,13 @@ class PFedESConfig(LocalTrainingConfig):
     over the other side's batch), and there the coupled step is a different update.
 
     `proxy_scales`: alignment weight of each E_proxy scale (the design's multi-scale extension):
-    (1.0,) is the single-scale algorithm; with S weights E_proxy also emits features of its S - 1
+    '1.0' is the single-scale algorithm; with S weights E_proxy also emits features of its S - 1
     last conv layers (`models.registry.ProxyExtractor`), every client gets one projection head
     per scale, and the alignment loss is sum_s w_s align(P_k^s(z), E_proxy^s(x)) on both sides.
 
-    `proxy_init`: path of a saved E_proxy (`launch.pretrain_proxy`; `{seed}` in the config value
-    stands for the run's seed, `proxy_init.resolve`) to start from instead of a
-    random initialization ('' = random).
+    `proxy_init`: path of a saved E_proxy (`launch.pretrain_proxy`; the build resolves the config
+    value's `{seed}`, `proxy_init.resolve`) to start from instead of a random initialization
+    ('' = random).
 
     `align_diagnostics`: report `align_loss_at_start` / `align_loss_at_end` (two extra forward
     passes of the private model and of E_proxy on a batch of rows per client and round, about
@@ -52,30 +139,11 @@ class PFedESConfig(LocalTrainingConfig):
     E_proxy its effective step is 0.01x the private one and E_proxy hardly moves.
     """
 
-    lam: float = 0.5
-    align: str = "mse"
-    contrastive_temperature: float = 0.1
     proxy_dim: int = 128
-    proxy_arch: str = "proxy_cnn"
-    proxy_lr_ratio: float = 0.1
-    projection_layernorm: bool = False
-    warmup_steps: int = 0
-    server_momentum: float = 0.5
     dp_sgd: local_training.DPSGDConfig | None = None
-    stop_gradient_proxy: bool = True
-    stop_gradient_local: bool = True
-    proxy_momentum: float = 0.0
-    proxy_lr_rule: str = "effective"
-    proxy_init: str = ""
-    proxy_scales: tuple[float, ...] = (1.0,)
     align_diagnostics: bool = True
 
 
-PROXY_LR_RULES = ("effective", "raw")
-
-# Alignment losses with align(a, b) = align(b, a): removing a stop-gradient only rescales lam or
-# E_proxy's learning rate (see PFedESConfig), so `_check` refuses that combination.
-SYMMETRIC_ALIGNMENTS = ("mse", "cosine")
 
 
 def proxy_learning_rate(cfg: PFedESConfig) -> float:

@@ -371,7 +371,7 @@ def test_proxy_momentum_matches_heavy_ball_on_e_proxy_over_three_steps():
 
 
 def test_one_proxy_scale_is_the_single_scale_algorithm():
-    """proxy_scales=(1.0,) builds the same parameters and takes the same steps as the default."""
+    """proxy_scales='1.0' builds the same parameters and takes the same steps as the default."""
     from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
     from fedjax_pfedes.data.spec import InputSpec
 
@@ -380,7 +380,7 @@ def test_one_proxy_scale_is_the_single_scale_algorithm():
     data = ClientArrays(jnp.asarray(rng.uniform(size=(8, 8, 8, 1)), jnp.float32),
                         jnp.asarray(rng.integers(0, 3, 8), jnp.int32), jnp.int32(8))
     results = []
-    for scales in ((1.0,), None):
+    for scales in ("1.0", None):
         kw = {} if scales is None else {"proxy_scales": scales}
         alg = pfedes(PFedESConfig(num_classes=3, input_spec=spec, proxy_dim=4, batch_size=4,
                                   lr_local=0.1, **kw))
@@ -403,7 +403,7 @@ def test_multi_scale_alignment_matches_a_hand_computed_weighted_sum():
     spec = InputSpec("image", (8, 8, 1), "float32", (0.0,), (1.0,))
     lam, w, lr = 0.7, (1.0, 0.25), 0.1
     alg = pfedes(PFedESConfig(num_classes=3, input_spec=spec, proxy_dim=4, batch_size=8,
-                              lr_local=lr, lam=lam, proxy_scales=w))
+                              lr_local=lr, lam=lam, proxy_scales="1.0,0.25"))
     program = alg.cohort_program("convnet3")
     proxy_params = alg.broadcast(alg.init_server(jax.random.key(0)), "")
     state = program.init_client(jax.random.key(1))

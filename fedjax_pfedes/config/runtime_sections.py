@@ -1,0 +1,128 @@
+"""`config.system`, `config.asynchronous`, `config.execution`, `config.distributed`: the
+simulated clients' reliability and timing, and how the simulation runs on the machine."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from fedjax_pfedes.config.fields import Section, above, at_least, one_of, param
+from fedjax_pfedes.errors import ConfigError
+
+STALENESS = ("constant", "polynomial", "hinge")
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemSection(Section):
+    """`config.system`: unreliable clients (docs/guide/clients.md); the defaults model none."""
+
+    SECTION: ClassVar[str] = "system"
+
+    availability: str = param("1.0", "P(online) per round; '0.9,0.5' = classes, equal shares")
+    availability_period: int = param(0, "> 0: reachable only in a window of duty x period")
+    availability_duty: float = param(0.5, "rounds per period (random phase per client)")
+    dropout: float = param(0.0, "P(a selected client fails before uploading)")
+    speed_classes: str = param("1.0", "step-time multipliers, e.g. '1,2,4' (equal shares)")
+    step_time_s: float = param(0.05, "simulated seconds per local step, fastest class")
+    time_jitter: float = param(0.0, "per-round log-normal sigma on a client's step time")
+    upload_mbps: str = param("10", "uplink Mbit/s: one value or one per speed class")
+    download_mbps: str = param("50", "downlink Mbit/s")
+    deadline_s: float = param(0.0, "round deadline in simulated seconds (0 = none)")
+    deadline_policy: str = param("drop", "late clients: 'drop' | 'partial' (steps in time)")
+    failure_decay: float = param(0.5, "sampling weight x decay^(consecutive failures)")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsynchronousSection(Section):
+    """`config.asynchronous`: buffered asynchronous aggregation (FedBuff, Nguyen et al. 2022):
+    the server steps whenever buffer_size updates have arrived in simulated time; one round =
+    one server step."""
+
+    SECTION: ClassVar[str] = "asynchronous"
+
+    enabled: bool = param(False, "buffered asynchronous rounds")
+    concurrency: int = param(10, "clients training at any time")
+    buffer_size: int = param(5, "K updates per server step", at_least(1).when_enabled())
+    staleness: str = param("polynomial", "'constant' | 'polynomial' | 'hinge'",
+                           one_of(*STALENESS).when_enabled())
+    staleness_exponent: float = param(0.5, "polynomial: (1 + tau)^-a",
+                                      at_least(0).when_enabled())
+    hinge_a: float = param(10.0, "hinge: 1 if tau <= b else 1 / (a (tau - b) + 1)",
+                           at_least(0).when_enabled())
+    hinge_b: float = param(4.0, "hinge: b", at_least(0).when_enabled())
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionSection(Section):
+    """`config.execution`: how a cohort's clients run on the devices (same numbers for any)."""
+
+    SECTION: ClassVar[str] = "execution"
+
+    strategy: str = param(
+        "loop", "'loop' | 'vmap' | 'shard' | 'scan' | 'auto' (times the applicable ones per "
+        "cohort at start-up, keeps the cheapest). 'shard' splits each round's participants "
+        "over the devices of a mesh: the multi-GPU / TPU strategy. 'scan' runs a round's "
+        "participants through one compiled lax.scan: the cross-device strategy")
+    scan_chunk: int = param(1, "'scan': participants vmapped per iteration",
+                            at_least(1, integer=True))
+    scan_held_uploads: int = param(
+        8, "'scan' sums the uploads as they are made when the server step is a weighted mean; "
+        "this many uploads per cohort are held aside for the norm rule, which may reject at "
+        "most that many of a cohort in a round", at_least(1, integer=True))
+    devices: int = param(0, "devices of the 'shard' mesh (0 = all local devices)")
+    eval_memory_budget_gb: float = param(
+        4.0, "'vmap' / 'shard': memory one vectorized evaluation call may take; a cohort that "
+        "needs more is evaluated in chunks of clients (same numbers for any value)", above(0))
+    loop_threads: int = param(
+        0, "'loop': host threads that train participants at the same time (0 = this process's "
+        "CPU cores on a CPU backend, 1 on an accelerator; same numbers for any value)",
+        at_least(0, " (0 = the CPU cores)", integer=True))
+    cpu_kernels: str = param(
+        "xla", "kernels of the clients' programs on a CPU backend: 'xla' (XLA:CPU's choice: "
+        "YNNPACK) | 'eigen' (XLA's Eigen kernels: faster for CNNs on an AVX2 CPU) | 'auto' "
+        "(both timed per cohort at start-up); equal up to float reassociation")
+    client_states: str = param(
+        "device", "where the clients' private states and data live: 'device' (stacked on the "
+        "accelerator) | 'offload' (host memory, gathered per round for the participants: "
+        "10,000+ clients, docs/guide/scale.md)")
+    client_state_budget_gb: float = param(
+        8.0, "'offload': host memory all cohorts' states may take; above it they are "
+        "memory-mapped files in client_state_dir")
+    client_state_dir: str = param("", "'offload': folder of those files ('' = "
+                                  "<workdir>/client_states)")
+    unroll_local_steps: bool = param(
+        False, "True: every client runs its cohort's padded schedule as one unrolled scan (the "
+        "reference the default rolled loop is tested against)")
+    compilation_cache_dir: str = param(
+        "default", "JAX's persistent compilation cache: a second identical run loads its "
+        "compiled programs ('default' = $XDG_CACHE_HOME or ~/.cache, /fedjax_pfedes/jax; '' "
+        "= off)")
+
+    def check(self) -> None:
+        if self.client_states != "offload":
+            return
+        if not self.client_state_budget_gb > 0:
+            raise ConfigError("config.execution.client_state_budget_gb must be > 0, got "
+                             f"{self.client_state_budget_gb!r}")
+        if self.strategy == "auto":
+            raise ConfigError("config.execution.client_states='offload' needs an explicit "
+                             "config.execution.strategy ('loop', 'vmap', 'shard' or "
+                             "'scan'), not 'auto'")
+        if self.cpu_kernels == "auto":
+            raise ConfigError("config.execution.client_states='offload' needs explicit "
+                             "config.execution.cpu_kernels ('xla' or 'eigen'), not 'auto'")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSection(Section):
+    """`config.distributed`: several processes (hosts) in one run (`jax.distributed`;
+    docs/guide/scale.md): start the same command once per process with its own process_id."""
+
+    SECTION: ClassVar[str] = "distributed"
+
+    coordinator_address: str = param(
+        "", "'' = one process; 'host:port' of process 0; 'auto' = read the cluster's "
+        "environment (TPU pod slice, SLURM)")
+    num_processes: int = param(1, "processes of the run")
+    process_id: int = param(0, "this process's index")
+    cpu_collectives: str = param("gloo", "between CPU processes: 'gloo' | 'mpi'")
