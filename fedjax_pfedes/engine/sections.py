@@ -20,7 +20,7 @@ from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.upload import compression, privacy, stages
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
-from fedjax_pfedes.upload.pipeline import PipelineConfig
+from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def uniformly_random_selection(config: ml_collections.ConfigDict) -> bool:

@@ -34,7 +34,7 @@ from fedjax_pfedes.models.architectures import (
     uses_batch_norm,
 )
 from fedjax_pfedes.models.probe import check_backbone
-from fedjax_pfedes.upload.pipeline import check_compatible
+from fedjax_pfedes.upload.settings import check_compatible
 
 
 def aggregation_kind(algorithm: str) -> str:
