@@ -53,7 +53,7 @@ def stream_reducer(settings: RoundSettings, algorithm, pipeline: UploadPipeline)
     if pipeline.active:
         return None
     factor, _ = outlier_rule(pipeline.cfg)
-    hold = settings.scan_held_uploads if factor > 0 else 0
+    hold = settings.execution.scan_held_uploads if factor > 0 else 0
     return functools.partial(streaming.reducer, hold,
                              reject_nonfinite=bool(pipeline.cfg.reject_nonfinite))
 

@@ -162,7 +162,7 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
         logging.warning("round %d: upload of client %d rejected: %s", round_index + 1,
                         r["client"], r["reason"])
     trained_ids = np.array(sorted(trained.client_metrics), np.int64)
-    monitor = ctx.settings.monitor_aggregation_loss and len(trained_ids) > 0
+    monitor = ctx.settings.monitor.aggregation_loss and len(trained_ids) > 0
     before = participants_metrics(ctx, server_state, clients, trained_ids) if monitor else {}
     previous = server_state
     server_state = ctx.server_step(server_state, groups)
@@ -259,7 +259,7 @@ def prefetch_upcoming(ctx: RunContext, clients: dict[str, Any], sampler: samplin
     recorded yet, so with reliability weights or stratified quotas it can differ). A hint only:
     nothing computed depends on it."""
     cohorts = [c for c in ctx.cohorts if c.runner.prefetch is not None]
-    if not cohorts or round_index >= ctx.settings.rounds:
+    if not cohorts or round_index >= ctx.settings.train.rounds:
         return
     upcoming, _ = select_clients(ctx, copy.deepcopy(sampler), round_index)
     for cohort in cohorts:
@@ -340,7 +340,7 @@ def sync_round(ctx: RunContext, state: SimState, round_index: int
     trained, clients = train_participants(ctx, state.server, state.clients, runs,
                                           fold_in(ctx.train_key, round_index), limits)
     after_training = {}
-    if ctx.settings.evaluate_after_training and trained.client_metrics:
+    if ctx.settings.eval.after_training and trained.client_metrics:
         # Each participant right after its local training, before the server step (the
         # published pFedES code's evaluation protocol).
         after_training = {"participants_accuracy_after_training": participants_metrics(

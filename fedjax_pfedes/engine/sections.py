@@ -17,6 +17,14 @@ import ml_collections
 
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms import registry as algorithm_registry
+from fedjax_pfedes.config.defaults import (
+    AsynchronousSection,
+    EvalSection,
+    ExecutionSection,
+    MonitorSection,
+    TrainSection,
+    read_section,
+)
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.upload import compression, privacy, stages
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
@@ -115,53 +123,44 @@ def _value_at(config: ml_collections.ConfigDict, path: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class AsyncSettings:
-    """Buffered asynchronous rounds (FedBuff; `config.asynchronous`)."""
-
-    concurrency: int          # clients training at any time
-    buffer_size: int          # updates per server step (K)
-    staleness: str            # 'constant' | 'polynomial' | 'hinge'
-    staleness_exponent: float
-    hinge_a: float
-    hinge_b: float
-
-
-@dataclasses.dataclass(frozen=True)
 class RoundSettings:
-    """What a run's rounds read of the config (`engine.rounds`, `engine.asynchronous`)."""
+    """What a run's rounds read of the config (`engine.rounds`, `engine.asynchronous`): the
+    built sections themselves.
+
+    Attributes:
+      seed: `config.seed`.
+      train: `config.train` (rounds, sampling, client fraction).
+      monitor: `config.monitor` (the participants' losses before / after the server step).
+      eval: `config.eval` (each participant right after training).
+      execution: `config.execution` (the uploads a streamed 'scan' round holds for the norm
+        rule).
+      asynchronous: `config.asynchronous` when enabled, else None (synchronous rounds).
+    """
 
     seed: int
-    rounds: int
-    client_fraction: float
-    sampling: str                   # 'uniform' | 'poisson' | 'stratified' | 'coverage'
-    coverage_candidates: int
-    monitor_aggregation_loss: bool  # participants' losses before / after the server step
-    evaluate_after_training: bool   # each participant right after training
-    scan_held_uploads: int          # uploads a streamed 'scan' round may hold for the norm rule
-    asynchronous: AsyncSettings | None = None  # None: synchronous rounds
+    train: TrainSection
+    monitor: MonitorSection
+    eval: EvalSection
+    execution: ExecutionSection
+    asynchronous: AsynchronousSection | None = None
 
 
 def round_settings(config: ml_collections.ConfigDict) -> RoundSettings:
     """`RoundSettings` from an experiment config's `seed`, `train`, `monitor`, `eval`,
-    `execution` and `asynchronous` sections.
+    `execution` and `asynchronous` sections, each built with `**` (`read_section`).
 
     Args:
-      config: the experiment config (validated).
+      config: the experiment config.
 
     Returns:
       The rounds' settings.
     """
-    t, a = config.train, config.asynchronous
+    asynchronous = read_section(config, "asynchronous")
     return RoundSettings(
-        seed=int(config.seed), rounds=int(t.rounds), client_fraction=float(t.client_fraction),
-        sampling=str(t.sampling), coverage_candidates=int(t.coverage_candidates),
-        monitor_aggregation_loss=bool(config.monitor.aggregation_loss),
-        evaluate_after_training=bool(config.eval.after_training),
-        scan_held_uploads=int(config.execution.scan_held_uploads),
-        asynchronous=(AsyncSettings(int(a.concurrency), int(a.buffer_size), str(a.staleness),
-                                    float(a.staleness_exponent), float(a.hinge_a),
-                                    float(a.hinge_b))
-                      if a.enabled else None))
+        seed=int(config.seed), train=read_section(config, "train"),
+        monitor=read_section(config, "monitor"), eval=read_section(config, "eval"),
+        execution=read_section(config, "execution"),
+        asynchronous=asynchronous if asynchronous.enabled else None)
 
 
 def method_settings(config: ml_collections.ConfigDict, name: str | None = None

@@ -45,7 +45,7 @@ def replay_rounds(ctx: context.RunContext) -> dict[str, np.ndarray]:
     sampler = sampling.SamplerState.create(ctx.num_clients, int(ctx.strata.max()) + 1)
     out: dict[str, list] = {"selected": [], "delivered": [], "round_s": [], "waiting_s": [],
                             "past_deadline": [], "dropped_out": []}
-    for r in range(ctx.settings.rounds):
+    for r in range(ctx.settings.train.rounds):
         selected, _ = rounds.select_clients(ctx, sampler, r)
         timing = rounds.simulate_selected(ctx, r, selected)
         delivered = timing.clients[timing.trains]

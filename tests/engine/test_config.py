@@ -122,19 +122,21 @@ def test_cifar_config_stops_with_preparation_instructions(tmp_path):
 
 
 def test_round_settings_read_their_sections_and_nothing_else():
-    from fedjax_pfedes.engine.sections import AsyncSettings, round_settings
+    from fedjax_pfedes.config.defaults import AsynchronousSection
+    from fedjax_pfedes.engine.sections import round_settings
 
     config = quickstart.get_config()
     config.seed, config.train.rounds, config.train.sampling = 7, 12, "poisson"
     config.train.client_fraction, config.monitor.aggregation_loss = 0.25, True
     s = round_settings(config)
-    assert (s.seed, s.rounds, s.sampling, s.client_fraction) == (7, 12, "poisson", 0.25)
-    assert s.monitor_aggregation_loss and s.asynchronous is None
-    assert s.scan_held_uploads == config.execution.scan_held_uploads
+    assert (s.seed, s.train.rounds, s.train.sampling, s.train.client_fraction) == (
+        7, 12, "poisson", 0.25)
+    assert s.monitor.aggregation_loss and s.asynchronous is None
+    assert s.execution.scan_held_uploads == config.execution.scan_held_uploads
     config.asynchronous.enabled, config.asynchronous.buffer_size = True, 3
     config.asynchronous.staleness = "hinge"
     a = round_settings(config).asynchronous
-    assert isinstance(a, AsyncSettings) and (a.buffer_size, a.staleness) == (3, "hinge")
+    assert isinstance(a, AsynchronousSection) and (a.buffer_size, a.staleness) == (3, "hinge")
     assert a.concurrency == config.asynchronous.concurrency
     before = round_settings(config)
     config.lam, config.upload.norm_outlier_factor = 123.0, 0.0  # other sections' fields
