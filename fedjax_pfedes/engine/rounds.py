@@ -229,19 +229,19 @@ def select_clients(ctx: RunContext, sampler: sampling.SamplerState, round_index:
         eligible &= ~excluded
     weights = (np.ones(n) if ctx.system.all_reliable
                else sampling.reliability_weights(sampler, ctx.system.failure_decay))
-    m = sampling.participants_per_round(n, s.client_fraction) if count is None else count
-    if s.sampling == "poisson" and count is None:
-        planned: float = s.client_fraction * n
-        selected = sampling.weighted_poisson(s.seed, round_index, s.client_fraction,
+    m = sampling.participants_per_round(n, s.train.client_fraction) if count is None else count
+    if s.train.sampling == "poisson" and count is None:
+        planned: float = s.train.client_fraction * n
+        selected = sampling.weighted_poisson(s.seed, round_index, s.train.client_fraction,
                                              eligible, weights)
-    elif s.sampling == "stratified" and count is None:
+    elif s.train.sampling == "stratified" and count is None:
         planned = m
         selected = sampling.stratified_sample(s.seed, round_index, m, eligible, weights,
                                               ctx.strata, sampler)
-    elif s.sampling == "coverage" and count is None:
+    elif s.train.sampling == "coverage" and count is None:
         planned = m
         selected = sampling.coverage_sample(s.seed, round_index, m, eligible, weights,
-                                            ctx.label_counts, s.coverage_candidates)
+                                            ctx.label_counts, s.train.coverage_candidates)
     else:
         planned = m
         selected = sampling.weighted_uniform(s.seed, round_index, m, eligible, weights)
