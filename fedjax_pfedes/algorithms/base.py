@@ -157,6 +157,10 @@ class Algorithm:
       client_report_metrics: per-client training metrics (of `client_update`) that go into
         clients.jsonl next to the engine's own columns (pFedES: its alignment loss at the start
         and end of local training, for finding F4).
+      encoded_upload_params: (a cohort's per-client training metrics, on the host) -> the count
+        of numbers each client's upload encodes to, for an upload that is sent compressed
+        (FedKD's SVD factors); None: the upload template's size. The round's traffic figures
+        read it; the engine names no metric of its own for it.
 
     Every evaluation metric named `test_<name>_loss` is also measured on the round's
     participants right before and after the server step while `config.monitor.aggregation_loss`
@@ -177,6 +181,7 @@ class Algorithm:
     server_metrics: Callable[[PyTree, PyTree], dict[str, jax.Array]] | None = None
     mean_server_step: bool = False
     client_report_metrics: tuple[str, ...] = ()
+    encoded_upload_params: Callable[[dict], Any] | None = None
 
 
 def with_fresh_local_optimizer(program: CohortProgram) -> CohortProgram:

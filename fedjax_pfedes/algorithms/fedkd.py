@@ -209,7 +209,8 @@ def fedkd(cfg: FedKDConfig) -> Algorithm:
         return classifier_program(init_client, client_update, predict)
 
     return Algorithm("fedkd", init_server, broadcast, upload_template, server_update,
-                     cohort_program)
+                     cohort_program,
+                     encoded_upload_params=lambda metrics: metrics["upload_encoded_params"])
 
 register(AlgorithmEntry(
     "fedkd", lambda inputs: fedkd(_config(inputs)), shared_model=True,

@@ -104,8 +104,8 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
             {**{k: np.asarray(v, np.float64)[rows] for k, v in host.items()},
              UPLOAD_NORM: np.asarray(norms, np.float64)[rows]}))
         upload = tree_size(template)
-        if "upload_encoded_params" in host:  # compressed uploads (FedKD's SVD)
-            encoded = float(host["upload_encoded_params"][valid].mean())
+        if ctx.algorithm.encoded_upload_params is not None:  # sent compressed
+            encoded = float(np.asarray(ctx.algorithm.encoded_upload_params(host))[valid].mean())
             upload = (encoded, encoded * upload[1] / max(upload[0], 1))
         traffic.append((int(valid.sum()), *upload, *tree_size(broadcast)))
     return (Trained(uploads, ClientMetrics.concatenate(client_metrics), traffic, useful,
