@@ -110,16 +110,18 @@ def write_data_profile(data: FederatedData, partition: str, workdir: str) -> Dat
     return profile
 
 
-def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData):
+def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData,
+                    section=...):
     """The configured algorithm (`config.algorithm`, from the algorithm registry) for the
-    dataset's shapes and statistics."""
+    dataset's shapes and statistics; `section`: the method's section as validation built it
+    (left out: built from `config`)."""
     c = data.central
     # Static local epochs: the most any client runs (fewer are masked by ClientArrays.step_limit).
     epochs = int(client_epochs(config, np.array([len(i) for i in data.train_indices])).max())
     archs = assign_architectures(config.clients.architectures, data.num_clients)
     try:
         return sections.build_algorithm(config, c.num_classes, c.input_spec, epochs,
-                                        collections.Counter(archs))
+                                        collections.Counter(archs), section)
     except ValueError as e:  # a setting that does not fit the dataset, naming the field
         raise ConfigError(f"{e} (config.data.name='{config.data.name}')") from None
 
@@ -187,7 +189,8 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     resumed run keeps its original choice, so its numbers continue bit for bit); otherwise
     'auto' measures them (`execution.choice`). `workdir`: the run's folder (offloaded client
     states that exceed their memory budget go under it)."""
-    algorithm = build_algorithm(config, data)
+    valid = validate_config(config)  # the run's validation, its sections built once
+    algorithm = build_algorithm(config, data, valid.method)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
     requested = protocol.resolve_strategy(config.execution.strategy)
     mesh = (placement.client_mesh(config.execution.devices)
@@ -245,7 +248,7 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     # Per-client facts (and streaming under 'scan') in the training program: built once, the
     # same objects for the strategy measurement and the rounds (part of the programs' identity).
     finish = finishing.upload_finish(algorithm, pipeline)
-    settings = round_settings(config)
+    settings = round_settings(config, valid.sections)
     reducer = finishing.stream_reducer(settings, algorithm, pipeline)
     choices = {}
     # Clients that train per round, on average (FedBuff: the buffer's worth of arrivals).

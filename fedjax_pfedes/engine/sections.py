@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Mapping
 
 import ml_collections
 
@@ -25,6 +26,7 @@ from fedjax_pfedes.config.defaults import (
     TrainSection,
     read_section,
 )
+from fedjax_pfedes.config.fields import Section
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.upload import compression, privacy, stages
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
@@ -145,21 +147,25 @@ class RoundSettings:
     asynchronous: AsynchronousSection | None = None
 
 
-def round_settings(config: ml_collections.ConfigDict) -> RoundSettings:
+def round_settings(config: ml_collections.ConfigDict,
+                   built: Mapping[str, Section] | None = None) -> RoundSettings:
     """`RoundSettings` from an experiment config's `seed`, `train`, `monitor`, `eval`,
-    `execution` and `asynchronous` sections, each built with `**` (`read_section`).
+    `execution` and `asynchronous` sections.
 
     Args:
       config: the experiment config.
+      built: its sections as validation built them (`ValidConfig.sections`); None builds them
+        here with `**` (`read_section`).
 
     Returns:
       The rounds' settings.
     """
-    asynchronous = read_section(config, "asynchronous")
+    def section(name: str) -> Section:
+        return built[name] if built is not None else read_section(config, name)
+    asynchronous = section("asynchronous")
     return RoundSettings(
-        seed=int(config.seed), train=read_section(config, "train"),
-        monitor=read_section(config, "monitor"), eval=read_section(config, "eval"),
-        execution=read_section(config, "execution"),
+        seed=int(config.seed), train=section("train"), monitor=section("monitor"),
+        eval=section("eval"), execution=section("execution"),
         asynchronous=asynchronous if asynchronous.enabled else None)
 
 
@@ -218,7 +224,8 @@ def local_optimizer(config: ml_collections.ConfigDict) -> dict:
 
 
 def build_inputs(config: ml_collections.ConfigDict, num_classes: int, input_spec: InputSpec,
-                 local_epochs: int, clients_per_arch: collections.Counter
+                 local_epochs: int, clients_per_arch: collections.Counter,
+                 section: Section | None | type(...) = ...
                  ) -> algorithm_registry.BuildInputs:
     """What the configured method's `build` gets (`algorithms.registry.BuildInputs`).
 
@@ -228,6 +235,8 @@ def build_inputs(config: ml_collections.ConfigDict, num_classes: int, input_spec
       input_spec: modality, shape and normalization statistics of the inputs.
       local_epochs: the most local epochs any client runs.
       clients_per_arch: how many clients use each architecture.
+      section: the method's section as validation built it (`ValidConfig.method`); left out,
+        it is built here from `config`.
 
     Returns:
       The method's settings view, its local-training settings and DP-SGD's, with the facts.
@@ -241,15 +250,17 @@ def build_inputs(config: ml_collections.ConfigDict, num_classes: int, input_spec
                  augment=config.train.augment)
     d = config.dp_sgd
     dp_sgd = local_training.DPSGDConfig(d.clip_norm, d.noise_multiplier) if d.enabled else None
-    entry = algorithm_registry.get(config.algorithm)
+    if section is ...:
+        section = algorithm_registry.get(config.algorithm).read_section(config)
     return algorithm_registry.BuildInputs(method_settings(config), local, dp_sgd, num_classes,
                                           input_spec, local_epochs, clients_per_arch,
-                                          section=entry.read_section(config))
+                                          section=section)
 
 
 def build_algorithm(config: ml_collections.ConfigDict, num_classes: int,
                     input_spec: InputSpec, local_epochs: int,
-                    clients_per_arch: collections.Counter):
+                    clients_per_arch: collections.Counter,
+                    section: Section | None | type(...) = ...):
     """The configured method, built from the registry (`algorithms.registry.build`).
 
     Args:
@@ -258,10 +269,12 @@ def build_algorithm(config: ml_collections.ConfigDict, num_classes: int,
       input_spec: as `build_inputs`.
       local_epochs: as `build_inputs`.
       clients_per_arch: as `build_inputs`.
+      section: as `build_inputs`.
 
     Returns:
       The `Algorithm`.
     """
-    inputs = build_inputs(config, num_classes, input_spec, local_epochs, clients_per_arch)
+    inputs = build_inputs(config, num_classes, input_spec, local_epochs, clients_per_arch,
+                          section)
     return algorithm_registry.build(config.algorithm, inputs,
                                     local_optimizer(config)["reset_local_optimizer"])
