@@ -148,115 +148,148 @@ def _check_flags(argv: list[str]) -> tuple[list[float], list[float | str]]:
     return grid, server_grid
 
 
+def _checked_methods(config, central) -> None:
+    """The flags that name methods and seeds, and every method's config against the data,
+    checked before the first run starts (ConfigError naming the flag or field)."""
+    known = algorithm_registry.names()
+    unknown = [a for a in _ALGORITHMS.value if a not in known]
+    if unknown:
+        raise ConfigError(f"--algorithms: unknown {unknown}; known: {list(known)}")
+    if not 1 <= _SEEDS.value < lr_tuning.TUNING_SEED_OFFSET:
+        raise ConfigError(f"--seeds must be in [1, {lr_tuning.TUNING_SEED_OFFSET}), got "
+                          f"{_SEEDS.value}")
+    lr_tuning.check_unseen_seeds(config, _UNSEEN.value, _SEEDS.value)
+    if _VARIANT.value and _LR_GRID.value:
+        raise ConfigError("--lr_grid tunes --algorithms; it does not combine with --variant")
+    chosen = config.algorithm
+    for name in [config.algorithm] if _VARIANT.value else _ALGORITHMS.value:
+        config.algorithm = name
+        validate_config(config)
+        check_against_data(config, central)
+    config.algorithm = chosen
+
+
+def _header(config, server_grid) -> str:
+    """The comparison's first line: population, rounds, seeds and how rates were tuned."""
+    header = (f"{config.data.name}, {config.data.num_clients} clients "
+              f"({config.clients.architectures}), partition {config.data.partition}, "
+              f"{config.train.rounds} rounds, {_SEEDS.value} seed(s); accuracy at the last "
+              "round.")
+    if _LR_GRID.value:
+        header += (f" Learning rate per method tuned over {_LR_GRID.value} (effective "
+                   f"steps at momentum {config.train.local_momentum:g}) on validation "
+                   f"splits of seed {lr_tuning.tuning_seed(config)}, which is not "
+                   "reported; a rate that diverges on a reported seed is dropped."
+                   + (f" Server learning rates over {server_grid} for the methods that "
+                      "have one." if server_grid else ""))
+    return header
+
+
+def _variants_and_pairs(config) -> tuple[dict[str, dict], dict[str, str]]:
+    """The arms (--algorithms or --variant, each config checked) and --paired_with's pairs."""
+    variants = ({a: {"algorithm": a} for a in _ALGORITHMS.value} if not _VARIANT.value
+                else parse_variants(_VARIANT.value))
+    for name, overrides in variants.items():
+        unknown = experiments.unknown_fields(config, overrides)
+        if unknown:
+            raise ConfigError(f"--variant={name}: unknown config field(s) {unknown}")
+        validate_config(experiments.with_overrides(config, overrides))
+    paired = {}
+    for item in _PAIRED.value:
+        arm, eq, ref = item.partition("=")
+        if not eq or arm not in variants or ref not in variants:
+            raise ConfigError(f"--paired_with: '{item}' must be ARM=REFERENCE with both "
+                              f"among {list(variants)}")
+        paired[arm] = ref
+    return variants, paired
+
+
+class _Report:
+    """comparison.md / .json / accuracy_curves.png in the workdir, rewritten after every seed
+    so an interrupted comparison leaves a table."""
+
+    def __init__(self, header: str, paired: dict[str, str], names: list[str]):
+        self.header, self.paired, self.names = header, paired, names
+        self.unseen: dict[str, list[dict]] = {}
+
+    def write(self, results: dict[str, list[dict]]) -> str:
+        done = {k: v for k, v in results.items() if v}
+        if not done:
+            raise ConfigError(f"--report_only: no finished run in {_WORKDIR.value} for these "
+                              "methods and this config")
+        seeds_done = min(len(v) for v in done.values())
+        table = seed_range_tables(done, self.paired, _SEEDS.value)
+        unseen = {k: v for k, v in self.unseen.items() if v}
+        if unseen:
+            first = _UNSEEN.value
+            table += (f"\n\n**Seeds {first}-{first + _SEEDS.value - 1}**, which neither "
+                      "the tuning nor the table above used (same rates):\n\n"
+                      + seed_range_tables(unseen, self.paired, _SEEDS.value))
+        absent = [k for k in self.names if k not in done]
+        note = "" if seeds_done == _SEEDS.value and not absent else (
+            f" (partial: {seeds_done} of {_SEEDS.value} seeds so far"
+            + (f"; not finished yet: {', '.join(absent)}" if absent else "") + ")")
+        with open(os.path.join(_WORKDIR.value, "comparison.md"), "w") as f:
+            f.write(self.header + note + "\n\n" + table + "\n")
+        with open(os.path.join(_WORKDIR.value, "comparison.json"), "w") as f:
+            json.dump(done, f, indent=1)
+        if unseen:
+            with open(os.path.join(_WORKDIR.value, "comparison_unseen.json"), "w") as f:
+                json.dump(unseen, f, indent=1)
+        title = self.header.split(";")[0].replace(f"{_SEEDS.value} seed(s)",
+                                                  f"{seeds_done} of {_SEEDS.value} seed(s)")
+        experiments.accuracy_curves(done, os.path.join(_WORKDIR.value, "accuracy_curves.png"),
+                                    title)
+        return table
+
+
+def _reported_seeds(config, variants, grid, server_grid, report: _Report):
+    """Tunes the rates (with --lr_grid) and runs the reported seeds until no chosen rate
+    diverges on a further seed (each pass sets one aside).
+
+    Returns:
+      (results by arm, the arms as run, the learning-rate grid's table or '').
+    """
+    tuning = ""
+    while True:
+        if _LR_GRID.value:
+            variants, tuning = lr_tuning.tune_learning_rates(
+                config, _ALGORITHMS.value, grid, _WORKDIR.value, server_grid,
+                _PROGRESS.value, _REUSE.value, not _REPORT_ONLY.value)
+        results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
+                                       _PROGRESS.value, reuse=_REUSE.value,
+                                       on_seed_done=report.write,
+                                       run_missing=not _REPORT_ONLY.value)
+        moved = [] if not _LR_GRID.value or _REPORT_ONLY.value else (
+            lr_tuning.set_aside_diverged(config, results, variants, _WORKDIR.value))
+        if not moved:
+            return results, variants, tuning
+        print("diverged at the chosen rate, choosing the next best: " + "; ".join(moved))
+
+
 def main(argv: list[str]) -> None:
     grid, server_grid = _check_flags(argv)
     config = loaded_config(_CONFIG)
+    tuning = ""
     try:
-        known = algorithm_registry.names()
-        unknown = [a for a in _ALGORITHMS.value if a not in known]
-        if unknown:
-            raise ConfigError(f"--algorithms: unknown {unknown}; known: {list(known)}")
-        if not 1 <= _SEEDS.value < lr_tuning.TUNING_SEED_OFFSET:
-            raise ConfigError(f"--seeds must be in [1, {lr_tuning.TUNING_SEED_OFFSET}), got "
-                              f"{_SEEDS.value}")
-        lr_tuning.check_unseen_seeds(config, _UNSEEN.value, _SEEDS.value)
         # A diverging method or learning rate is a result (marked in the table, the worst rate
         # of a grid), not the end of the comparison.
         config.train.allow_divergence = True
         central = load_dataset(config.data.name, load_options(config))
-        methods = [config.algorithm] if _VARIANT.value else _ALGORITHMS.value
-        if _VARIANT.value and _LR_GRID.value:
-            raise ConfigError("--lr_grid tunes --algorithms; it does not combine with --variant")
-        chosen = config.algorithm
-        for name in methods:  # every method checked before the first run starts
-            config.algorithm = name
-            validate_config(config)
-            check_against_data(config, central)
-        config.algorithm = chosen
-        header = (f"{config.data.name}, {config.data.num_clients} clients "
-                  f"({config.clients.architectures}), partition {config.data.partition}, "
-                  f"{config.train.rounds} rounds, {_SEEDS.value} seed(s); accuracy at the last "
-                  "round.")
-
-        unseen_results: dict[str, list[dict]] = {}
-
-        def write(results):  # after every seed, so an interrupted comparison leaves a table
-            done = {k: v for k, v in results.items() if v}
-            if not done:
-                raise ConfigError(f"--report_only: no finished run in {_WORKDIR.value} for these "
-                                  "methods and this config")
-            seeds_done = min(len(v) for v in done.values())
-            table = seed_range_tables(done, paired, _SEEDS.value)
-            unseen = {k: v for k, v in unseen_results.items() if v}
-            if unseen:
-                first = _UNSEEN.value
-                table += (f"\n\n**Seeds {first}-{first + _SEEDS.value - 1}**, which neither "
-                          "the tuning nor the table above used (same rates):\n\n"
-                          + seed_range_tables(unseen, paired, _SEEDS.value))
-            absent = [k for k in names if k not in done]
-            note = "" if seeds_done == _SEEDS.value and not absent else (
-                f" (partial: {seeds_done} of {_SEEDS.value} seeds so far"
-                + (f"; not finished yet: {', '.join(absent)}" if absent else "") + ")")
-            with open(os.path.join(_WORKDIR.value, "comparison.md"), "w") as f:
-                f.write(header + note + "\n\n" + table + "\n")
-            with open(os.path.join(_WORKDIR.value, "comparison.json"), "w") as f:
-                json.dump(done, f, indent=1)
-            if unseen:
-                with open(os.path.join(_WORKDIR.value, "comparison_unseen.json"), "w") as f:
-                    json.dump(unseen, f, indent=1)
-            title = header.split(";")[0].replace(f"{_SEEDS.value} seed(s)",
-                                                 f"{seeds_done} of {_SEEDS.value} seed(s)")
-            experiments.accuracy_curves(done, os.path.join(_WORKDIR.value, "accuracy_curves.png"),
-                                        title)
-            return table
-
-        variants = ({a: {"algorithm": a} for a in _ALGORITHMS.value} if not _VARIANT.value
-                    else parse_variants(_VARIANT.value))
-        for name, overrides in variants.items():
-            unknown = experiments.unknown_fields(config, overrides)
-            if unknown:
-                raise ConfigError(f"--variant={name}: unknown config field(s) {unknown}")
-            validate_config(experiments.with_overrides(config, overrides))
-        names = list(variants)  # tuning leaves out a method whose grid is unfinished
-        paired = {}
-        for item in _PAIRED.value:
-            arm, eq, ref = item.partition("=")
-            if not eq or arm not in variants or ref not in variants:
-                raise ConfigError(f"--paired_with: '{item}' must be ARM=REFERENCE with both "
-                                  f"among {names}")
-            paired[arm] = ref
-        tuning = ""
-        if _LR_GRID.value:
-            header += (f" Learning rate per method tuned over {_LR_GRID.value} (effective "
-                       f"steps at momentum {config.train.local_momentum:g}) on validation "
-                       f"splits of seed {lr_tuning.tuning_seed(config)}, which is not "
-                       "reported; a rate that diverges on a reported seed is dropped."
-                       + (f" Server learning rates over {server_grid} for the methods that "
-                          "have one." if server_grid else ""))
-        while True:  # until no chosen rate diverges on a further seed (each pass drops one)
-            if _LR_GRID.value:
-                variants, tuning = lr_tuning.tune_learning_rates(
-                    config, _ALGORITHMS.value, grid, _WORKDIR.value, server_grid,
-                    _PROGRESS.value, _REUSE.value, not _REPORT_ONLY.value)
-            results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
-                                           _PROGRESS.value, reuse=_REUSE.value,
-                                           on_seed_done=write,
-                                           run_missing=not _REPORT_ONLY.value)
-            moved = [] if not _LR_GRID.value or _REPORT_ONLY.value else (
-                lr_tuning.set_aside_diverged(config, results, variants, _WORKDIR.value))
-            if not moved:
-                break
-            print("diverged at the chosen rate, choosing the next best: " + "; ".join(moved))
+        _checked_methods(config, central)
+        variants, paired = _variants_and_pairs(config)
+        report = _Report(_header(config, server_grid), paired, list(variants))
+        results, variants, tuning = _reported_seeds(config, variants, grid, server_grid, report)
         if _UNSEEN.value >= 0:
             def write_unseen(partial):
-                unseen_results.update(partial)
-                write(results)
+                report.unseen.update(partial)
+                report.write(results)
 
-            unseen_results.update(experiments.run_grid(
+            report.unseen.update(experiments.run_grid(
                 experiments.with_overrides(config, {"seed": _UNSEEN.value}), variants,
                 _SEEDS.value, _WORKDIR.value, _PROGRESS.value, reuse=_REUSE.value,
                 on_seed_done=write_unseen, run_missing=not _REPORT_ONLY.value))
-        table = write(results)
+        table = report.write(results)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError, KeyError,
             TypeError, HeldUploadsExceeded, StorageError) as e:
         fail(str(e))
@@ -265,7 +298,7 @@ def main(argv: list[str]) -> None:
             f.write("\nLearning-rate grid (seed " + str(lr_tuning.tuning_seed(config))
                     + ", final mean personalized accuracy on the clients' validation splits; "
                     "the chosen rate in bold):\n\n" + tuning + "\n")
-    print(header + "\n\n" + table + ("\n\n" + tuning if tuning else ""))
+    print(report.header + "\n\n" + table + ("\n\n" + tuning if tuning else ""))
     print(f"\nwrote {_WORKDIR.value}/comparison.md, comparison.json, accuracy_curves.png")
 
 
