@@ -141,7 +141,7 @@ def validate_config(config: ml_collections.ConfigDict) -> ValidConfig:
     return valid
 
 
-def _validate(config: ml_collections.ConfigDict) -> ValidConfig:
+def _check_every_field_is_known_and_finite(config: ml_collections.ConfigDict) -> None:
     # Any method's section may also override the local optimizer (`OPTIMIZER_OVERRIDES`).
     overrides = {f"{name}.{field}" for name in algorithm_registry.names()
                  for field in algorithm_registry.OPTIMIZER_OVERRIDES}
@@ -151,6 +151,10 @@ def _validate(config: ml_collections.ConfigDict) -> ValidConfig:
              if unknown else "")
     bad = _non_finite_fields(config)
     _require(not bad, bad[0] if bad else "")
+
+
+def _validate(config: ml_collections.ConfigDict) -> ValidConfig:
+    _check_every_field_is_known_and_finite(config)
     top = read_top_level(config)  # each section checks its own ranges (ConfigError naming it)
     built = {name: read_section(config, name) for name in SECTIONS}
     entry = algorithm_registry.get(config.algorithm)
@@ -188,7 +192,13 @@ def _validate(config: ml_collections.ConfigDict) -> ValidConfig:
     _require(not with_bn or entry.batch_norm,
              f"config.clients.architectures: {with_bn} have BatchNorm layers, which only "
              f"{with_bn_support} handle (running statistics); got '{config.algorithm}'")
+    _check_names(config, entry)
+    _validate_runtime(config)
+    return ValidConfig(top, built, method)
 
+
+def _check_names(config: ml_collections.ConfigDict, entry) -> None:
+    """The dataset, partition, augmentation, sampling rule and proxy start a config names."""
     data = config.data
     _require(data.name in LOADERS,
              f"config.data.name: unknown dataset '{data.name}'; known: {sorted(LOADERS)}")
@@ -209,8 +219,6 @@ def _validate(config: ml_collections.ConfigDict) -> ValidConfig:
              "fails; with config.dp / config.dp_sgd use 'uniform' or 'poisson'")
     _require(train.below_min in BELOW_MIN, f"config.train.below_min: unknown "
              f"'{train.below_min}'; known: {list(BELOW_MIN)}")
-    _validate_runtime(config)
-    return ValidConfig(top, built, method)
 
 
 def _check_execution_names(ex: ml_collections.ConfigDict) -> None:
