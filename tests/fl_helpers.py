@@ -11,7 +11,8 @@ from configs import quickstart, tabular_hetero
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.upload.pipeline import CohortUploads, PipelineConfig, UploadPipeline
+from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
+from fedjax_pfedes.upload.settings import PipelineConfig
 
 ROOT = pathlib.Path(__file__).parents[1]
 # PYTHONPATH of a child process that imports the repository and the tests' helpers (the same

@@ -30,7 +30,8 @@ from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError, DivergedError
 from fedjax_pfedes.io.workdir import RunLockedError
 from fedjax_pfedes.upload import privacy
-from fedjax_pfedes.upload.pipeline import CohortUploads, PipelineConfig, UploadPipeline
+from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
+from fedjax_pfedes.upload.settings import PipelineConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "threat_model.md")

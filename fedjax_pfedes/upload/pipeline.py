@@ -37,15 +37,7 @@ from absl import logging
 from fedjax_pfedes import aggregation
 from fedjax_pfedes.tree_util import put_rows, take_rows
 from fedjax_pfedes.upload import compression, privacy, stages, streaming, validation
-from fedjax_pfedes.upload.settings import (  # noqa: F401  (the pipeline's settings, importable here)
-    NORM_OUTLIER_FACTOR,
-    NORM_OUTLIER_HARD_FACTOR,
-    NORM_OUTLIER_MODEL_RATIO,
-    NORM_OUTLIER_Z,
-    PipelineConfig,
-    check_compatible,
-    check_secagg_range,
-)
+from fedjax_pfedes.upload.settings import PipelineConfig, check_compatible, check_secagg_range
 
 
 @dataclasses.dataclass

@@ -97,7 +97,7 @@ def test_the_robust_z_score_and_the_combined_rule_by_hand():
 
 
 def test_an_honest_round_spread_over_orders_of_magnitude_is_left_alone_by_default():
-    from fedjax_pfedes.upload.pipeline import (
+    from fedjax_pfedes.upload.settings import (
         NORM_OUTLIER_FACTOR,
         NORM_OUTLIER_HARD_FACTOR,
         NORM_OUTLIER_Z,
@@ -166,7 +166,7 @@ def test_a_boosted_update_among_widely_spread_honest_ones_is_caught_by_the_hard_
     log-norms near 0.8), a x100 update landing 80x the round's median is only ~4 robust
     deviations out; the hard factor (50) rejects it, an honest 15x one is kept. The model's norm
     (100) makes both larger than 0.1 of it, so the model-ratio test does not decide here."""
-    from fedjax_pfedes.upload.pipeline import (
+    from fedjax_pfedes.upload.settings import (
         NORM_OUTLIER_FACTOR,
         NORM_OUTLIER_HARD_FACTOR,
         NORM_OUTLIER_Z,

@@ -7,7 +7,8 @@ from fl_helpers import upload_pipeline
 
 from configs import tabular_hetero
 from fedjax_pfedes.upload import privacy
-from fedjax_pfedes.upload.pipeline import PipelineConfig, UploadPipeline
+from fedjax_pfedes.upload.pipeline import UploadPipeline
+from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def test_incompatible_settings_are_refused_naming_the_field():

@@ -16,7 +16,8 @@ from fl_helpers import client_dp_config, upload_cohort
 from configs import tabular_hetero
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.upload import privacy
-from fedjax_pfedes.upload.pipeline import PipelineConfig, UploadPipeline
+from fedjax_pfedes.upload.pipeline import UploadPipeline
+from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def test_clipping_bounds_every_update_norm():

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from fedjax_pfedes.upload import privacy
-from fedjax_pfedes.upload.pipeline import CohortUploads, PipelineConfig, UploadPipeline
+from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
+from fedjax_pfedes.upload.settings import PipelineConfig
 
 N = 4  # participants; client 0 attacks
 

@@ -18,7 +18,8 @@ from configs import tabular_hetero
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload import secure_aggregation as sa
-from fedjax_pfedes.upload.pipeline import PipelineConfig, UploadPipeline
+from fedjax_pfedes.upload.pipeline import UploadPipeline
+from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def test_secure_sum_equals_the_plain_fixed_point_sum_exactly():

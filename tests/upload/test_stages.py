@@ -12,7 +12,8 @@ import pytest
 from fl_helpers import upload_cohort
 
 from fedjax_pfedes.upload import compression, privacy
-from fedjax_pfedes.upload.pipeline import PipelineConfig, UploadPipeline
+from fedjax_pfedes.upload.pipeline import UploadPipeline
+from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def test_the_chain_follows_the_config_and_a_new_stage_is_one_class():

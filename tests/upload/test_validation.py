@@ -11,7 +11,8 @@ import pytest
 from fl_helpers import upload_cohort, upload_pipeline
 
 from fedjax_pfedes.upload import compression, privacy, validation
-from fedjax_pfedes.upload.pipeline import PipelineConfig, UploadPipeline
+from fedjax_pfedes.upload.pipeline import UploadPipeline
+from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def test_fingerprint_ignores_values_and_the_client_axis_but_not_names_shapes_dtypes():

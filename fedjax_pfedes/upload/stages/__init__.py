@@ -19,7 +19,7 @@ In the spirit of `optax.chain`, a stage has up to two halves:
 algorithm receives the uploads exactly as they arrived (bit for bit).
 
 A stage class registers itself (`@register_stage`) with its `position` in the chain and a
-`from_config(cfg, noise_multiplier)` that returns the stage a run's `pipeline.PipelineConfig`
+`from_config(cfg, noise_multiplier)` that returns the stage a run's `settings.PipelineConfig`
 asks for, or None; `pipeline.build_stages` builds the chain from the registry. A stage may own
 config fields (`fields`: dotted path -> default, e.g. {'my_stage.amount': 0.0}): they join the
 default config (`fedjax_pfedes.default_config()`), reach it as `cfg.field('my_stage.amount')`

@@ -135,7 +135,7 @@ class UploadStage:
 
     @classmethod
     def from_config(cls, cfg, noise_multiplier: float) -> UploadStage | None:
-        """The stage a run's `pipeline.PipelineConfig` asks for, or None (not in this chain).
+        """The stage a run's `settings.PipelineConfig` asks for, or None (not in this chain).
 
         Args:
           cfg: the run's `PipelineConfig`.
