@@ -92,10 +92,24 @@ def main(argv: list[str]) -> None:
     labels_text = {"none": "no protection",
                    "dp": f"clip C={clip:.3g} + noise sigma={_SIGMA.value:g}",
                    "secagg": f"secure aggregation of {_SECAGG.value} clients"}
+    table = _report_table(config.data.name, config.seed, images, rows, labels_text)
+    with open(os.path.join(_WORKDIR.value, "leakage.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(_WORKDIR.value, "leakage.json"), "w") as f:
+        json.dump({"clip_norm": clip, "noise_multiplier": _SIGMA.value,
+                   "scores": {k: [list(s) for s in v] for k, v in rows.items()}}, f, indent=1)
+    _figure(images[:_VICTIMS.value], recon, labels_text,
+            os.path.join(_WORKDIR.value, "leakage.png"))
+    print(table)
+    print(f"\nwrote {_WORKDIR.value}/leakage.md, leakage.json, leakage.png")
+
+
+def _report_table(dataset: str, seed: int, images, rows, labels_text) -> str:
+    """The scores per view of the upload, beside what no attack scores on the same images."""
     lines = [f"Gradient inversion (Geiping et al. 2020) of a `{_ARCH.value}` client's upload at "
-             f"initialization, {config.data.name}, one image per client, {_VICTIMS.value} "
+             f"initialization, {dataset}, one image per client, {_VICTIMS.value} "
              f"victims, {_STEPS.value} Adam steps; mean ± std over victims.", ""]
-    noise_rng = np.random.default_rng(config.seed + 1)
+    noise_rng = np.random.default_rng(seed + 1)
     references = {  # what no attack at all scores against the same images
         "reference: all-zero image (no attack)": [
             (psnr(np.zeros_like(images[v]), images[v]),
@@ -112,15 +126,7 @@ def main(argv: list[str]) -> None:
                       f"{v[:, 1].mean():.3f} ± {v[:, 1].std():.3f}"])
     lines.append(markdown.table(["upload seen by the server", "PSNR dB", "SSIM"], cells))
     table = "\n".join(lines)
-    with open(os.path.join(_WORKDIR.value, "leakage.md"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(_WORKDIR.value, "leakage.json"), "w") as f:
-        json.dump({"clip_norm": clip, "noise_multiplier": _SIGMA.value,
-                   "scores": {k: [list(s) for s in v] for k, v in rows.items()}}, f, indent=1)
-    _figure(images[:_VICTIMS.value], recon, labels_text,
-            os.path.join(_WORKDIR.value, "leakage.png"))
-    print(table)
-    print(f"\nwrote {_WORKDIR.value}/leakage.md, leakage.json, leakage.png")
+    return table
 
 
 def _figure(originals, recon, labels_text, path):
