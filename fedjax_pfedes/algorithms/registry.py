@@ -44,28 +44,6 @@ AGGREGATIONS = ("shared", "per_cohort", "custom", "none")
 OPTIMIZER_OVERRIDES = ("lr_local", "local_momentum", "reset_local_optimizer", "batch_size")
 
 
-def check_optimizer_overrides(name: str, section: Mapping[str, Any]) -> None:
-    """Raises ValueError naming the field for a bad local-optimizer override.
-
-    Args:
-      name: the method (`config.algorithm`), whose section `section` is.
-      section: the method's config section (its fields by name).
-    """
-    where = f"config.{name}"
-    lr = section.get("lr_local", -1)
-    if lr != -1 and not lr > 0:
-        raise ValueError(f"{where}.lr_local must be > 0 (or -1 = config.train.lr_local), "
-                         f"got {lr}")
-    m = section.get("local_momentum", -1)
-    if m != -1 and not 0 <= m < 1:
-        raise ValueError(f"{where}.local_momentum must be in [0, 1) (or -1 = "
-                         f"config.train.local_momentum), got {m}")
-    b = section.get("batch_size", -1)
-    if b != -1 and not (isinstance(b, int) and b >= 1):
-        raise ValueError(f"{where}.batch_size must be an integer >= 1 (or -1 = "
-                         f"config.train.batch_size), got {b}")
-
-
 _OVERRIDE_RANGES = {
     "lr_local": fields.Range(lambda v: v == -1 or v > 0,
                              "> 0 (or -1 = config.train.lr_local)"),
@@ -76,6 +54,20 @@ _OVERRIDE_RANGES = {
         "an integer >= 1 (or -1 = config.train.batch_size)"),
     "reset_local_optimizer": None,
 }
+
+
+def check_optimizer_overrides(name: str, section: Mapping[str, Any]) -> None:
+    """Raises ValueError naming the field for a bad local-optimizer override (the same ranges
+    a method's `local_override` fields declare; -1 = inherit `config.train`'s).
+
+    Args:
+      name: the method (`config.algorithm`), whose section `section` is.
+      section: the method's config section (its fields by name).
+    """
+    for field, rule in _OVERRIDE_RANGES.items():
+        value = section.get(field, -1)
+        if rule is not None and value != -1 and not rule.test(value):
+            raise ValueError(f"config.{name}.{field} must be {rule.wanted}, got {value}")
 
 
 def local_override(name: str, default: Any, help: str) -> Any:  # noqa: A002

@@ -152,8 +152,8 @@ def check_ranges(section: Section) -> None:
         if rule is None or (rule.if_enabled and not enabled):
             continue
         value = getattr(section, f.name)
-        if not isinstance(value, int | float | str | tuple):
-            continue  # a traced value (a vectorized sweep's member axis) is checked per member
+        if hasattr(value, "aval"):
+            continue  # a JAX value (a vectorized sweep's traced member axis): checked per member
         try:
             ok = rule.test(value)
         except TypeError:
