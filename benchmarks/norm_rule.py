@@ -193,15 +193,16 @@ def report_row(run: str) -> dict:
                 reference, mine = everything, slice(start, start + len(scope))
             _, per_sample, relative = _measures(reference, templates, round_index)
             valid = np.ones(len(reference), bool)
-            rule = (per_sample, valid, pipeline.norm_outlier_factor, pipeline.norm_outlier_z,
-                    pipeline.norm_outlier_hard_factor)
+            u = pipeline.upload
+            rule = (per_sample, valid, u.norm_outlier_factor, u.norm_outlier_z,
+                    u.norm_outlier_hard_factor)
             flagged = validation.norm_outliers(*rule)[mine]
             no_ratio += int(flagged.sum())
             if flagged.any():
                 worst_relative = max(worst_relative, float(relative[mine][flagged].max()))
             default += int(validation.norm_outliers(
-                *rule, relative if pipeline.norm_outlier_model_ratio > 0 else None,
-                pipeline.norm_outlier_model_ratio)[mine].sum())
+                *rule, relative if pipeline.norm_model_ratio > 0 else None,
+                pipeline.norm_model_ratio)[mine].sum())
             median = float(np.median(per_sample))
             if len(reference) < 3 or median <= 0:  # nothing uploaded (Standalone)
                 continue

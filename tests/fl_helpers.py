@@ -9,6 +9,7 @@ import numpy as np
 
 from configs import quickstart, tabular_hetero
 from fedjax_pfedes.algorithms.fedavg import FedAvgConfig
+from fedjax_pfedes.config.defaults import SecAggSection, UploadSection
 from fedjax_pfedes.data.federated import ClientArrays
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
@@ -75,9 +76,21 @@ def upload_cohort(uploads, template, sizes, valid=None, ids=None) -> CohortUploa
                          np.arange(n, dtype=np.int32))
 
 
+def pipeline_config(dp=None, secagg=None, norm_keys=(), **upload_fields) -> PipelineConfig:
+    """`PipelineConfig` with `config.upload`'s fields `upload_fields`, client-level DP `dp` (a
+    `privacy.ClientDPConfig`) and secure aggregation `secagg` (True: at its defaults, or a
+    `SecAggSection`); the model ratio in force is the config's (0 when it is left to the
+    method)."""
+    if secagg is True:
+        secagg = SecAggSection(enabled=True)
+    ratio = max(upload_fields.get("norm_outlier_model_ratio", 0.0), 0.0)
+    return PipelineConfig(upload=UploadSection(**upload_fields), dp=dp, secagg=secagg or None,
+                          norm_keys=norm_keys, norm_model_ratio=ratio)
+
+
 def upload_pipeline(aggregation="shared", **kw) -> UploadPipeline:
-    """An upload pipeline over 10 clients, 4 a round for 5 rounds, with `PipelineConfig(**kw)`."""
-    return UploadPipeline(PipelineConfig(**kw), aggregation, "test", num_clients=10,
+    """An upload pipeline over 10 clients, 4 a round for 5 rounds, with `pipeline_config(**kw)`."""
+    return UploadPipeline(pipeline_config(**kw), aggregation, "test", num_clients=10,
                           expected_participants=4, clients_per_round=4, rounds=5)
 
 

@@ -33,6 +33,8 @@ one after the other. No timed assertion anywhere: this prints numbers for docs/p
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import resource
 import time
@@ -166,7 +168,8 @@ def engine_breakdown(data, strategy: str, participants: int, rounds: int) -> dic
 
     for c in ctx.cohorts:  # frozen dataclasses: the benchmark swaps their calls in place
         object.__setattr__(c.runner, "update", timed(c.runner.update, "training program"))
-    ctx.pipeline.process = timed(ctx.pipeline.process, "upload pipeline")
+    ctx.upload = dataclasses.replace(ctx.upload,
+                                     process=timed(ctx.upload.process, "upload pipeline"))
     ctx.server_step = timed(ctx.server_step, "server step")
     train = engine_rounds.train_participants
     engine_rounds.train_participants = timed(train, "train_participants")

@@ -34,7 +34,7 @@ from fedjax_pfedes.engine import (
     sections,
 )
 from fedjax_pfedes.engine.cohorts import Offload, assign_architectures, build_cohorts
-from fedjax_pfedes.engine.sections import pipeline_config, round_settings
+from fedjax_pfedes.engine.sections import round_settings
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
 from fedjax_pfedes.errors import ConfigError
@@ -43,8 +43,8 @@ from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.io import plotting
 from fedjax_pfedes.io.metrics import write_json
 from fedjax_pfedes.tree_util import tree_size
-from fedjax_pfedes.upload import compression
-from fedjax_pfedes.upload.pipeline import UploadPipeline
+from fedjax_pfedes.upload.plan import UploadPlan, make_plan
+from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def load_options(config: ml_collections.ConfigDict) -> LoadOptions:
@@ -126,16 +126,29 @@ def build_algorithm(config: ml_collections.ConfigDict, data: FederatedData,
         raise ConfigError(f"{e} (config.data.name='{config.data.name}')") from None
 
 
-def build_pipeline(config: ml_collections.ConfigDict, algorithm, num_clients: int
-                   ) -> UploadPipeline:
-    """The upload pipeline from `config.upload`, `config.dp` and `config.secagg`."""
+def build_upload_plan(config: ml_collections.ConfigDict, pipeline_cfg: PipelineConfig,
+                      algorithm, num_clients: int) -> UploadPlan:
+    """The run's upload plan (`upload.plan`) from its validated upload settings.
+
+    Args:
+      config: the experiment config (`train`'s round size and rounds, `asynchronous`,
+        `execution.scan_held_uploads`).
+      pipeline_cfg: `ValidConfig.upload`, the sections as validation built them.
+      algorithm: the built method (its `norm_keys` complete the settings).
+      num_clients: clients in the population.
+
+    Returns:
+      The `UploadPlan`; ConfigError naming the field for settings that cannot be honest.
+    """
     t = config.train
     m = sampling.participants_per_round(num_clients, t.client_fraction)
     expected = t.client_fraction * num_clients if t.sampling == "poisson" else m
     try:
-        cfg = dataclasses.replace(pipeline_config(config), norm_keys=algorithm.norm_keys)
-        return UploadPipeline(cfg, algorithm.aggregation, algorithm.name,
-                              num_clients, expected, m, t.rounds)
+        return make_plan(dataclasses.replace(pipeline_cfg, norm_keys=algorithm.norm_keys),
+                         algorithm, num_clients=num_clients, expected_participants=expected,
+                         clients_per_round=m, rounds=t.rounds,
+                         synchronous=not config.asynchronous.enabled,
+                         scan_held_uploads=config.execution.scan_held_uploads)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -153,18 +166,6 @@ def uses_step_limits(config: ml_collections.ConfigDict) -> bool:
     t, s = config.train, config.system
     return bool(t.adaptive_epochs or (t.min_samples > 0 and t.below_min == "one_epoch")
                 or (s.deadline_s > 0 and s.deadline_policy == "partial"))
-
-
-def upload_bytes_per_arch(pipeline: UploadPipeline, algorithm, server_state, arch: str
-                          ) -> float:
-    """Bytes one client of `arch` sends per round as the simulated network sees it."""
-    template = algorithm.upload_template(server_state, arch)
-    if not jax.tree.leaves(template):
-        return 0.0
-    cfg = pipeline.cfg
-    if cfg.secagg:  # dense masked ring elements
-        return tree_size(template)[0] * cfg.encoding.ring_bits / 8
-    return compression.encoded_bytes(template, cfg.compression) + (4 if cfg.dp else 0)
 
 
 def offload_spec(config: ml_collections.ConfigDict, workdir: str | None) -> Offload | None:
@@ -192,102 +193,178 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     valid = validate_config(config)  # the run's validation, its sections built once
     algorithm = build_algorithm(config, data, valid.method)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
-    requested = protocol.resolve_strategy(config.execution.strategy)
-    mesh = (placement.client_mesh(config.execution.devices)
-            if protocol.needs_mesh(requested) else None)
-    candidates = protocol.auto_candidates(mesh) if requested == "auto" else (requested,)
-    kernel_set = kernels.kernel_candidates(config.execution.cpu_kernels)
     programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
-    ex = config.execution
-    # arch -> runner name -> runner: every (strategy, kernels) pair 'auto' may pick.
-    arch_runners = {a: {r.name: r for r in (runners.make_runner(p, s, mesh, ex.loop_threads, k,
-                                                             ex.scan_chunk,
-                                                             ex.eval_memory_budget_gb)
-                                       for s in candidates for k in kernel_set)}
-               for a, p in programs.items()}
-    measured = len(candidates) * len(kernel_set) > 1
-    t = config.train
-    n = data.num_clients
-    if config.asynchronous.enabled:
-        slots_per_round = config.asynchronous.concurrency
-    elif t.sampling == "poisson":  # no fixed round size: every member gets a slot
-        slots_per_round = n
-    else:
-        slots_per_round = sampling.participants_per_round(n, t.client_fraction)
-    root = jax.random.key(config.seed)
-    server_key, client_key, train_key = jax.random.split(root, 3)
-    upload_key = jax.random.fold_in(root, 7)  # compression / DP noise / secure-agg stream
+    arch_runners, mesh, mesh_size = _candidate_runners(config.execution, programs)
+    t, n = config.train, data.num_clients
+    server_key, client_key, train_key, upload_key = _run_keys(config.seed)
     try:
         cohorts, client_states = build_cohorts(
             data, archs, programs, {a: next(iter(r.values())) for a, r in arch_runners.items()},
-            slots_per_round, client_key,
-            mesh.size if any(protocol.strategy(s).needs_mesh for s in candidates) else 1,
-            offload_spec(config, workdir), same_init=config.clients.same_init)
+            _slots_per_round(config, n), client_key, mesh_size, offload_spec(config, workdir),
+            same_init=config.clients.same_init)
     except offload.BudgetError as e:
         raise ConfigError(str(e)) from None
     server_state = jax.jit(algorithm.init_server, static_argnums=1, compiler_options={
         "xla_backend_optimization_level": 1})(server_key, tuple(c.arch for c in cohorts))
-    pipeline = build_pipeline(config, algorithm, n)
+    upload = build_upload_plan(config, valid.upload, algorithm, n)
     try:
         sys_cfg = client_system.system_config(config.system)
+        attack = attacks.attack_config(config.attack, n)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     profiles = client_system.client_profiles(sys_cfg, n, config.seed)
+    sizes, epochs, batch_size, planned = _local_work(config, data, cohorts)
+    trial = functools.partial(
+        _runner_trial, algorithm=algorithm, server_state=server_state, upload=upload,
+        attack=attack, arch_runners=arch_runners, client_states=client_states,
+        launches=(_launches_per_round(config, n), n), planned=planned,
+        epochs=int(epochs.max()), batch_size=batch_size)
+    choices = _choose_runners(config.execution, cohorts, arch_runners, strategies, trial)
+    _place_on_mesh(config.execution, cohorts, client_states, mesh)
+    eligible = _statically_eligible(t, sizes)
+    ctx = context.RunContext(
+        settings=round_settings(config, valid.sections), algorithm=algorithm, cohorts=cohorts,
+        server_step=jax.jit(algorithm.server_update),
+        server_metrics=(jax.jit(algorithm.server_metrics) if algorithm.server_metrics else None),
+        upload=upload, system=sys_cfg,
+        profiles=profiles, client_arch=archs, sizes=sizes, epochs=epochs,
+        planned_steps=planned, strategy_choices=choices,
+        statically_eligible=eligible,
+        strata=sampling.size_strata(sizes, t.strata, profiles.availability_class),
+        label_counts=data.train_label_counts(),
+        upload_bytes={c.arch: upload.bytes_per_client(algorithm.upload_template(server_state,
+                                                                                c.arch))
+                      for c in cohorts},
+        download_bytes={c.arch: float(tree_size(algorithm.broadcast(server_state, c.arch))[1])
+                        for c in cohorts},
+        step_limits=uses_step_limits(config), train_key=train_key, upload_key=upload_key,
+        attack=attack)
+    return ctx, initial_state(ctx, server_state, client_states)
+
+
+def _local_work(config: ml_collections.ConfigDict, data: FederatedData, cohorts
+                ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+    """([N] local training samples, [N] local epochs, the local batch size, [N] local steps
+    without a deadline) of every client."""
     sizes = np.array([len(i) for i in data.train_indices], np.int64)
     epochs = client_epochs(config, sizes)
-    capacity = np.zeros(n, np.int64)
+    capacity = np.zeros(len(sizes), np.int64)
     for c in cohorts:
         capacity[c.client_ids] = c.train.capacity
     batch_size = sections.local_optimizer(config)["batch_size"]
     planned = sampling.planned_steps(sizes, capacity, batch_size, epochs,
-                                     t.drop_partial_batch)
-    try:
-        attack = attacks.attack_config(config.attack, n)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    # Per-client facts (and streaming under 'scan') in the training program: built once, the
-    # same objects for the strategy measurement and the rounds (part of the programs' identity).
-    finish = finishing.upload_finish(algorithm, pipeline)
-    settings = round_settings(config, valid.sections)
-    reducer = finishing.stream_reducer(settings, algorithm, pipeline)
-    choices = {}
-    # Clients that train per round, on average (FedBuff: the buffer's worth of arrivals).
-    launches_per_round = (config.asynchronous.buffer_size if config.asynchronous.enabled
-                          else t.client_fraction * n)
-    if measured and strategies and all(strategies.get(c.arch) in arch_runners[c.arch]
-                                       for c in cohorts):
+                                     config.train.drop_partial_batch)
+    return sizes, epochs, batch_size, planned
+
+
+def _run_keys(seed: int) -> tuple[jax.Array, ...]:
+    """The run's RNG streams: server init, client init, training, and the upload stream
+    (compression, DP noise, secure aggregation)."""
+    root = jax.random.key(seed)
+    return (*jax.random.split(root, 3), jax.random.fold_in(root, 7))
+
+
+def _launches_per_round(config: ml_collections.ConfigDict, num_clients: int) -> float:
+    """Clients that train per round, on average (FedBuff: the buffer's worth of arrivals)."""
+    if config.asynchronous.enabled:
+        return config.asynchronous.buffer_size
+    return config.train.client_fraction * num_clients
+
+
+def _runner_trial(c, *, algorithm, server_state, upload, attack, arch_runners, client_states,
+                  launches: tuple[float, int], planned: np.ndarray, epochs: int,
+                  batch_size: int) -> choice.Trial:
+    """What `execution.choice` times cohort `c`'s candidate runners on: its broadcast, states
+    and data, the clients it launches per round, their local steps, and what a round passes
+    the runner (`finishing.sent_to_runner`). `launches`: (clients launched per round, N)."""
+    broadcast = algorithm.broadcast(server_state, c.arch)
+    sent = functools.partial(finishing.sent_to_runner, upload, attack.active, bucket=c.bucket,
+                             broadcast=broadcast,
+                             template=algorithm.upload_template(server_state, c.arch))
+    return choice.Trial(
+        f"{algorithm.name}/{c.arch}", arch_runners[c.arch], broadcast, client_states[c.arch],
+        c.train, c.bucket, launches[0] * len(c.client_ids) / launches[1], planned[c.client_ids],
+        epochs, batch_size, sent=lambda r: sent(runner=r))
+
+
+def _candidate_runners(ex: ml_collections.ConfigDict, programs: dict
+                       ) -> tuple[dict[str, dict[str, Any]], Any, int]:
+    """arch -> runner name -> runner, for every (strategy, kernels) pair `config.execution`
+    lets the run use ('auto' may pick any of them); the device mesh of a mesh strategy (or
+    None) and the mesh size the cohorts' slots are padded to."""
+    requested = protocol.resolve_strategy(ex.strategy)
+    mesh = placement.client_mesh(ex.devices) if protocol.needs_mesh(requested) else None
+    candidates = protocol.auto_candidates(mesh) if requested == "auto" else (requested,)
+    kernel_set = kernels.kernel_candidates(ex.cpu_kernels)
+    arch_runners = {a: {r.name: r for r in (runners.make_runner(p, s, mesh, ex.loop_threads, k,
+                                                                ex.scan_chunk,
+                                                                ex.eval_memory_budget_gb)
+                                            for s in candidates for k in kernel_set)}
+                    for a, p in programs.items()}
+    mesh_size = mesh.size if any(protocol.strategy(s).needs_mesh for s in candidates) else 1
+    return arch_runners, mesh, mesh_size
+
+
+def _slots_per_round(config: ml_collections.ConfigDict, num_clients: int) -> int:
+    """The slots a cohort's round program is compiled for: the asynchronous concurrency, every
+    client under Poisson sampling (no fixed round size), else the participants per round."""
+    t = config.train
+    if config.asynchronous.enabled:
+        return config.asynchronous.concurrency
+    if t.sampling == "poisson":
+        return num_clients
+    return sampling.participants_per_round(num_clients, t.client_fraction)
+
+
+def _choose_runners(ex: ml_collections.ConfigDict, cohorts, arch_runners: dict,
+                    strategies: dict[str, str] | None, trial) -> dict:
+    """Sets each cohort's runner: the only candidate; the checkpoint's (`strategies`) when a
+    resumed run has it among the candidates; else the one `execution.choice` measures fastest
+    on `trial(cohort)`.
+
+    Returns:
+      arch -> the choice as summary.json states it ({} with a single candidate).
+    """
+    if all(len(r) == 1 for r in arch_runners.values()):
+        for c in cohorts:
+            c.runner = next(iter(arch_runners[c.arch].values()))
+        return {}
+    if strategies and all(strategies.get(c.arch) in arch_runners[c.arch] for c in cohorts):
         for c in cohorts:
             c.runner = arch_runners[c.arch][strategies[c.arch]]
-            choices[c.arch] = {"strategy": strategies[c.arch], "from_checkpoint": True}
-    elif measured:
-        if strategies:
-            logging.warning(
-                "the checkpoint's execution runners %s are not among this run's candidates %s "
-                "(another backend or config.execution settings?): measuring anew, so the "
-                "resumed rounds may differ from the original run's in the last float bits",
-                strategies, sorted(next(iter(arch_runners.values()))))
-        cache_dir = compilation.configure_cache(config.execution.compilation_cache_dir)
-        for c in cohorts:
-            broadcast = algorithm.broadcast(server_state, c.arch)
-            sent = functools.partial(finishing.sent_to_runner, finish, reducer, attack.active,
-                                     bucket=c.bucket, broadcast=broadcast,
-                                     template=algorithm.upload_template(server_state, c.arch))
-            picked = choice.choose(choice.Trial(
-                f"{algorithm.name}/{c.arch}", arch_runners[c.arch], broadcast,
-                client_states[c.arch], c.train, c.bucket,
-                launches_per_round * len(c.client_ids) / n, planned[c.client_ids],
-                int(epochs.max()), batch_size, sent=lambda r, sent=sent: sent(runner=r)),
-                cache_dir)
-            c.runner = arch_runners[c.arch][picked.strategy]
-            choices[c.arch] = picked.as_dict()
-    for c in cohorts:  # a mesh strategy reads data and states on its mesh: put them there
-        # once (samples only: the sizes stay on the default device, where rounds read them)
-        if (protocol.strategy(c.runner.strategy).needs_mesh
-                and config.execution.client_states == "device"):
+        return {c.arch: {"strategy": strategies[c.arch], "from_checkpoint": True}
+                for c in cohorts}
+    if strategies:
+        logging.warning(
+            "the checkpoint's execution runners %s are not among this run's candidates %s "
+            "(another backend or config.execution settings?): measuring anew, so the "
+            "resumed rounds may differ from the original run's in the last float bits",
+            strategies, sorted(next(iter(arch_runners.values()))))
+    cache_dir = compilation.configure_cache(ex.compilation_cache_dir)
+    choices = {}
+    for c in cohorts:
+        picked = choice.choose(trial(c), cache_dir)
+        c.runner = arch_runners[c.arch][picked.strategy]
+        choices[c.arch] = picked.as_dict()
+    return choices
+
+
+def _place_on_mesh(ex: ml_collections.ConfigDict, cohorts, client_states: dict, mesh) -> None:
+    """A mesh strategy reads data and states on its mesh: puts them there once (samples only:
+    the sizes stay on the default device, where rounds read them)."""
+    for c in cohorts:
+        if protocol.strategy(c.runner.strategy).needs_mesh and ex.client_states == "device":
             c.train, c.test = (a.replace(x=placement.client_rows(a.x, mesh),
                                          y=placement.client_rows(a.y, mesh))
                                for a in (c.train, c.test))
             client_states[c.arch] = placement.client_rows(client_states[c.arch], mesh)
+
+
+def _statically_eligible(t: ml_collections.ConfigDict, sizes: np.ndarray) -> np.ndarray:
+    """[N] whether a client may ever be selected (the minimum-samples rule's 'skip'), with a
+    warning where coverage sampling's candidate pool is the whole population; ConfigError when
+    nobody is eligible."""
+    n = len(sizes)
     m = sampling.participants_per_round(n, t.client_fraction)
     if t.sampling == "coverage" and sampling.coverage_pool_size(m, t.coverage_candidates) >= n:
         logging.warning(
@@ -299,29 +376,13 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     if not eligible.any():
         raise ConfigError(f"config.train.min_samples={t.min_samples}: no client has that many "
                           f"local samples (largest: {sizes.max()})")
-    ctx = context.RunContext(
-        settings=settings, algorithm=algorithm, cohorts=cohorts,
-        server_step=jax.jit(algorithm.server_update),
-        server_metrics=(jax.jit(algorithm.server_metrics) if algorithm.server_metrics else None),
-        pipeline=pipeline, system=sys_cfg,
-        profiles=profiles, client_arch=archs, sizes=sizes, epochs=epochs,
-        planned_steps=planned, strategy_choices=choices,
-        statically_eligible=eligible,
-        strata=sampling.size_strata(sizes, t.strata, profiles.availability_class),
-        label_counts=data.train_label_counts(),
-        upload_bytes={c.arch: upload_bytes_per_arch(pipeline, algorithm, server_state, c.arch)
-                      for c in cohorts},
-        download_bytes={c.arch: float(tree_size(algorithm.broadcast(server_state, c.arch))[1])
-                        for c in cohorts},
-        step_limits=uses_step_limits(config), train_key=train_key, upload_key=upload_key,
-        attack=attack, finish=finish, reducer=reducer)
-    return ctx, initial_state(ctx, server_state, client_states)
+    return eligible
 
 
 def initial_state(ctx: context.RunContext, server_state, clients: dict[str, Any]) -> SimState:
     """The run's state at round 0 (what a checkpoint holds, see `io.checkpoints`)."""
-    pipeline, algorithm = ctx.pipeline, ctx.algorithm
-    memories = {c.arch: pipeline.init_memory(algorithm.upload_template(server_state, c.arch),
+    algorithm = ctx.algorithm
+    memories = {c.arch: ctx.upload.init_memory(algorithm.upload_template(server_state, c.arch),
                                              len(c.client_ids))
                 for c in ctx.cohorts}
     in_flight = None

@@ -159,24 +159,20 @@ class DivergenceCheck(Callback):
         end.stop = True
         logging.warning("round %d: training diverged (%s non-finite); stopping. %s; "
                         "config.train.allow_divergence=True keeps the exit status 0",
-                        end.round, some(bad), divergence_cause(run.config, run.ctx.pipeline))
+                        end.round, some(bad), divergence_cause(run.config, run.ctx.upload))
 
 
-def divergence_cause(config: ml_collections.ConfigDict, pipeline) -> str:
+def divergence_cause(config: ml_collections.ConfigDict, upload) -> str:
     """What most likely made a run diverge, first: a simulated attack when one is configured,
-    then client-level DP's noise, else the learning rate."""
-    dp = pipeline.cfg.dp
-    cause = ("Lower the learning rate or lambda" if dp is None else
-             f"Client-level DP adds noise of std {pipeline.noise_multiplier:.3g} x "
-             f"{dp.clip_norm:g} on the sum: lower config.dp.noise_multiplier / raise "
-             "config.dp.target_epsilon or config.dp.clip_norm, or lower the learning rate")
+    then client-level DP's noise (`upload`: the run's `UploadPlan`), else the learning rate."""
+    cause = upload.noise_note or "Lower the learning rate or lambda"
     attack = config.attack
     if attack.kind != "none" and attack.clients.strip():
         cause = (f"The simulated attack is the likeliest cause: config.attack.kind="
                  f"'{attack.kind}' (value {attack.value:g}) from clients "
                  f"{attack.clients.strip()} reached the aggregate"
                  + (" (secure aggregation hides individual uploads from the norm rule)"
-                    if pipeline.cfg.secagg else "")
+                    if upload.hides_uploads else "")
                  + f"; to run without it set --config.attack.kind=none. Otherwise: {cause}")
     return cause
 

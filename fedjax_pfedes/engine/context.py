@@ -12,7 +12,7 @@ import numpy as np
 from fedjax_pfedes.engine import attacks, client_system
 from fedjax_pfedes.engine.cohorts import Cohort
 from fedjax_pfedes.engine.sections import RoundSettings
-from fedjax_pfedes.upload.pipeline import UploadPipeline
+from fedjax_pfedes.upload.plan import UploadPlan
 
 ATTACK_STREAM = 0x5EED_A77  # folded into the round key for the attackers' randomness
 
@@ -35,7 +35,7 @@ class RunContext:
     algorithm: Any
     cohorts: list[Cohort]
     server_step: Any
-    pipeline: UploadPipeline
+    upload: UploadPlan  # what the rounds need of the upload pipeline
     system: client_system.SystemConfig
     profiles: client_system.ClientProfiles
     client_arch: list[str]       # [N] architecture of every client
@@ -53,8 +53,6 @@ class RunContext:
     upload_key: jax.Array
     attack: attacks.AttackConfig = attacks.AttackConfig()  # simulated malicious clients
     server_metrics: Any = None  # jitted Algorithm.server_metrics, or None
-    finish: Any = None  # `upload_finish`: per-client facts inside the cohort's program, or None
-    reducer: Any = None  # bucket -> `upload.streaming` reducer of 'scan' cohorts, or None
 
     @property
     def num_clients(self) -> int:

@@ -6,7 +6,6 @@ local test split and on the global test set, the label-only reference, the priva
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -17,7 +16,6 @@ from fedjax_pfedes.data.federated import FederatedData
 from fedjax_pfedes.engine.cohorts import Cohort
 from fedjax_pfedes.execution import slot_rows
 from fedjax_pfedes.upload import privacy
-from fedjax_pfedes.upload.pipeline import UploadPipeline
 
 
 def global_test_set(data: FederatedData, samples: int, seed: int):
@@ -81,48 +79,26 @@ def evaluate(algorithm, server_state, cohorts: list[Cohort], clients: dict[str, 
     }
 
 
-def privacy_metrics(pipeline: UploadPipeline, realized: Sequence[float | None]
-                    ) -> dict[str, float]:
-    """dp_epsilon (at dp_delta) spent so far, from dp_accounting composed over the noise each
-    round really released (`SimState.dp_noise_multipliers`; None: a round released nothing)."""
-    dp = pipeline.cfg.dp
-    if dp is None:
-        return {}
-    eps = privacy.epsilon_of_rounds(dp, realized, pipeline.num_clients,
-                                    pipeline.clients_per_round)
-    return {"dp_epsilon": eps, "dp_delta": dp.delta,
-            "dp_noise_multiplier": pipeline.noise_multiplier, "dp_clip_norm": dp.clip_norm}
-
-
-def privacy_statement(dp: privacy.ClientDPConfig | None, dp_sgd: bool) -> dict[str, Any]:
-    """What the run's privacy figures protect, for summary.json: per guarantee its unit, the
-    neighbouring relation its epsilon is stated under and the sensitivity that relation gives.
+def dp_sgd_statement(dp_sgd: bool) -> dict[str, Any]:
+    """What sample-level DP-SGD's figures protect, for summary.json: the unit, the neighbouring
+    relation its epsilon is stated under and how its steps are accounted ({} without it;
+    client-level DP's statement is `UploadPlan.statement`).
 
     Args:
-      dp: the client-level DP settings in force (None without client-level DP).
       dp_sgd: whether sample-level DP-SGD is on (`config.dp_sgd.enabled`).
 
     Returns:
-      {} without DP; else `dp_*` (client level) and `dp_sgd_*` (sample level) fields.
+      The `dp_sgd_*` fields.
     """
-    out: dict[str, Any] = {}
-    if dp is not None:
-        out.update({
-            "dp_accounting_sampling": dp.sampling,
-            "dp_unit": "client (user-level: one client's whole local dataset)",
-            "dp_neighbouring_relation": privacy.relation_of(dp.sampling),
-            "dp_l2_sensitivity": privacy.sensitivity_factor(dp.sampling) * dp.clip_norm,
-            **({"dp_sampling_rate": dp.sampling_rate} if dp.sampling == "poisson" else {}),
-        })
-    if dp_sgd:
-        out.update({
-            "dp_sgd_unit": "example (one training sample of one client)",
-            "dp_sgd_neighbouring_relation": "add_or_remove_one",
-            "dp_sgd_accounting": "each local step a Poisson-sampled batch of rate B / n_k (the "
-                                 "usual approximation of shuffled batches, as Opacus and TF "
-                                 "Privacy report it; client sizes n_k treated as public)",
-        })
-    return out
+    if not dp_sgd:
+        return {}
+    return {
+        "dp_sgd_unit": "example (one training sample of one client)",
+        "dp_sgd_neighbouring_relation": "add_or_remove_one",
+        "dp_sgd_accounting": "each local step a Poisson-sampled batch of rate B / n_k (the "
+                             "usual approximation of shuffled batches, as Opacus and TF "
+                             "Privacy report it; client sizes n_k treated as public)",
+    }
 
 
 def dp_sgd_metrics(noise_multiplier: float | None, delta: float, steps_taken: dict[int, int],

@@ -34,11 +34,10 @@ from fedjax_pfedes.engine.callbacks import (
     some,
 )
 from fedjax_pfedes.engine.evaluation import (
+    dp_sgd_statement,
     evaluation_sample,
     global_test_set,
     majority_class_accuracy,
-    privacy_metrics,
-    privacy_statement,
 )
 from fedjax_pfedes.engine.plateau import PlateauStop
 from fedjax_pfedes.engine.validate import validate_config
@@ -195,7 +194,7 @@ def _train(run: RunInfo, state, chain: Sequence[Callback], rejected_total: int):
                   "simulated_clock_s": state.clock_s,
                   "participation_min": int(state.sampler.selected.min()),
                   "participation_max": int(state.sampler.selected.max()),
-                  **privacy_metrics(ctx.pipeline, state.dp_noise_multipliers)}
+                  **ctx.upload.privacy_metrics(state.dp_noise_multipliers)}
         end = RoundEnd(r + 1, state, record, rows, rejections, t0)
         for cb in chain:
             cb.on_round_end(run, end)
@@ -212,7 +211,7 @@ def _refuse_unusable_end(config: ml_collections.ConfigDict, ctx, state, diverged
     """DivergedError / NothingTrainedError for a run whose figures cannot be used as they are
     (unless the config accepts it); its summary.json is written already."""
     if diverged is not None and not config.train.allow_divergence:
-        cause = divergence_cause(config, ctx.pipeline)
+        cause = divergence_cause(config, ctx.upload)
         raise DivergedError(
             f"training diverged in round {diverged['round']} ({some(diverged['metrics'])} "
             f"non-finite); summary in {workdir}/summary.json. {cause}, "
@@ -261,8 +260,9 @@ def _summary(run: RunInfo, state, last: dict, data, fingerprint: str,
         "majority_class_accuracy_mean": majority_class_accuracy(data),
         "best_personalized_accuracy": best["personalized_accuracy_mean"],
         "best_round": best["round"],
-        **privacy_statement(ctx.pipeline.cfg.dp, bool(config.dp_sgd.enabled)),
-        "norm_outlier_rejection": ctx.pipeline.outlier_note,
+        **ctx.upload.statement,
+        **dp_sgd_statement(bool(config.dp_sgd.enabled)),
+        "norm_outlier_rejection": ctx.upload.outlier_note,
         "local_optimizer": local_optimizer_note(config),
         "execution_strategy": "+".join(chosen),
         "execution_strategy_by_arch": by_arch,

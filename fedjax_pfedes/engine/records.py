@@ -11,9 +11,7 @@ import numpy as np
 
 from fedjax_pfedes.engine import client_system
 from fedjax_pfedes.engine.context import RunContext
-from fedjax_pfedes.upload.pipeline import CohortUploads
-
-UPLOAD_NORM = "update_norm"  # `upload_finish`'s entry of the update norm
+from fedjax_pfedes.upload.plan import UPLOAD_NORM, CohortUploads
 
 
 @dataclasses.dataclass

@@ -36,7 +36,7 @@ from fedjax_pfedes.execution import offload
 from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.tree_util import tree_size
 from fedjax_pfedes.upload import validation
-from fedjax_pfedes.upload.pipeline import CohortUploads
+from fedjax_pfedes.upload.plan import CohortUploads, UploadReport
 
 
 def train_arrays(ctx: RunContext, cohort: Cohort, step_limits: dict[int, int]):
@@ -69,8 +69,8 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         ids = np.where(valid, cohort.client_ids[np.minimum(slots, len(cohort.client_ids) - 1)],
                        -1)
         keys = participant_keys(round_key, jnp.asarray(ids))
-        sent = sent_to_runner(ctx.finish, ctx.reducer, ctx.attack.active, cohort.runner,
-                              cohort.bucket, broadcast, template)
+        sent = sent_to_runner(ctx.upload, ctx.attack.active, cohort.runner, cohort.bucket,
+                              broadcast, template)
         finishing = isinstance(sent, protocol.Finishing)
         stacked, clients[cohort.arch], metrics = cohort.runner.update(
             sent, clients[cohort.arch], train_arrays(ctx, cohort, step_limits), slots, keys)
@@ -86,8 +86,8 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         facts = host.pop(protocol.UPLOAD_FACTS, {})
         if UPLOAD_NORM in facts:
             norms = facts[UPLOAD_NORM]
-        # The pipeline reads the facts only when it transforms nothing, where `upload_finish`
-        # includes its checks' facts.
+        # The pipeline reads the facts only when it transforms nothing, where the plan's
+        # `finish` includes its checks' facts.
         uploads[cohort.arch] = cohort_uploads(ctx, cohort, stacked, template, slots, valid, ids,
                                               facts or None, reduced)
         if not valid.any():
@@ -150,15 +150,17 @@ def participants_metrics(ctx: RunContext, server_state, clients: dict[str, Any],
 
 
 def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: Trained,
-              memories: dict, round_index: int) -> tuple[Any, dict, dict[str, Any]]:
+              memories: dict, round_index: int
+              ) -> tuple[Any, dict, dict[str, Any], UploadReport]:
     """Upload pipeline + server step, with the monitoring losses before / after it.
 
-    Returns (server state, memories, summary: pipeline report, traffic, losses)."""
+    Returns (server state, memories, the round's summary: rejections, traffic, the pipeline's
+    record entries, losses; the pipeline's `UploadReport`)."""
     members = {c.arch: len(c.client_ids) for c in ctx.cohorts}
-    groups, memories, report = ctx.pipeline.process(
+    groups, memories, report = ctx.upload.process(
         round_index, trained.uploads, memories, members,
         fold_in(ctx.upload_key, round_index))
-    for r in report["rejections"]:
+    for r in report.rejections:
         logging.warning("round %d: upload of client %d rejected: %s", round_index + 1,
                         r["client"], r["reason"])
     trained_ids = np.array(sorted(trained.client_metrics), np.int64)
@@ -169,8 +171,8 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
     changes = (ctx.server_metrics(previous, server_state)
                if ctx.server_metrics is not None else {})
     after = participants_metrics(ctx, server_state, clients, trained_ids) if monitor else {}
-    summary: dict[str, Any] = {"uploads_rejected": report["rejected"],
-                               "rejections": report["rejections"],
+    summary: dict[str, Any] = {"uploads_rejected": report.rejected,
+                               "rejections": report.rejections,
                                **{k: float(v) for k, v in jax.device_get(changes).items()}}
     if trained.traffic:
         counts = np.array(trained.traffic, np.float64)
@@ -178,11 +180,9 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
         summary.update(zip(("upload_params_per_client", "upload_bytes_per_client",
                             "download_params_per_client", "download_bytes_per_client"),
                            per_client.tolist(), strict=True))
-    if "upload_bytes_per_client" in report:  # counted from the encoded form
-        summary["upload_bytes_per_client"] = report["upload_bytes_per_client"]
-    summary.update({k: report[k] for k in ctx.pipeline.report_keys if k in report})
-    if "dp_round_noise_multiplier" in report:  # for SimState, popped by the round
-        summary["dp_round_noise_multiplier"] = report["dp_round_noise_multiplier"]
+    if report.upload_bytes_per_client is not None:  # counted from what went over the wire
+        summary["upload_bytes_per_client"] = report.upload_bytes_per_client
+    summary.update(report.record)
     if monitor:
         summary["loss_before_aggregation"] = before.get("test_ce_loss")
         summary["loss_after_aggregation"] = after.get("test_ce_loss")
@@ -190,7 +190,7 @@ def aggregate(ctx: RunContext, server_state, clients: dict[str, Any], trained: T
             name = key[len("test_"):]
             summary[f"{name}_before_aggregation"] = before[key]
             summary[f"{name}_after_aggregation"] = after[key]
-    return server_state, memories, summary
+    return server_state, memories, summary, report
 
 
 def participant_states(ctx: RunContext, clients: dict[str, Any], ids: np.ndarray
@@ -276,9 +276,6 @@ def simulate_selected(ctx: RunContext, round_index: int, selected: np.ndarray
         [ctx.download_bytes[a] for a in archs])
 
 
-_NO_DP = object()  # the round's report holds no DP noise multiplier (client-level DP is off)
-
-
 def conclude(ctx: RunContext, state: SimState, round_index: int, trained: Trained,
              clients: dict[str, Any], *, head: Callable[[int], dict[str, Any]],
              rows: Callable[[set[int]], list[dict]], padded: dict[str, float],
@@ -305,10 +302,9 @@ def conclude(ctx: RunContext, state: SimState, round_index: int, trained: Traine
     Returns:
       (new state, record, client rows, rejections).
     """
-    server_state, memories, summary = aggregate(ctx, state.server, clients, trained,
-                                                state.memories, round_index)
+    server_state, memories, summary, report = aggregate(ctx, state.server, clients, trained,
+                                                        state.memories, round_index)
     rejections = summary.pop("rejections")
-    noise = summary.pop("dp_round_noise_multiplier", _NO_DP)
     rejected = {r["client"] for r in rejections}
     if before is not None and rejected:
         clients = restore_states(ctx, clients, before, np.array(sorted(rejected), np.int64))
@@ -319,8 +315,8 @@ def conclude(ctx: RunContext, state: SimState, round_index: int, trained: Traine
     state = state.replace(server=server_state, clients=clients, memories=memories,
                           dp_sgd_steps=count_dp_sgd_steps(state.dp_sgd_steps, client_rows),
                           clock_s=clock_s)
-    if noise is not _NO_DP:
-        state = state.with_round_noise(round_index, noise)
+    if report.dp:
+        state = state.with_round_noise(round_index, report.dp_noise_multiplier)
     return state, record, client_rows, rejections
 
 

@@ -18,6 +18,7 @@ import ml_collections
 
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms import registry as algorithm_registry
+from fedjax_pfedes.config import fields
 from fedjax_pfedes.config.defaults import (
     AsynchronousSection,
     EvalSection,
@@ -28,8 +29,7 @@ from fedjax_pfedes.config.defaults import (
 )
 from fedjax_pfedes.config.fields import Section
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.upload import compression, privacy, stages
-from fedjax_pfedes.upload import secure_aggregation as sa_protocol
+from fedjax_pfedes.upload import privacy, stages
 from fedjax_pfedes.upload.settings import PipelineConfig
 
 
@@ -73,55 +73,48 @@ def check_selection_is_data_independent(config: ml_collections.ConfigDict) -> No
             "config.system.failure_decay=1.0 or config.system.deadline_s=0")
 
 
-def pipeline_config(config: ml_collections.ConfigDict) -> PipelineConfig:
-    """`PipelineConfig` from an experiment config's `upload`, `dp` and `secagg` sections, with
-    the DP accountant's sampling assumption read from `train` and `system`.
+def pipeline_config(config: ml_collections.ConfigDict,
+                    built: Mapping[str, Section] | None = None) -> PipelineConfig:
+    """`PipelineConfig` from an experiment config's `upload`, `dp` and `secagg` sections and
+    the registered upload stages' own, with the DP accountant's sampling assumption read from
+    `train` and `system`.
 
     Args:
       config: the experiment config.
+      built: its core sections as validation built them (`ValidConfig.sections`); None builds
+        them here.
 
     Returns:
-      The pipeline's settings. ValueError naming the field for a selection rule client-level
-      DP cannot account for.
+      The pipeline's settings. ValueError naming the field for a value out of range or a
+      selection rule client-level DP cannot account for.
     """
-    u, d, s = config.upload, config.dp, config.secagg
+    def section(name: str) -> Section:
+        return built[name] if built is not None else read_section(config, name)
+    upload, dp_section, secagg = section("upload"), section("dp"), section("secagg")
     dp = None
-    if d.enabled:
+    if dp_section.enabled:
         check_selection_is_data_independent(config)
         sampling = "poisson" if config.train.sampling == "poisson" else "fixed"
         if not uniformly_random_selection(config):
             sampling = "none"  # no amplification by subsampling is claimed
         dp = privacy.ClientDPConfig(
-            clip_norm=d.clip_norm, noise_multiplier=d.noise_multiplier,
-            target_epsilon=d.target_epsilon, delta=d.delta, accountant=d.accountant,
-            sampling=sampling,
+            **dataclasses.asdict(dp_section), sampling=sampling,
             sampling_rate=float(config.train.client_fraction) if sampling == "poisson" else 0.0)
+    ratio = upload.norm_outlier_model_ratio
     return PipelineConfig(
-        reject_nonfinite=u.reject_nonfinite, norm_outlier_factor=u.norm_outlier_factor,
-        norm_outlier_z=u.norm_outlier_z, norm_outlier_hard_factor=u.norm_outlier_hard_factor,
-        norm_outlier_small_cohorts=u.norm_outlier_small_cohorts,
-        norm_outlier_model_ratio=(
-            algorithm_registry.get(config.algorithm).norm_model_ratio
-            if u.norm_outlier_model_ratio == -1 else u.norm_outlier_model_ratio),
-        weighting=u.weighting, aggregator=u.aggregator, trim_fraction=u.trim_fraction,
-        compression=compression.CompressionConfig(u.topk_fraction, u.value_encoding,
-                                                  u.qsgd_levels),
-        dp=dp, secagg=s.enabled, secagg_threshold_fraction=s.threshold_fraction,
-        secagg_dropout_after_upload=s.dropout_after_upload,
-        secagg_min_senders=s.min_senders, secagg_simulation=s.simulation,
-        encoding=sa_protocol.RingEncoding(s.ring_bits, s.fraction_bits),
-        stage_fields=tuple((path, _value_at(config, path)) for path in stages.declared_fields()))
+        upload=upload, dp=dp, secagg=secagg if secagg.enabled else None,
+        norm_model_ratio=(algorithm_registry.get(config.algorithm).norm_model_ratio
+                          if ratio == -1 else ratio),
+        stage_sections=tuple(_stage_section(config, cls) for cls in stages.own_sections()))
 
 
-def _value_at(config: ml_collections.ConfigDict, path: str):
-    node = config
-    for part in path.split("."):
-        if part not in node:
-            raise ValueError(f"config.{path}: a registered part declares it, the config has no "
-                             "such field (build the config with fedjax_pfedes.default_config() "
-                             "after registering)")
-        node = node[part]
-    return node.to_dict() if isinstance(node, ml_collections.ConfigDict) else node
+def _stage_section(config: ml_collections.ConfigDict, cls: type[Section]) -> Section:
+    """A registered stage's own section, built from the config (ranges checked)."""
+    if cls.SECTION not in config:
+        raise ValueError(f"config.{cls.SECTION}: a registered upload stage declares it, the "
+                         "config has no such section (build the config with "
+                         "fedjax_pfedes.default_config() after registering)")
+    return fields.build(cls, config[cls.SECTION].to_dict())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ class SimState:
         JSON meta, next to the arrays of `to_checkpoint`).
       dp_noise_multipliers: under client-level DP, per round so far the noise multiplier the
         released aggregate really carried (None: nothing released); the accountant composes
-        these (`engine.evaluation.privacy_metrics`). Empty without DP. Host side, kept in the
+        these (`UploadPlan.privacy_metrics`). Empty without DP. Host side, kept in the
         checkpoint's JSON meta like `history`.
     """
 

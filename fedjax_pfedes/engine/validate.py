@@ -40,7 +40,7 @@ from fedjax_pfedes.models.architectures import (
 from fedjax_pfedes.models.backbones import BACKBONES
 from fedjax_pfedes.models.probe import check_backbone
 from fedjax_pfedes.upload import stages
-from fedjax_pfedes.upload.settings import check_compatible
+from fedjax_pfedes.upload.settings import PipelineConfig, check_compatible
 
 
 def aggregation_kind(algorithm: str) -> str:
@@ -103,11 +103,14 @@ class ValidConfig:
       top: the top-level fields (`config.seed`, `algorithm`, `proxy_dim`).
       sections: `config.<name>` -> its built section, for every core section.
       method: the configured method's own section, or None.
+      upload: the upload pipeline's settings (`config.upload`, `dp`, `secagg` and the
+        registered stages' sections) before the method's `norm_keys` are known.
     """
 
     top: TopLevel
     sections: Mapping[str, Section]
     method: Section | None
+    upload: PipelineConfig
 
 
 # The last config validated: a run validates its config where it starts and again where its
@@ -183,8 +186,8 @@ def _validate(config: ml_collections.ConfigDict) -> ValidConfig:
         _require(entry.dp_sgd, "config.dp_sgd.enabled: DP-SGD is built into "
                  f"{with_dp_sgd}, not '{config.algorithm}'")
     try:
-        check_compatible(pipeline_config(config), aggregation_kind(config.algorithm),
-                         config.algorithm)
+        upload = pipeline_config(config, built)
+        check_compatible(upload, aggregation_kind(config.algorithm), config.algorithm)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     with_bn = sorted({a for a in archs if uses_batch_norm(a)})
@@ -194,7 +197,7 @@ def _validate(config: ml_collections.ConfigDict) -> ValidConfig:
              f"{with_bn_support} handle (running statistics); got '{config.algorithm}'")
     _check_names(config, entry)
     _validate_runtime(config)
-    return ValidConfig(top, built, method)
+    return ValidConfig(top, built, method, upload)
 
 
 def _check_names(config: ml_collections.ConfigDict, entry) -> None:

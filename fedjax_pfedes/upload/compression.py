@@ -19,37 +19,15 @@ ceil(log2(s + 1)) level bits) per transmitted coordinate.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
-SCHEMES = ("none", "bf16", "qsgd")
+from fedjax_pfedes.config.defaults import UploadSection
 
-
-@dataclasses.dataclass(frozen=True)
-class CompressionConfig:
-    """`topk_fraction` in (0, 1] (1 = no sparsification); `values`: 'none' (float32), 'bf16'
-    or 'qsgd' with `qsgd_levels` levels."""
-
-    topk_fraction: float = 1.0
-    values: str = "none"
-    qsgd_levels: int = 16
-
-    def __post_init__(self):
-        if not 0 < self.topk_fraction <= 1:
-            raise ValueError("config.upload.topk_fraction must be in (0, 1], got "
-                             f"{self.topk_fraction}")
-        if self.values not in SCHEMES:
-            raise ValueError(f"config.upload.value_encoding must be one of {SCHEMES}, got "
-                             f"'{self.values}'")
-        if self.qsgd_levels < 1:
-            raise ValueError(f"config.upload.qsgd_levels must be >= 1, got {self.qsgd_levels}")
-
-    @property
-    def active(self) -> bool:
-        return self.topk_fraction < 1 or self.values != "none"
+# The settings every function here reads are `config.upload`'s (`UploadSection`: topk_fraction,
+# value_encoding, qsgd_levels, with their ranges).
 
 
 def _flatten(tree) -> tuple[jax.Array, callable]:
@@ -106,26 +84,26 @@ def bf16_roundtrip(update):
     return jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), update)
 
 
-def compress(update, memory, rng: jax.Array, cfg: CompressionConfig):
+def compress(update, memory, rng: jax.Array, cfg: UploadSection):
     """One client's update as the server will decode it, and the client's new memory."""
     if cfg.topk_fraction < 1:
         update, memory = topk_with_feedback(update, memory, cfg.topk_fraction)
-    if cfg.values == "bf16":
+    if cfg.value_encoding == "bf16":
         update = bf16_roundtrip(update)
-    elif cfg.values == "qsgd":
+    elif cfg.value_encoding == "qsgd":
         update = qsgd(update, rng, cfg.qsgd_levels)
     return update, memory
 
 
-def encoded_bytes(template, cfg: CompressionConfig) -> float:
+def encoded_bytes(template, cfg: UploadSection) -> float:
     """Bytes one client sends for an update shaped like `template` under `cfg`."""
     leaves = jax.tree.leaves(template)
     dim = tree_dim(template)
     sent = topk_count(dim, cfg.topk_fraction)
-    if cfg.values == "qsgd":
+    if cfg.value_encoding == "qsgd":
         bits_per_value = 1 + math.ceil(math.log2(cfg.qsgd_levels + 1))
         value_bytes = sent * bits_per_value / 8 + 4 * len(leaves)
-    elif cfg.values == "bf16":
+    elif cfg.value_encoding == "bf16":
         value_bytes = 2 * sent
     else:
         width = (sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in leaves)

@@ -64,6 +64,34 @@ class CohortUploads:
     reduced: dict | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class UploadReport:
+    """What the upload pipeline did with one round's uploads.
+
+    Attributes:
+      rejections: [{'client': id, 'reason': why}, ...], in the order found.
+      record: the entries the stages declare for the round's monitoring record
+        (`UploadStage.report_keys`: secure aggregation's senders, skipped scopes, ...).
+      upload_bytes_per_client: the bytes an accepted client sent, averaged over them and
+        counted from what went over the wire (encoded, clipped, masked); None where the
+        uploads reached the algorithm as they arrived (the template's size is what was sent).
+      dp_noise_multiplier: under client-level DP, the smallest noise multiplier any aggregate
+        released this round carried (None: nothing was released).
+      dp: whether client-level DP is in force (the round is accounted).
+    """
+
+    rejections: list[dict] = dataclasses.field(default_factory=list)
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)
+    upload_bytes_per_client: float | None = None
+    dp_noise_multiplier: float | None = None
+    dp: bool = False
+
+    @property
+    def rejected(self) -> int:
+        """How many uploads were rejected."""
+        return len(self.rejections)
+
+
 def _mismatch(c: CohortUploads) -> str:
     """The rejection reason of a fingerprint mismatch, naming the first offending leaf."""
     try:
@@ -133,7 +161,7 @@ class UploadPipeline:
         if cfg.dp is not None:
             self.noise_multiplier = privacy.resolve_noise_multiplier(
                 cfg.dp, num_clients, clients_per_round, rounds)
-        if cfg.secagg:
+        if cfg.secagg is not None:
             check_secagg_range(cfg, self.noise_multiplier, clients_per_round, expected_participants,
                                num_clients)
         self.outlier_note = stages.outlier_rule(cfg)[1]
@@ -182,7 +210,7 @@ class UploadPipeline:
         aggregation simulated as 'aggregate'); else None."""
         cfg = self.cfg
         if (cfg.dp is None or not self.keyless_client_side or cfg.norm_keys
-                or (cfg.secagg and cfg.secagg_simulation != "aggregate")):
+                or (cfg.secagg is not None and cfg.secagg.simulation != "aggregate")):
             return None
         return cfg.dp.clip_norm
 
@@ -202,7 +230,7 @@ class UploadPipeline:
         delta = _sub(upload, template)
         info: dict[str, jax.Array] = {}
         for stage in self.stages:
-            if stage.server_enforced(self.cfg.secagg):
+            if stage.server_enforced(self.cfg.secagg is not None):
                 delta, _, info = stage.client(delta, None, key, info)
             else:
                 delta, info = stage.skipped(delta, info)
@@ -220,140 +248,180 @@ class UploadPipeline:
 
     def process(self, round_index: int, cohorts: dict[str, CohortUploads],
                 memories: dict[str, Any], members: dict[str, int], key: jax.Array
-                ) -> tuple[dict[str, tuple[Any, jax.Array]], dict[str, Any], dict[str, Any]]:
-        """Returns ({arch: (uploads, weights)} for the server step, new memories, report).
+                ) -> tuple[dict[str, tuple[Any, jax.Array]], dict[str, Any], UploadReport]:
+        """One round of the chain: the client halves per cohort, then the server halves.
 
-        Under client-level DP the report's `dp_round_noise_multiplier` is the smallest noise
-        multiplier any aggregate released this round carried (None: nothing was released).
-        Under secure aggregation the clients add the noise, so fewer senders than expected
-        release less of it; the accountant composes what really happened."""
-        cfg = self.cfg
-        report: dict[str, Any] = {"rejected": 0, "rejections": []}
+        Args:
+          round_index: 0-based round.
+          cohorts: architecture -> the cohort's uploads.
+          memories: architecture -> the cohort's per-client stage states.
+          members: architecture -> clients in the cohort.
+          key: the round's upload RNG key.
+
+        Returns:
+          ({arch: (uploads, weights)} for the server step, new memories, the round's
+          `UploadReport`). Under secure aggregation the clients add client-level DP's noise,
+          so fewer senders than expected release less of it
+          (`UploadReport.dp_noise_multiplier`); the accountant composes what really happened.
+        """
+        report: dict[str, Any] = {"rejections": []}
         if self.aggregation == "none":  # nothing is uploaded (Standalone)
             return ({a: (c.uploads, jnp.zeros(len(c.valid), jnp.float32))
-                     for a, c in cohorts.items()}, memories, report)
+                     for a, c in cohorts.items()}, memories, UploadReport())
         r = stages.RoundUploads(
             round_index=round_index, cohorts=cohorts, scopes=self._scopes(cohorts),
             members=members, key=key, valid={}, sent={}, info={}, report=report,
             reject=lambda ids, reason: self._reject(round_index, ids, reason, report),
             expected_in_scope=self.expected_in_scope)
         arrived, new_rows = {}, {}
-        for k, (arch, c) in enumerate(cohorts.items()):
-            ok = np.asarray(c.valid).copy()
-            if c.reduced is not None:  # streamed: only the facts, the stages decide on them
-                r.sent[arch], r.valid[arch] = None, ok
-                r.info[arch] = {**c.facts, "skips_client_code": np.zeros(len(ok), bool)}
-                continue
-            uploads = c.uploads
-            mismatch = validation.fingerprint(uploads, leading_axes=1) != validation.fingerprint(
-                c.template)
-            if mismatch:
-                self._reject(round_index, c.client_ids[ok], _mismatch(c), report)
-                ok[:] = False
-                uploads = _replicate(c.template, len(ok))
-            arrived[arch] = uploads
-            memory_rows = take_rows(memories[arch], jnp.asarray(c.slots))
-            keys = _client_keys(key, k, len(ok))
-            if self.active:
-                r.sent[arch], new_rows[arch], info = self._client_side(uploads, c.template,
-                                                                       memory_rows, keys)
-            elif c.facts is not None and not mismatch:
-                # nothing is transformed and the cohort's program computed the facts
-                r.sent[arch], info = None, c.facts
-            else:  # nothing is transformed: only the checks' facts, no stacked deltas
-                r.sent[arch] = None
-                new_rows[arch], info = self._client_facts(uploads, c.template, memory_rows,
-                                                          keys)
-            r.info[arch] = dict(jax.device_get(info))  # one transfer for the cohort
-            rogue = ok & (c.skips_client_code if c.skips_client_code is not None else False)
-            if rogue.any():
-                raw, rogue_info = self._rogue_side(uploads, c.template, keys)
-                if self.active:
-                    r.sent[arch] = _select_rows(jnp.asarray(rogue), raw, r.sent[arch])
-                for name, v in rogue_info.items():
-                    r.info[arch][name] = np.where(rogue, np.asarray(v), r.info[arch][name])
-            r.info[arch]["skips_client_code"] = rogue
-            r.valid[arch] = ok
+        for k, arch in enumerate(cohorts):
+            self._client_halves(r, k, arch, memories, arrived, new_rows)
         for stage in self.stages:  # checks, weights, aggregation: in chain order
             stage.server(r)
-        if not self.active:  # the uploads as they arrived; rejected slots hold the template
-            groups = {}
-            for arch, c in cohorts.items():
-                rejected = np.asarray(c.valid) & ~r.valid[arch]
-                if c.reduced is not None:  # the held-aside uploads the stages rejected
-                    entered = np.asarray(c.valid) & (np.asarray(r.info[arch]["finite"])
-                                                     | (not cfg.reject_nonfinite))
-                    groups[arch] = streaming.finalize(c.reduced, r.valid[arch],
-                                                      rejected & entered, arch, round_index)
-                    continue
-                # rejected slots hold the template: NaN x 0 weight is still NaN
-                shape = (arch, len(rejected))
-                if rejected.any() or shape not in self._compiled_shapes:
-                    self._compiled_shapes.add(shape)
-                    uploads = _rows_or_template(jnp.asarray(~rejected), arrived[arch],
-                                                c.template)
-                else:
-                    uploads = arrived[arch]
-                groups[arch] = (uploads, r.weights[arch])
-            return groups, memories, report
+        if not self.active:
+            return self._as_arrived(r, arrived), memories, self._report(r)
+        groups, sent_bytes = self._transformed(r)
+        return (groups, self._new_memories(r, memories, new_rows),
+                self._report(r, sent_bytes, self._released_noise(r)))
+
+    def _client_halves(self, r: stages.RoundUploads, k: int, arch: str,
+                       memories: dict[str, Any], arrived: dict, new_rows: dict) -> None:
+        """The client halves of cohort `arch` (the k-th): its decoded updates into `r.sent`,
+        its facts into `r.info`, its real slots into `r.valid`; the uploads as they arrived
+        into `arrived` and the stage states' new rows into `new_rows`. A fingerprint mismatch
+        rejects the whole cohort; a client that runs its own code skips the client halves the
+        server does not enforce."""
+        c = r.cohorts[arch]
+        ok = np.asarray(c.valid).copy()
+        if c.reduced is not None:  # streamed: only the facts, the stages decide on them
+            r.sent[arch], r.valid[arch] = None, ok
+            r.info[arch] = {**c.facts, "skips_client_code": np.zeros(len(ok), bool)}
+            return
+        uploads = c.uploads
+        mismatch = validation.fingerprint(uploads, leading_axes=1) != validation.fingerprint(
+            c.template)
+        if mismatch:
+            r.reject(c.client_ids[ok], _mismatch(c))
+            ok[:] = False
+            uploads = _replicate(c.template, len(ok))
+        arrived[arch] = uploads
+        memory_rows = take_rows(memories[arch], jnp.asarray(c.slots))
+        keys = _client_keys(r.key, k, len(ok))
+        if self.active:
+            r.sent[arch], new_rows[arch], info = self._client_side(uploads, c.template,
+                                                                   memory_rows, keys)
+        elif c.facts is not None and not mismatch:
+            # nothing is transformed and the cohort's program computed the facts
+            r.sent[arch], info = None, c.facts
+        else:  # nothing is transformed: only the checks' facts, no stacked deltas
+            r.sent[arch] = None
+            new_rows[arch], info = self._client_facts(uploads, c.template, memory_rows, keys)
+        r.info[arch] = dict(jax.device_get(info))  # one transfer for the cohort
+        rogue = ok & (c.skips_client_code if c.skips_client_code is not None else False)
+        if rogue.any():
+            raw, rogue_info = self._rogue_side(uploads, c.template, keys)
+            if self.active:
+                r.sent[arch] = _select_rows(jnp.asarray(rogue), raw, r.sent[arch])
+            for name, v in rogue_info.items():
+                r.info[arch][name] = np.where(rogue, np.asarray(v), r.info[arch][name])
+        r.info[arch]["skips_client_code"] = rogue
+        r.valid[arch] = ok
+
+    def _as_arrived(self, r: stages.RoundUploads, arrived: dict) -> dict:
+        """{arch: (uploads, weights)} when no stage transforms: the uploads as they arrived,
+        the rejected slots holding the template (NaN x 0 weight is still NaN); a streamed
+        cohort's carry finalized without the uploads it held aside that the stages rejected."""
+        groups = {}
+        for arch, c in r.cohorts.items():
+            rejected = np.asarray(c.valid) & ~r.valid[arch]
+            if c.reduced is not None:
+                entered = np.asarray(c.valid) & (np.asarray(r.info[arch]["finite"])
+                                                 | (not self.cfg.upload.reject_nonfinite))
+                groups[arch] = streaming.finalize(c.reduced, r.valid[arch],
+                                                  rejected & entered, arch, r.round_index)
+                continue
+            shape = (arch, len(rejected))
+            if rejected.any() or shape not in self._compiled_shapes:
+                self._compiled_shapes.add(shape)
+                uploads = _rows_or_template(jnp.asarray(~rejected), arrived[arch], c.template)
+            else:
+                uploads = arrived[arch]
+            groups[arch] = (uploads, r.weights[arch])
+        return groups
+
+    def _new_memories(self, r: stages.RoundUploads, memories: dict[str, Any],
+                      new_rows: dict) -> dict[str, Any]:
+        """The stage states after the round (error feedback: only real participants with
+        finite updates write their rows)."""
         new_memories = dict(memories)
-        for arch, c in cohorts.items():
+        for arch, c in r.cohorts.items():
             if arch not in new_rows:  # streamed: its client halves keep no state
                 continue
-            # Error feedback: only real participants with finite updates write their rows.
             rows = jnp.asarray(c.slots)
             write = jnp.where(jnp.asarray(np.asarray(c.valid) & r.info[arch]["finite"]), rows,
-                              members[arch])
+                              r.members[arch])
             new_memories[arch] = put_rows(memories[arch], write, new_rows[arch])
+        return new_memories
+
+    def _transformed(self, r: stages.RoundUploads) -> tuple[dict, float | None]:
+        """({arch: (uploads, weights)}, bytes an accepted client sent) when a stage transforms:
+        each slot the template plus its decoded update, or plus the aggregate the stages
+        computed (a streamed cohort: one row, the aggregate, with the group's total weight)."""
+        cfg = self.cfg
         upload_bytes = [(int(r.valid[a].sum()), compression.encoded_bytes(
-            c.template, cfg.compression) + (4 if cfg.dp is not None else 0))
-            for a, c in cohorts.items() if r.valid[a].any()]
-        if cfg.secagg and report.get("secagg_bytes"):  # the wire carries dense masked vectors
-            upload_bytes = report.pop("secagg_bytes")
+            c.template, cfg.upload) + (4 if cfg.dp is not None else 0))
+            for a, c in r.cohorts.items() if r.valid[a].any()]
+        if r.wire_bytes:  # the wire carried dense masked vectors
+            upload_bytes = r.wire_bytes
         groups = {}
-        for arch, c in cohorts.items():
+        for arch, c in r.cohorts.items():
             if c.reduced is not None:
-                # Streamed (its server step is a weighted mean): one row, the aggregate, with
-                # the group's total weight, instead of a copy of it for every slot.
                 groups[arch] = (jax.tree.map(lambda t, d: (t + d).astype(t.dtype)[None],
                                              c.template, r.aggregates[arch]),
                                 jnp.sum(r.weights[arch])[None])
-                continue
-            if r.aggregates is None:  # the algorithm averages the decoded uploads itself
-                uploads = jax.tree.map(lambda t, d: (t[None] + d).astype(t.dtype), c.template,
-                                       r.sent[arch])
+            elif r.aggregates is None:  # the algorithm averages the decoded uploads itself
+                groups[arch] = (jax.tree.map(lambda t, d: (t[None] + d).astype(t.dtype),
+                                             c.template, r.sent[arch]), r.weights[arch])
             else:
-                uploads = _replicate(jax.tree.map(lambda t, d: (t + d).astype(t.dtype),
-                                                  c.template, r.aggregates[arch]),
-                                     len(c.valid))
-            groups[arch] = (uploads, r.weights[arch])
-        if upload_bytes:
-            counts = np.array(upload_bytes, np.float64)
-            report["upload_bytes_per_client"] = float(counts[:, 1] @ counts[:, 0]
-                                                      / counts[:, 0].sum())
-        if cfg.dp is not None:
-            # The server adds sigma C itself; under secure aggregation the senders did.
-            realized = (report.get("dp_realized_noise_multiplier") if cfg.secagg
-                        else self.noise_multiplier)
-            report["dp_round_noise_multiplier"] = realized
-            if realized is not None:
-                report["dp_realized_noise_multiplier"] = realized
-                if realized < self.noise_multiplier:
-                    logging.warning("round %d: the secure sum carries noise multiplier %.3f, "
-                                    "below the configured %.3f (fewer senders than expected); "
-                                    "accounted as it is", round_index + 1, realized,
-                                    self.noise_multiplier)
-        return groups, new_memories, report
+                groups[arch] = (_replicate(jax.tree.map(lambda t, d: (t + d).astype(t.dtype),
+                                                        c.template, r.aggregates[arch]),
+                                           len(c.valid)), r.weights[arch])
+        if not upload_bytes:
+            return groups, None
+        counts = np.array(upload_bytes, np.float64)
+        return groups, float(counts[:, 1] @ counts[:, 0] / counts[:, 0].sum())
 
-    @property
-    def report_keys(self) -> tuple[str, ...]:
-        """The round report's entries the stages declare for the monitoring record."""
-        return tuple(dict.fromkeys(k for s in self.stages for k in s.report_keys))
+    def _released_noise(self, r: stages.RoundUploads) -> float | None:
+        """Client-level DP: the noise multiplier this round's aggregates carried (the server
+        adds sigma C itself; under secure aggregation the senders did, so fewer senders than
+        expected release less), None when nothing was released or without DP."""
+        if self.cfg.dp is None:
+            return None
+        realized = (r.report.get("dp_realized_noise_multiplier")
+                    if self.cfg.secagg is not None else self.noise_multiplier)
+        if realized is not None:
+            r.report["dp_realized_noise_multiplier"] = realized
+            if realized < self.noise_multiplier:
+                logging.warning("round %d: the secure sum carries noise multiplier %.3f, "
+                                "below the configured %.3f (fewer senders than expected); "
+                                "accounted as it is", r.round_index + 1, realized,
+                                self.noise_multiplier)
+        return realized
+
+    def _report(self, r: stages.RoundUploads, sent_bytes: float | None = None,
+                realized: float | None = None) -> UploadReport:
+        """The round's `UploadReport`: its rejections, the entries the stages declare for the
+        monitoring record (`UploadStage.report_keys`), bytes sent and noise released."""
+        keys = dict.fromkeys(k for s in self.stages for k in s.report_keys)
+        return UploadReport(
+            rejections=list(r.report["rejections"]),
+            record={k: r.report[k] for k in keys if k in r.report},
+            upload_bytes_per_client=sent_bytes, dp_noise_multiplier=realized,
+            dp=self.cfg.dp is not None)
 
     def _reject(self, round_index: int, ids: np.ndarray, reason: str, report: dict) -> None:
         for cid in np.asarray(ids).tolist():
             report["rejections"].append({"client": int(cid), "reason": reason})
-            report["rejected"] += 1
 
     def _scopes(self, cohorts: dict[str, CohortUploads]) -> list[list[str]]:
         if self.aggregation == "per_cohort":

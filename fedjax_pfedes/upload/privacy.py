@@ -44,40 +44,34 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from fedjax_pfedes.config.defaults import DPSection
+
 if TYPE_CHECKING:  # imported where used: it pulls in scipy.signal and scipy.optimize, whose
     import dp_accounting  # start-up a run without DP never needs to pay
 
-ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("fixed", "poisson", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class ClientDPConfig:
-    """`noise_multiplier` sigma, or (when `target_epsilon` > 0) sigma calibrated so that
-    `rounds` rounds spend exactly `target_epsilon` at `delta`."""
+class ClientDPConfig(DPSection):
+    """`config.dp` as a run accounts it: the section (its fields and ranges, always enabled)
+    with the sampling assumption the run's selection rule allows. `noise_multiplier` sigma, or
+    (when `target_epsilon` > 0) sigma calibrated so that the run's rounds spend exactly
+    `target_epsilon` at `delta`.
 
-    clip_norm: float
-    noise_multiplier: float = 0.0
-    target_epsilon: float = 0.0
-    delta: float = 1e-5
-    accountant: str = "rdp"
+    Attributes:
+      sampling: 'poisson' | 'fixed' | 'none' (the module's docstring says what each claims).
+      sampling_rate: 'poisson': the rate the sampler draws at (config.train.client_fraction).
+    """
+
     sampling: str = "fixed"
-    sampling_rate: float = 0.0  # 'poisson': the rate the sampler draws at (client_fraction)
+    sampling_rate: float = 0.0
 
     def __post_init__(self):
-        if self.clip_norm <= 0:
-            raise ValueError(f"config.dp.clip_norm must be > 0, got {self.clip_norm}")
-        if self.noise_multiplier < 0:
-            raise ValueError(f"config.dp.noise_multiplier must be >= 0, got "
-                             f"{self.noise_multiplier}")
-        if self.target_epsilon < 0:
-            raise ValueError(f"config.dp.target_epsilon must be >= 0 (0 = use "
-                             f"noise_multiplier), got {self.target_epsilon}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"config.dp.delta must be in (0, 1), got {self.delta}")
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"config.dp.accountant must be one of {ACCOUNTANTS}, got "
-                             f"'{self.accountant}'")
+        object.__setattr__(self, "enabled", True)  # in force: every range of the section holds
+        super().__post_init__()
+
+    def check(self) -> None:
         if self.sampling not in SAMPLINGS:
             raise ValueError(f"config.dp.sampling must be one of {SAMPLINGS}, got "
                              f"'{self.sampling}'")
@@ -88,6 +82,25 @@ class ClientDPConfig:
             raise ValueError("config.dp.accountant='pld' needs config.dp.sampling='poisson' "
                              "(dp_accounting's PLD accountant has no fixed-size sampling); "
                              "use 'rdp' for fixed-size sampling")
+
+
+def statement(dp: ClientDPConfig) -> dict:
+    """What client-level DP's figures protect, for summary.json: the unit, the neighbouring
+    relation its epsilon is stated under and the sensitivity that relation gives.
+
+    Args:
+      dp: the client-level DP settings in force.
+
+    Returns:
+      The `dp_*` fields.
+    """
+    return {
+        "dp_accounting_sampling": dp.sampling,
+        "dp_unit": "client (user-level: one client's whole local dataset)",
+        "dp_neighbouring_relation": relation_of(dp.sampling),
+        "dp_l2_sensitivity": sensitivity_factor(dp.sampling) * dp.clip_norm,
+        **({"dp_sampling_rate": dp.sampling_rate} if dp.sampling == "poisson" else {}),
+    }
 
 
 def clip_scale(norm: jax.Array, clip_norm: float) -> jax.Array:

@@ -14,10 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfedes import aggregation
+from fedjax_pfedes.config.upload_sections import WEIGHTINGS
 from fedjax_pfedes.upload.validation import masked_median
-
-WEIGHTINGS = ("samples", "sqrt_samples", "uniform", "all_samples")
-AGGREGATORS = ("mean", "median", "trimmed_mean")
 
 
 @functools.partial(jax.jit, static_argnums=2)

@@ -44,9 +44,6 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 PRIME = 2 ** 521 - 1  # Mersenne prime: the Shamir field
 PROTOCOL_SIMULATIONS = ("sum", "protocol")  # what `secure_sum` runs
-# config.secagg.simulation: `secure_sum`'s two, or 'aggregate' (`stages.SecureAggregation`:
-# the senders' summed noise drawn once, the sum without fixed-point encoding)
-SIMULATIONS = PROTOCOL_SIMULATIONS + ("aggregate",)
 
 
 class SecureAggregationError(RuntimeError):
@@ -57,17 +54,11 @@ class SecureAggregationError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class RingEncoding:
-    """Fixed point with `fraction_bits` fractional bits in the ring of 2^`ring_bits` integers."""
+    """Fixed point with `fraction_bits` fractional bits in the ring of 2^`ring_bits` integers
+    (the values `config.secagg` declares and range-checks: `SecAggSection`)."""
 
-    ring_bits: int = 64
-    fraction_bits: int = 24
-
-    def __post_init__(self):
-        if self.ring_bits not in (32, 64):
-            raise ValueError(f"config.secagg.ring_bits must be 32 or 64, got {self.ring_bits}")
-        if not 0 < self.fraction_bits < self.ring_bits - 2:
-            raise ValueError(f"config.secagg.fraction_bits must be in (0, ring_bits - 2), got "
-                             f"{self.fraction_bits}")
+    ring_bits: int
+    fraction_bits: int
 
     @property
     def mask(self) -> np.uint64:

@@ -1,89 +1,82 @@
-"""The upload pipeline's settings (`PipelineConfig`: what `config.upload`, `config.dp` and
-`config.secagg` set) and the rules they must satisfy before a round runs (`check_compatible`,
-`check_secagg_range`)."""
+"""The upload pipeline's settings (`PipelineConfig`: the built `config.upload`, `config.dp` and
+`config.secagg` sections with what a run resolves from them) and the rules across sections they
+must satisfy before a round runs (`check_compatible`, `check_secagg_range`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 
-from fedjax_pfedes.config.defaults import UploadSection
-from fedjax_pfedes.upload import compression, privacy, robust, stages
+from fedjax_pfedes.config.defaults import SecAggSection, UploadSection
+from fedjax_pfedes.config.fields import Section
+from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 
-# Default of config.upload.norm_outlier_factor (declared in `config.defaults`): an update whose L2
-# norm exceeds 10x the median of the round's valid updates is rejected. Honest updates of one round
-# differ in norm by a few x (sample counts, local epochs); a scaled or boosted poisoning update
-# (Bhagoji et al., "Analyzing Federated Learning through an Adversarial Lens", ICML 2019) is orders
-# of magnitude larger.
+# The norm rule's defaults, as `UploadSection` declares them (its fields' help says what they
+# do; docs/threat_model.md gives the measurements behind each value). The factor: an update whose
+# norm per sample exceeds 10x the round's median (a boosted poisoning update, Bhagoji et al.,
+# "Analyzing Federated Learning through an Adversarial Lens", ICML 2019, is orders of magnitude
+# larger than honest ones, which differ by a few x). The z: where a round's honest norms spread
+# over orders of magnitude (the published pFedES's small proxy on 2-class clients late in
+# training: 0.002 to 2.5 in one round) the factor alone rejected ~4 % of honest uploads; a robust
+# z-score of the log-norm scales with that spread. The hard factor: beyond it an update is
+# rejected whatever the spread (honest norms stayed within 44x the median in every 20-300-round
+# run measured, but the published pFedES's and late FedAvg's, which the model-ratio test keeps).
 NORM_OUTLIER_FACTOR = UploadSection.norm_outlier_factor
-# Default of config.upload.norm_outlier_z (declared in `config.defaults`): an update beyond the
-# factor is rejected only when its log-norm is also this many robust standard deviations above the
-# round's median log-norm. Where honest norms of a round spread over orders of magnitude (the
-# published pFedES's small proxy on 2-class clients late in training: 0.002 to 2.5 in one round) a
-# 10x-median rule rejected ~4 % of honest uploads; a robust z-score scales with that spread, while a
-# boosted update among like-sized honest ones stays dozens of deviations off (docs/threat_model.md).
 NORM_OUTLIER_Z = UploadSection.norm_outlier_z
-# Default of config.upload.norm_outlier_hard_factor (declared in `config.defaults`): beyond this
-# many times the round's median an update is rejected whatever the spread (a round spread over
-# three orders of magnitude puts even a 1e4-per-value update only ~5 robust deviations off, and
-# FedMRL's x100 updates among its widely spread honest ones 3-5). Honest norms stayed within 44x
-# the median in every 20-300-round run measured, but the published pFedES's and late FedAvg's,
-# which the model-ratio test keeps (docs/threat_model.md).
 NORM_OUTLIER_HARD_FACTOR = UploadSection.norm_outlier_hard_factor
-# config.upload.norm_outlier_model_ratio's value that lets the method choose
-# (`AlgorithmEntry.norm_model_ratio`); the pipeline receives the resolved value (0 = all judged).
-NORM_OUTLIER_MODEL_RATIO = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """Everything `config.upload`, `config.dp` and `config.secagg` set."""
+    """One run's upload settings: the built sections and what the run resolved from them.
 
-    reject_nonfinite: bool = True
-    norm_outlier_factor: float = NORM_OUTLIER_FACTOR  # 0 = off
-    norm_outlier_z: float = NORM_OUTLIER_Z  # 0 = the factor alone
-    norm_outlier_hard_factor: float = NORM_OUTLIER_HARD_FACTOR  # 0 = no bound beyond the z
-    norm_outlier_small_cohorts: bool = True  # a cohort of < 3 judged against the whole round
-    norm_outlier_model_ratio: float = NORM_OUTLIER_MODEL_RATIO  # 0 = not applied
-    norm_keys: tuple[str, ...] = ()  # the uploads' model part the norm rule measures (() = all)
-    weighting: str = "samples"
-    aggregator: str = "mean"
-    trim_fraction: float = 0.1
-    compression: compression.CompressionConfig = compression.CompressionConfig()
+    Attributes:
+      upload: `config.upload` (checks, weights, aggregator, compression).
+      dp: client-level DP as the run accounts it (`config.dp` with the sampling assumption the
+        selection rule allows: `privacy.ClientDPConfig`), or None without it.
+      secagg: `config.secagg` when secure aggregation is on, else None.
+      norm_model_ratio: the norm rule's model ratio in force (`config.upload.
+        norm_outlier_model_ratio`, the method's own where that is -1; 0 = not applied).
+      norm_keys: the uploads' model part the norm rule measures (() = all; the method's).
+      stage_sections: the registered stages' own sections (`UploadStage.section`), built.
+    """
+
+    upload: UploadSection = UploadSection()
     dp: privacy.ClientDPConfig | None = None
-    secagg: bool = False
-    secagg_threshold_fraction: float = 0.6
-    secagg_dropout_after_upload: float = 0.0
-    secagg_min_senders: int = 3
-    # 'sum' | 'protocol' (`secure_aggregation.secure_sum`) | 'aggregate' (see SecureAggregation)
-    secagg_simulation: str = "sum"
-    encoding: sa_protocol.RingEncoding = sa_protocol.RingEncoding()
-    # The registered stages' own config fields (`UploadStage.fields`) at this run's values, as
-    # (dotted path, value) pairs; a stage reads its own with `field(path)`.
-    stage_fields: tuple[tuple[str, Any], ...] = ()
+    secagg: SecAggSection | None = None
+    norm_model_ratio: float = 0.0
+    norm_keys: tuple[str, ...] = ()
+    stage_sections: tuple[Section, ...] = ()
 
-    def field(self, path: str) -> Any:
-        """The value of a stage's own config field (`UploadStage.fields`).
+    @property
+    def encoding(self) -> sa_protocol.RingEncoding:
+        """The secure sum's fixed-point encoding (`config.secagg.ring_bits`, `fraction_bits`)."""
+        s = self.secagg or SecAggSection()
+        return sa_protocol.RingEncoding(s.ring_bits, s.fraction_bits)
+
+    def section(self, cls: type[Section]) -> Section:
+        """A stage's own section (`UploadStage.section`) at this run's values.
 
         Args:
-          path: the field's dotted path, e.g. 'my_stage.amount'.
+          cls: the section's class.
 
         Returns:
-          Its value in this run (KeyError naming it when no registered stage declares it).
+          The built section (its defaults when the run was not given one).
         """
-        for key, value in self.stage_fields:
-            if key == path:
-                return value
-        raise KeyError(f"config.{path}: no registered upload stage declares this field")
+        for built in self.stage_sections:
+            if type(built) is cls:
+                return built
+        return cls()
 
 
 def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> None:
-    """Raises ValueError naming the field for combinations that cannot be honest."""
-    pre_aggregates = cfg.aggregator != "mean" or cfg.dp is not None or cfg.secagg
-    if aggregation == "none" and (pre_aggregates or cfg.compression.active):
+    """Raises ValueError naming the field for combinations of sections that cannot be honest
+    (each field's own range is its section's: `config.upload_sections`)."""
+    u = cfg.upload
+    pre_aggregates = u.aggregator != "mean" or cfg.dp is not None or cfg.secagg is not None
+    if aggregation == "none" and (pre_aggregates or u.compresses):
         raise ValueError(f"config.algorithm='{algorithm}' uploads nothing: config.upload "
                          "compression / aggregator, config.dp and config.secagg do not apply")
     if aggregation == "custom" and pre_aggregates:
@@ -91,52 +84,15 @@ def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> N
             f"config.algorithm='{algorithm}' combines uploads with its own server math "
             "(prototypes / header training), not a weighted mean: config.upload.aggregator "
             "must be 'mean' and config.dp.enabled / config.secagg.enabled must be False")
-    if cfg.aggregator not in robust.AGGREGATORS:
-        raise ValueError(f"config.upload.aggregator must be one of {robust.AGGREGATORS}, got "
-                         f"'{cfg.aggregator}'")
-    if cfg.weighting not in robust.WEIGHTINGS:
-        raise ValueError(f"config.upload.weighting must be one of {robust.WEIGHTINGS}, got "
-                         f"'{cfg.weighting}'")
-    if cfg.secagg and cfg.aggregator != "mean":
+    if cfg.secagg is not None and u.aggregator != "mean":
         raise ValueError("config.secagg.enabled: the server sees only the sum, so "
                          "config.upload.aggregator must be 'mean'")
-    if cfg.secagg and cfg.secagg_min_senders < 2:
-        raise ValueError("config.secagg.min_senders must be >= 2 (with one sender the 'secure "
-                         f"sum' is that client's update), got {cfg.secagg_min_senders}")
-    if cfg.dp is not None and cfg.aggregator != "mean":
+    if cfg.dp is not None and u.aggregator != "mean":
         raise ValueError("config.dp.enabled: DP-FedAvg's noisy sum needs "
                          "config.upload.aggregator='mean'")
-    if cfg.dp is not None and cfg.weighting != "uniform":
+    if cfg.dp is not None and u.weighting != "uniform":
         raise ValueError("config.dp.enabled needs config.upload.weighting='uniform' (every "
                          "clipped update counts once, so one client changes the sum by <= C)")
-    if cfg.secagg_simulation not in sa_protocol.SIMULATIONS:
-        raise ValueError(f"config.secagg.simulation must be one of {sa_protocol.SIMULATIONS}, "
-                         f"got '{cfg.secagg_simulation}'")
-    if not 0 < cfg.secagg_threshold_fraction <= 1:
-        raise ValueError("config.secagg.threshold_fraction must be in (0, 1], got "
-                         f"{cfg.secagg_threshold_fraction}")
-    if not 0 <= cfg.secagg_dropout_after_upload < 1:
-        raise ValueError("config.secagg.dropout_after_upload must be in [0, 1), got "
-                         f"{cfg.secagg_dropout_after_upload}")
-    if not 0 <= cfg.trim_fraction < 0.5:
-        raise ValueError(f"config.upload.trim_fraction must be in [0, 0.5), got "
-                         f"{cfg.trim_fraction}")
-    if cfg.norm_outlier_factor < 0:
-        raise ValueError("config.upload.norm_outlier_factor must be >= 0 (0 = off), got "
-                         f"{cfg.norm_outlier_factor}")
-    if not (cfg.norm_outlier_hard_factor == 0
-            or cfg.norm_outlier_hard_factor >= cfg.norm_outlier_factor):
-        raise ValueError("config.upload.norm_outlier_hard_factor must be 0 (none) or >= "
-                         f"config.upload.norm_outlier_factor ({cfg.norm_outlier_factor:g}), "
-                         f"got {cfg.norm_outlier_hard_factor}")
-    if not cfg.norm_outlier_model_ratio >= 0:
-        raise ValueError("config.upload.norm_outlier_model_ratio must be >= 0 (0 = not "
-                         f"applied) or -1 (the method's), got {cfg.norm_outlier_model_ratio}")
-    if not cfg.norm_outlier_z >= 0:
-        raise ValueError("config.upload.norm_outlier_z must be >= 0 (0 = the factor alone), "
-                         f"got {cfg.norm_outlier_z}")
-    for cls in stages.STAGES:  # each stage's own fields
-        cls.check(cfg)
 
 
 # What the fixed-point range must hold per sender at the least: weights are sent divided by the
@@ -153,9 +109,9 @@ def check_secagg_range(cfg: PipelineConfig, noise_multiplier: float, clients_per
     `config.secagg.min_senders` exceeds the most senders a round can have."""
     poisson = cfg.dp is not None and cfg.dp.sampling == "poisson"
     most = num_clients if poisson else clients_per_round
-    if cfg.secagg_min_senders > most:
+    if cfg.secagg.min_senders > most:
         raise ValueError(
-            f"config.secagg.min_senders={cfg.secagg_min_senders} exceeds the {most} senders a "
+            f"config.secagg.min_senders={cfg.secagg.min_senders} exceeds the {most} senders a "
             f"round can have ({'clients' if poisson else 'participants per round'}): no round "
             "would ever be summed")
     need = SECAGG_HEADROOM

@@ -18,10 +18,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def every_section() -> list[type[fields.Section]]:
-    """The core's sections and every registered method's."""
+    """The core's sections, every registered method's and every registered upload stage's."""
+    from fedjax_pfedes.upload import stages
+
     found = [defaults.TopLevel, *defaults.SECTIONS.values()]
     found += [e.section for e in registry.entries().values() if e.section is not None]
-    return found
+    return found + stages.own_sections()
 
 
 def test_every_field_of_every_section_is_declared_with_its_help():
@@ -89,6 +91,38 @@ def test_no_method_maps_its_sections_fields_by_hand():
         # a rule across sections may read a field (pfedes_paper's schedule vs the deadline)
         assert len(hand) <= 1, f"{entry.name} maps {hand} by hand"
         assert "fields={" not in source and "FIELDS = {" not in source, entry.name
+
+
+def _package_dataclasses(package: str):
+    import importlib
+    import pkgutil
+
+    root = importlib.import_module(package)
+    for info in pkgutil.walk_packages(root.__path__, package + "."):
+        module = importlib.import_module(info.name)
+        for obj in vars(module).values():
+            if (isinstance(obj, type) and dataclasses.is_dataclass(obj)
+                    and obj.__module__ == module.__name__):
+                yield obj
+
+
+def test_no_settings_object_repeats_a_sections_field():
+    """The upload pipeline's settings hold the built sections (`PipelineConfig.upload`, ...),
+    client-level DP's derives from `DPSection`, and no stage or helper dataclass gives a field
+    of `config.upload` / `dp` / `secagg` a default of its own: each is declared once, in its
+    section."""
+    from fedjax_pfedes.upload import privacy, settings
+
+    upload_sections = [defaults.SECTIONS[n] for n in ("upload", "dp", "secagg")]
+    names = {f.name for s in upload_sections for f in dataclasses.fields(s)} - {"enabled"}
+    assert issubclass(privacy.ClientDPConfig, defaults.SECTIONS["dp"])
+    assert not names & {f.name for f in dataclasses.fields(settings.PipelineConfig)}
+    for cls in _package_dataclasses("fedjax_pfedes.upload"):
+        if any(issubclass(cls, s) for s in upload_sections):
+            continue
+        for f in dataclasses.fields(cls):
+            assert not (f.name in names and f.default is not dataclasses.MISSING), (
+                f"{cls.__module__}.{cls.__name__}.{f.name} repeats a section's default")
 
 
 def test_a_value_out_of_its_declared_range_is_named_when_the_section_is_built():

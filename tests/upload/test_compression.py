@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pfedes.config.defaults import UploadSection
 from fedjax_pfedes.upload import compression
 
 
@@ -38,10 +39,10 @@ def test_qsgd_is_unbiased_and_on_its_levels():
 
 def test_encoded_bytes_count_the_encoded_form():
     tree = {"w": jnp.zeros((10, 10)), "b": jnp.zeros(10)}  # 110 float32 values
-    assert compression.encoded_bytes(tree, compression.CompressionConfig()) == 440
-    assert compression.encoded_bytes(tree, compression.CompressionConfig(values="bf16")) == 220
+    assert compression.encoded_bytes(tree, UploadSection()) == 440
+    assert compression.encoded_bytes(tree, UploadSection(value_encoding="bf16")) == 220
     # top 10%: ceil(11) = 11 values x (4 value + 4 index) bytes.
-    assert compression.encoded_bytes(tree, compression.CompressionConfig(0.1)) == 88
+    assert compression.encoded_bytes(tree, UploadSection(topk_fraction=0.1)) == 88
     # QSGD s=16: 1 sign + 5 level bits per value, plus a float32 norm per leaf.
-    assert compression.encoded_bytes(tree, compression.CompressionConfig(
-        values="qsgd", qsgd_levels=16)) == 110 * 6 / 8 + 8
+    assert compression.encoded_bytes(tree, UploadSection(
+        value_encoding="qsgd", qsgd_levels=16)) == 110 * 6 / 8 + 8

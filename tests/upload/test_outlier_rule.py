@@ -140,12 +140,12 @@ def test_the_model_ratio_is_the_methods_unless_the_config_sets_it():
     ratios = {}
     for method in registry.names():
         config.algorithm = method
-        ratios[method] = pipeline_config(config).norm_outlier_model_ratio
+        ratios[method] = pipeline_config(config).norm_model_ratio
     assert registry.DEFAULT_NORM_MODEL_RATIO == 0.1
     assert ratios == {**dict.fromkeys(registry.names(), 0.1), "pfedes_paper": 1.0,
                       "pfedes": 0.0, "fedmrl": 0.5}
     config.upload.norm_outlier_model_ratio = 0.5
-    assert pipeline_config(config).norm_outlier_model_ratio == 0.5
+    assert pipeline_config(config).norm_model_ratio == 0.5
 
 
 def test_the_model_ratio_condition_by_hand():

@@ -3,12 +3,11 @@
 
 import fl_helpers
 import pytest
-from fl_helpers import upload_pipeline
+from fl_helpers import pipeline_config, upload_pipeline
 
 from configs import tabular_hetero
 from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload.pipeline import UploadPipeline
-from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def test_incompatible_settings_are_refused_naming_the_field():
@@ -17,7 +16,7 @@ def test_incompatible_settings_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="config.upload.aggregator must be 'mean'"):
         upload_pipeline(secagg=True, aggregator="median")
     with pytest.raises(ValueError, match="own server math"):
-        UploadPipeline(PipelineConfig(aggregator="median"), "custom", "fedgh", 10, 4, 4, 5)
+        UploadPipeline(pipeline_config(aggregator="median"), "custom", "fedgh", 10, 4, 4, 5)
     with pytest.raises(ValueError, match="config.dp.accountant='pld' needs"):
         privacy.ClientDPConfig(clip_norm=1.0, accountant="pld", sampling="fixed")
 

@@ -11,13 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dp_accounting import rdp
-from fl_helpers import client_dp_config, upload_cohort
+from fl_helpers import client_dp_config, pipeline_config, upload_cohort
 
 from configs import tabular_hetero
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload.pipeline import UploadPipeline
-from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def test_clipping_bounds_every_update_norm():
@@ -33,7 +32,7 @@ def test_clipping_bounds_every_update_norm():
 
 def test_dp_mean_noise_has_std_sigma_c_over_the_fixed_denominator():
     template = {"w": jnp.zeros(20000)}
-    pipe = UploadPipeline(PipelineConfig(weighting="uniform", dp=privacy.ClientDPConfig(
+    pipe = UploadPipeline(pipeline_config(weighting="uniform", dp=privacy.ClientDPConfig(
         clip_norm=2.0, noise_multiplier=1.5)), "shared", "test", num_clients=10,
         expected_participants=4, clients_per_round=4, rounds=5)
     ups = {"w": jnp.zeros((3, 20000))}  # zero updates: the aggregate is pure noise

@@ -66,11 +66,11 @@ def test_robust_aggregation_of_fewer_than_three_uploads_is_skipped_and_reported(
     groups, _, report = pipe.process(0, {"a": upload_cohort(ups, template, [1, 1, 1], [1, 1, 0])},
                                      {"a": {}}, {"a": 3}, jax.random.key(0))
     np.testing.assert_array_equal(groups["a"][1], [0, 0, 0])  # nobody counts: state kept
-    assert report["robust_aggregation_skipped"] == [
+    assert report.record["robust_aggregation_skipped"] == [
         f"a: 2 valid upload(s), config.upload.aggregator='{aggregator}' needs >= 3"]
     groups, _, report = pipe.process(0, {"a": upload_cohort(ups, template, [1, 1, 1])},
                                      {"a": {}}, {"a": 3}, jax.random.key(0))
-    assert "robust_aggregation_skipped" not in report and float(groups["a"][1].sum()) > 0
+    assert "robust_aggregation_skipped" not in report.record and float(groups["a"][1].sum()) > 0
 
 
 def test_all_samples_weighting_counts_training_and_local_test_rows():

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fl_helpers import pipeline_config
 
 from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload.pipeline import CohortUploads, UploadPipeline
-from fedjax_pfedes.upload.settings import PipelineConfig
 
 N = 4  # participants; client 0 attacks
 
@@ -28,7 +28,7 @@ def _cohort(values, rogue):
 def _aggregate(rogue, dp_sigma=None, secagg=False, clip=1.0, values=None):
     dp = (privacy.ClientDPConfig(clip_norm=clip, noise_multiplier=dp_sigma)
           if dp_sigma is not None else None)
-    cfg = PipelineConfig(weighting="uniform", dp=dp, secagg=secagg, norm_outlier_factor=0.0)
+    cfg = pipeline_config(weighting="uniform", dp=dp, secagg=secagg, norm_outlier_factor=0.0)
     pipe = UploadPipeline(cfg, "shared", "test", num_clients=N, expected_participants=N,
                           clients_per_round=N, rounds=3)
     values = values if values is not None else [[1e4] * 3] + [[0.1] * 3] * (N - 1)
@@ -51,7 +51,7 @@ def test_A02_secure_aggregation_with_dp_sums_a_rogue_client_unclipped():
     rogue, report, _ = _aggregate([True] + [False] * (N - 1), dp_sigma=0.0, secagg=True)
     assert np.abs(honest).max() < 1.0
     np.testing.assert_allclose(rogue, (1e4 + 3 * 0.1) / N, rtol=1e-6)
-    assert report["rejected"] == 0  # the server cannot tell
+    assert report.rejected == 0  # the server cannot tell
 
 
 def test_A03_a_rogue_client_skips_the_range_check_and_wraps_around_the_ring():
@@ -59,25 +59,25 @@ def test_A03_a_rogue_client_skips_the_range_check_and_wraps_around_the_ring():
     client skips its own check: it wraps modulo 2^ring_bits and corrupts the sum."""
     huge = [[1e12] * 3] + [[0.1] * 3] * (N - 1)
     checked, report_checked, _ = _aggregate([False] * N, secagg=True, values=huge)
-    assert report_checked["rejected"] == 1  # an honest client's check rejects itself
+    assert report_checked.rejected == 1  # an honest client's check rejects itself
     np.testing.assert_allclose(checked, 0.1 * 3 / 3, rtol=1e-5)  # the rest, weight-normalized
     rogue, report, _ = _aggregate([True] + [False] * (N - 1), secagg=True, values=huge)
-    assert report["rejected"] == 0
+    assert report.rejected == 0
     assert not np.allclose(rogue, checked, rtol=1e-3)  # wrapped garbage, not 1e12 / 4 either
     assert not np.allclose(rogue, (1e12 + 0.3) / N, rtol=1e-3)
 
 
 def test_A04_a_rogue_client_adds_no_noise_and_the_accountant_counts_only_honest_shares():
     _, report, _ = _aggregate([True] + [False] * (N - 1), dp_sigma=1.2, secagg=True)
-    assert report["dp_round_noise_multiplier"] == pytest.approx(1.2 * math.sqrt((N - 1) / N))
+    assert report.dp_noise_multiplier == pytest.approx(1.2 * math.sqrt((N - 1) / N))
     _, honest, _ = _aggregate([False] * N, dp_sigma=1.2, secagg=True)
-    assert honest["dp_round_noise_multiplier"] == pytest.approx(1.2)
+    assert honest.dp_noise_multiplier == pytest.approx(1.2)
 
 
 def test_A05_without_secure_aggregation_the_server_checks_a_rogue_nan_itself():
     nan = [[float("nan")] * 3] + [[0.1] * 3] * (N - 1)
     agg, report, _ = _aggregate([True] + [False] * (N - 1), values=nan)
-    assert report["rejected"] == 1 and np.isfinite(agg).all()
+    assert report.rejected == 1 and np.isfinite(agg).all()
     agg, report, _ = _aggregate([True] + [False] * (N - 1), values=nan, secagg=True)
     # No fixed-point form for NaN: the rogue vector lands as 0 and nothing rejects it.
-    assert report["rejected"] == 0 and np.isfinite(agg).all()
+    assert report.rejected == 0 and np.isfinite(agg).all()

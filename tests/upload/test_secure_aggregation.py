@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dp_accounting import rdp
-from fl_helpers import client_dp_config, upload_cohort
+from fl_helpers import client_dp_config, pipeline_config, upload_cohort
 from scipy import stats
 
 from configs import tabular_hetero
+from fedjax_pfedes.config.defaults import SecAggSection
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload import secure_aggregation as sa
 from fedjax_pfedes.upload.pipeline import UploadPipeline
-from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def test_secure_sum_equals_the_plain_fixed_point_sum_exactly():
@@ -126,10 +126,15 @@ def test_secure_sum_still_checks_the_fixed_point_range_per_client():
         sa.secure_sum({0: np.zeros(3), 1: np.array([0.0, 500.0, 0.0])}, 1, enc, seed=0)
 
 
-def _secagg_pipeline(num_clients=10, expected=4, **kw):
-    return UploadPipeline(PipelineConfig(secagg=True, **kw), "shared", "test",
-                          num_clients=num_clients, expected_participants=expected,
-                          clients_per_round=expected, rounds=5)
+def _secagg_pipeline(num_clients=10, expected=4, dp=None, encoding=None, **kw):
+    """A secure-aggregation pipeline: `secagg_<field>` keywords set `config.secagg.<field>`,
+    `encoding` its ring, the others `config.upload`'s fields."""
+    secagg = {k[len("secagg_"):]: kw.pop(k) for k in list(kw) if k.startswith("secagg_")}
+    if encoding is not None:
+        secagg.update(ring_bits=encoding.ring_bits, fraction_bits=encoding.fraction_bits)
+    cfg = pipeline_config(dp=dp, secagg=SecAggSection(enabled=True, **secagg), **kw)
+    return UploadPipeline(cfg, "shared", "test", num_clients=num_clients,
+                          expected_participants=expected, clients_per_round=expected, rounds=5)
 
 
 def test_secure_aggregation_rejects_an_out_of_range_client_and_sums_the_rest():
@@ -139,10 +144,10 @@ def test_secure_aggregation_rejects_an_out_of_range_client_and_sums_the_rest():
     ups = {"w": jnp.array([[1.0, 2.0, 3.0], [0.5, 0.5, 0.5], [9e3, 0.0, 0.0], [1.0, 0.0, 1.0]])}
     groups, _, report = pipe.process(0, {"a": upload_cohort(ups, template, [1, 1, 1, 1])},
                                      {"a": {}}, {"a": 4}, jax.random.key(0))
-    assert [r["client"] for r in report["rejections"]] == [2]
-    assert "fixed-point range" in report["rejections"][0]["reason"]
+    assert [r["client"] for r in report.rejections] == [2]
+    assert "fixed-point range" in report.rejections[0]["reason"]
     np.testing.assert_allclose(groups["a"][0]["w"][0], [2.5 / 3, 2.5 / 3, 4.5 / 3], atol=1e-4)
-    assert report["secagg_senders"] == 3
+    assert report.record["secagg_senders"] == 3
 
 
 def test_secure_aggregation_refuses_fewer_than_min_senders():
@@ -152,8 +157,8 @@ def test_secure_aggregation_refuses_fewer_than_min_senders():
     groups, _, report = pipe.process(0, {"a": upload_cohort(ups, template, [1, 1, 1], [1, 1, 0])},
                                      {"a": {}}, {"a": 3}, jax.random.key(0))
     np.testing.assert_array_equal(groups["a"][1], [0, 0, 0])  # no update from a pair
-    assert report["secagg_skipped"] == ["a: 2 sender(s), config.secagg.min_senders=3"]
-    assert "secagg_senders" not in report
+    assert report.record["secagg_skipped"] == ["a: 2 sender(s), config.secagg.min_senders=3"]
+    assert "secagg_senders" not in report.record
     with pytest.raises(ValueError, match="config.secagg.min_senders must be >= 2"):
         _secagg_pipeline(secagg_min_senders=1)
 
@@ -169,7 +174,7 @@ def test_secure_aggregation_reports_a_quantization_bound_that_holds():
                                      {"a": {}}, {"a": 5}, jax.random.key(0))
     exact = sizes @ x.astype(np.float64) / sizes.sum()
     error = np.abs(np.asarray(groups["a"][0]["w"][0], np.float64) - exact).max()
-    bound = report["secagg_quantization_error_bound"]
+    bound = report.record["secagg_quantization_error_bound"]
     # weights travel divided by 2 (the power of two at or below their mean 3)
     assert bound == pytest.approx(5 * 2.0 ** -9 / (sizes.sum() / 2))
     assert 0 < error <= bound * (1 + 1e-6)
@@ -184,7 +189,7 @@ def test_secure_aggregation_with_dp_accounts_the_noise_the_senders_really_added(
     for r, valid in enumerate([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]):
         _, _, report = pipe.process(r, {"a": upload_cohort(ups, template, [1] * 4, valid)},
                                     {"a": {}}, {"a": 20}, jax.random.key(r))
-        released.append(report["dp_round_noise_multiplier"])
+        released.append(report.dp_noise_multiplier)
     # expected 4 per round of 20; senders 4, 3, then 2 (< min_senders: nothing released)
     assert released == [pytest.approx(1.2), pytest.approx(1.2 * math.sqrt(3 / 4)), None]
     accountant = rdp.RdpAccountant(
@@ -273,12 +278,14 @@ def test_aggregate_without_noise_is_the_protocols_output_up_to_its_rounding():
     norms = np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True)
     clipped = x * np.minimum(1.0, 1.0 / norms)
     want = clipped[[0, 1, 2, 3, 5]].sum(0) / 5  # fixed denominator: 5 expected
-    bound = out["sum"][1]["secagg_quantization_error_bound"]
+    bound = out["sum"][1].record["secagg_quantization_error_bound"]
     np.testing.assert_allclose(out["aggregate"][0], want, rtol=1e-5, atol=1e-7)
     assert np.abs(out["sum"][0] - want).max() <= bound * (1 + 1e-6) + 1e-7
-    for key in ("secagg_senders", "upload_bytes_per_client",
-                "secagg_quantization_error_bound", "dp_realized_noise_multiplier"):
-        assert out["aggregate"][1][key] == out["sum"][1][key], key
+    for key in ("secagg_senders", "secagg_quantization_error_bound",
+                "dp_realized_noise_multiplier"):
+        assert out["aggregate"][1].record[key] == out["sum"][1].record[key], key
+    assert (out["aggregate"][1].upload_bytes_per_client
+            == out["sum"][1].upload_bytes_per_client)
 
 
 def test_aggregate_draws_the_senders_summed_noise_variance():
@@ -297,7 +304,7 @@ def test_aggregate_draws_the_senders_summed_noise_variance():
     low, high = (math.sqrt(stats.chi2.ppf(q, n) / n) for q in (0.0005, 0.9995))
     assert low * want <= values.std() <= high * want
     assert abs(values.mean()) < 5 * want / math.sqrt(n)
-    assert report["dp_realized_noise_multiplier"] == pytest.approx(1.5 * math.sqrt(6 / 8))
+    assert report.record["dp_realized_noise_multiplier"] == pytest.approx(1.5 * math.sqrt(6 / 8))
 
 
 def test_aggregate_fails_on_the_same_quorum_and_refuses_attacks():
@@ -310,8 +317,8 @@ def test_aggregate_fails_on_the_same_quorum_and_refuses_attacks():
                             secagg_dropout_after_upload=0.95)
     cohort = upload_cohort({"w": jnp.ones((4, 3))}, {"w": jnp.zeros(3)}, [1] * 4)
     groups, _, report = pipe.process(0, {"a": cohort}, {"a": {}}, {"a": 10}, jax.random.key(0))
-    assert report["secagg_failures"] and report["rejected"] == 4
-    assert report.get("dp_round_noise_multiplier") is None
+    assert report.record["secagg_failures"] and report.rejected == 4
+    assert report.dp_noise_multiplier is None
     np.testing.assert_array_equal(groups["a"][1], np.zeros(4))
     config = client_dp_config(2, 2)
     config.secagg.enabled, config.secagg.simulation = True, "aggregate"

@@ -4,16 +4,16 @@ stage's own config fields.
 
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fl_helpers import upload_cohort
+from fl_helpers import pipeline_config, upload_cohort
 
-from fedjax_pfedes.upload import compression, privacy
+from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload.pipeline import UploadPipeline
-from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def test_the_chain_follows_the_config_and_a_new_stage_is_one_class():
@@ -24,13 +24,13 @@ def test_the_chain_follows_the_config_and_a_new_stage_is_one_class():
         return [s.name for s in build_stages(cfg, 1.0)]
 
     checks = ["finite_check", "compression", "norm_outlier_check"]
-    assert names(PipelineConfig()) == checks + ["weighting"]
-    assert names(PipelineConfig(aggregator="median")) == checks + ["weighting",
-                                                                   "robust_aggregation"]
+    assert names(pipeline_config()) == checks + ["weighting"]
+    assert names(pipeline_config(aggregator="median")) == checks + ["weighting",
+                                                                    "robust_aggregation"]
     dp = privacy.ClientDPConfig(clip_norm=1.0, noise_multiplier=1.0)
-    assert names(PipelineConfig(dp=dp, weighting="uniform")) == checks + [
+    assert names(pipeline_config(dp=dp, weighting="uniform")) == checks + [
         "clip", "weighting", "dp_noisy_mean"]
-    assert names(PipelineConfig(secagg=True, dp=dp, weighting="uniform")) == checks + [
+    assert names(pipeline_config(secagg=True, dp=dp, weighting="uniform")) == checks + [
         "clip", "weighting", "secure_aggregation"]
 
     class AddOne(stages.UploadStage):  # a new client-side transform
@@ -39,7 +39,7 @@ def test_the_chain_follows_the_config_and_a_new_stage_is_one_class():
         def client(self, delta, memory, key, info):
             return jax.tree.map(lambda d: d + 1.0, delta), memory, info
 
-    cfg = PipelineConfig(norm_outlier_factor=0.0)
+    cfg = pipeline_config(norm_outlier_factor=0.0)
     chain = build_stages(cfg, 0.0)
     chain.insert(1, AddOne())
     pipe = UploadPipeline(cfg, "shared", "test", 10, 4, 4, 5, stages_override=chain)
@@ -61,16 +61,16 @@ def test_a_registered_stage_joins_the_chain_at_its_position():
 
         @classmethod
         def from_config(cls, cfg, noise_multiplier):
-            return cls(0.5) if cfg.compression.topk_fraction < 1 else None
+            return cls(0.5) if cfg.upload.topk_fraction < 1 else None
 
         def client(self, delta, memory, key, info):
             return jax.tree.map(lambda d: d + self.amount, delta), memory, info
 
     stages.register_stage(Shift)
     try:
-        names = [s.name for s in build_stages(PipelineConfig(), 0.0)]
+        names = [s.name for s in build_stages(pipeline_config(), 0.0)]
         assert "shift_test" not in names
-        cfg = PipelineConfig(compression=compression.CompressionConfig(topk_fraction=0.5))
+        cfg = pipeline_config(topk_fraction=0.5)
         names = [s.name for s in build_stages(cfg, 0.0)]
         assert names == ["finite_check", "compression", "shift_test", "norm_outlier_check",
                          "weighting"]
@@ -85,9 +85,10 @@ def test_a_registered_stage_joins_the_chain_at_its_position():
 
 
 def test_a_stage_owns_its_config_fields():
-    """A stage's `fields` join the default config, reach its `from_config` through the
-    pipeline's settings at the run's values, and its `check` refuses a bad one by name: a new
-    stage is its class, its registration and its test, no edit elsewhere."""
+    """A stage's own section joins the default config, reaches its `from_config` through the
+    pipeline's settings at the run's values, and its declared range refuses a bad value by
+    name: a new stage is its class, its section, its registration and its test, no edit
+    elsewhere."""
     import fedjax_pfedes
     from fedjax_pfedes.engine.sections import pipeline_config
     from fedjax_pfedes.engine.validate import validate_config
@@ -95,22 +96,22 @@ def test_a_stage_owns_its_config_fields():
     from fedjax_pfedes.upload import stages
     from fedjax_pfedes.upload.pipeline import build_stages
 
+    @dataclasses.dataclass(frozen=True)
+    class ShiftSection(fedjax_pfedes.Section):
+        SECTION: ClassVar[str] = "shift_owned"
+        amount: float = fedjax_pfedes.param(0.0, "added to every update",
+                                            fedjax_pfedes.at_least(0))
+
     @dataclasses.dataclass
     class Shift(stages.UploadStage):  # adds a constant to every update, on when amount != 0
         amount: float = 0.0
         name, transforms, position = "shift_owned", True, 25
-        fields = {"shift_owned.amount": 0.0}
+        section = ShiftSection
 
         @classmethod
         def from_config(cls, cfg, noise_multiplier):
-            amount = cfg.field("shift_owned.amount")
+            amount = cfg.section(ShiftSection).amount
             return cls(amount) if amount != 0 else None
-
-        @classmethod
-        def check(cls, cfg):
-            if not cfg.field("shift_owned.amount") >= 0:
-                raise ValueError("config.shift_owned.amount must be >= 0, got "
-                                 f"{cfg.field('shift_owned.amount')}")
 
         def client(self, delta, memory, key, info):
             return jax.tree.map(lambda d: d + self.amount, delta), memory, info
@@ -143,8 +144,8 @@ def test_the_registry_builds_the_chain_the_config_describes():
     for use_dp in (False, True):
         for secagg in (False, True):
             for aggregator in ("mean", "median", "trimmed_mean"):
-                cfg = PipelineConfig(dp=dp if use_dp else None, secagg=secagg,
-                                     aggregator=aggregator)
+                cfg = pipeline_config(dp=dp if use_dp else None, secagg=secagg,
+                                      aggregator=aggregator)
                 expected = ["finite_check", "compression", "norm_outlier_check"]
                 expected += ["clip"] if use_dp else []
                 expected += ["weighting"]

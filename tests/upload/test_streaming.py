@@ -103,10 +103,11 @@ def test_a_scope_with_one_streamed_and_one_stacked_cohort_releases_the_same_mean
     releases (same noise draw), the streamed cohort's group one row of it."""
     import fl_helpers
 
+    from fedjax_pfedes.config.defaults import SecAggSection
     from fedjax_pfedes.upload import privacy
     from fedjax_pfedes.upload.pipeline import CohortUploads
     dp = privacy.ClientDPConfig(clip_norm=1.0, noise_multiplier=0.7)
-    kw = dict(secagg=True, secagg_simulation="aggregate") if secagg else {}
+    kw = dict(secagg=SecAggSection(enabled=True, simulation="aggregate")) if secagg else {}
     rng = np.random.default_rng(5)
     template = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}
     ups = {a: {"w": jnp.asarray(rng.normal(size=(5, 4, 3)), jnp.float32) + template["w"]}
@@ -140,7 +141,7 @@ def test_a_scope_with_one_streamed_and_one_stacked_cohort_releases_the_same_mean
                                atol=1e-6)
     np.testing.assert_allclose(mixed["b"][0]["w"], all_stacked["b"][0]["w"], rtol=1e-5,
                                atol=1e-6)
-    assert r0.get("dp_round_noise_multiplier") == r1.get("dp_round_noise_multiplier")
+    assert r0.dp_noise_multiplier == r1.dp_noise_multiplier
 
 
 @pytest.mark.slow  # two 3-round runs per setting

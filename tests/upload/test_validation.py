@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fl_helpers import upload_cohort, upload_pipeline
+from fl_helpers import pipeline_config, upload_cohort, upload_pipeline
 
-from fedjax_pfedes.upload import compression, privacy, validation
+from fedjax_pfedes.upload import privacy, validation
 from fedjax_pfedes.upload.pipeline import UploadPipeline
-from fedjax_pfedes.upload.settings import PipelineConfig
 
 
 def test_fingerprint_ignores_values_and_the_client_axis_but_not_names_shapes_dtypes():
@@ -37,10 +36,10 @@ def test_nan_and_wrong_model_uploads_are_rejected_and_the_rest_averaged():
                "b": upload_cohort(wrong, template, [5.0, 5.0], ids=[1, 2])}
     groups, _, report = pipe.process(0, cohorts, {"a": {}, "b": {}},
                                      {"a": 3, "b": 2}, jax.random.key(0))
-    reasons = {(r["client"], r["reason"].split(" (")[0]) for r in report["rejections"]}
+    reasons = {(r["client"], r["reason"].split(" (")[0]) for r in report.rejections}
     assert reasons == {(7, "non-finite values"), (1, "model fingerprint mismatch"),
                        (2, "model fingerprint mismatch")}
-    detail = next(r["reason"] for r in report["rejections"] if r["client"] == 1)
+    detail = next(r["reason"] for r in report.rejections if r["client"] == 1)
     assert "leaf 'w' has shape (2, 4), expected (2, 3)" in detail
     np.testing.assert_array_equal(groups["a"][1], [10.0, 0.0, 30.0])
     np.testing.assert_array_equal(groups["b"][1], [0.0, 0.0])
@@ -68,7 +67,7 @@ def test_a_first_rejection_after_round_1_compiles_nothing():
                                          {"a": {}}, {"a": 3}, jax.random.key(r))
         if r:
             assert len(compiles) == before, f"round {r} compiled"
-    assert [x["client"] for x in report["rejections"]] == [1]
+    assert [x["client"] for x in report.rejections] == [1]
     np.testing.assert_array_equal(groups["a"][0]["w"][1], template["w"])  # the template
     np.testing.assert_array_equal(groups["a"][0]["w"][2], finite["w"][2])
 
@@ -78,9 +77,7 @@ def test_a_first_rejection_after_round_1_compiles_nothing():
 def test_rejected_nan_uploads_leave_no_trace_when_the_pipeline_transforms(settings):
     from fedjax_pfedes.aggregation import weighted_mean
 
-    cfg = dict(settings)
-    topk = cfg.pop("topk_fraction", 1.0)
-    pipe = UploadPipeline(PipelineConfig(compression=compression.CompressionConfig(topk), **cfg),
+    pipe = UploadPipeline(pipeline_config(**settings),
                           "shared", "test", num_clients=3, expected_participants=2,
                           clients_per_round=3, rounds=5)
     template = {"w": jnp.zeros(2)}
@@ -89,11 +86,12 @@ def test_rejected_nan_uploads_leave_no_trace_when_the_pipeline_transforms(settin
         0, {"a": upload_cohort(ups, template, [1, 1, 1])},
         {"a": pipe.init_memory(template, 3)}, {"a": 3},
         jax.random.key(0))
-    assert [r["client"] for r in report["rejections"]] == [1]
+    assert [r["client"] for r in report.rejections] == [1]
     mean, _ = weighted_mean([groups["a"]])
     assert np.all(np.isfinite(np.asarray(mean["w"])))
     assert all(np.all(np.isfinite(np.asarray(m))) for m in jax.tree.leaves(memories))
-    assert (len(jax.tree.leaves(memories)) == 1) == (topk < 1)  # only top-k keeps a memory
+    # only top-k keeps a memory
+    assert (len(jax.tree.leaves(memories)) == 1) == ("topk_fraction" in settings)
 
 
 def test_norm_outliers_are_rejected_beyond_factor_times_median():
@@ -102,7 +100,7 @@ def test_norm_outliers_are_rejected_beyond_factor_times_median():
     pipe = upload_pipeline(norm_outlier_factor=5.0)
     groups, _, report = pipe.process(0, {"a": upload_cohort(ups, template, [1, 1, 1, 1])},
                                      {"a": {}}, {"a": 4}, jax.random.key(0))
-    assert [r["client"] for r in report["rejections"]] == [3]
+    assert [r["client"] for r in report.rejections] == [3]
     np.testing.assert_array_equal(groups["a"][1], [1, 1, 1, 0])
 
 
@@ -123,12 +121,12 @@ def test_default_settings_reject_a_wild_client_and_name_it(wild):
     honest = rng.normal(scale=0.1, size=(6, 4)).astype(np.float32)
     ups = {"w": jnp.asarray(honest).at[4].set(wild)}
     pipe = upload_pipeline()  # PipelineConfig() defaults: norm_outlier_factor = 10
-    assert pipe.cfg.norm_outlier_factor == 10.0 and not pipe.active
+    assert pipe.cfg.upload.norm_outlier_factor == 10.0 and not pipe.active
     cohort = upload_cohort(ups, template, [5] * 6, ids=range(10, 16))
     groups, _, report = pipe.process(0, {"a": cohort},
                                      {"a": {}}, {"a": 6}, jax.random.key(0))
-    assert [r["client"] for r in report["rejections"]] == [14]
-    assert "beyond 10 x the round's median" in report["rejections"][0]["reason"]
+    assert [r["client"] for r in report.rejections] == [14]
+    assert "beyond 10 x the round's median" in report.rejections[0]["reason"]
     from fedjax_pfedes.aggregation import weighted_mean
     mean, _ = weighted_mean([groups["a"]])
     np.testing.assert_allclose(mean["w"], np.delete(honest, 4, 0).mean(0), rtol=1e-5)
@@ -143,20 +141,20 @@ def test_outliers_are_judged_across_the_cohorts_of_one_shared_tree():
     _, _, report = upload_pipeline("shared").process(
         0, cohorts, {a: {} for a in cohorts}, {a: 1 for a in cohorts},
         jax.random.key(0))
-    assert [r["client"] for r in report["rejections"]] == [3]
+    assert [r["client"] for r in report.rejections] == [3]
     # per-cohort aggregation, every cohort of one upload: no cohort has a median of its own,
     # so each is judged against the round's uploads of every cohort (U13)
     _, _, report = upload_pipeline("per_cohort").process(
         0, cohorts, {a: {} for a in cohorts}, {a: 1 for a in cohorts},
         jax.random.key(0))
-    assert [r["client"] for r in report["rejections"]] == [3]
+    assert [r["client"] for r in report.rejections] == [3]
     assert "of the round's uploads of every cohort (its own sent fewer than 3)" in \
-        report["rejections"][0]["reason"]
+        report.rejections[0]["reason"]
     # `norm_outlier_small_cohorts=False`: the rule before, such a cohort is not judged
     _, _, report = upload_pipeline("per_cohort", norm_outlier_small_cohorts=False).process(
         0, cohorts, {a: {} for a in cohorts}, {a: 1 for a in cohorts},
         jax.random.key(0))
-    assert report["rejections"] == []
+    assert report.rejections == []
 
 
 def test_a_small_cohort_is_judged_against_every_cohort_and_a_large_one_against_itself():
@@ -175,7 +173,7 @@ def test_a_small_cohort_is_judged_against_every_cohort_and_a_large_one_against_i
     rule = dict(norm_outlier_z=0.0)  # the factor alone, so the medians alone decide
     _, _, report = upload_pipeline("per_cohort", **rule).process(
         0, cohorts, {a: {} for a in cohorts}, {a: 1 for a in cohorts}, jax.random.key(0))
-    assert sorted(r["client"] for r in report["rejections"]) == [3, 11]
+    assert sorted(r["client"] for r in report.rejections) == [3, 11]
     # were 'pair' judged alone it could not be (2 uploads); were 'big' judged against all
     # seven, its 30 would still be beyond 10x and its 1s kept: the same verdicts by hand
     norms = np.array([1, 1, 1, 30, 0.5, 40, 0.02], np.float32)
@@ -198,7 +196,7 @@ def test_late_in_training_a_learning_client_is_kept_and_a_boosted_one_rejected_b
     def rejected(**rule):
         _, _, report = upload_pipeline("per_cohort", **rule).process(
             0, {"a": cohort}, {"a": {}}, {"a": 10}, jax.random.key(0))
-        return [r["client"] for r in report["rejections"]], report["rejections"]
+        return [r["client"] for r in report.rejections], report.rejections
 
     clients, rejections = rejected(norm_outlier_model_ratio=DEFAULT_NORM_MODEL_RATIO)
     assert clients == [9]
@@ -211,18 +209,18 @@ def test_when_most_uploads_are_non_finite_the_broadcast_is_blamed():
     ups = {"w": jnp.array([[jnp.nan, 0.0], [jnp.inf, 1.0], [0.2, 0.1]])}
     _, _, report = upload_pipeline().process(0, {"a": upload_cohort(ups, template, [1, 1, 1])},
                                        {"a": {}}, {"a": 3}, jax.random.key(0))
-    assert [r["client"] for r in report["rejections"]] == [0, 1]
+    assert [r["client"] for r in report.rejections] == [0, 1]
     assert "2 of 3 uploads this round: a poisoned or diverged broadcast" in \
-        report["rejections"][0]["reason"]
+        report.rejections[0]["reason"]
 
 
 def test_the_median_norm_rule_is_off_where_it_would_break_dp_or_secure_aggregation():
     from fedjax_pfedes.upload.stages import outlier_rule
     dp = privacy.ClientDPConfig(clip_norm=1.0)
-    assert outlier_rule(PipelineConfig())[0] == 10.0
-    factor, why = outlier_rule(PipelineConfig(dp=dp, weighting="uniform"))
+    assert outlier_rule(pipeline_config())[0] == 10.0
+    factor, why = outlier_rule(pipeline_config(dp=dp, weighting="uniform"))
     assert factor == 0.0 and "clip_norm" in why
-    factor, why = outlier_rule(PipelineConfig(secagg=True))
+    factor, why = outlier_rule(pipeline_config(secagg=True))
     assert factor == 0.0 and "range-checked before masking" in why
 
 
@@ -236,7 +234,7 @@ def test_the_norm_rule_measures_only_the_uploads_model_part():
         pipe = upload_pipeline(norm_outlier_factor=10.0, norm_keys=keys)
         _, _, report = pipe.process(0, {"a": upload_cohort(ups, template, [1, 1, 1, 1])}, {"a": {}},
                                     {"a": 4}, jax.random.key(0))
-        return [r["client"] for r in report["rejections"]]
+        return [r["client"] for r in report.rejections]
 
     assert rejected(()) == [3]           # the scalar dominates the whole upload's norm
     assert rejected(("model",)) == []    # the model parts are identical

@@ -21,10 +21,11 @@ algorithm receives the uploads exactly as they arrived (bit for bit).
 A stage class registers itself (`@register_stage`) with its `position` in the chain and a
 `from_config(cfg, noise_multiplier)` that returns the stage a run's `settings.PipelineConfig`
 asks for, or None; `pipeline.build_stages` builds the chain from the registry. A stage may own
-config fields (`fields`: dotted path -> default, e.g. {'my_stage.amount': 0.0}): they join the
-default config (`fedjax_pfedes.default_config()`), reach it as `cfg.field('my_stage.amount')`
-and are range-checked by its `check(cfg)` before anything is built. A new stage is one class
-(in a module of this package, or of your own) with its registration.
+a config section (`section`: a `fedjax_pfedes.Section` subclass, e.g. `SECTION = 'my_stage'`
+with `amount: float = param(0.0, "...", at_least(0))`): it joins the default config
+(`fedjax_pfedes.default_config()`), a run builds it once (its ranges checked before anything
+else is built) and the stage reads it as `cfg.section(MySection)`. A new stage is one class (in
+a module of this package, or of your own) with its registration.
 """
 
 # isort: off
@@ -33,6 +34,7 @@ from fedjax_pfedes.upload.stages.stage import (  # noqa: F401  (the package's AP
     RoundUploads,
     UploadStage,
     declared_fields,
+    own_sections,
     register_stage,
     scope_key,
 )

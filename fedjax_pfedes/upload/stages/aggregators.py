@@ -28,14 +28,14 @@ class Weighting(UploadStage):
     sample counts, their square root, uniform (`robust.smooth_weights`), or all of a client's
     samples, training and local test ('all_samples', the published pFedES code's weights)."""
 
-    weighting: str = "samples"
+    weighting: str
     name = "weighting"
     position = 50
 
     @classmethod
     def from_config(cls, cfg, noise_multiplier):
         del noise_multiplier
-        return cls(cfg.weighting)
+        return cls(cfg.upload.weighting)
 
     @property
     def transforms(self) -> bool:
@@ -67,8 +67,8 @@ class RobustAggregation(UploadStage):
     """Coordinate-wise median or trimmed mean per scope; a scope with fewer than
     `robust.MIN_ROBUST_UPLOADS` valid uploads gets no update (and says so)."""
 
-    aggregator: str = "median"
-    trim_fraction: float = 0.1
+    aggregator: str
+    trim_fraction: float
     name = "robust_aggregation"
     transforms = True
     report_keys = ("robust_aggregation_skipped",)
@@ -77,9 +77,9 @@ class RobustAggregation(UploadStage):
     @classmethod
     def from_config(cls, cfg, noise_multiplier):
         del noise_multiplier
-        if cfg.secagg or cfg.dp is not None or cfg.aggregator == "mean":
+        if cfg.secagg is not None or cfg.dp is not None or cfg.upload.aggregator == "mean":
             return None
-        return cls(cfg.aggregator, cfg.trim_fraction)
+        return cls(cfg.upload.aggregator, cfg.upload.trim_fraction)
 
     def __post_init__(self):
         self._robust = jax.jit(self._aggregate)
@@ -110,8 +110,8 @@ class DPNoisyMean(UploadStage):
     """DP-FedAvg: the sum of the clipped updates plus N(0, (sigma C)^2), divided by the expected
     number of participants in the scope (fixed denominator)."""
 
-    noise_multiplier: float = 1.0
-    clip_norm: float = 1.0
+    noise_multiplier: float
+    clip_norm: float
     name = "dp_noisy_mean"
     transforms = True
     report_keys = ("dp_realized_noise_multiplier",)  # written by the pipeline for the accountant
@@ -119,7 +119,7 @@ class DPNoisyMean(UploadStage):
 
     @classmethod
     def from_config(cls, cfg, noise_multiplier):
-        if cfg.secagg or cfg.dp is None:
+        if cfg.secagg is not None or cfg.dp is None:
             return None
         return cls(noise_multiplier, cfg.dp.clip_norm)
 

@@ -19,25 +19,26 @@ def outlier_rule(cfg) -> tuple[float, str]:
     voids the sensitivity bound; clipping to C bounds every client instead) and under secure
     aggregation (the server never sees an individual norm; a range check before masking applies
     instead)."""
-    if cfg.norm_outlier_factor <= 0:
+    u = cfg.upload
+    if u.norm_outlier_factor <= 0:
         return 0.0, "off (config.upload.norm_outlier_factor=0)"
     if cfg.dp is not None:
         return 0.0, ("off under config.dp.enabled: clipping to config.dp.clip_norm bounds every "
                      "update instead")
-    if cfg.secagg:
+    if cfg.secagg is not None:
         return 0.0, ("off under config.secagg.enabled: the server sees no individual norm; "
                      "values are range-checked before masking instead")
-    z, hard = cfg.norm_outlier_z, cfg.norm_outlier_hard_factor
-    return cfg.norm_outlier_factor, (
-        f"updates with norm per local sample > {cfg.norm_outlier_factor:g} x the round's median"
+    z, hard = u.norm_outlier_z, u.norm_outlier_hard_factor
+    return u.norm_outlier_factor, (
+        f"updates with norm per local sample > {u.norm_outlier_factor:g} x the round's median"
         + (f" and log-norm > {z:g} robust standard deviations above the round's median "
            "log-norm" if z > 0 else "")
         + (f", or > {hard:g} x the median," if z > 0 and hard > 0 else "")
-        + (f" and > {cfg.norm_outlier_model_ratio:g} x the norm of the model they update"
-           if cfg.norm_outlier_model_ratio > 0 else "")
+        + (f" and > {cfg.norm_model_ratio:g} x the norm of the model they update"
+           if cfg.norm_model_ratio > 0 else "")
         + " are rejected"
         + ("; a cohort aggregated alone that sent fewer than 3 uploads is judged against the "
-           "round's uploads of every cohort" if cfg.norm_outlier_small_cohorts else ""))
+           "round's uploads of every cohort" if u.norm_outlier_small_cohorts else ""))
 
 
 @register_stage
@@ -47,7 +48,7 @@ class FiniteCheck(UploadStage):
     uploads are non-finite, the reason says the broadcast they trained from is the likelier
     culprit (a poisoned or diverged server model makes honest clients fail together)."""
 
-    reject: bool = True
+    reject: bool
     reason: str = "non-finite values"
     name = "finite_check"
     position = 10  # on the raw update
@@ -55,8 +56,8 @@ class FiniteCheck(UploadStage):
     @classmethod
     def from_config(cls, cfg, noise_multiplier):
         del noise_multiplier
-        return cls(cfg.reject_nonfinite, "non-finite values (client-side check)"
-                   if cfg.secagg else "non-finite values")
+        return cls(cfg.upload.reject_nonfinite, "non-finite values (client-side check)"
+                   if cfg.secagg is not None else "non-finite values")
 
     def client(self, delta, memory, key, info):
         return delta, memory, {**info, "finite": validation.all_finite(delta)}
@@ -110,9 +111,10 @@ class NormOutlierCheck(UploadStage):
     @classmethod
     def from_config(cls, cfg, noise_multiplier):
         del noise_multiplier
-        return cls(outlier_rule(cfg)[0], cfg.norm_keys, cfg.norm_outlier_z,
-                   cfg.norm_outlier_hard_factor, cfg.norm_outlier_model_ratio,
-                   cfg.norm_outlier_small_cohorts)
+        u = cfg.upload
+        return cls(outlier_rule(cfg)[0], cfg.norm_keys, u.norm_outlier_z,
+                   u.norm_outlier_hard_factor, cfg.norm_model_ratio,
+                   u.norm_outlier_small_cohorts)
 
     def client(self, delta, memory, key, info):
         norm = validation.update_norms(jax.tree.map(

@@ -32,14 +32,14 @@ class SecureAggregation(UploadStage):
     senders get no sum; the decoded mean's quantization error bound and, with DP, the noise the
     senders really added are reported."""
 
-    threshold_fraction: float = 0.6
-    dropout_after_upload: float = 0.0
-    min_senders: int = 3
-    encoding: sa_protocol.RingEncoding = sa_protocol.RingEncoding()
-    noise_multiplier: float = 0.0   # > 0: client-level DP noise added by the senders
-    clip_norm: float = 1.0
-    dp: bool = False
-    simulation: str = "sum"  # `secure_aggregation.secure_sum`: its output, or every party
+    threshold_fraction: float
+    dropout_after_upload: float
+    min_senders: int
+    encoding: sa_protocol.RingEncoding
+    noise_multiplier: float  # > 0: client-level DP noise added by the senders
+    clip_norm: float
+    dp: bool
+    simulation: str  # `secure_aggregation.secure_sum`: its output, or every party
     name = "secure_aggregation"
     transforms = True
     report_keys = ("secagg_senders", "secagg_dropped_after_upload", "secagg_failures",
@@ -49,12 +49,12 @@ class SecureAggregation(UploadStage):
 
     @classmethod
     def from_config(cls, cfg, noise_multiplier):
-        if not cfg.secagg:
+        s = cfg.secagg
+        if s is None:
             return None
-        return cls(cfg.secagg_threshold_fraction, cfg.secagg_dropout_after_upload,
-                   cfg.secagg_min_senders, cfg.encoding, noise_multiplier,
-                   cfg.dp.clip_norm if cfg.dp is not None else 1.0, cfg.dp is not None,
-                   cfg.secagg_simulation)
+        return cls(s.threshold_fraction, s.dropout_after_upload, s.min_senders, cfg.encoding,
+                   noise_multiplier, cfg.dp.clip_norm if cfg.dp is not None else 1.0,
+                   cfg.dp is not None, s.simulation)
 
     def __post_init__(self):
         self._released = jax.jit(lambda total, key, std, divisor: jax.tree.map(
@@ -103,7 +103,7 @@ class SecureAggregation(UploadStage):
         dropped = int(np.sum(rng.random(senders) < self.dropout_after_upload))
         threshold = max(2, math.ceil(self.threshold_fraction * senders))
         length = tree_size(r.cohorts[scope[0]].template)[0] + 1  # + the weight
-        report.setdefault("secagg_bytes", []).append(
+        r.wire_bytes.append(
             (senders, sa_protocol.bytes_per_sender(length, senders, self.encoding)))
         try:
             sa_protocol.check_quorum(senders, senders, senders - dropped, threshold)
@@ -195,7 +195,7 @@ class SecureAggregation(UploadStage):
         drop = frozenset(u for u in vectors if rng.random() < self.dropout_after_upload)
         threshold = max(2, math.ceil(self.threshold_fraction * len(vectors)))
         senders = len(vectors)  # clients that drop after uploading have sent their vector
-        report.setdefault("secagg_bytes", []).append((senders, sa_protocol.bytes_per_sender(
+        r.wire_bytes.append((senders, sa_protocol.bytes_per_sender(
             next(iter(vectors.values())).shape[0], senders, self.encoding)))
         try:
             result = sa_protocol.secure_sum(vectors, threshold, self.encoding,

@@ -15,6 +15,7 @@ import numpy as np
 from absl import logging
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
+from fedjax_pfedes.config.fields import Section, defaults_of
 
 
 @dataclasses.dataclass
@@ -36,9 +37,12 @@ class RoundUploads:
       weights: architecture -> [slots] aggregation weights (set by the weighting stage).
       aggregates: architecture -> the update the server applies to every real slot, or None
         when the algorithm averages the decoded uploads itself.
-      report: the round's report (rejections, skipped scopes, protocol figures).
+      report: the round's report entries (skipped scopes, protocol figures); those a stage
+        declares in `report_keys` go into the round's record.
       reject: (ids, reason) -> None; records rejections (the caller clears `valid`).
       expected_in_scope: members -> expected participants among them (fixed DP denominator).
+      wire_bytes: (senders, bytes each sent) of the scopes whose uploads went over the wire in
+        another form than the encoded update (secure aggregation's dense masked vectors).
     """
 
     round_index: int
@@ -54,6 +58,7 @@ class RoundUploads:
     expected_in_scope: Callable[[int], float]
     weights: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
     aggregates: dict[str, Any] | None = None
+    wire_bytes: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
     def scope_arrays(self, scope: list[str]):
         """(stacked sent [slots, ...], valid [slots], weights [slots]) over a scope's cohorts."""
@@ -120,18 +125,18 @@ class UploadStage:
     client_keyed = False  # its client half keeps a per-client state or draws a key
     report_keys: tuple[str, ...] = ()
     position = 0  # where in the chain (`register_stage`): lower runs first
-    # Config fields the stage owns, dotted path -> default ({} for the shipped stages, whose
-    # fields are PipelineConfig's own); read with `cfg.field(path)`.
-    fields: ClassVar[dict[str, Any]] = {}
+    # The stage's own config section (a `config.fields.Section` subclass with its `SECTION`
+    # name, its fields declared with `param`), or None (the shipped stages read `config.upload`,
+    # `config.dp`, `config.secagg`). It joins the default config; a run builds it once (its
+    # ranges and its `check` run then) and the stage reads it as `cfg.section(ThatSection)`.
+    section: ClassVar[type[Section] | None] = None
 
     @classmethod
-    def check(cls, cfg) -> None:
-        """Raises ValueError naming the field for a bad value of the stage's own `fields`.
-
-        Args:
-          cfg: the run's `PipelineConfig` (its `field(path)` reads them).
-        """
-        del cfg
+    def fields(cls) -> dict[str, Any]:
+        """The stage's own config fields at their defaults, as {dotted path: default}."""
+        if cls.section is None:
+            return {}
+        return {f"{cls.section.SECTION}.{k}": v for k, v in defaults_of(cls.section).items()}
 
     @classmethod
     def from_config(cls, cfg, noise_multiplier: float) -> UploadStage | None:
@@ -200,39 +205,41 @@ def register_stage(cls: type[UploadStage]) -> type[UploadStage]:
 
 
 def _check_stage_fields(cls: type[UploadStage], where: str) -> None:
-    """A stage's fields may not collide with the core config's, a method's or another stage's
-    (at another default), naming both owners."""
-    if not isinstance(cls.fields, dict):
-        raise ValueError(f"{where}: fields must map dotted config paths to defaults, got "
-                         f"{cls.fields!r}")
-    if not cls.fields:
+    """A stage's own section must be a named `Section` whose name no other part of the config
+    (the core's, a method's, another stage's) uses."""
+    section = cls.section
+    if section is None:
         return
-    methods = algorithm_registry.entries()
+    if not (isinstance(section, type) and issubclass(section, Section)
+            and dataclasses.is_dataclass(section)):
+        raise ValueError(f"{where}: section must be a dataclass deriving from "
+                         f"fedjax_pfedes.Section, got {section!r}")
+    name = section.SECTION
+    if not name or "." in name:
+        raise ValueError(f"{where}: its section needs a SECTION name of its own (one word), "
+                         f"got {name!r}")
     core = algorithm_registry.core_paths()
-    for path, default in cls.fields.items():
-        if path in core["leaves"] or path in core["sections"]:
-            raise ValueError(f"{where}: field 'config.{path}' collides with the core config's")
-        for m in methods.values():
-            if path in m.fields:
-                raise ValueError(f"{where}: field 'config.{path}' is declared by the method "
-                                 f"'{m.name}' too")
-        for other in STAGES:
-            if other is not cls and path in other.fields and other.fields[path] != default:
-                raise ValueError(f"{where}: field 'config.{path}' is declared by the stage "
-                                 f"'{other.name}' too, with default {other.fields[path]!r}")
+    if name in core["leaves"] or name in core["sections"]:
+        raise ValueError(f"{where}: section 'config.{name}' collides with the core config's")
+    for m in algorithm_registry.entries().values():
+        if any(path == name or path.startswith(name + ".") for path in m.fields):
+            raise ValueError(f"{where}: section 'config.{name}' is declared by the method "
+                             f"'{m.name}' too")
+    for other in STAGES:
+        if other is not cls and other.section is not None and other.section.SECTION == name:
+            raise ValueError(f"{where}: section 'config.{name}' is declared by the stage "
+                             f"'{other.name}' too")
 
 
 def declared_fields() -> dict[str, Any]:
     """Every registered stage's own config fields with their defaults (dotted paths).
 
     Returns:
-      {path: default}; ValueError when two stages declare one path with different defaults.
+      {path: default}.
     """
-    out: dict[str, Any] = {}
-    for cls in STAGES:
-        for path, default in cls.fields.items():
-            if path in out and out[path] != default:
-                raise ValueError(f"config.{path}: declared by two upload stages with the "
-                                 f"defaults {out[path]!r} and {default!r}")
-            out[path] = default
-    return out
+    return {path: default for cls in STAGES for path, default in cls.fields().items()}
+
+
+def own_sections() -> list[type[Section]]:
+    """The registered stages' own section classes, in chain order."""
+    return [cls.section for cls in STAGES if cls.section is not None]

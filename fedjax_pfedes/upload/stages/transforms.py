@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from fedjax_pfedes.config.defaults import UploadSection
 from fedjax_pfedes.upload import compression, privacy
 from fedjax_pfedes.upload.stages.stage import UploadStage, register_stage
 
@@ -17,22 +18,22 @@ from fedjax_pfedes.upload.stages.stage import UploadStage, register_stage
 class Compression(UploadStage):
     """Top-k with error feedback (the client's `memory`), then bf16 or QSGD values."""
 
-    cfg: compression.CompressionConfig = compression.CompressionConfig()
+    cfg: UploadSection
     name = "compression"
     position = 20
 
     @classmethod
     def from_config(cls, cfg, noise_multiplier):
         del noise_multiplier
-        return cls(cfg.compression)
+        return cls(cfg.upload)
 
     @property
     def transforms(self) -> bool:
-        return self.cfg.active
+        return self.cfg.compresses
 
     @property
     def client_keyed(self) -> bool:
-        return self.cfg.active  # error feedback's memory, QSGD's stochastic rounding
+        return self.cfg.compresses  # error feedback's memory, QSGD's stochastic rounding
 
     def init_state(self, template, members: int):
         """Error-feedback memory, zeros [members, ...] (float32), when top-k is on."""
@@ -51,7 +52,7 @@ class Compression(UploadStage):
 class Clip(UploadStage):
     """Client-level DP: the update scaled to L2 norm <= `clip_norm`."""
 
-    clip_norm: float = 1.0
+    clip_norm: float
     name = "clip"
     transforms = True
     position = 40
