@@ -24,7 +24,8 @@ SPEC = InputSpec("tabular", (5,), "float32", (0.0,) * 5, (1.0,) * 5)
 
 
 def fedavg_config(**kw) -> FedAvgConfig:
-    base = dict(num_classes=3, input_spec=SPEC, lr_local=0.1, batch_size=8, local_epochs=1)
+    base = dict(num_classes=3, input_spec=SPEC, lr_local=0.1, local_momentum=0.0, batch_size=8,
+                local_epochs=1)
     base.update(kw)
     return FedAvgConfig(**base)
 

@@ -8,6 +8,7 @@ import math
 import re
 import subprocess
 import sys
+from typing import ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -179,13 +180,25 @@ def test_B12_a_field_another_method_declares_differently_names_both():
 
 
 def test_B12_a_stage_field_that_collides_is_refused():
+    @dataclasses.dataclass(frozen=True)
+    class MuSection(fedjax_pfedes.Section):
+        SECTION: ClassVar[str] = "fedprox"
+        mu: float = fedjax_pfedes.param(0.5, "a second mu")
+
     class Mine(stages.UploadStage):
         name = "mine"
-        fields = {"fedprox.mu": 0.5}
+        section = MuSection
 
-    with pytest.raises(ValueError, match=r"'config\.fedprox\.mu' is declared by the method "
+    with pytest.raises(ValueError, match=r"section 'config\.fedprox' is declared by the method "
                                          r"'fedprox'"):
         fedjax_pfedes.register_stage(Mine)
+
+    class Old(stages.UploadStage):  # the former way: refused, naming the new one
+        name = "old"
+        fields = {"old.x": 0.5}
+
+    with pytest.raises(ValueError, match=r"declares its config fields as a `section`"):
+        fedjax_pfedes.register_stage(Old)
     with pytest.raises(ValueError, match=r"expected a subclass of UploadStage"):
         fedjax_pfedes.register_stage(42)
     assert Mine not in stages.STAGES

@@ -34,7 +34,6 @@ one after the other. No timed assertion anywhere: this prints numbers for docs/p
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import resource
 import time

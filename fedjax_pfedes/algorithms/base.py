@@ -17,7 +17,9 @@ import jax.numpy as jnp
 
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.local_training import LocalSchedule
+from fedjax_pfedes.config.defaults import ExecutionSection, TrainSection
 from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.errors import ConfigError
 
 PyTree = Any
 Metrics = dict[str, jax.Array]
@@ -45,13 +47,14 @@ class LocalTrainingConfig:
 
     num_classes: int
     input_spec: InputSpec
-    lr_local: float = 0.05
-    local_momentum: float = 0.0
-    local_epochs: int = 1
-    batch_size: int = 32
-    unroll_local_steps: bool = False
-    drop_partial_batch: bool = False
-    augment: str = "none"
+    # The defaults are the config's (its sections declare them); a run passes every value.
+    lr_local: float = TrainSection.lr_local
+    local_momentum: float = TrainSection.local_momentum
+    local_epochs: int = TrainSection.local_epochs
+    batch_size: int = TrainSection.batch_size
+    unroll_local_steps: bool = ExecutionSection.unroll_local_steps
+    drop_partial_batch: bool = TrainSection.drop_partial_batch
+    augment: str = TrainSection.augment
 
     def local_schedule(self) -> LocalSchedule:
         """The `local_training.LocalSchedule` of these settings."""
@@ -203,10 +206,10 @@ def with_fresh_local_optimizer(program: CohortProgram) -> CohortProgram:
 
 def check_range(value, low, high, field: str, low_open: bool = False,
                 high_open: bool = False) -> None:
-    """ValueError naming `field` unless low <(=) value <(=) high (None = unbounded)."""
+    """ConfigError naming `field` unless low <(=) value <(=) high (None = unbounded)."""
     ok = ((low is None or (value > low if low_open else value >= low))
           and (high is None or (value < high if high_open else value <= high)))
     if not ok:
         lo = "(" if low_open else "["
         hi = ")" if high_open else "]"
-        raise ValueError(f"{field} must be in {lo}{low}, {high}{hi}, got {value}")
+        raise ConfigError(f"{field} must be in {lo}{low}, {high}{hi}, got {value}")

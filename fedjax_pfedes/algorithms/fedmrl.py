@@ -44,6 +44,7 @@ from fedjax_pfedes.algorithms.registry import (
 )
 from fedjax_pfedes.config.fields import Section, at_least, param
 from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.models import architectures
 from fedjax_pfedes.models.backbones import BACKBONES
 from fedjax_pfedes.models.layers import InputNormalization
@@ -128,7 +129,7 @@ def fedmrl(cfg: FedMRLConfig) -> Algorithm:
     """Builds FedMRL for heterogeneous cohorts."""
     sub_dim = cfg.sub_dim or cfg.dim // 2
     if not 0 < sub_dim <= cfg.dim:
-        raise ValueError(f"config.fedmrl.sub_dim must be in [0, config.proxy_dim="
+        raise ConfigError(f"config.fedmrl.sub_dim must be in [0, config.proxy_dim="
                          f"{cfg.dim}] (0 = half of it), got {cfg.sub_dim}")
     local_opt = local_training.sgd(cfg.lr_local, cfg.local_momentum)
     dummy_x = cfg.input_spec.dummy_batch()
@@ -137,7 +138,7 @@ def fedmrl(cfg: FedMRLConfig) -> Algorithm:
     def model_of(arch: str) -> MatryoshkaModel:
         architectures.check_architecture(arch, modality=cfg.input_spec.modality)
         if architectures.uses_batch_norm(arch):
-            raise ValueError(f"config.clients.architectures: '{arch}' has BatchNorm layers, "
+            raise ConfigError(f"config.clients.architectures: '{arch}' has BatchNorm layers, "
                              "which FedMRL does not handle; use it with config.algorithm='fedbn'")
         return MatryoshkaModel(arch, small, cfg.num_classes, cfg.dim, sub_dim, cfg.input_spec)
 

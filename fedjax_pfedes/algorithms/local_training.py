@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_pfedes.config.defaults import TrainSection
 from fedjax_pfedes.data import augmentation
+from fedjax_pfedes.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +54,8 @@ class LocalSchedule:
     batch_size: int
     epochs: int
     unroll: bool = False
-    drop_partial_batch: bool = False
-    augment: str = "none"
+    drop_partial_batch: bool = TrainSection.drop_partial_batch
+    augment: str = TrainSection.augment
     augment_fill: tuple[float, ...] = ()
 
     def with_epochs(self, epochs: int) -> LocalSchedule:
@@ -137,9 +139,9 @@ class DPSGDConfig:
 
     def __post_init__(self):
         if self.clip_norm <= 0:
-            raise ValueError(f"config.dp_sgd.clip_norm must be > 0, got {self.clip_norm}")
+            raise ConfigError(f"config.dp_sgd.clip_norm must be > 0, got {self.clip_norm}")
         if self.noise_multiplier < 0:
-            raise ValueError(f"config.dp_sgd.noise_multiplier must be >= 0, got "
+            raise ConfigError(f"config.dp_sgd.noise_multiplier must be >= 0, got "
                              f"{self.noise_multiplier}")
 
 

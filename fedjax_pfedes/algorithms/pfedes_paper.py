@@ -47,6 +47,7 @@ from fedjax_pfedes.algorithms.registry import (
     register,
 )
 from fedjax_pfedes.config.fields import Section, above, at_least, between, one_of, param
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.models import architectures, init_styles
 
 SCHEDULES = ("paper", "interleaved")
@@ -118,10 +119,10 @@ class ClientState:
 def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
     """Builds the published pFedES."""
     if cfg.input_spec.modality != "image":
-        raise ValueError("config.algorithm='pfedes_paper' needs image data (its proxy G is an "
+        raise ConfigError("config.algorithm='pfedes_paper' needs image data (its proxy G is an "
                          f"image-to-image network); the dataset is {cfg.input_spec.modality}")
     if cfg.schedule not in SCHEDULES:
-        raise ValueError(f"config.pfedes_paper.schedule: unknown '{cfg.schedule}'; known: "
+        raise ConfigError(f"config.pfedes_paper.schedule: unknown '{cfg.schedule}'; known: "
                          f"{list(SCHEDULES)}")
     g_model = architectures.ImageProxyG(cfg.input_spec)
     local_opt = paper_sgd(cfg.lr_local, cfg.local_momentum, cfg.weight_decay, cfg.grad_clip_norm)
@@ -230,7 +231,7 @@ def _build(inputs: BuildInputs) -> Algorithm:
 def _check(settings) -> None:
     section = settings.pfedes_paper
     if section.schedule == "paper" and settings.system.deadline_s > 0:
-        raise ValueError("config.system.deadline_s: the round-deadline model counts one pass "
+        raise ConfigError("config.system.deadline_s: the round-deadline model counts one pass "
                          "over the data per local epoch, and pfedes_paper's schedule 'paper' "
                          "makes 2E + g_extra_epochs passes; use schedule 'interleaved' or no "
                          "deadline")

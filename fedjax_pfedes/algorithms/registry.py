@@ -67,7 +67,7 @@ def check_optimizer_overrides(name: str, section: Mapping[str, Any]) -> None:
     for field, rule in _OVERRIDE_RANGES.items():
         value = section.get(field, -1)
         if rule is not None and value != -1 and not rule.test(value):
-            raise ValueError(f"config.{name}.{field} must be {rule.wanted}, got {value}")
+            raise ConfigError(f"config.{name}.{field} must be {rule.wanted}, got {value}")
 
 
 def local_override(name: str, default: Any, help: str) -> Any:  # noqa: A002
@@ -434,7 +434,7 @@ def declared_fields() -> dict[str, Any]:
     for entry in entries().values():
         for path, default in entry.fields.items():
             if path in out and out[path] != default:
-                raise ValueError(f"config.{path}: declared by '{owner[path]}' with default "
+                raise ConfigError(f"config.{path}: declared by '{owner[path]}' with default "
                                  f"{out[path]!r} and by '{entry.name}' with {default!r}")
             out[path], owner[path] = default, entry.name
     return out

@@ -4,12 +4,38 @@ simulated clients' reliability and timing, and how the simulation runs on the ma
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
-from fedjax_pfedes.config.fields import Section, above, at_least, one_of, param
+from fedjax_pfedes.config.fields import Section, above, at_least, between, one_of, param
 from fedjax_pfedes.errors import ConfigError
 
 STALENESS = ("constant", "polynomial", "hinge")
+DEADLINE_POLICIES = ("drop", "partial")
+# Largest per-round log-normal sigma of a client's step time: beyond it simulated times overflow
+# float64 and the clock and summary.json would hold Infinity.
+MAX_TIME_JITTER = 5.0
+
+
+def float_list(text: str, field: str) -> tuple[float, ...]:
+    """The numbers of a comma-separated config field ('0.9,0.5').
+
+    Args:
+      text: the field's value.
+      field: its path for the error message ('config.system.availability').
+
+    Returns:
+      The values; ConfigError naming the field when one is no finite number or none is given.
+    """
+    try:
+        values = tuple(float(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"{field}: expected numbers separated by commas, got '{text}'") from None
+    if not values:
+        raise ConfigError(f"{field} is empty")
+    if not all(math.isfinite(v) for v in values):
+        raise ConfigError(f"{field}: values must be finite, got '{text}'")
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,17 +45,43 @@ class SystemSection(Section):
     SECTION: ClassVar[str] = "system"
 
     availability: str = param("1.0", "P(online) per round; '0.9,0.5' = classes, equal shares")
-    availability_period: int = param(0, "> 0: reachable only in a window of duty x period")
-    availability_duty: float = param(0.5, "rounds per period (random phase per client)")
-    dropout: float = param(0.0, "P(a selected client fails before uploading)")
+    availability_period: int = param(0, "> 0: reachable only in a window of duty x period",
+                                     at_least(0, " (0 = always reachable)"))
+    availability_duty: float = param(0.5, "rounds per period (random phase per client)",
+                                     between(0, 1, "(]"))
+    dropout: float = param(0.0, "P(a selected client fails before uploading)",
+                           between(0, 1, "[)"))
     speed_classes: str = param("1.0", "step-time multipliers, e.g. '1,2,4' (equal shares)")
-    step_time_s: float = param(0.05, "simulated seconds per local step, fastest class")
-    time_jitter: float = param(0.0, "per-round log-normal sigma on a client's step time")
+    step_time_s: float = param(0.05, "simulated seconds per local step, fastest class",
+                               above(0))
+    time_jitter: float = param(
+        0.0, "per-round log-normal sigma on a client's step time (exp(3 sigma) is already a "
+        "3e6x slow-down at 5)", between(0, MAX_TIME_JITTER, "[]"))
     upload_mbps: str = param("10", "uplink Mbit/s: one value or one per speed class")
     download_mbps: str = param("50", "downlink Mbit/s")
-    deadline_s: float = param(0.0, "round deadline in simulated seconds (0 = none)")
-    deadline_policy: str = param("drop", "late clients: 'drop' | 'partial' (steps in time)")
-    failure_decay: float = param(0.5, "sampling weight x decay^(consecutive failures)")
+    deadline_s: float = param(0.0, "round deadline in simulated seconds (0 = none)",
+                              at_least(0, " (0 = none)"))
+    deadline_policy: str = param("drop", "late clients: 'drop' | 'partial' (steps in time)",
+                                 one_of(*DEADLINE_POLICIES))
+    failure_decay: float = param(0.5, "sampling weight x decay^(consecutive failures)",
+                                 between(0, 1, "(]"))
+
+    LISTS: ClassVar[tuple[str, ...]] = ("availability", "speed_classes", "upload_mbps",
+                                        "download_mbps")
+
+    def check(self) -> None:
+        lists = {f: float_list(getattr(self, f), f"config.system.{f}") for f in self.LISTS}
+        if not all(0 < p <= 1 for p in lists["availability"]):
+            raise ConfigError(f"config.system.availability: probabilities must be in (0, 1], "
+                              f"got {lists['availability']}")
+        for field in ("speed_classes", "upload_mbps", "download_mbps"):
+            values = lists[field]
+            if min(values) <= 0:
+                raise ConfigError(f"config.system.{field} must be > 0, got {values}")
+            if field != "speed_classes" and len(values) not in (1, len(lists["speed_classes"])):
+                raise ConfigError(
+                    f"config.system.{field}: give one value or one per speed class "
+                    f"({len(lists['speed_classes'])}), got {len(values)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from fedjax_pfedes.errors import ConfigError
+
 KINDS = ("none", "crop_flip", "flip_erase_crop")
 PAD = 4
 ERASE_P, ERASE_SCALE, ERASE_RATIO = 0.5, (0.04, 0.2), (0.5, 2.0)
@@ -34,9 +36,9 @@ ERASE_P, ERASE_SCALE, ERASE_RATIO = 0.5, (0.04, 0.2), (0.5, 2.0)
 def check(kind: str, modality: str) -> None:
     """ValueError naming `config.train.augment` for an unknown kind or non-image data."""
     if kind not in KINDS:
-        raise ValueError(f"config.train.augment must be one of {list(KINDS)}, got '{kind}'")
+        raise ConfigError(f"config.train.augment must be one of {list(KINDS)}, got '{kind}'")
     if kind != "none" and modality != "image":
-        raise ValueError(f"config.train.augment='{kind}' is for images; this dataset is "
+        raise ConfigError(f"config.train.augment='{kind}' is for images; this dataset is "
                          f"{modality}")
 
 

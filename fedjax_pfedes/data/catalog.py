@@ -9,7 +9,7 @@ from fedjax_pfedes.data.femnist import FILES as FEMNIST_FILES
 from fedjax_pfedes.data.femnist import femnist_loader
 from fedjax_pfedes.data.sources import CentralDataset, LoadOptions
 from fedjax_pfedes.data.tfds_sources import TFDS_DATASETS, tfds_loader
-from fedjax_pfedes.errors import DataError
+from fedjax_pfedes.errors import ConfigError, DataError
 
 
 def load_synthetic_text(options: LoadOptions) -> CentralDataset:
@@ -59,7 +59,7 @@ def load_dataset(name: str, options: LoadOptions | None = None) -> CentralDatase
     """Loads a registered dataset by its config name (see `LOADERS`)."""
     options = options or LoadOptions()
     if name not in LOADERS:
-        raise ValueError(f"config.data.name: unknown dataset '{name}'; known: {sorted(LOADERS)}")
+        raise ConfigError(f"config.data.name: unknown dataset '{name}'; known: {sorted(LOADERS)}")
     data = LOADERS[name](options)
     if not isinstance(data, CentralDataset):
         raise DataError(f"config.data.name='{name}': its loader must return a CentralDataset "

@@ -14,6 +14,7 @@ from flax import struct
 
 from fedjax_pfedes.data import partitions
 from fedjax_pfedes.data.sources import CentralDataset
+from fedjax_pfedes.errors import ConfigError
 
 
 @struct.dataclass
@@ -112,18 +113,18 @@ def partition_dataset(central: CentralDataset, num_clients: int, partition: str,
     elif partition == "natural":
         parts = partitions.natural_partition(central.groups_train, num_clients, seed)
     else:
-        raise ValueError(f"config.data.partition: unknown partition '{partition}'; "
+        raise ConfigError(f"config.data.partition: unknown partition '{partition}'; "
                          f"known: {list(PARTITIONS)}")
     train, test = partitions.local_train_test_split(y, parts, local_test_fraction, seed + 1)
     if validation:
         train, test = partitions.local_train_test_split(y, train, local_test_fraction, seed + 2)
     empty = [k for k, idx in enumerate(train) if len(idx) == 0]
     if empty:
-        raise ValueError(f"clients {empty[:10]} received no training samples; lower "
+        raise ConfigError(f"clients {empty[:10]} received no training samples; lower "
                          "config.data.num_clients or raise config.data.min_samples_per_client")
     no_test = [k for k, idx in enumerate(test) if len(idx) == 0]
     if no_test:
-        raise ValueError(
+        raise ConfigError(
             f"clients {no_test[:10]} have no local test sample (e.g. client {no_test[0]}: "
             f"{len(train[no_test[0]])} train samples, no class with 2 or more), so their "
             "personalized accuracy is undefined; raise config.data.min_samples_per_client or "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedjax_pfedes.errors import ConfigError
+
 
 def iid_partition(labels: np.ndarray, num_clients: int, seed: int) -> list[np.ndarray]:
     """Shuffles the pool and deals it into `num_clients` parts whose sizes differ by at most one."""
@@ -32,9 +34,9 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, min_
     """
     _check_num_clients(labels, num_clients)
     if alpha <= 0:
-        raise ValueError(f"config.data.dirichlet_alpha must be > 0, got {alpha}")
+        raise ConfigError(f"config.data.dirichlet_alpha must be > 0, got {alpha}")
     if min_samples * num_clients > len(labels):
-        raise ValueError(
+        raise ConfigError(
             f"config.data.min_samples_per_client={min_samples} x config.data.num_clients="
             f"{num_clients} exceeds the {len(labels)} training samples")
     rng = np.random.default_rng(seed)
@@ -76,10 +78,10 @@ def pathological_partition(labels: np.ndarray, num_clients: int, classes_per_cli
     _check_num_clients(labels, num_clients)
     classes = np.unique(labels)
     if not 1 <= classes_per_client <= len(classes):
-        raise ValueError(f"config.data.classes_per_client must be in [1, {len(classes)}], "
+        raise ConfigError(f"config.data.classes_per_client must be in [1, {len(classes)}], "
                          f"got {classes_per_client}")
     if not 0 < share_low <= share_high:
-        raise ValueError(f"class shares need 0 < low <= high, got ({share_low}, {share_high})")
+        raise ConfigError(f"class shares need 0 < low <= high, got ({share_low}, {share_high})")
     rng = np.random.default_rng(seed)
     holds = np.zeros((num_clients, len(classes)), bool)
     for k in range(num_clients):
@@ -117,9 +119,9 @@ def quantity_skew_partition(labels: np.ndarray, num_clients: int, sigma: float,
     """
     _check_num_clients(labels, num_clients)
     if sigma < 0:
-        raise ValueError(f"config.data.quantity_sigma must be >= 0, got {sigma}")
+        raise ConfigError(f"config.data.quantity_sigma must be >= 0, got {sigma}")
     if min_samples * num_clients > len(labels):
-        raise ValueError(
+        raise ConfigError(
             f"config.data.min_samples_per_client={min_samples} x config.data.num_clients="
             f"{num_clients} exceeds the {len(labels)} training samples")
     rng = np.random.default_rng(seed)
@@ -143,11 +145,11 @@ def natural_partition(groups: np.ndarray | None, num_clients: int, seed: int
     groups every sample is assigned; with fewer, the samples of unchosen groups are left out.
     """
     if groups is None:
-        raise ValueError("config.data.partition='natural' needs a dataset with natural groups "
+        raise ConfigError("config.data.partition='natural' needs a dataset with natural groups "
                          "(e.g. 'femnist', or an .npz file with a groups_train array)")
     names = np.unique(groups)
     if not 1 <= num_clients <= len(names):
-        raise ValueError(f"config.data.num_clients={num_clients}: the natural partition has "
+        raise ConfigError(f"config.data.num_clients={num_clients}: the natural partition has "
                          f"{len(names)} groups; choose 1..{len(names)} clients")
     chosen = np.sort(np.random.default_rng(seed).permutation(len(names))[:num_clients])
     order = np.argsort(groups, kind="stable")
@@ -165,7 +167,7 @@ def local_train_test_split(labels: np.ndarray, client_indices: list[np.ndarray],
     pFedES). A class with a single sample at a client stays in its train split.
     """
     if not 0 < test_fraction < 1:
-        raise ValueError(f"config.data.local_test_fraction must be in (0, 1), got {test_fraction}")
+        raise ConfigError(f"config.data.local_test_fraction must be in (0, 1), got {test_fraction}")
     rng = np.random.default_rng(seed)
     train, test = [], []
     for idx in client_indices:
@@ -182,7 +184,7 @@ def local_train_test_split(labels: np.ndarray, client_indices: list[np.ndarray],
 
 def _check_num_clients(labels: np.ndarray, num_clients: int) -> None:
     if num_clients < 1:
-        raise ValueError(f"config.data.num_clients must be >= 1, got {num_clients}")
+        raise ConfigError(f"config.data.num_clients must be >= 1, got {num_clients}")
     if num_clients > len(labels):
-        raise ValueError(f"config.data.num_clients={num_clients} exceeds the {len(labels)} "
+        raise ConfigError(f"config.data.num_clients={num_clients} exceeds the {len(labels)} "
                          "training samples: every client needs at least one sample")

@@ -13,13 +13,14 @@ import dataclasses
 import numpy as np
 
 from fedjax_pfedes.data.sources import CentralDataset
+from fedjax_pfedes.errors import ConfigError
 
 
 def public_indices(y: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     """Sorted pool indices of the public share: round(fraction x count) of every class, drawn
     with a generator seeded by `seed` (independent of the partition's stream)."""
     if not 0 <= fraction < 1:
-        raise ValueError(f"config.data.public_fraction must be in [0, 1), got {fraction}")
+        raise ConfigError(f"config.data.public_fraction must be in [0, 1), got {fraction}")
     rng = np.random.default_rng([seed, 0x5EED, 17])
     chosen = []
     for c in np.unique(y):

@@ -12,6 +12,7 @@ import dataclasses
 
 import numpy as np
 
+from fedjax_pfedes.config.defaults import DataSection, TopLevel
 from fedjax_pfedes.data import normalization
 from fedjax_pfedes.data.spec import MODALITIES, InputSpec
 from fedjax_pfedes.errors import DataError
@@ -94,14 +95,14 @@ class LoadOptions:
       shifted_samples: 'mnist_shifted': size of its training pool.
     """
 
-    seed: int = 0
-    global_test_fraction: float = 0.2
-    data_dir: str = ""
-    path: str = ""
-    max_train_samples: int = 0
-    text_max_length: int = 64
-    text_vocab_size: int = 10000
-    shifted_samples: int = 200_000
+    seed: int = TopLevel.seed
+    global_test_fraction: float = DataSection.global_test_fraction
+    data_dir: str = DataSection.data_dir
+    path: str = DataSection.path
+    max_train_samples: int = DataSection.max_train_samples
+    text_max_length: int = DataSection.text_max_length
+    text_vocab_size: int = DataSection.text_vocab_size
+    shifted_samples: int = DataSection.shifted_samples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,50 @@ class CentralDataset:
                          self.vocab_size)
 
 
+def _checked_split(split: str, x, y, where: str, modality: str, num_classes: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of one split, checked: integer labels in [0, num_classes), one example per row,
+    as many rows as labels, finite inputs; `DataError` naming `where`, the array and the
+    first offending index otherwise."""
+    y = integer_labels(y, where, f"y_{split}")
+    if np.ndim(x) < 2:
+        raise DataError(f"{where}: x_{split} must hold one example per row, got shape "
+                        f"{np.shape(x)}")
+    x = check_inputs(x, where, f"x_{split}", modality)
+    if len(x) != len(y):
+        raise DataError(f"{where}: x_{split} has {len(x)} rows but y_{split} has {len(y)}")
+    outside = np.flatnonzero((y < 0) | (y >= num_classes))
+    if len(outside):
+        raise DataError(f"{where}: y_{split}[{outside[0]}] = {y[outside[0]]} is outside "
+                        f"[0, {num_classes}) ({len(outside)} such labels)")
+    row = _first_nonfinite_row(np.asarray(x))
+    if row is not None:
+        raise DataError(f"{where}: x_{split}[{row}] holds a non-finite value (NaN or Inf)")
+    return x, y
+
+
+def _typed_inputs(modality: str, x_train: np.ndarray, x_test: np.ndarray, vocab_size: int,
+                  where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x_train, x_test, mean, std): images and tables with the training pool's
+    normalization statistics (tables as float32), text as int32 token ids in the vocabulary
+    (`DataError` otherwise) without statistics."""
+    if modality == "image":
+        mean, std = normalization.image_statistics(x_train)
+    elif modality == "tabular":
+        mean, std = normalization.tabular_statistics(x_train)
+    else:
+        mean = std = np.zeros(0, np.float32)
+        for split, x in (("x_train", x_train), ("x_test", x_test)):
+            if not np.issubdtype(x.dtype, np.integer) or (x.size and (
+                    x.min() < 0 or x.max() >= vocab_size)):
+                raise DataError(f"{where}: text {split} must hold integer token ids in "
+                                f"[0, vocab_size={vocab_size})")
+        x_train, x_test = x_train.astype(np.int32), x_test.astype(np.int32)
+    if modality == "tabular":
+        x_train, x_test = x_train.astype(np.float32), x_test.astype(np.float32)
+    return x_train, x_test, mean, std
+
+
 def make_dataset(name: str, modality: str, x_train: np.ndarray, y_train: np.ndarray,
                  x_test: np.ndarray, y_test: np.ndarray, num_classes: int,
                  options: LoadOptions | None = None, vocab_size: int = 0,
@@ -161,24 +206,8 @@ def make_dataset(name: str, modality: str, x_train: np.ndarray, y_train: np.ndar
         raise DataError(f"{where}: modality must be one of {MODALITIES}, got '{modality}'")
     if not 2 <= num_classes <= MAX_CLASSES:
         raise DataError(f"{where}: num_classes must be in [2, {MAX_CLASSES}], got {num_classes}")
-    labels, inputs = {}, {}
-    for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
-        y = labels[split] = integer_labels(y, where, f"y_{split}")
-        if np.ndim(x) < 2:
-            raise DataError(f"{where}: x_{split} must hold one example per row, got shape "
-                            f"{np.shape(x)}")
-        x = inputs[split] = check_inputs(x, where, f"x_{split}", modality)
-        if len(x) != len(y):
-            raise DataError(f"{where}: x_{split} has {len(x)} rows but y_{split} has {len(y)}")
-        outside = np.flatnonzero((y < 0) | (y >= num_classes))
-        if len(outside):
-            raise DataError(f"{where}: y_{split}[{outside[0]}] = {y[outside[0]]} is outside "
-                            f"[0, {num_classes}) ({len(outside)} such labels)")
-        row = _first_nonfinite_row(np.asarray(x))
-        if row is not None:
-            raise DataError(f"{where}: x_{split}[{row}] holds a non-finite value (NaN or Inf)")
-    y_train, y_test = labels["train"], labels["test"]
-    x_train, x_test = inputs["train"], inputs["test"]
+    x_train, y_train = _checked_split("train", x_train, y_train, where, modality, num_classes)
+    x_test, y_test = _checked_split("test", x_test, y_test, where, modality, num_classes)
     if len(np.unique(y_train)) < 2:
         raise DataError(f"{where}: y_train holds {len(np.unique(y_train))} distinct class(es); "
                         "classification needs at least 2 (every accuracy would be 1.0)")
@@ -195,20 +224,7 @@ def make_dataset(name: str, modality: str, x_train: np.ndarray, y_train: np.ndar
                        [: options.max_train_samples])
         x_train, y_train = x_train[keep], y_train[keep]
         groups_train = None if groups_train is None else groups_train[keep]
-    if modality == "image":
-        mean, std = normalization.image_statistics(x_train)
-    elif modality == "tabular":
-        mean, std = normalization.tabular_statistics(x_train)
-    else:
-        mean = std = np.zeros(0, np.float32)
-        for split, x in (("x_train", x_train), ("x_test", x_test)):
-            if not np.issubdtype(x.dtype, np.integer) or (x.size and (
-                    x.min() < 0 or x.max() >= vocab_size)):
-                raise DataError(f"{where}: text {split} must hold integer token ids in "
-                                f"[0, vocab_size={vocab_size})")
-        x_train, x_test = x_train.astype(np.int32), x_test.astype(np.int32)
-    if modality == "tabular":
-        x_train, x_test = x_train.astype(np.float32), x_test.astype(np.float32)
+    x_train, x_test, mean, std = _typed_inputs(modality, x_train, x_test, vocab_size, where)
     return CentralDataset(name, modality, x_train, y_train.astype(np.int32), x_test,
                           y_test.astype(np.int32), int(num_classes), mean, std, vocab_size,
                           groups_train)

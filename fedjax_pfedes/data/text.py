@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from fedjax_pfedes.errors import ConfigError
+
 PAD_ID = 0
 OOV_ID = 1
 _WORD = re.compile(r"[a-z0-9']+")
@@ -28,7 +30,7 @@ def words(text: str | bytes) -> list[str]:
 def build_vocabulary(texts: Iterable[str | bytes], vocab_size: int) -> dict[str, int]:
     """The `vocab_size - 2` most frequent words, ids from 2 (ties broken alphabetically)."""
     if vocab_size < 3:
-        raise ValueError(f"config.data.text_vocab_size must be >= 3, got {vocab_size}")
+        raise ConfigError(f"config.data.text_vocab_size must be >= 3, got {vocab_size}")
     counts = collections.Counter(w for t in texts for w in words(t))
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: vocab_size - 2]
     return {w: i + 2 for i, (w, _) in enumerate(ranked)}
@@ -38,7 +40,7 @@ def encode(texts: Sequence[str | bytes], vocabulary: dict[str, int], max_length:
            ) -> np.ndarray:
     """Token ids [len(texts), max_length]: truncated, unknown words -> 1, padded with 0."""
     if max_length < 1:
-        raise ValueError(f"config.data.text_max_length must be >= 1, got {max_length}")
+        raise ConfigError(f"config.data.text_max_length must be >= 1, got {max_length}")
     ids = np.zeros((len(texts), max_length), np.int32)
     for row, t in enumerate(texts):
         toks = [vocabulary.get(w, OOV_ID) for w in words(t)[:max_length]]

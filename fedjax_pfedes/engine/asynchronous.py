@@ -31,6 +31,7 @@ import numpy as np
 from fedjax_pfedes.config.defaults import STALENESS
 from fedjax_pfedes.engine import client_system, context, records, rounds, sampling
 from fedjax_pfedes.engine.state import SimState
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.upload import validation
 
 
@@ -44,7 +45,7 @@ def staleness_weight(tau: np.ndarray, kind: str, exponent: float = 0.5, hinge_a:
         return (1.0 + tau) ** -exponent
     if kind == "hinge":
         return np.where(tau <= hinge_b, 1.0, 1.0 / (hinge_a * (tau - hinge_b) + 1.0))
-    raise ValueError(f"config.asynchronous.staleness: unknown '{kind}'; known: {list(STALENESS)}")
+    raise ConfigError(f"config.asynchronous.staleness: unknown '{kind}'; known: {list(STALENESS)}")
 
 
 def rebase(deltas, template, factors: jax.Array):
@@ -148,24 +149,9 @@ def async_round(ctx: context.RunContext, state: SimState, round_index: int
     new_clock = float(max(clock_s, in_flight.arrival_s[slots].max())) if len(slots) else clock_s
     tau = round_index - in_flight.start_version[slots]
     factors = staleness_weight(tau, a.staleness, a.staleness_exponent, a.hinge_a, a.hinge_b)
-    uploads = {}
-    for cohort in ctx.cohorts:
-        template = ctx.algorithm.upload_template(server_state, cohort.arch)
-        mine = np.flatnonzero(np.isin(arrivals, cohort.client_ids))
-        bucket = min(len(cohort.client_ids), a.buffer_size)
-        rows = np.zeros(bucket, np.int64)
-        rows[: len(mine)] = slots[mine]
-        f = np.zeros(bucket, np.float32)
-        f[: len(mine)] = factors[mine]
-        valid = np.arange(bucket) < len(mine)
-        ids = np.where(valid, np.pad(arrivals[mine], (0, bucket - len(mine))), -1)
-        local = np.array([np.flatnonzero(cohort.client_ids == c)[0] if c >= 0
-                          else len(cohort.client_ids) for c in ids], np.int32)
-        take = jnp.asarray(rows)
-        deltas = jax.tree.map(lambda buf, take=take: buf[take], in_flight.deltas[cohort.arch])
-        stacked = rebase(deltas, template, jnp.asarray(f))
-        uploads[cohort.arch] = rounds.cohort_uploads(ctx, cohort, stacked, template, local,
-                                                     valid, ids)
+    uploads = {cohort.arch: _rebased_uploads(ctx, cohort, server_state, in_flight, slots,
+                                             arrivals, factors)
+               for cohort in ctx.cohorts}
     norms = _stored_norms(in_flight, ctx, slots, arrivals)
     arrived = records.Trained(uploads, records.ClientMetrics(
         np.asarray(arrivals, np.int64),
@@ -200,6 +186,28 @@ def async_round(ctx: context.RunContext, state: SimState, round_index: int
               "staleness_max": int(tau.max()) if len(tau) else 0,
               "in_flight": int((in_flight.client >= 0).sum())},
         clock_s=new_clock)
+
+
+def _rebased_uploads(ctx: context.RunContext, cohort, server_state, in_flight: InFlight,
+                     slots: np.ndarray, arrivals: np.ndarray, factors: np.ndarray):
+    """What the upload pipeline gets of one cohort's arrivals: their buffered updates rebased
+    on the current server state with their staleness factors (`rebase`), in the cohort's
+    bucket of at most `buffer_size` slots."""
+    template = ctx.algorithm.upload_template(server_state, cohort.arch)
+    mine = np.flatnonzero(np.isin(arrivals, cohort.client_ids))
+    bucket = min(len(cohort.client_ids), ctx.settings.asynchronous.buffer_size)
+    rows = np.zeros(bucket, np.int64)
+    rows[: len(mine)] = slots[mine]
+    f = np.zeros(bucket, np.float32)
+    f[: len(mine)] = factors[mine]
+    valid = np.arange(bucket) < len(mine)
+    ids = np.where(valid, np.pad(arrivals[mine], (0, bucket - len(mine))), -1)
+    local = np.array([np.flatnonzero(cohort.client_ids == c)[0] if c >= 0
+                      else len(cohort.client_ids) for c in ids], np.int32)
+    take = jnp.asarray(rows)
+    deltas = jax.tree.map(lambda buf: buf[take], in_flight.deltas[cohort.arch])
+    stacked = rebase(deltas, template, jnp.asarray(f))
+    return rounds.cohort_uploads(ctx, cohort, stacked, template, local, valid, ids)
 
 
 def _stored_norms(in_flight: InFlight, ctx: context.RunContext, slots: np.ndarray,

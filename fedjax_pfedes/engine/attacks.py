@@ -27,6 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pfedes.config.defaults import AttackSection
+from fedjax_pfedes.errors import ConfigError
+
 KINDS = ("none", "constant", "scale", "sign_flip", "gaussian", "nan")
 
 
@@ -34,9 +37,9 @@ KINDS = ("none", "constant", "scale", "sign_flip", "gaussian", "nan")
 class AttackConfig:
     """`config.attack`: which clients attack, how, and the attack's magnitude."""
 
-    clients: tuple[int, ...] = ()
-    kind: str = "none"
-    value: float = 1e4
+    clients: tuple[int, ...] = ()  # `config.attack.clients` parsed ('' = none)
+    kind: str = AttackSection.kind
+    value: float = AttackSection.value
 
     @property
     def active(self) -> bool:
@@ -47,19 +50,19 @@ def attack_config(a, num_clients: int) -> AttackConfig:
     """`AttackConfig` from the config's `attack` section (ValueError naming the field for a
     bad value)."""
     if a.kind not in KINDS:
-        raise ValueError(f"config.attack.kind must be one of {KINDS}, got '{a.kind}'")
+        raise ConfigError(f"config.attack.kind must be one of {KINDS}, got '{a.kind}'")
     try:
         clients = tuple(sorted({int(c) for c in str(a.clients).split(",") if c.strip()}))
     except ValueError:
-        raise ValueError("config.attack.clients must be comma-separated client ids, got "
+        raise ConfigError("config.attack.clients must be comma-separated client ids, got "
                          f"'{a.clients}'") from None
     bad = [c for c in clients if not 0 <= c < num_clients]
     if bad:
-        raise ValueError(f"config.attack.clients: ids {bad} are not in [0, {num_clients})")
+        raise ConfigError(f"config.attack.clients: ids {bad} are not in [0, {num_clients})")
     if a.kind != "none" and not clients:
-        raise ValueError(f"config.attack.kind='{a.kind}' needs config.attack.clients")
+        raise ConfigError(f"config.attack.kind='{a.kind}' needs config.attack.clients")
     if not np.isfinite(a.value):
-        raise ValueError(f"config.attack.value must be finite, got {a.value}")
+        raise ConfigError(f"config.attack.value must be finite, got {a.value}")
     return AttackConfig(clients, a.kind, float(a.value))
 
 
@@ -82,7 +85,7 @@ def malicious_upload(upload, template, key: jax.Array, cfg: AttackConfig):
         elif cfg.kind == "nan":
             x = jnp.full(u.shape, jnp.nan, jnp.float32)
         else:
-            raise ValueError(f"config.attack.kind must be one of {KINDS}, got '{cfg.kind}'")
+            raise ConfigError(f"config.attack.kind must be one of {KINDS}, got '{cfg.kind}'")
         out.append(x.astype(u.dtype))
     return jax.tree.unflatten(treedef, out)
 

@@ -38,7 +38,7 @@ from fedjax_pfedes.engine.sections import round_settings
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.execution import choice, compilation, kernels, offload, placement, runners
+from fedjax_pfedes.execution import choice, compilation, kernels, placement, runners
 from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.io import plotting
 from fedjax_pfedes.io.metrics import write_json
@@ -77,10 +77,7 @@ def load_pool(config: ml_collections.ConfigDict
     """The configured dataset with its public share (`config.data.public_fraction`, for
     `launch.pretrain_proxy`) held out of the pool: (dataset, (public x, public y))."""
     central = load_dataset(config.data.name, load_options(config))
-    try:
-        return split_public(central, config.data.public_fraction, config.seed)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return split_public(central, config.data.public_fraction, config.seed)
 
 
 def build_federated_data(config: ml_collections.ConfigDict) -> FederatedData:
@@ -89,16 +86,13 @@ def build_federated_data(config: ml_collections.ConfigDict) -> FederatedData:
     d = config.data
     central, _ = load_pool(config)
     check_against_data(config, central)
-    try:
-        return partition_dataset(
-            central, d.num_clients, d.partition, config.seed,
-            local_test_fraction=d.local_test_fraction, dirichlet_alpha=d.dirichlet_alpha,
-            min_samples_per_client=d.min_samples_per_client,
-            classes_per_client=d.classes_per_client, class_share_low=d.class_share_low,
-            class_share_high=d.class_share_high, quantity_sigma=d.quantity_sigma,
-            validation=d.validation_split)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return partition_dataset(
+        central, d.num_clients, d.partition, config.seed,
+        local_test_fraction=d.local_test_fraction, dirichlet_alpha=d.dirichlet_alpha,
+        min_samples_per_client=d.min_samples_per_client,
+        classes_per_client=d.classes_per_client, class_share_low=d.class_share_low,
+        class_share_high=d.class_share_high, quantity_sigma=d.quantity_sigma,
+        validation=d.validation_split)
 
 
 def write_data_profile(data: FederatedData, partition: str, workdir: str) -> DataProfile:
@@ -143,14 +137,11 @@ def build_upload_plan(config: ml_collections.ConfigDict, pipeline_cfg: PipelineC
     t = config.train
     m = sampling.participants_per_round(num_clients, t.client_fraction)
     expected = t.client_fraction * num_clients if t.sampling == "poisson" else m
-    try:
-        return make_plan(dataclasses.replace(pipeline_cfg, norm_keys=algorithm.norm_keys),
-                         algorithm, num_clients=num_clients, expected_participants=expected,
-                         clients_per_round=m, rounds=t.rounds,
-                         synchronous=not config.asynchronous.enabled,
-                         scan_held_uploads=config.execution.scan_held_uploads)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return make_plan(dataclasses.replace(pipeline_cfg, norm_keys=algorithm.norm_keys),
+                     algorithm, num_clients=num_clients, expected_participants=expected,
+                     clients_per_round=m, rounds=t.rounds,
+                     synchronous=not config.asynchronous.enabled,
+                     scan_held_uploads=config.execution.scan_held_uploads)
 
 
 def client_epochs(config: ml_collections.ConfigDict, sizes: np.ndarray) -> np.ndarray:
@@ -197,21 +188,15 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     arch_runners, mesh, mesh_size = _candidate_runners(config.execution, programs)
     t, n = config.train, data.num_clients
     server_key, client_key, train_key, upload_key = _run_keys(config.seed)
-    try:
-        cohorts, client_states = build_cohorts(
-            data, archs, programs, {a: next(iter(r.values())) for a, r in arch_runners.items()},
-            _slots_per_round(config, n), client_key, mesh_size, offload_spec(config, workdir),
-            same_init=config.clients.same_init)
-    except offload.BudgetError as e:
-        raise ConfigError(str(e)) from None
+    cohorts, client_states = build_cohorts(  # offload.BudgetError is a ConfigError
+        data, archs, programs, {a: next(iter(r.values())) for a, r in arch_runners.items()},
+        _slots_per_round(config, n), client_key, mesh_size, offload_spec(config, workdir),
+        same_init=config.clients.same_init)
     server_state = jax.jit(algorithm.init_server, static_argnums=1, compiler_options={
         "xla_backend_optimization_level": 1})(server_key, tuple(c.arch for c in cohorts))
     upload = build_upload_plan(config, valid.upload, algorithm, n)
-    try:
-        sys_cfg = client_system.system_config(config.system)
-        attack = attacks.attack_config(config.attack, n)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    sys_cfg = client_system.system_config(valid.sections["system"])
+    attack = attacks.attack_config(config.attack, n)
     profiles = client_system.client_profiles(sys_cfg, n, config.seed)
     sizes, epochs, batch_size, planned = _local_work(config, data, cohorts)
     trial = functools.partial(
@@ -318,17 +303,15 @@ def _slots_per_round(config: ml_collections.ConfigDict, num_clients: int) -> int
 
 def _choose_runners(ex: ml_collections.ConfigDict, cohorts, arch_runners: dict,
                     strategies: dict[str, str] | None, trial) -> dict:
-    """Sets each cohort's runner: the only candidate; the checkpoint's (`strategies`) when a
-    resumed run has it among the candidates; else the one `execution.choice` measures fastest
-    on `trial(cohort)`.
+    """Sets each cohort's runner: the only candidate (left as `build_cohorts` set it); the
+    checkpoint's (`strategies`) when a resumed run has it among the candidates; else the one
+    `execution.choice` measures fastest on `trial(cohort)`.
 
     Returns:
       arch -> the choice as summary.json states it ({} with a single candidate).
     """
     if all(len(r) == 1 for r in arch_runners.values()):
-        for c in cohorts:
-            c.runner = next(iter(arch_runners[c.arch].values()))
-        return {}
+        return {}  # the one candidate, as `build_cohorts` set it up
     if strategies and all(strategies.get(c.arch) in arch_runners[c.arch] for c in cohorts):
         for c in cohorts:
             c.runner = arch_runners[c.arch][strategies[c.arch]]

@@ -20,49 +20,38 @@ host, deterministically from (seed, round), so a resumed run sees the same event
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import ml_collections
 import numpy as np
 
-DEADLINE_POLICIES = ("drop", "partial")
+from fedjax_pfedes.config import fields
+from fedjax_pfedes.config.runtime_sections import SystemSection, float_list
 
 # Per-client outcome of a round (values of `RoundTiming.status`).
-# Largest per-round log-normal sigma of a client's step time: beyond it simulated times overflow
-# float64 and the clock and summary.json would hold Infinity.
-MAX_TIME_JITTER = 5.0
-
 DELIVERED, PARTIAL, DROPPED_OUT, PAST_DEADLINE = "delivered", "partial", "dropped_out", "deadline"
 
 
-def _floats(text: str, field: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in str(text).split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"{field}: expected numbers separated by commas, got '{text}'") from None
-    if not values:
-        raise ValueError(f"{field} is empty")
-    if not all(math.isfinite(v) for v in values):
-        raise ValueError(f"{field}: values must be finite, got '{text}'")
-    return values
+def _parsed(field: str) -> tuple[float, ...]:
+    return float_list(getattr(SystemSection, field), f"config.system.{field}")
 
 
 @dataclasses.dataclass(frozen=True)
 class SystemConfig:
-    """`config.system` (docs/guide/clients.md)."""
+    """`config.system` (docs/guide/clients.md) with its comma-separated lists parsed; every
+    default and range is the section's (`SystemSection`)."""
 
-    availability: tuple[float, ...] = (1.0,)
-    availability_period: int = 0
-    availability_duty: float = 0.5
-    dropout: float = 0.0
-    speed_classes: tuple[float, ...] = (1.0,)
-    step_time_s: float = 0.05
-    time_jitter: float = 0.0
-    upload_mbps: tuple[float, ...] = (10.0,)
-    download_mbps: tuple[float, ...] = (50.0,)
-    deadline_s: float = 0.0
-    deadline_policy: str = "drop"
-    failure_decay: float = 0.5
+    availability: tuple[float, ...] = _parsed("availability")
+    availability_period: int = SystemSection.availability_period
+    availability_duty: float = SystemSection.availability_duty
+    dropout: float = SystemSection.dropout
+    speed_classes: tuple[float, ...] = _parsed("speed_classes")
+    step_time_s: float = SystemSection.step_time_s
+    time_jitter: float = SystemSection.time_jitter
+    upload_mbps: tuple[float, ...] = _parsed("upload_mbps")
+    download_mbps: tuple[float, ...] = _parsed("download_mbps")
+    deadline_s: float = SystemSection.deadline_s
+    deadline_policy: str = SystemSection.deadline_policy
+    failure_decay: float = SystemSection.failure_decay
 
     @property
     def all_reliable(self) -> bool:
@@ -71,50 +60,21 @@ class SystemConfig:
                 and self.dropout == 0 and self.deadline_s == 0)
 
 
-def system_config(s: ml_collections.ConfigDict) -> SystemConfig:
-    """Reads and checks the config's `system` section; a ValueError names the offending
-    field."""
-    cfg = SystemConfig(
-        availability=_floats(s.availability, "config.system.availability"),
-        availability_period=int(s.availability_period),
-        availability_duty=float(s.availability_duty), dropout=float(s.dropout),
-        speed_classes=_floats(s.speed_classes, "config.system.speed_classes"),
-        step_time_s=float(s.step_time_s), time_jitter=float(s.time_jitter),
-        upload_mbps=_floats(s.upload_mbps, "config.system.upload_mbps"),
-        download_mbps=_floats(s.download_mbps, "config.system.download_mbps"),
-        deadline_s=float(s.deadline_s), deadline_policy=s.deadline_policy,
-        failure_decay=float(s.failure_decay))
-    if not all(0 < p <= 1 for p in cfg.availability):
-        raise ValueError(f"config.system.availability: probabilities must be in (0, 1], got "
-                         f"{cfg.availability}")
-    if cfg.availability_period < 0:
-        raise ValueError("config.system.availability_period must be >= 0 (0 = always reachable)")
-    if not 0 < cfg.availability_duty <= 1:
-        raise ValueError(f"config.system.availability_duty must be in (0, 1], got "
-                         f"{cfg.availability_duty}")
-    if not 0 <= cfg.dropout < 1:
-        raise ValueError(f"config.system.dropout must be in [0, 1), got {cfg.dropout}")
-    for field in ("speed_classes", "upload_mbps", "download_mbps"):
-        values = getattr(cfg, field)
-        if min(values) <= 0:
-            raise ValueError(f"config.system.{field} must be > 0, got {values}")
-        if field != "speed_classes" and len(values) not in (1, len(cfg.speed_classes)):
-            raise ValueError(f"config.system.{field}: give one value or one per speed class "
-                             f"({len(cfg.speed_classes)}), got {len(values)}")
-    if cfg.step_time_s <= 0 or cfg.time_jitter < 0 or cfg.deadline_s < 0:
-        raise ValueError("config.system.step_time_s must be > 0, time_jitter and deadline_s "
-                         ">= 0")
-    if cfg.time_jitter > MAX_TIME_JITTER:
-        raise ValueError(f"config.system.time_jitter must be in [0, {MAX_TIME_JITTER:g}] (a "
-                         "log-normal sigma: exp(3 sigma) is already a 3e6x slow-down at 5), got "
-                         f"{cfg.time_jitter:g}")
-    if cfg.deadline_policy not in DEADLINE_POLICIES:
-        raise ValueError(f"config.system.deadline_policy: unknown '{cfg.deadline_policy}'; "
-                         f"known: {list(DEADLINE_POLICIES)}")
-    if not 0 < cfg.failure_decay <= 1:
-        raise ValueError(f"config.system.failure_decay must be in (0, 1], got "
-                         f"{cfg.failure_decay}")
-    return cfg
+def system_config(section: SystemSection | ml_collections.ConfigDict) -> SystemConfig:
+    """`SystemConfig` from the config's `system` section.
+
+    Args:
+      section: the built section (`ValidConfig.sections['system']`), or the config's
+        `config.system` (built here: its ranges checked, a ConfigError naming the field).
+
+    Returns:
+      The section with its lists parsed.
+    """
+    if not isinstance(section, SystemSection):
+        section = fields.build(SystemSection, section.to_dict())
+    values = dataclasses.asdict(section)
+    values.update({f: float_list(values[f], f"config.system.{f}") for f in SystemSection.LISTS})
+    return SystemConfig(**values)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import numpy as np
 
 from fedjax_pfedes.algorithms.base import CohortProgram, PyTree
 from fedjax_pfedes.data.federated import ClientArrays, FederatedData
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import offload as client_states
 from fedjax_pfedes.execution.strategies.protocol import CohortRunner
 from fedjax_pfedes.models.architectures import check_architecture
@@ -26,7 +27,7 @@ def assign_architectures(spec: str, num_clients: int) -> list[str]:
     field = "config.clients.architectures"
     items = [s.strip() for s in spec.split(",") if s.strip()]
     if not items:
-        raise ValueError(f"{field} is empty; e.g. 'convnet3,convnet5,vit'")
+        raise ConfigError(f"{field} is empty; e.g. 'convnet3,convnet5,vit'")
     if all(":" not in s for s in items):
         for name in items:
             check_architecture(name, field)
@@ -36,10 +37,10 @@ def assign_architectures(spec: str, num_clients: int) -> list[str]:
         name, _, count = s.partition(":")
         check_architecture(name.strip(), field)
         if not count.strip().isdigit():
-            raise ValueError(f"{field}: '{s}' needs the form name:count, or give names only")
+            raise ConfigError(f"{field}: '{s}' needs the form name:count, or give names only")
         archs += [name.strip()] * int(count)
     if len(archs) != num_clients:
-        raise ValueError(f"{field}: counts sum to {len(archs)} but config.data.num_clients is "
+        raise ConfigError(f"{field}: counts sum to {len(archs)} but config.data.num_clients is "
                          f"{num_clients}")
     return archs
 

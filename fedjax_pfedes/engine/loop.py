@@ -74,8 +74,6 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     try:
         # before anything touches a JAX backend
         distributed.initialize(distributed.settings(config.get("distributed")))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     except RuntimeError as e:  # the coordinator did not answer, or a process is missing
         raise ConfigError(f"config.distributed: could not join the run's processes "
                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
@@ -124,10 +122,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
         (training stops at that round; summary.json says `diverged: true`).
     """
     start = time.time()
-    try:
-        compilation.configure_cache(config.execution.compilation_cache_dir)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    compilation.configure_cache(config.execution.compilation_cache_dir)
     writer = out_dir is None
     out_dir = workdir if out_dir is None else out_dir
     # the checkpoint to resume from, refused before any data is loaded if it cannot be

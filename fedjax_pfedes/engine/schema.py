@@ -14,6 +14,7 @@ import ml_collections
 
 from fedjax_pfedes.algorithms import registry as algorithm_registry
 from fedjax_pfedes.config.defaults import core_config
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.upload import stages
 
 
@@ -34,7 +35,7 @@ def default_config() -> ml_collections.ConfigDict:
                 node[part] = ml_collections.ConfigDict()
             node = node[part]
         if leaf in node:
-            raise ValueError(f"config.{path}: a method or an upload stage declares a field "
+            raise ConfigError(f"config.{path}: a method or an upload stage declares a field "
                              "the core config (or another of them) has")
         node[leaf] = default
     return config

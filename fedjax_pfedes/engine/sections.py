@@ -29,6 +29,7 @@ from fedjax_pfedes.config.defaults import (
 )
 from fedjax_pfedes.config.fields import Section
 from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.upload import privacy, stages
 from fedjax_pfedes.upload.settings import PipelineConfig
 
@@ -55,18 +56,18 @@ def check_selection_is_data_independent(config: ml_collections.ConfigDict) -> No
     refused by the config checks for the same reason."""
     t, s = config.train, config.system
     if t.sampling == "stratified" and t.strata > 1:
-        raise ValueError(
+        raise ConfigError(
             f"config.train.strata={t.strata} buckets clients by sample count, which client-level "
             "DP treats as private (one client's size would change who else is selected); with "
             "config.dp.enabled set config.train.strata=1 (strata from the public availability "
             "classes only) or use config.train.sampling='uniform' / 'poisson'")
     if t.min_samples > 0 and t.below_min == "skip":
-        raise ValueError(
+        raise ConfigError(
             f"config.train.min_samples={t.min_samples} with below_min='skip' selects clients by "
             "their private sample count; with config.dp.enabled set config.train.min_samples=0 "
             "or config.train.below_min='one_epoch'")
     if float(s.deadline_s) > 0 and float(s.failure_decay) < 1:
-        raise ValueError(
+        raise ConfigError(
             f"config.system.deadline_s={s.deadline_s} with failure_decay={s.failure_decay}: a "
             "client misses the deadline by its local steps (its private sample count), and the "
             "decayed weight then changes who else is selected; with config.dp.enabled set "
@@ -111,7 +112,7 @@ def pipeline_config(config: ml_collections.ConfigDict,
 def _stage_section(config: ml_collections.ConfigDict, cls: type[Section]) -> Section:
     """A registered stage's own section, built from the config (ranges checked)."""
     if cls.SECTION not in config:
-        raise ValueError(f"config.{cls.SECTION}: a registered upload stage declares it, the "
+        raise ConfigError(f"config.{cls.SECTION}: a registered upload stage declares it, the "
                          "config has no such section (build the config with "
                          "fedjax_pfedes.default_config() after registering)")
     return fields.build(cls, config[cls.SECTION].to_dict())
@@ -182,11 +183,11 @@ def method_settings(config: ml_collections.ConfigDict, name: str | None = None
         *parents, leaf = path.split(".")
         for part in parents:
             if part not in node:
-                raise ValueError(f"config.{path}: '{entry.name}' reads it, the config has no "
+                raise ConfigError(f"config.{path}: '{entry.name}' reads it, the config has no "
                                  f"section '{part}'")
             node, target = node[part], target.setdefault(part, {})
         if leaf not in node:
-            raise ValueError(f"config.{path}: '{entry.name}' reads it, the config has no such "
+            raise ConfigError(f"config.{path}: '{entry.name}' reads it, the config has no such "
                              "field")
         value = node[leaf]
         target[leaf] = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value

@@ -84,7 +84,7 @@ def _check_multi_process(s: distributed.Settings, config: ml_collections.ConfigD
     ]
     for refused, message in refusals:
         if refused:
-            raise ValueError(message)
+            raise ConfigError(message)
 
 
 def _paths(tree: dict, prefix: str = "") -> set[str]:
@@ -161,21 +161,20 @@ def _validate(config: ml_collections.ConfigDict) -> ValidConfig:
     top = read_top_level(config)  # each section checks its own ranges (ConfigError naming it)
     built = {name: read_section(config, name) for name in SECTIONS}
     entry = algorithm_registry.get(config.algorithm)
-    try:
-        protocol.resolve_strategy(config.execution.strategy)
-        if protocol.needs_mesh(config.execution.strategy):
-            placement.client_mesh(config.execution.devices)
-        _check_execution_names(config.execution)
-        _check_multi_process(distributed.settings(config.get("distributed")), config)
-        archs = assign_architectures(config.clients.architectures, config.data.num_clients)
-        attacks.attack_config(config.attack, config.data.num_clients)
-        algorithm_registry.check_optimizer_overrides(entry.name,
-                                                     config.get(entry.name) or {})
-        method = entry.read_section(config)  # the method's own ranges
-        if entry.check is not None:
+    protocol.resolve_strategy(config.execution.strategy)
+    if protocol.needs_mesh(config.execution.strategy):
+        placement.client_mesh(config.execution.devices)
+    _check_execution_names(config.execution)
+    _check_multi_process(distributed.settings(config.get("distributed")), config)
+    archs = assign_architectures(config.clients.architectures, config.data.num_clients)
+    attacks.attack_config(config.attack, config.data.num_clients)
+    algorithm_registry.check_optimizer_overrides(entry.name, config.get(entry.name) or {})
+    method = entry.read_section(config)  # the method's own ranges
+    if entry.check is not None:
+        try:  # a method's hook, maybe a user's: its ValueError names the field
             entry.check(sections.method_settings(config))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     _require(not (config.secagg.enabled and config.secagg.simulation == "aggregate"
                   and config.attack.kind != "none"),
              "config.secagg.simulation='aggregate' draws the honest senders' noise as one sum "
@@ -185,18 +184,15 @@ def _validate(config: ml_collections.ConfigDict) -> ValidConfig:
         with_dp_sgd = [n for n, e in algorithm_registry.entries().items() if e.dp_sgd]
         _require(entry.dp_sgd, "config.dp_sgd.enabled: DP-SGD is built into "
                  f"{with_dp_sgd}, not '{config.algorithm}'")
-    try:
-        upload = pipeline_config(config, built)
-        check_compatible(upload, aggregation_kind(config.algorithm), config.algorithm)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    upload = pipeline_config(config, built)
+    check_compatible(upload, aggregation_kind(config.algorithm), config.algorithm)
     with_bn = sorted({a for a in archs if uses_batch_norm(a)})
     with_bn_support = [n for n, e in algorithm_registry.entries().items() if e.batch_norm]
     _require(not with_bn or entry.batch_norm,
              f"config.clients.architectures: {with_bn} have BatchNorm layers, which only "
              f"{with_bn_support} handle (running statistics); got '{config.algorithm}'")
     _check_names(config, entry)
-    _validate_runtime(config)
+    _validate_runtime(config, built["system"])
     return ValidConfig(top, built, method, upload)
 
 
@@ -232,12 +228,9 @@ def _check_execution_names(ex: ml_collections.ConfigDict) -> None:
              f"unknown '{ex.client_states}'; known: {list(offload.PLACEMENTS)}")
 
 
-def _validate_runtime(config: ml_collections.ConfigDict) -> None:
-    """config.system, config.asynchronous, config.checkpoint."""
-    try:
-        sys_cfg = system_config(config.system)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+def _validate_runtime(config: ml_collections.ConfigDict, system: Section) -> None:
+    """config.system (`system`: its built section), config.asynchronous, config.checkpoint."""
+    sys_cfg = system_config(system)
     a = config.asynchronous
     if not a.enabled:
         return
@@ -276,10 +269,7 @@ def check_against_data(config: ml_collections.ConfigDict, central: CentralDatase
         _require(config.data.classes_per_client <= central.num_classes,
                  f"config.data.classes_per_client={config.data.classes_per_client} exceeds the "
                  f"{central.num_classes} classes of '{config.data.name}'")
-    try:
-        augmentation.check(config.train.augment, central.modality)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    augmentation.check(config.train.augment, central.modality)
     entry = algorithm_registry.get(config.algorithm)
     modalities = entry.modalities
     _require(central.modality in modalities,

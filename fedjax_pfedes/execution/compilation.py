@@ -14,6 +14,8 @@ import os
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from fedjax_pfedes.errors import ConfigError
+
 # Every compiled program is written, however quick its compilation (JAX's own default skips
 # those under 1 s): a run compiles dozens of small programs (row writes, upload checks,
 # buffers), and loading one is faster than compiling it (docs/performance_history.md,
@@ -40,7 +42,7 @@ def configure_cache(path: str) -> str | None:
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"config.execution.compilation_cache_dir: cannot create '{path}' "
+            raise ConfigError(f"config.execution.compilation_cache_dir: cannot create '{path}' "
                              f"({e.strerror}); give a writable folder or '' to turn the cache "
                              "off") from None
     jax.config.update("jax_compilation_cache_dir", path or None)

@@ -36,13 +36,17 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
+from fedjax_pfedes.config import fields
+from fedjax_pfedes.config.defaults import DistributedSection
+from fedjax_pfedes.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    coordinator_address: str = ""
-    num_processes: int = 1
-    process_id: int = 0
-    cpu_collectives: str = "gloo"
+    coordinator_address: str = DistributedSection.coordinator_address
+    num_processes: int = DistributedSection.num_processes
+    process_id: int = DistributedSection.process_id
+    cpu_collectives: str = DistributedSection.cpu_collectives
 
     @property
     def multi_process(self) -> bool:
@@ -57,23 +61,21 @@ def settings(section: ml_collections.ConfigDict | None) -> Settings:
     field); one process when the section is absent (None)."""
     if section is None:
         return Settings()
-    s = Settings(str(section.get("coordinator_address", "")),
-                 int(section.get("num_processes", 1)), int(section.get("process_id", 0)),
-                 str(section.get("cpu_collectives", "gloo")))
+    s = Settings(**dataclasses.asdict(fields.build(DistributedSection, section.to_dict())))
     if s.coordinator_address == "auto":
         return s
     if s.num_processes < 1:
-        raise ValueError(f"config.distributed.num_processes must be >= 1, got {s.num_processes}")
+        raise ConfigError(f"config.distributed.num_processes must be >= 1, got {s.num_processes}")
     if not 0 <= s.process_id < s.num_processes:
-        raise ValueError(f"config.distributed.process_id={s.process_id} is out of range for "
+        raise ConfigError(f"config.distributed.process_id={s.process_id} is out of range for "
                          f"config.distributed.num_processes={s.num_processes} (0.."
                          f"{s.num_processes - 1}): give each process its own index")
     if s.num_processes > 1 and ":" not in s.coordinator_address:
-        raise ValueError("config.distributed.coordinator_address: several processes need "
+        raise ConfigError("config.distributed.coordinator_address: several processes need "
                          "process 0's 'host:port' (or 'auto' on a TPU pod / SLURM), got "
                          f"{s.coordinator_address!r}")
     if s.cpu_collectives not in CPU_COLLECTIVES:
-        raise ValueError(f"config.distributed.cpu_collectives must be one of {CPU_COLLECTIVES},"
+        raise ConfigError(f"config.distributed.cpu_collectives must be one of {CPU_COLLECTIVES},"
                          f" got {s.cpu_collectives!r}")
     return s
 

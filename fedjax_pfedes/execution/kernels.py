@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import jax
 
+from fedjax_pfedes.errors import ConfigError
+
 CPU_KERNELS = ("xla", "eigen")
 KERNEL_SETTINGS = CPU_KERNELS + ("auto",)  # what config.execution.cpu_kernels accepts
 
@@ -17,7 +19,7 @@ def kernel_options(cpu_kernels: str) -> dict[str, str]:
     XLA's Eigen-based kernels). Which is faster depends on the CPU and the layers
     (docs/performance.md); the two agree up to float reassociation. Empty off the CPU backend."""
     if cpu_kernels not in CPU_KERNELS:
-        raise ValueError(f"config.execution.cpu_kernels must be one of {list(CPU_KERNELS)} "
+        raise ConfigError(f"config.execution.cpu_kernels must be one of {list(CPU_KERNELS)} "
                          f"('auto' picks one per cohort, `kernel_candidates`), got "
                          f"{cpu_kernels!r}")
     if cpu_kernels == "xla" or jax.default_backend() != "cpu":

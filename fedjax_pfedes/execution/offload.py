@@ -28,6 +28,7 @@ import numpy as np
 
 from fedjax_pfedes.algorithms.base import PyTree
 from fedjax_pfedes.data.federated import ClientArrays
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import slot_rows
 from fedjax_pfedes.execution.strategies.protocol import CohortRunner
 from fedjax_pfedes.tree_util import tree_size
@@ -82,7 +83,7 @@ class RaggedClientArrays:
         return ClientArrays(x, y, self.sizes[idx], limit)
 
 
-class BudgetError(ValueError):
+class BudgetError(ConfigError):
     """`config.execution.client_state_budget_gb` cannot hold one round's participants."""
 
 

@@ -11,6 +11,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fedjax_pfedes.algorithms.base import PyTree
+from fedjax_pfedes.errors import ConfigError
 
 CLIENT_AXIS = "clients"  # the mesh axis the participant slots are split over
 
@@ -23,7 +24,7 @@ def client_mesh(devices: int) -> Mesh:
         return Mesh(np.array(jax.devices()), (CLIENT_AXIS,), axis_types=(AxisType.Auto,))
     available = jax.local_devices()
     if devices < 0 or devices > len(available):
-        raise ValueError(f"config.execution.devices={devices}: this process sees "
+        raise ConfigError(f"config.execution.devices={devices}: this process sees "
                          f"{len(available)} device(s) ({available[0].platform}); use 0 for all "
                          f"or a number up to {len(available)}")
     chosen = available[: devices or len(available)]

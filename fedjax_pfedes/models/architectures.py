@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from fedjax_pfedes.data.spec import InputSpec
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.models.backbones import BACKBONES, MLP, Backbone, ConvStack, EmbeddingBag
 from fedjax_pfedes.models.layers import Conv, InputNormalization
 
@@ -89,11 +90,11 @@ PROXY_BODIES: dict[str, Backbone] = {
 def _check(registry: dict[str, Backbone], kind: str, name: str, field: str,
            modality: str | None) -> None:
     if name not in registry:
-        raise ValueError(f"{field}: unknown {kind} '{name}'; known: {sorted(registry)}")
+        raise ConfigError(f"{field}: unknown {kind} '{name}'; known: {sorted(registry)}")
     accepted = registry[name].modalities
     if modality is not None and modality not in accepted:
         fitting = sorted(k for k, v in registry.items() if modality in v.modalities)
-        raise ValueError(f"{field}: {kind} '{name}' takes {'/'.join(accepted)} inputs but the "
+        raise ConfigError(f"{field}: {kind} '{name}' takes {'/'.join(accepted)} inputs but the "
                          f"dataset is {modality}; {modality} {kind}s: {fitting}")
 
 
@@ -123,7 +124,7 @@ def uses_batch_norm(name: str) -> bool:
 def _refuse_batch_norm(name: str, what: str, field: str = "config.clients.architectures"
                        ) -> None:
     if uses_batch_norm(name):
-        raise ValueError(f"{field}: '{name}' has BatchNorm layers, which "
+        raise ConfigError(f"{field}: '{name}' has BatchNorm layers, which "
                          f"{what} does not handle (running statistics); use it with "
                          f"config.algorithm='fedbn'")
 
@@ -154,7 +155,7 @@ def proxy_model(arch: str, dim: int, spec: InputSpec, scales: int = 1) -> ProxyE
     check_proxy(arch, modality=spec.modality)
     available = proxy_scale_count(arch, spec)
     if not 1 <= scales <= available:
-        raise ValueError(f"config.proxy_scales: {scales} weights, but E_proxy '{arch}' emits "
+        raise ConfigError(f"config.proxy_scales: {scales} weights, but E_proxy '{arch}' emits "
                          f"at most {available} scale(s) (1 + its conv layers)")
     return ProxyExtractor(arch, dim, spec, scales)
 

@@ -287,19 +287,11 @@ class _Route(Callback):
             c.runner = self.coordinator.runner(self.member, c.arch, c.runner)
 
 
-def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float],
-              workdir: str, show_progress: bool = True, member_axis: str = "vmap"
-              ) -> dict[str, dict]:
-    """Runs one member per value of `dotted` (workdir/<field>=<value>), their local training
-    batched by a `Coordinator`; returns {member name: its `experiments.run_record`}."""
-    import os
-
-    from fedjax_pfedes.engine.build import build_federated_data
-    from fedjax_pfedes.engine.cohorts import assign_architectures
-    from fedjax_pfedes.engine.loop import run_experiment
-    from fedjax_pfedes.engine.validate import validate_config
-    from fedjax_pfedes.studies.experiments import run_record, with_overrides
-
+def _check_sweepable(config: ml_collections.ConfigDict, dotted: str, values: list[float]
+                     ) -> None:
+    """ConfigError naming the flag or field for a sweep this module cannot batch: repeated
+    values, a field that is no float, several processes, other than 'loop' on device states in
+    synchronous rounds, or kernels chosen by timing."""
     if len(values) < 1 or len(set(values)) != len(values):
         raise ConfigError(f"--sweep.{dotted}: give distinct values, got {values}")
     check_float(config, dotted)
@@ -316,6 +308,22 @@ def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float
         raise ConfigError("config.execution.cpu_kernels='auto': launch.sweep compiles one "
                           "program for all members, so it does not time kernel choices; give "
                           "'xla' or 'eigen' (launch.main with 'auto' shows which is faster)")
+
+
+def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float],
+              workdir: str, show_progress: bool = True, member_axis: str = "vmap"
+              ) -> dict[str, dict]:
+    """Runs one member per value of `dotted` (workdir/<field>=<value>), their local training
+    batched by a `Coordinator`; returns {member name: its `experiments.run_record`}."""
+    import os
+
+    from fedjax_pfedes.engine.build import build_federated_data
+    from fedjax_pfedes.engine.cohorts import assign_architectures
+    from fedjax_pfedes.engine.loop import run_experiment
+    from fedjax_pfedes.engine.validate import validate_config
+    from fedjax_pfedes.studies.experiments import run_record, with_overrides
+
+    _check_sweepable(config, dotted, values)
     members = {}
     for v in values:
         member = with_overrides(config, {dotted: v})

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfedes.config.defaults import DPSection
+from fedjax_pfedes.errors import ConfigError
 
 if TYPE_CHECKING:  # imported where used: it pulls in scipy.signal and scipy.optimize, whose
     import dp_accounting  # start-up a run without DP never needs to pay
@@ -73,13 +74,13 @@ class ClientDPConfig(DPSection):
 
     def check(self) -> None:
         if self.sampling not in SAMPLINGS:
-            raise ValueError(f"config.dp.sampling must be one of {SAMPLINGS}, got "
+            raise ConfigError(f"config.dp.sampling must be one of {SAMPLINGS}, got "
                              f"'{self.sampling}'")
         if self.sampling == "poisson" and not 0 < self.sampling_rate <= 1:
-            raise ValueError("Poisson sampling needs its rate in (0, 1] "
+            raise ConfigError("Poisson sampling needs its rate in (0, 1] "
                              f"(config.train.client_fraction), got {self.sampling_rate}")
         if self.accountant == "pld" and self.sampling == "fixed":
-            raise ValueError("config.dp.accountant='pld' needs config.dp.sampling='poisson' "
+            raise ConfigError("config.dp.accountant='pld' needs config.dp.sampling='poisson' "
                              "(dp_accounting's PLD accountant has no fixed-size sampling); "
                              "use 'rdp' for fixed-size sampling")
 
@@ -233,13 +234,13 @@ def calibrate_noise_multiplier(cfg: ClientDPConfig, num_clients: int, clients_pe
     rdp = dataclasses.replace(cfg, accountant="rdp")  # fast at any sigma; PLD is not
     eps_low = epsilon(rdp, low, num_clients, clients_per_round, rounds)  # >= PLD's
     if eps_low <= target:
-        raise ValueError(
+        raise ConfigError(
             f"config.dp.target_epsilon={target:g} is reached already with noise multiplier "
             f"{low:g} (epsilon {eps_low:.3g} over {rounds} rounds): such a budget protects "
             "nothing; choose a smaller target or set config.dp.noise_multiplier directly")
     eps_high = epsilon(cfg, high, num_clients, clients_per_round, rounds)
     if eps_high > target:
-        raise ValueError(
+        raise ConfigError(
             f"config.dp.target_epsilon={target:g} needs a noise multiplier above {high:g} "
             f"(noise std > {high:g} x config.dp.clip_norm on the sum; epsilon at {high:g}: "
             f"{eps_high:.3g}): the noise would drown every update; raise the target, or sample "

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from fedjax_pfedes import aggregation
 from fedjax_pfedes.config.upload_sections import WEIGHTINGS
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.upload.validation import masked_median
 
 
@@ -31,7 +32,7 @@ def smooth_weights(sample_counts: jax.Array, valid: jax.Array, weighting: str) -
     elif weighting == "uniform":
         w = jnp.ones_like(counts)
     else:
-        raise ValueError(f"config.upload.weighting must be one of {WEIGHTINGS}, got "
+        raise ConfigError(f"config.upload.weighting must be one of {WEIGHTINGS}, got "
                          f"'{weighting}'")
     return jnp.where(valid, w, 0.0)
 
@@ -60,7 +61,7 @@ def trimmed_mean(stacked, valid: jax.Array, trim_fraction: float):
     """Per coordinate: drop the `trim_count(n, trim_fraction)` largest and smallest of the n
     valid values, average the rest."""
     if not 0 <= trim_fraction < 0.5:
-        raise ValueError(f"config.upload.trim_fraction must be in [0, 0.5), got {trim_fraction}")
+        raise ConfigError(f"config.upload.trim_fraction must be in [0, 0.5), got {trim_fraction}")
     n = jnp.sum(valid)
     k = trim_count(n, trim_fraction)
     big = jnp.finfo(jnp.float32).max

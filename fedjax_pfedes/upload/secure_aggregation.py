@@ -42,6 +42,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from fedjax_pfedes.errors import ConfigError
+
 PRIME = 2 ** 521 - 1  # Mersenne prime: the Shamir field
 PROTOCOL_SIMULATIONS = ("sum", "protocol")  # what `secure_sum` runs
 
@@ -300,7 +302,7 @@ def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEnc
       The decoded sum over the senders, the senders and the bytes each sent.
     """
     if simulation not in PROTOCOL_SIMULATIONS:
-        raise ValueError(f"config.secagg.simulation must be one of {PROTOCOL_SIMULATIONS} "
+        raise ConfigError(f"config.secagg.simulation must be one of {PROTOCOL_SIMULATIONS} "
                          f"for secure_sum ('aggregate' is drawn by the stage), got "
                          f"'{simulation}'")
     ids = sorted(vectors)
@@ -322,6 +324,18 @@ def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEnc
         check_quorum(n, len(senders), len(live), threshold)
         total = ring_sum(rows[sending], [u not in unchecked for u in senders], encoding)
         return SecureSumResult(total, tuple(senders), bytes_per_sender(length, n, encoding))
+    return _run_protocol(vectors, threshold, encoding, seed, drop_before_upload,
+                         drop_after_upload, unchecked)
+
+
+def _run_protocol(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEncoding,
+                  seed: int, drop_before_upload: frozenset[int],
+                  drop_after_upload: frozenset[int], unchecked: frozenset[int]
+                  ) -> SecureSumResult:
+    """`secure_sum` with every party's cryptography run: key advertisement and sharing, masked
+    inputs, unmasking by the clients still online."""
+    ids = sorted(vectors)
+    length = next(iter(vectors.values())).shape[0] if vectors else 0
     root = np.random.default_rng(seed)
     clients = {u: SecureAggregationClient(u, np.random.default_rng(
         root.integers(0, 2 ** 63)), encoding) for u in ids}
@@ -337,7 +351,7 @@ def secure_sum(vectors: dict[int, np.ndarray], threshold: int, encoding: RingEnc
     live = [u for u in senders if u not in drop_after_upload]
     responses = {u: clients[u].unmask_shares(set(senders), dropped) for u in live}
     total = server.unmask(responses)
-    return SecureSumResult(total, tuple(senders), bytes_per_sender(length, n, encoding))
+    return SecureSumResult(total, tuple(senders), bytes_per_sender(length, len(ids), encoding))
 
 
 def ring_sum(rows: np.ndarray, checked: np.ndarray, encoding: RingEncoding) -> np.ndarray:

@@ -10,6 +10,7 @@ import numpy as np
 
 from fedjax_pfedes.config.defaults import SecAggSection, UploadSection
 from fedjax_pfedes.config.fields import Section
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 
@@ -77,21 +78,21 @@ def check_compatible(cfg: PipelineConfig, aggregation: str, algorithm: str) -> N
     u = cfg.upload
     pre_aggregates = u.aggregator != "mean" or cfg.dp is not None or cfg.secagg is not None
     if aggregation == "none" and (pre_aggregates or u.compresses):
-        raise ValueError(f"config.algorithm='{algorithm}' uploads nothing: config.upload "
+        raise ConfigError(f"config.algorithm='{algorithm}' uploads nothing: config.upload "
                          "compression / aggregator, config.dp and config.secagg do not apply")
     if aggregation == "custom" and pre_aggregates:
-        raise ValueError(
+        raise ConfigError(
             f"config.algorithm='{algorithm}' combines uploads with its own server math "
             "(prototypes / header training), not a weighted mean: config.upload.aggregator "
             "must be 'mean' and config.dp.enabled / config.secagg.enabled must be False")
     if cfg.secagg is not None and u.aggregator != "mean":
-        raise ValueError("config.secagg.enabled: the server sees only the sum, so "
+        raise ConfigError("config.secagg.enabled: the server sees only the sum, so "
                          "config.upload.aggregator must be 'mean'")
     if cfg.dp is not None and u.aggregator != "mean":
-        raise ValueError("config.dp.enabled: DP-FedAvg's noisy sum needs "
+        raise ConfigError("config.dp.enabled: DP-FedAvg's noisy sum needs "
                          "config.upload.aggregator='mean'")
     if cfg.dp is not None and u.weighting != "uniform":
-        raise ValueError("config.dp.enabled needs config.upload.weighting='uniform' (every "
+        raise ConfigError("config.dp.enabled needs config.upload.weighting='uniform' (every "
                          "clipped update counts once, so one client changes the sum by <= C)")
 
 
@@ -110,7 +111,7 @@ def check_secagg_range(cfg: PipelineConfig, noise_multiplier: float, clients_per
     poisson = cfg.dp is not None and cfg.dp.sampling == "poisson"
     most = num_clients if poisson else clients_per_round
     if cfg.secagg.min_senders > most:
-        raise ValueError(
+        raise ConfigError(
             f"config.secagg.min_senders={cfg.secagg.min_senders} exceeds the {most} senders a "
             f"round can have ({'clients' if poisson else 'participants per round'}): no round "
             "would ever be summed")
@@ -124,7 +125,7 @@ def check_secagg_range(cfg: PipelineConfig, noise_multiplier: float, clients_per
         best = enc.largest_fraction_bits(senders, need)
         fix = (f"the largest that works is fraction_bits={best}" if best > 0 else
                "no fraction_bits works at this ring size; use ring_bits=64")
-        raise ValueError(
+        raise ConfigError(
             f"config.secagg.ring_bits={enc.ring_bits} with fraction_bits={enc.fraction_bits} "
             f"lets each of {senders} senders send |values| <= {enc.max_abs(senders):.3g}, below "
             f"the {need:.3g} a round needs: every upload would be rejected before masking; "

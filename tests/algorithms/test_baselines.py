@@ -217,6 +217,7 @@ def test_published_pfedes_interleaved_alternation_matches_a_hand_reference():
     alg = pfedes_paper(PFedESPaperConfig(num_classes=3, input_spec=spec, mu=mu, lr_local=lr,
                                          g_lr_ratio=ratio, batch_size=8,
                                          schedule="interleaved", local_momentum=0.0,
+                                         local_epochs=1,
                                          weight_decay=0.0, grad_clip_norm=0.0))
     server = alg.init_server(jax.random.key(0))
     program = alg.cohort_program("mlp_small")

@@ -1,6 +1,7 @@
 """Every config field is declared once: in its section's dataclass, with its default, range and
 help (`fedjax_pfedes.config.fields`), and read from there by every module."""
 
+import ast
 import dataclasses
 import inspect
 import pathlib
@@ -93,36 +94,77 @@ def test_no_method_maps_its_sections_fields_by_hand():
         assert "fields={" not in source and "FIELDS = {" not in source, entry.name
 
 
-def _package_dataclasses(package: str):
-    import importlib
-    import pkgutil
+def literal_defaults(source: str, names: set[str]) -> list[str]:
+    """The fields named in `names` to which a dataclass (a class decorated with
+    `dataclasses.dataclass`, not a `Section`) in `source` gives a literal default of its own,
+    as `Class.field`: a second declaration of a section's default (one read from the
+    declaration, `lr_local: float = TrainSection.lr_local`, is not)."""
+    found = []
+    for cls in ast.walk(ast.parse(source)):
+        if not (isinstance(cls, ast.ClassDef) and any(
+                "dataclass" in ast.unparse(d) for d in cls.decorator_list)):
+            continue
+        if any(ast.unparse(b).endswith(("Section", "Hyper")) for b in cls.bases):
+            continue  # a section, or a section's declared base (pfedes_paper's)
+        for stmt in cls.body:
+            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and stmt.target.id in names and stmt.value is not None):
+                continue
+            value = stmt.value
+            if isinstance(value, ast.Call) and ast.unparse(value.func).endswith("field"):
+                value = next((k.value for k in value.keywords if k.arg == "default"), None)
+            if value is not None and _is_literal(value):
+                found.append(f"{cls.name}.{stmt.target.id}")
+    return found
 
-    root = importlib.import_module(package)
-    for info in pkgutil.walk_packages(root.__path__, package + "."):
-        module = importlib.import_module(info.name)
-        for obj in vars(module).values():
-            if (isinstance(obj, type) and dataclasses.is_dataclass(obj)
-                    and obj.__module__ == module.__name__):
-                yield obj
+
+def _is_literal(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value is not None
+    if isinstance(node, ast.UnaryOp):
+        return _is_literal(node.operand)
+    if isinstance(node, ast.Tuple):
+        return bool(node.elts) and all(_is_literal(e) for e in node.elts)
+    return False
 
 
-def test_no_settings_object_repeats_a_sections_field():
-    """The upload pipeline's settings hold the built sections (`PipelineConfig.upload`, ...),
-    client-level DP's derives from `DPSection`, and no stage or helper dataclass gives a field
-    of `config.upload` / `dp` / `secagg` a default of its own: each is declared once, in its
-    section."""
+# Fields named like a config field that are something else: a command line's own flags and a
+# method's capability.
+NOT_CONFIG_FIELDS = {
+    "fedjax_pfedes/algorithms/pfedes/pretraining.py: PretrainSettings.batch_size",  # its flag
+    "fedjax_pfedes/algorithms/registry.py: AlgorithmEntry.proxy_init",  # can it start from one
+    "fedjax_pfedes/studies/gradient_inversion.py: AttackConfig.clip_norm",  # launch.leakage's
+    "fedjax_pfedes/studies/gradient_inversion.py: AttackConfig.noise_multiplier",
+}
+
+
+def test_no_settings_object_repeats_a_sections_default():
+    """An object built from a section (the upload pipeline's settings, client-level DP's,
+    the local training's, the data loaders' options, the system model's, ...) holds the built
+    section or reads each default from its declaration: no dataclass in the package gives a
+    config field's name a literal default of its own. `PipelineConfig` holds the sections
+    themselves and client-level DP's settings derive from `DPSection`."""
     from fedjax_pfedes.upload import privacy, settings
 
-    upload_sections = [defaults.SECTIONS[n] for n in ("upload", "dp", "secagg")]
-    names = {f.name for s in upload_sections for f in dataclasses.fields(s)} - {"enabled"}
+    names = {f.name for s in every_section() for f in dataclasses.fields(s)}
+    names -= {"name", "enabled"}  # flax modules' `name`; an `enabled` switch is no default
+    found = []
+    for path in sorted((ROOT / "fedjax_pfedes").rglob("*.py")):
+        found += [f"{path.relative_to(ROOT)}: {hit}"
+                  for hit in literal_defaults(path.read_text(), names)]
+    assert [f for f in found if f not in NOT_CONFIG_FIELDS] == []
     assert issubclass(privacy.ClientDPConfig, defaults.SECTIONS["dp"])
-    assert not names & {f.name for f in dataclasses.fields(settings.PipelineConfig)}
-    for cls in _package_dataclasses("fedjax_pfedes.upload"):
-        if any(issubclass(cls, s) for s in upload_sections):
-            continue
-        for f in dataclasses.fields(cls):
-            assert not (f.name in names and f.default is not dataclasses.MISSING), (
-                f"{cls.__module__}.{cls.__name__}.{f.name} repeats a section's default")
+    upload = {f.name for n in ("upload", "dp", "secagg")
+              for f in dataclasses.fields(defaults.SECTIONS[n])} - {"enabled"}
+    assert not upload & {f.name for f in dataclasses.fields(settings.PipelineConfig)}
+
+
+def test_the_repeat_check_sees_a_literal_default():
+    source = ("@dataclasses.dataclass\nclass Opts:\n    lr_local: float = 0.05\n"
+              "    batch_size: int = TrainSection.batch_size\n"
+              "    seed: int = dataclasses.field(default=0)\n")
+    assert literal_defaults(source, {"lr_local", "batch_size", "seed"}) == [
+        "Opts.lr_local", "Opts.seed"]
 
 
 def test_a_value_out_of_its_declared_range_is_named_when_the_section_is_built():

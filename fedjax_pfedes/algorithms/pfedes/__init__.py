@@ -43,6 +43,7 @@ from fedjax_pfedes.algorithms.pfedes.hyperparameters import (  # noqa: F401  (th
     proxy_learning_rate,
 )
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.models import architectures
 
 
@@ -146,7 +147,7 @@ def check_proxy_init(settings) -> None:
     meta, _ = proxy_init.read(path)
     for field in ("proxy_arch", "proxy_dim"):
         if meta.get(field) != settings[field]:
-            raise ValueError(f"config.proxy_init: '{path}' holds an E_proxy with "
+            raise ConfigError(f"config.proxy_init: '{path}' holds an E_proxy with "
                              f"{field}={meta.get(field)!r}; this run has "
                              f"config.{field}={settings[field]!r}")
     pool = meta.get("pool", {})
@@ -154,7 +155,7 @@ def check_proxy_init(settings) -> None:
         differ = {k: v for k, v in pool.items() if pool_of(settings).get(k) != v}
         if differ:
             wanted = ", ".join(f"config.{k}={v!r}" for k, v in differ.items())
-            raise ValueError(f"config.proxy_init: '{path}' was pretrained on the "
+            raise ConfigError(f"config.proxy_init: '{path}' was pretrained on the "
                              f"public share of '{settings.data.name}' held out with {wanted}; "
                              "with this run's settings its clients would own some of those "
                              "samples. Set the same values, or pretrain again")
@@ -169,17 +170,17 @@ def _check(settings) -> None:
         same = ("config.lam + 1" if coupled == ["stop_gradient_local"]
                 else "E_proxy's step x (1 + config.lam)" if coupled == ["stop_gradient_proxy"]
                 else "config.lam + 1 and E_proxy's step x (1 + config.lam)")
-        raise ValueError(f"config.{coupled[0]}=False with config.align='{settings.align}' (a "
+        raise ConfigError(f"config.{coupled[0]}=False with config.align='{settings.align}' (a "
                          f"symmetric loss) is the design's step with {same}, not a new "
                          "dynamics; use config.align='contrastive', or change lam / "
                          "proxy_lr_ratio")
     if settings.dp_sgd.enabled and not (settings.stop_gradient_proxy
                                         and settings.stop_gradient_local):
-        raise ValueError("config.dp_sgd.enabled needs config.stop_gradient_proxy and "
+        raise ConfigError("config.dp_sgd.enabled needs config.stop_gradient_proxy and "
                          "config.stop_gradient_local (the accountant counts one release per "
                          "side and step)")
     if settings.dp_sgd.enabled and settings.align == "contrastive":
-        raise ValueError("config.dp_sgd.enabled needs a per-example alignment loss: config.align "
+        raise ConfigError("config.dp_sgd.enabled needs a per-example alignment loss: config.align "
                          "'mse' or 'cosine' (InfoNCE couples the examples of a batch)")
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfedes.algorithms.local_training import masked_mean
+from fedjax_pfedes.errors import ConfigError
 
 AlignLoss = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray], jnp.ndarray]
 
@@ -52,7 +53,7 @@ def get_alignment(name: str, temperature: float = 0.1) -> AlignLoss:
         return cosine_alignment
     if name == "contrastive":
         return make_contrastive_alignment(temperature)
-    raise ValueError(f"config.align: unknown alignment '{name}'; "
+    raise ConfigError(f"config.align: unknown alignment '{name}'; "
                      "known: ['contrastive', 'cosine', 'mse']")
 
 

@@ -160,5 +160,5 @@ def proxy_learning_rate(cfg: PFedESConfig) -> float:
     if cfg.proxy_lr_rule == "effective":
         return (cfg.proxy_lr_ratio * cfg.lr_local * (1.0 - cfg.proxy_momentum)
                 / (1.0 - cfg.local_momentum))
-    raise ValueError(f"config.proxy_lr_rule must be one of {list(PROXY_LR_RULES)}, got "
+    raise ConfigError(f"config.proxy_lr_rule must be one of {list(PROXY_LR_RULES)}, got "
                      f"'{cfg.proxy_lr_rule}'")

@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from flax import serialization
 
+from fedjax_pfedes.errors import ConfigError
+
 SEED = "{seed}"  # in a path: replaced by the run's config.seed
 
 
@@ -39,14 +41,14 @@ def read(path: str) -> tuple[dict, dict]:
     """(meta, params state dict) of a saved file; ValueError naming `config.proxy_init` and
     the path when it is missing or not such a file."""
     if not os.path.isfile(path):
-        raise ValueError(f"config.proxy_init: no file at '{path}' (write one with "
+        raise ConfigError(f"config.proxy_init: no file at '{path}' (write one with "
                          "python -m launch.pretrain_proxy)")
     try:
         with open(path, "rb") as f:
             restored = serialization.msgpack_restore(f.read())
         return dict(restored["meta"]), restored["params"]
     except Exception as e:  # noqa: BLE001 - any decoding failure: the file is not ours
-        raise ValueError(f"config.proxy_init: '{path}' is not a saved E_proxy "
+        raise ConfigError(f"config.proxy_init: '{path}' is not a saved E_proxy "
                          f"({type(e).__name__})") from None
 
 
@@ -69,14 +71,14 @@ def load(path: str, template: Any) -> Any:
             f"d={meta.get('proxy_dim')})"
     for leaf in sorted(set(want) | set(have)):
         if leaf not in have:
-            raise ValueError(f"{where} lacks parameter {leaf} of this run's E_proxy")
+            raise ConfigError(f"{where} lacks parameter {leaf} of this run's E_proxy")
         if leaf not in want:
-            raise ValueError(f"{where} has parameter {leaf}, which this run's E_proxy lacks")
+            raise ConfigError(f"{where} has parameter {leaf}, which this run's E_proxy lacks")
         a, b = np.asarray(have[leaf]), want[leaf]
         if a.shape != tuple(b.shape):
-            raise ValueError(f"{where}: parameter {leaf} has shape {a.shape}, this run's "
+            raise ConfigError(f"{where}: parameter {leaf} has shape {a.shape}, this run's "
                              f"E_proxy needs {tuple(b.shape)}")
         if not np.all(np.isfinite(a)):
-            raise ValueError(f"{where}: parameter {leaf} has non-finite values")
+            raise ConfigError(f"{where}: parameter {leaf} has non-finite values")
     return serialization.from_state_dict(template, jax.tree.map(
         lambda a, t: np.asarray(a, dtype=t.dtype), state, serialization.to_state_dict(template)))

@@ -13,6 +13,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from fedjax_pfedes.algorithms.base import CohortProgram, Metrics, PyTree
+from fedjax_pfedes.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,7 @@ def register_strategy(strategy: Strategy) -> Strategy:
 def strategy(name: str) -> Strategy:
     """The registered strategy `name` (ValueError naming the config field when unknown)."""
     if name not in _STRATEGIES:
-        raise ValueError(f"config.execution.strategy: unknown strategy '{name}'; "
+        raise ConfigError(f"config.execution.strategy: unknown strategy '{name}'; "
                          f"known: {['auto', *_STRATEGIES]}")
     return _STRATEGIES[name]
 

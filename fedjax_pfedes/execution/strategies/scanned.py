@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes.algorithms.base import CohortProgram, PyTree, global_accuracy
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution.slot_rows import get_row
 from fedjax_pfedes.execution.strategies.protocol import (
     UPLOAD_FACTS,
@@ -36,7 +37,7 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
     nothing and return zeros. Evaluation maps the per-client programs the same way (`lax.map`).
     `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`)."""
     if chunk < 1:
-        raise ValueError(f"config.execution.scan_chunk must be >= 1, got {chunk}")
+        raise ConfigError(f"config.execution.scan_chunk must be >= 1, got {chunk}")
     per_chunk = (lambda fn, in_axes: fn) if chunk == 1 else (
         lambda fn, in_axes: jax.vmap(fn, in_axes=in_axes))
     client_update = per_chunk(program.client_update, (None, 0, 0, 0))

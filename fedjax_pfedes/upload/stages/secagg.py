@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.tree_util import tree_size
 from fedjax_pfedes.upload import privacy
 from fedjax_pfedes.upload import secure_aggregation as sa_protocol
@@ -91,7 +92,7 @@ class SecureAggregation(UploadStage):
         ok = np.concatenate([r.valid[a] for a in scope])
         rogue = np.concatenate([r.info[a]["skips_client_code"] for a in scope]).astype(bool)
         if (ok & rogue).any():
-            raise ValueError("config.secagg.simulation='aggregate' cannot simulate clients "
+            raise ConfigError("config.secagg.simulation='aggregate' cannot simulate clients "
                              "that skip their client code (config.attack): use 'sum'")
         senders = int(ok.sum())
         if senders < self.min_senders:
@@ -145,21 +146,53 @@ class SecureAggregation(UploadStage):
             report.get("secagg_quantization_error_bound", 0.0), error)
 
     def _secure_mean(self, r, scope, stacked, ok, w, key, denominator):
-        report = r.report
-        ids = np.concatenate([r.cohorts[a].client_ids for a in scope])
-        flat = np.concatenate([np.asarray(a, np.float64).reshape(a.shape[0], -1)
-                               for a in jax.tree.leaves(stacked)], axis=1)
-        w = np.asarray(w, np.float64)
+        """simulation='sum' / 'protocol': the scope's valid clients' vectors summed by
+        `secure_aggregation.secure_sum` (every party run under 'protocol'); the mean of the
+        scope's updates (or None: too few senders, or the protocol failed)."""
         if ok.sum() < self.min_senders:
             # Too few senders: the "secure" sum would reveal (nearly) one client's update.
             skip_scope(r, "secagg_skipped", f"{'+'.join(scope)}: {int(ok.sum())} sender(s), "
                   f"config.secagg.min_senders={self.min_senders}")
             return None
+        rng = np.random.default_rng([int(jax.random.randint(key, (), 0, 2 ** 31 - 1)),
+                                     r.round_index])
+        vectors, unchecked = self._sender_vectors(r, scope, stacked, ok, w, rng, denominator)
+        if len(vectors) < self.min_senders:
+            skip_scope(r, "secagg_skipped", f"{'+'.join(scope)}: {len(vectors)} sender(s) within "
+                  f"range, config.secagg.min_senders={self.min_senders}")
+            return None
+        drop = frozenset(u for u in vectors if rng.random() < self.dropout_after_upload)
+        threshold = max(2, math.ceil(self.threshold_fraction * len(vectors)))
+        senders = len(vectors)  # clients that drop after uploading have sent their vector
+        r.wire_bytes.append((senders, sa_protocol.bytes_per_sender(
+            next(iter(vectors.values())).shape[0], senders, self.encoding)))
+        try:
+            result = sa_protocol.secure_sum(vectors, threshold, self.encoding,
+                                            int(rng.integers(0, 2 ** 62)),
+                                            drop_after_upload=drop,
+                                            unchecked=frozenset(unchecked),
+                                            simulation=self.simulation)
+        except sa_protocol.SecureAggregationError as e:
+            r.report.setdefault("secagg_failures", []).append(str(e))
+            r.reject(np.array(sorted(vectors)), "secure aggregation failed")
+            return None  # the round's update is lost; the server keeps its state
+        total, weight = result.total[:-1], result.total[-1]
+        divisor = denominator if self.dp else max(weight, 1e-12)
+        self._report_sum(r.report, len(result.senders), senders - len(unchecked), len(drop),
+                         denominator, divisor)
+        return _unflatten_like(stacked, total / divisor)
+
+    def _sender_vectors(self, r, scope, stacked, ok, w, rng, denominator):
+        """({client id: the vector it masks}, ids of clients that skip their client code): each
+        valid client's [weighted update, weight] (with DP: [clipped update, 1] plus its noise
+        share), those outside the fixed-point range rejected before masking."""
+        ids = np.concatenate([r.cohorts[a].client_ids for a in scope])
+        flat = np.concatenate([np.asarray(a, np.float64).reshape(a.shape[0], -1)
+                               for a in jax.tree.leaves(stacked)], axis=1)
+        w = np.asarray(w, np.float64)
         noise_std = 0.0
         if self.dp:  # distributed noise: each client adds its share of the variance
             noise_std = self.noise_multiplier * self.clip_norm / math.sqrt(max(denominator, 1.0))
-        rng = np.random.default_rng([int(jax.random.randint(key, (), 0, 2 ** 31 - 1)),
-                                     r.round_index])
         bound = self.encoding.max_abs(int(ok.sum()))
         rogue = np.concatenate([r.info[a]["skips_client_code"] for a in scope]).astype(bool)
         # Weights are sent divided by a public scale the server broadcasts, the power of two
@@ -167,9 +200,8 @@ class SecureAggregation(UploadStage):
         # thousands fits a 32-bit ring as well as a weight of 1 does, and integer counts stay
         # exact in fixed point (a division by 2^k only shifts bits).
         w = w / 2.0 ** math.floor(math.log2(max(float(w[ok].mean()), 2.0 ** -20)))
-        # Every valid client's vector, [its weighted update, its weight]; the honest ones add
-        # their noise shares (one draw for all of them: the same stream, row after row, as
-        # one draw per client) and check their range before masking.
+        # The honest ones add their noise shares (one draw for all of them: the same stream,
+        # row after row, as one draw per client) and check their range before masking.
         rows = np.flatnonzero(ok)
         x = flat[rows] * (1.0 if self.dp else w[rows, None])
         honest = ~rogue[rows]
@@ -188,35 +220,15 @@ class SecureAggregation(UploadStage):
                          "config.secagg.ring_bits / fraction_bits)")
                 continue
             vectors[int(ids[j])] = x[i]
-        if len(vectors) < self.min_senders:
-            skip_scope(r, "secagg_skipped", f"{'+'.join(scope)}: {len(vectors)} sender(s) within "
-                  f"range, config.secagg.min_senders={self.min_senders}")
-            return None
-        drop = frozenset(u for u in vectors if rng.random() < self.dropout_after_upload)
-        threshold = max(2, math.ceil(self.threshold_fraction * len(vectors)))
-        senders = len(vectors)  # clients that drop after uploading have sent their vector
-        r.wire_bytes.append((senders, sa_protocol.bytes_per_sender(
-            next(iter(vectors.values())).shape[0], senders, self.encoding)))
-        try:
-            result = sa_protocol.secure_sum(vectors, threshold, self.encoding,
-                                            int(rng.integers(0, 2 ** 62)),
-                                            drop_after_upload=drop,
-                                            unchecked=frozenset(unchecked),
-                                            simulation=self.simulation)
-        except sa_protocol.SecureAggregationError as e:
-            report.setdefault("secagg_failures", []).append(str(e))
-            r.reject(np.array(sorted(vectors)), "secure aggregation failed")
-            return None  # the round's update is lost; the server keeps its state
-        total, weight = result.total[:-1], result.total[-1]
-        divisor = denominator if self.dp else max(weight, 1e-12)
-        self._report_sum(report, len(result.senders), senders - len(unchecked), len(drop),
-                         denominator, divisor)
-        mean = total / divisor
-        zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), stacked)
-        leaves, treedef = jax.tree.flatten(zero)
-        out, start = [], 0
-        for leaf in leaves:
-            out.append(jnp.asarray(mean[start:start + leaf.size].reshape(leaf.shape),
-                                   jnp.float32))
-            start += leaf.size
-        return jax.tree.unflatten(treedef, out)
+        return vectors, unchecked
+
+
+def _unflatten_like(stacked, flat: np.ndarray):
+    """`flat` (float64 [all values]) as one row of `stacked`'s tree, float32."""
+    leaves, treedef = jax.tree.flatten(
+        jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.float32), stacked))
+    out, start = [], 0
+    for leaf in leaves:
+        out.append(jnp.asarray(flat[start:start + leaf.size].reshape(leaf.shape), jnp.float32))
+        start += leaf.size
+    return jax.tree.unflatten(treedef, out)

@@ -207,6 +207,10 @@ def register_stage(cls: type[UploadStage]) -> type[UploadStage]:
 def _check_stage_fields(cls: type[UploadStage], where: str) -> None:
     """A stage's own section must be a named `Section` whose name no other part of the config
     (the core's, a method's, another stage's) uses."""
+    if not callable(cls.fields) or getattr(cls.fields, "__func__", None) is not (
+            UploadStage.fields.__func__):
+        raise ValueError(f"{where}: a stage declares its config fields as a `section` (a "
+                         "fedjax_pfedes.Section subclass), not as `fields`")
     section = cls.section
     if section is None:
         return

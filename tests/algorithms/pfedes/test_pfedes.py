@@ -19,7 +19,7 @@ SPEC = InputSpec("image", SHAPE, "float32", (0.3,), (0.2,))
 def _cfg(**kw):
     base = dict(num_classes=4, input_spec=SPEC, lam=0.7,
                 proxy_dim=6, proxy_arch="proxy_mlp", lr_local=0.1, batch_size=8,
-                local_epochs=1, server_momentum=0.5)
+                local_epochs=1, local_momentum=0.0, server_momentum=0.5)
     base.update(kw)
     return PFedESConfig(**base)
 
@@ -403,7 +403,8 @@ def test_multi_scale_alignment_matches_a_hand_computed_weighted_sum():
     spec = InputSpec("image", (8, 8, 1), "float32", (0.0,), (1.0,))
     lam, w, lr = 0.7, (1.0, 0.25), 0.1
     alg = pfedes(PFedESConfig(num_classes=3, input_spec=spec, proxy_dim=4, batch_size=8,
-                              lr_local=lr, lam=lam, proxy_scales="1.0,0.25"))
+                              lr_local=lr, local_momentum=0.0, local_epochs=1, lam=lam,
+                              proxy_scales="1.0,0.25"))
     program = alg.cohort_program("convnet3")
     proxy_params = alg.broadcast(alg.init_server(jax.random.key(0)), "")
     state = program.init_client(jax.random.key(1))
