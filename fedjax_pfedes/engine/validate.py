@@ -165,7 +165,7 @@ def _validate(config: ml_collections.ConfigDict) -> ValidConfig:
     if protocol.needs_mesh(config.execution.strategy):
         placement.client_mesh(config.execution.devices)
     _check_execution_names(config.execution)
-    _check_multi_process(distributed.settings(config.get("distributed")), config)
+    _check_multi_process(distributed.settings(built["distributed"]), config)
     archs = assign_architectures(config.clients.architectures, config.data.num_clients)
     attacks.attack_config(config.attack, config.data.num_clients)
     algorithm_registry.check_optimizer_overrides(entry.name, config.get(entry.name) or {})

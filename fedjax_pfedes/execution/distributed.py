@@ -56,12 +56,14 @@ class Settings:
 CPU_COLLECTIVES = ("gloo", "mpi")
 
 
-def settings(section: ml_collections.ConfigDict | None) -> Settings:
-    """`Settings` from the config's `distributed` section, checked (ValueError naming the
-    field); one process when the section is absent (None)."""
+def settings(section: DistributedSection | ml_collections.ConfigDict | None) -> Settings:
+    """`Settings` from the config's `distributed` section (built, or the config's to build),
+    checked (ConfigError naming the field); one process when the section is absent (None)."""
     if section is None:
         return Settings()
-    s = Settings(**dataclasses.asdict(fields.build(DistributedSection, section.to_dict())))
+    if not isinstance(section, DistributedSection):  # not built yet: before validation
+        section = fields.build(DistributedSection, section.to_dict())
+    s = Settings(**dataclasses.asdict(section))
     if s.coordinator_address == "auto":
         return s
     if s.num_processes < 1:
