@@ -123,7 +123,6 @@ class Algorithm:
     """A federated algorithm.
 
     Attributes:
-      name: config name.
       init_server: (rng, architecture names of the cohorts) -> ServerState.
       broadcast: (ServerState, arch) -> what each participant of that cohort receives this round
         (the same tree for every cohort when the server shares one model, e.g. pFedES's E_proxy;
@@ -135,11 +134,11 @@ class Algorithm:
       server_update: (ServerState, {arch: (stacked uploads, weights)}) -> ServerState; pure and
         jittable.
       cohort_program: architecture name -> CohortProgram.
-      aggregation: how the server combines uploads, which tells the upload pipeline what it may
-        do (`fedjax_pfedes.upload`): 'shared' — one tree for every cohort, a weighted mean over
-        all participants; 'per_cohort' — a weighted mean within each cohort; 'custom' — other
-        server math (prototypes, header training): robust aggregators, DP and secure
-        aggregation are refused; 'none' — nothing is uploaded.
+      name: the method's config name, and
+      aggregation: how the server combines uploads ('shared', 'per_cohort', 'custom', 'none':
+        `registry.AlgorithmEntry.aggregation` says what each lets the upload pipeline do). Both
+        are declared once, in the method's `AlgorithmEntry`; `registry.build` sets them here
+        ('' in an Algorithm built outside the registry).
       dp_sgd_releases_per_step: with sample-level DP-SGD, how many noisy gradients of the same
         batch a local step releases (pFedES: the private model's and E_proxy's, 2); the
         accountant composes them inside each sampled step.
@@ -171,13 +170,13 @@ class Algorithm:
     the others).
     """
 
-    name: str
     init_server: Callable[[jax.Array, tuple[str, ...]], PyTree]
     broadcast: Callable[[PyTree, str], PyTree]
     upload_template: Callable[[PyTree, str], PyTree]
     server_update: Callable[[PyTree, dict[str, tuple[PyTree, jax.Array]]], PyTree]
     cohort_program: Callable[[str], CohortProgram]
-    aggregation: str = "shared"
+    name: str = ""
+    aggregation: str = ""
     dp_sgd_releases_per_step: int = 1
     state_needs_acceptance: bool = False
     norm_keys: tuple[str, ...] = ()

@@ -104,14 +104,12 @@ class FedAvgConfig(LocalTrainingConfig):
     """Settings of the FedAvg family's build.
 
     Attributes:
-      name: the method (`config.algorithm`).
       section: the method's own section: its server optimizer and proximal weight (FedAvg's
         own, no fields, for FedAvg, Standalone and FedBN); SCAFFOLD and FedNova read their
         `server_lr` from theirs.
       dp_sgd: sample-level DP-SGD, or None.
     """
 
-    name: str = "fedavg"
     section: Section = FedAvgSection()
     dp_sgd: local_training.DPSGDConfig | None = None
 
@@ -222,16 +220,15 @@ def fedavg(cfg: FedAvgConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm(cfg.name, init_server, broadcast, broadcast, server_update, cohort_program,
-                     aggregation="per_cohort", mean_server_step=True)
+    return Algorithm(init_server, broadcast, broadcast, server_update, cohort_program,
+                     mean_server_step=True)
 
 
-def fedavg_config(inputs: BuildInputs, name: str) -> FedAvgConfig:
+def fedavg_config(inputs: BuildInputs) -> FedAvgConfig:
     """`FedAvgConfig` of a per-cohort method: `config.train`'s local training and the method's
     own section (`BuildInputs.section`; FedAvg's for a method without one)."""
     section = inputs.section if isinstance(inputs.section, FedAvgSection) else FedAvgSection()
-    return FedAvgConfig(**inputs.local_training(), name=name, section=section,
-                        dp_sgd=inputs.dp_sgd())
+    return FedAvgConfig(**inputs.local_training(), section=section, dp_sgd=inputs.dp_sgd())
 
 
 _PAPERS = {
@@ -243,6 +240,6 @@ _PAPERS = {
 for _section, _summary in _PAPERS.items():
     register(AlgorithmEntry(
         _section.SECTION,
-        lambda inputs, name=_section.SECTION: fedavg(fedavg_config(inputs, name)),
+        lambda inputs: fedavg(fedavg_config(inputs)),
         aggregation="per_cohort", asynchronous=True, dp_sgd=True, summary=_summary,
         section=_section if dataclasses.fields(_section) else None))

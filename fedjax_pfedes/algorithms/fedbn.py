@@ -151,10 +151,10 @@ def fedbn(cfg: FedAvgConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("fedbn", init_server, broadcast, broadcast, server_update, cohort_program,
-                     aggregation="per_cohort", mean_server_step=True)
+    return Algorithm(init_server, broadcast, broadcast, server_update, cohort_program,
+                     mean_server_step=True)
 
 register(AlgorithmEntry(
-    "fedbn", lambda inputs: fedbn(fedavg_config(inputs, "fedbn")), aggregation="per_cohort",
+    "fedbn", lambda inputs: fedbn(fedavg_config(inputs)), aggregation="per_cohort",
     asynchronous=True, batch_norm=True,
     summary="FedBN (Li et al., ICLR 2021): BatchNorm kept local, per cohort"))

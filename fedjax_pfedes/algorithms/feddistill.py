@@ -143,8 +143,7 @@ def feddistill(cfg: FedDistillConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("feddistill", init_server, broadcast, upload_template, server_update,
-                     cohort_program, aggregation="custom")
+    return Algorithm(init_server, broadcast, upload_template, server_update, cohort_program)
 
 
 def _build(inputs: BuildInputs) -> Algorithm:

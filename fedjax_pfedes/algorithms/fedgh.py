@@ -126,8 +126,7 @@ def fedgh(cfg: FedGHConfig) -> Algorithm:
     def cohort_program(arch: str) -> CohortProgram:
         return global_head_program(arch, cfg, prototype_upload)
 
-    return Algorithm("fedgh", init_server, broadcast, upload_template, server_update,
-                     cohort_program, aggregation="custom")
+    return Algorithm(init_server, broadcast, upload_template, server_update, cohort_program)
 
 register(AlgorithmEntry(
     "fedgh", lambda inputs: fedgh(_config(inputs)), aggregation="custom",

@@ -208,8 +208,7 @@ def fedkd(cfg: FedKDConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("fedkd", init_server, broadcast, upload_template, server_update,
-                     cohort_program,
+    return Algorithm(init_server, broadcast, upload_template, server_update, cohort_program,
                      encoded_upload_params=lambda metrics: metrics["upload_encoded_params"])
 
 register(AlgorithmEntry(

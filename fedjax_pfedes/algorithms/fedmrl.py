@@ -191,7 +191,7 @@ def fedmrl(cfg: FedMRLConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("fedmrl", init_server, broadcast, broadcast, server_update, cohort_program,
+    return Algorithm(init_server, broadcast, broadcast, server_update, cohort_program,
                      mean_server_step=True)
 
 register(AlgorithmEntry(

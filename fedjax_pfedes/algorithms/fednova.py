@@ -125,10 +125,10 @@ def fednova(cfg: FedAvgConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("fednova", init_server, broadcast, upload_template, server_update,
-                     cohort_program, aggregation="per_cohort", norm_keys=("normalized_update",))
+    return Algorithm(init_server, broadcast, upload_template, server_update, cohort_program,
+                     norm_keys=("normalized_update",))
 
 register(AlgorithmEntry(
-    "fednova", lambda inputs: fednova(fedavg_config(inputs, "fednova")), aggregation="per_cohort",
+    "fednova", lambda inputs: fednova(fedavg_config(inputs)), aggregation="per_cohort",
     section=FedNovaSection,
     summary="FedNova (Wang et al., NeurIPS 2020): normalized averaging, per cohort"))

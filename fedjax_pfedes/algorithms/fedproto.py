@@ -163,8 +163,8 @@ def fedproto(cfg: FedProtoConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("fedproto", init_server, broadcast, upload_template, server_update,
-                     cohort_program, aggregation="custom", norm_keys=("prototypes",))
+    return Algorithm(init_server, broadcast, upload_template, server_update, cohort_program,
+                     norm_keys=("prototypes",))
 
 register(AlgorithmEntry(
     "fedproto", lambda inputs: fedproto(_config(inputs)), aggregation="custom",

@@ -149,7 +149,7 @@ def fml(cfg: FMLConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("fml", init_server, broadcast, broadcast, server_update, cohort_program,
+    return Algorithm(init_server, broadcast, broadcast, server_update, cohort_program,
                      mean_server_step=True)
 
 register(AlgorithmEntry(

@@ -116,8 +116,8 @@ def lg_fedavg(cfg: LGFedAvgConfig) -> Algorithm:
     def cohort_program(arch: str) -> CohortProgram:
         return global_head_program(arch, cfg, head_upload)
 
-    return Algorithm("lg_fedavg", init_server, broadcast, broadcast, server_update,
-                     cohort_program, mean_server_step=True)
+    return Algorithm(init_server, broadcast, broadcast, server_update, cohort_program,
+                     mean_server_step=True)
 
 def _config(inputs: BuildInputs) -> LGFedAvgConfig:
     return LGFedAvgConfig(**inputs.local_training(), dim=inputs.settings.proxy_dim)

@@ -210,8 +210,8 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("pfedes_paper", init_server, broadcast, broadcast, server_update,
-                     cohort_program, mean_server_step=True)
+    return Algorithm(init_server, broadcast, broadcast, server_update, cohort_program,
+                     mean_server_step=True)
 
 def g_phase_arrays(data, schedule: local_training.LocalSchedule, extra_epochs: int):
     """One client's arrays for the G phase: a step cap (adaptive epochs) grows by

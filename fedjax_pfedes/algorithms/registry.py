@@ -155,7 +155,7 @@ class AlgorithmEntry:
       aggregation: 'shared' (one tree for every cohort, weighted mean over all participants),
         'per_cohort' (one model per architecture cohort), 'custom' (other server math:
         prototypes, header training; robust aggregation, DP and secure aggregation are refused)
-        or 'none' (nothing is uploaded). Must equal the built `Algorithm.aggregation`.
+        or 'none' (nothing is uploaded). Declared here only: `build` sets the Algorithm's.
       asynchronous: runs under buffered asynchronous aggregation (FedBuff): its upload is a
         model measured from the broadcast, so a stale update can be re-based.
       dp_sgd: has sample-level DP-SGD built into its local step.
@@ -412,14 +412,16 @@ def build(name: str, inputs: BuildInputs, reset_local_optimizer: bool) -> Algori
     if not isinstance(algorithm, Algorithm):
         raise ConfigError(f"algorithm '{name}': its AlgorithmEntry.build must return an "
                         f"Algorithm, returned {type(algorithm).__name__}")
+    if algorithm.name not in ("", entry.name) or algorithm.aggregation not in (
+            "", entry.aggregation):
+        raise AssertionError(f"algorithm '{entry.name}' built as '{algorithm.name}' with "
+                             f"aggregation '{algorithm.aggregation}', registered with "
+                             f"'{entry.aggregation}': leave both to its AlgorithmEntry")
+    algorithm = dataclasses.replace(algorithm, name=entry.name, aggregation=entry.aggregation)
     if reset_local_optimizer:
         programs = algorithm.cohort_program
         algorithm = dataclasses.replace(
             algorithm, cohort_program=lambda arch: with_fresh_local_optimizer(programs(arch)))
-    if algorithm.aggregation != entry.aggregation or algorithm.name != entry.name:
-        raise AssertionError(f"algorithm '{entry.name}' built as '{algorithm.name}' with "
-                             f"aggregation '{algorithm.aggregation}', registered with "
-                             f"'{entry.aggregation}'")
     return algorithm
 
 

@@ -159,11 +159,11 @@ def scaffold(cfg: FedAvgConfig, cohort_sizes: Mapping[str, int]) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("scaffold", init_server, broadcast, upload_template, server_update,
-                     cohort_program, aggregation="per_cohort", state_needs_acceptance=True)
+    return Algorithm(init_server, broadcast, upload_template, server_update, cohort_program,
+                     state_needs_acceptance=True)
 
 register(AlgorithmEntry(
-    "scaffold", lambda inputs: scaffold(fedavg_config(inputs, "scaffold"),
+    "scaffold", lambda inputs: scaffold(fedavg_config(inputs),
                                         inputs.clients_per_arch),
     aggregation="per_cohort", section=ScaffoldSection,
     summary="SCAFFOLD (Karimireddy et al., ICML 2020): control variates, per cohort"))

@@ -71,10 +71,9 @@ def standalone(cfg: FedAvgConfig) -> Algorithm:
 
         return classifier_program(init_client, client_update, predict)
 
-    return Algorithm("standalone", init_server, nothing, nothing, server_update, cohort_program,
-                     aggregation="none")
+    return Algorithm(init_server, nothing, nothing, server_update, cohort_program)
 
 register(AlgorithmEntry(
-    "standalone", lambda inputs: standalone(fedavg_config(inputs, "standalone")),
+    "standalone", lambda inputs: standalone(fedavg_config(inputs)),
     aggregation="none", private_optimizer=True,
     summary="Standalone: every client trains alone"))

@@ -60,7 +60,7 @@ def test_fedprox_with_mu_zero_equals_fedavg_and_mu_pulls_toward_the_global_model
     cfg = dict(batch_size=4, local_epochs=2)
     runs = {}
     for name, mu in (("fedavg", 0.0), ("fedprox0", 0.0), ("fedprox", 5.0)):
-        alg = fedavg(_cfg(section=FedProxSection(mu=mu), name=name, **cfg))
+        alg = fedavg(_cfg(section=FedProxSection(mu=mu), **cfg))
         server = alg.init_server(jax.random.key(0), ("mlp",))
         program = alg.cohort_program("mlp")
         runs[name] = (server.params["mlp"], program.client_update(

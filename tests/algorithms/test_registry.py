@@ -20,7 +20,7 @@ def _register_mine(seen: list):
 
     def build(inputs):
         seen.append(inputs)
-        return dataclasses.replace(fedavg.build(inputs), name="mine")
+        return fedavg.build(inputs)  # name and aggregation: the entry's
 
     return registry.register(registry.AlgorithmEntry(
         "mine", build, aggregation="per_cohort", section=MineSection,
@@ -45,7 +45,9 @@ def test_a_method_brings_its_fields_and_sees_only_what_it_declared():
         config.clients.architectures = "mlp_small"
         config.mine.weight = 0.5
         validate_config(config)
-        sections.build_algorithm(config, 3, SPEC, 1, collections.Counter({"mlp_small": 2}))
+        built = sections.build_algorithm(config, 3, SPEC, 1,
+                                         collections.Counter({"mlp_small": 2}))
+        assert (built.name, built.aggregation) == ("mine", "per_cohort")  # declared once
         view = seen[-1].settings
         assert seen[-1].section == MineSection(weight=0.5)  # built from the config, checked
         assert view.mine.weight == 0.5 and view.proxy_dim == config.proxy_dim

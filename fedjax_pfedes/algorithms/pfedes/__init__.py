@@ -106,7 +106,7 @@ def pfedes(cfg: PFedESConfig) -> Algorithm:
         # How far the server step moved E_proxy this round, relative to its size.
         return {"proxy_relative_change": relative_change(old.proxy_params, new.proxy_params)}
 
-    return Algorithm("pfedes", init_server, broadcast, broadcast, server_update, cohort_program,
+    return Algorithm(init_server, broadcast, broadcast, server_update, cohort_program,
                      dp_sgd_releases_per_step=2, server_metrics=server_metrics,
                      mean_server_step=True,
                      client_report_metrics=("align_loss_at_start", "align_loss_at_end"))
