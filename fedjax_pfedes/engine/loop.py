@@ -42,7 +42,7 @@ from fedjax_pfedes.engine.evaluation import (
 from fedjax_pfedes.engine.plateau import PlateauStop
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DivergedError, NothingTrainedError, StorageError
-from fedjax_pfedes.execution import compilation, distributed
+from fedjax_pfedes.execution import choice, compilation, distributed
 from fedjax_pfedes.io import metrics, storage
 from fedjax_pfedes.io.workdir import WorkdirLock, data_fingerprint
 from fedjax_pfedes.tree_util import tree_size
@@ -263,6 +263,7 @@ def _summary(run: RunInfo, state, last: dict, data, fingerprint: str,
         "execution_strategy_by_arch": by_arch,
         **({"strategy_choice": ctx.strategy_choices} if ctx.strategy_choices else {}),
         "platform": jax.default_backend(),
+        "machine": choice.machine(),
         "clients_per_arch": {c.arch: len(c.client_ids) for c in ctx.cohorts},
         "participation": {"selected": state.sampler.selected.tolist(),
                           "completed": state.sampler.completed.tolist()},

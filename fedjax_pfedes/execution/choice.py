@@ -11,9 +11,10 @@ participant's own steps, vmap iterates over the whole bucket until the longest s
 cheaper one wins; the timings and the choice go into summary.json.
 
 Decisions are cached in `strategy_choices.json` next to the compilation cache (keyed by backend,
-device kind, algorithm, architecture, shapes and bucket), so later runs on the same machine skip
-the measurement; the key includes the candidates, so adding one measures anew. No platform
-rule is built in.
+device kind and count, the CPU's model and instruction-set features and the cores this process
+may use, the jax and jaxlib versions, algorithm, architecture, shapes and bucket), so later runs
+on the same machine skip the measurement and a cache copied to another CPU measures anew; the
+key includes the candidates, so adding one measures anew. No platform rule is built in.
 """
 
 from __future__ import annotations
@@ -56,14 +57,50 @@ class Choice:
         return dataclasses.asdict(self)
 
 
+# The instruction-set features that change which kernels XLA:CPU emits (and so which strategy
+# and kernel set wins): a decision made on an AVX-512 CPU is not reused on an AVX2-only one.
+CPU_FEATURES = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
+def machine() -> dict:
+    """What a decision depends on beyond the program: the backend's device kind and count, the
+    CPU's model, its instruction-set features among `CPU_FEATURES` and the cores this process
+    may use, the jax and jaxlib versions.
+
+    Returns:
+      A JSON-able dict (part of the decision cache's key; summary.json states it).
+    """
+    import jaxlib
+
+    device = jax.devices()[0]
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "CPU part") and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:  # not Linux: the platform module's word for it
+        import platform
+        model = platform.processor()
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count())
+    return {"platform": device.platform, "device_kind": device.device_kind,
+            "devices": len(jax.devices()), "cpu": model,
+            "cpu_features": [f for f in CPU_FEATURES if f in flags], "cores": cores,
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__}
+
+
 def _signature(name: str, candidates: list[str], broadcast, states, train, bucket: int,
                epochs: int) -> str:
-    device = jax.devices()[0]
     shapes = [(jax.tree_util.keystr(p), tuple(np.shape(x)), str(jnp.result_type(x)))
               for tree in (broadcast, states, train)
               for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    text = json.dumps([jax.__version__, device.platform, device.device_kind, len(jax.devices()),
-                       name, candidates, bucket, epochs, shapes])
+    text = json.dumps([machine(), name, candidates, bucket, epochs, shapes], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

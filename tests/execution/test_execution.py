@@ -237,6 +237,29 @@ def test_auto_strategy_picks_the_cheaper_expected_round_and_caches_it(tmp_path):
     assert even.strategy == "vmap"
 
 
+def test_a_cached_decision_is_not_reused_on_another_cpu_or_jaxlib(tmp_path, monkeypatch):
+    """The decision cache's key holds the machine (`choice.machine`: CPU model, instruction-set
+    features, cores, jax and jaxlib versions): a cache copied from an AVX-512 CPU to an
+    AVX2-only one, or read after a jaxlib upgrade, measures anew."""
+    from fedjax_pfedes.data.federated import ClientArrays
+    from fedjax_pfedes.execution import choice
+    train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
+                         jnp.array([8, 8, 8, 8], jnp.int32))
+    trial = choice.Trial("alg/arch", {"loop": _fake_runner("loop", 0.001),
+                                      "vmap": _fake_runner("vmap", 0.002)},
+                         {}, {"w": jnp.zeros((4, 3))}, train, bucket=4,
+                         expected_participants=4.0, planned_steps=np.full(4, 2), epochs=1,
+                         batch_size=1)
+    here = choice.machine()
+    assert {"cpu", "cpu_features", "cores", "jax", "jaxlib"} <= set(here)
+    assert not choice.choose(trial, str(tmp_path), repeats=1).cached
+    assert choice.choose(trial, str(tmp_path), repeats=1).cached
+    for other in ({"cpu_features": ["avx", "avx2", "fma"]}, {"jaxlib": "0.0.1"},
+                  {"cores": here["cores"] + 14}):
+        monkeypatch.setattr(choice, "machine", lambda other=other: {**here, **other})
+        assert choice.cached_choice(trial, str(tmp_path)) is None, other
+
+
 def test_auto_kernels_are_candidates_of_their_own_and_keyed_apart_in_the_cache(tmp_path):
     """With `cpu_kernels='auto'` every strategy comes twice (XLA's and Eigen's kernels): each
     variant is timed and priced by its strategy's rule, the name says the kernels, and the
