@@ -21,7 +21,7 @@ def fedavg_config(rounds: int):
     config.train.lr_local = 0.05
     config.train.batch_size = 32
     config.train.client_fraction = 0.5
-    return _quiet(config, rounds)
+    return quiet(config, rounds)
 
 
 def pfedes_config(rounds: int, npz_path: str, clients: int = 20):
@@ -38,7 +38,7 @@ def pfedes_config(rounds: int, npz_path: str, clients: int = 20):
     config.train.batch_size = 64
     config.train.local_momentum = 0.0
     config.proxy_dim = 128
-    return _quiet(config, rounds)
+    return quiet(config, rounds)
 
 
 # The engine architectures the PyTorch-based peers also have (`torch_loop.MODELS`).
@@ -65,7 +65,7 @@ def cross_device_config(rounds: int, clients: int, participants: int, npz_path: 
     config.train.local_momentum = 0.0
     config.train.lr_local = CROSS_DEVICE_LR
     config.train.batch_size = 32
-    return _quiet(config, rounds)
+    return quiet(config, rounds)
 
 
 PFL_CIFAR_USERS = 1000
@@ -91,7 +91,7 @@ def pfl_cifar_config(rounds: int, npz_path: str):
     config.train.local_momentum = 0.0
     config.train.lr_local = 0.1
     config.upload.weighting = "uniform"
-    return _quiet(config, rounds)
+    return quiet(config, rounds)
 
 
 def register_pfl_simple_cnn() -> None:
@@ -114,7 +114,10 @@ def register_pfl_simple_cnn() -> None:
     register_architecture("pfl_simple_cnn", PflSimpleCNN())
 
 
-def _quiet(config, rounds: int):
+def quiet(config, rounds: int):
+    """`config` for a timing run of `rounds` rounds: evaluation only after the last round, no
+    checkpoints, monitoring losses or TensorBoard, and no compilation cache (round 1 compiles as
+    a first run on a machine does)."""
     config.train.rounds = rounds
     config.eval.every = rounds
     config.checkpoint.every = 0

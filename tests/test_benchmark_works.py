@@ -77,3 +77,21 @@ def test_peer_models_are_the_pytorch_peers_models():
     pytest.importorskip("torch")  # the bench extra; CI installs only dev
     from benchmarks.peers import torch_loop
     assert tuple(torch_loop.MODELS) == works.PEER_MODELS
+
+
+def test_the_defaults_benchmark_compares_every_explicit_choice_of_this_backend(tmp_path):
+    """`benchmarks.defaults` runs each work with its config's own execution settings and with
+    every (strategy, kernels) pair a user may give on this backend: loop, vmap and scan with
+    each kernel set ('shard' only with several devices)."""
+    from benchmarks import defaults
+    pairs = defaults.explicit_choices()
+    strategies = {s for s, _ in pairs}
+    assert {"loop", "vmap", "scan"} <= strategies
+    assert ("shard" in strategies) == (len(jax.devices()) > 1)
+    kernel_sets = ("xla", "eigen") if jax.default_backend() == "cpu" else ("xla",)
+    assert len(pairs) == len(strategies) * len(kernel_sets)
+    config = defaults.work_config("a", 5, str(tmp_path))
+    assert (config.train.rounds, config.eval.every, config.checkpoint.every) == (5, 5, 0)
+    assert config.execution.strategy == defaults.quickstart.get_config().execution.strategy
+    with pytest.raises(Exception, match="unknown work 'z'"):
+        defaults.work_config("z", 5, str(tmp_path))
