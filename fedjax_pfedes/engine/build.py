@@ -49,11 +49,8 @@ from fedjax_pfedes.upload.settings import PipelineConfig
 
 def load_options(config: ml_collections.ConfigDict) -> LoadOptions:
     """The `config.data` fields that loaders read."""
-    d = config.data
-    return LoadOptions(seed=config.seed, global_test_fraction=d.global_test_fraction,
-                       data_dir=d.data_dir, path=d.path, max_train_samples=d.max_train_samples,
-                       text_max_length=d.text_max_length, text_vocab_size=d.text_vocab_size,
-                       shifted_samples=d.shifted_samples)
+    own = {f.name for f in dataclasses.fields(LoadOptions)} - {"seed"}  # all `config.data`'s
+    return LoadOptions(seed=config.seed, **{k: v for k, v in config.data.items() if k in own})
 
 
 def load_validated_pool(config: ml_collections.ConfigDict

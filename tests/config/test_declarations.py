@@ -157,6 +157,10 @@ def test_no_settings_object_repeats_a_sections_default():
     upload = {f.name for n in ("upload", "dp", "secagg")
               for f in dataclasses.fields(defaults.SECTIONS[n])} - {"enabled"}
     assert not upload & {f.name for f in dataclasses.fields(settings.PipelineConfig)}
+    # the loaders' options are `config.data`'s fields, read by name (`engine.build.load_options`)
+    from fedjax_pfedes.data.sources import LoadOptions
+    assert {f.name for f in dataclasses.fields(LoadOptions)} - {"seed"} <= {
+        f.name for f in dataclasses.fields(defaults.SECTIONS["data"])}
 
 
 def test_the_repeat_check_sees_a_literal_default():
