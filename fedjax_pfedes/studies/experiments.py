@@ -91,17 +91,24 @@ def run_record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -
 
 def stopping_rounds(runs: list[dict]) -> str:
     """The rounds each seed's run stopped at under `config.train.stop_at_plateau` ('max' for a
-    run that reached `train.rounds` instead: its comparison is inconclusive), or '' when the
-    runs did not use the rule."""
+    run that reached `train.rounds` instead, 'diverged' for one that diverged: either makes
+    its comparison inconclusive), or '' when the runs did not use the rule."""
     if not runs or not all("stopped_at_round" in r for r in runs):
         return ""
-    return "/".join("max" if r["stopped_at_round"] is None else str(r["stopped_at_round"])
-                    for r in runs)
+    return "/".join("diverged" if r.get("diverged") else "max" if r["stopped_at_round"] is None
+                    else str(r["stopped_at_round"]) for r in runs)
 
 
 def hit_max_rounds(runs: list[dict]) -> int:
-    """How many of `runs` stopped at `train.rounds` before a plateau (0 without the rule)."""
-    return sum(1 for r in runs if "stopped_at_round" in r and r["stopped_at_round"] is None)
+    """How many of `runs` stopped at `train.rounds` before a plateau, without diverging (0
+    without the rule)."""
+    return sum(1 for r in runs if "stopped_at_round" in r and r["stopped_at_round"] is None
+               and not r.get("diverged"))
+
+
+def diverged_before_plateau(runs: list[dict]) -> int:
+    """How many of `runs` diverged under the plateau rule (0 without the rule)."""
+    return sum(1 for r in runs if "stopped_at_round" in r and r.get("diverged"))
 
 
 def same_config(old: Any, new: Any, default: Any) -> bool:
@@ -349,8 +356,9 @@ def student_t_interval(diffs: Sequence[float],
 def paired_table(results: dict[str, list[dict]], pairs: dict[str, str]) -> str:
     """Markdown: per arm, its paired difference from its reference arm (`pairs`: arm ->
     reference) in personalized and global accuracy, mean [95% CI] over the paired seeds, and
-    whether the interval excludes 0. A run that reached `train.rounds` before its plateau
-    (under `config.train.stop_at_plateau`) makes its pair inconclusive whatever the interval."""
+    whether the interval excludes 0. A run that reached `train.rounds` or diverged before its
+    plateau (under `config.train.stop_at_plateau`) makes its pair inconclusive whatever the
+    interval."""
     rows = []
     for arm, ref in pairs.items():
         cells = []
@@ -358,9 +366,13 @@ def paired_table(results: dict[str, list[dict]], pairs: dict[str, str]) -> str:
             p = paired_difference(results[arm], results[ref], metric)
             verdict = "" if p["low"] <= 0 <= p["high"] else " (excludes 0)"
             unfinished = hit_max_rounds(results[arm]) + hit_max_rounds(results[ref])
-            if unfinished:
-                verdict += (f" (inconclusive: {unfinished} run(s) reached train.rounds before "
-                            "a plateau)")
+            diverged = diverged_before_plateau(results[arm]) + diverged_before_plateau(
+                results[ref])
+            if unfinished or diverged:
+                why = [f"{unfinished} run(s) reached train.rounds" if unfinished else "",
+                       f"{diverged} run(s) diverged" if diverged else ""]
+                verdict += (f" (inconclusive: {' and '.join(w for w in why if w)} before a "
+                            "plateau)")
             cells.append(f"{p['mean']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}]{verdict}")
         n = paired_difference(results[arm], results[ref], "personalized_accuracy_mean")["n"]
         rows.append([arm, ref, n, *cells])

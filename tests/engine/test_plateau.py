@@ -118,3 +118,9 @@ def test_comparisons_report_stopping_rounds_and_call_unfinished_pairs_inconclusi
     table = experiments.paired_table(results, {"a": "b"})
     assert "(excludes 0) (inconclusive: 1 run(s) reached train.rounds before a plateau)" in table
     assert experiments.stopping_rounds([{"seed": 0}]) == ""
+    # a diverged run is named as such, not as one that ran out of rounds
+    results["b"][2] = {**_run(2, None, 0.5), "diverged": True}
+    assert experiments.stopping_rounds(results["b"]) == "50/max/diverged"
+    assert experiments.hit_max_rounds(results["b"]) == 1
+    assert ("(inconclusive: 1 run(s) reached train.rounds and 1 run(s) diverged before a "
+            "plateau)") in experiments.paired_table(results, {"a": "b"})
