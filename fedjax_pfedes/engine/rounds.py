@@ -117,8 +117,9 @@ def cohort_uploads(ctx: RunContext, cohort: Cohort, stacked, template, slots: np
                    reduced: dict | None = None) -> CohortUploads:
     """What the upload pipeline gets of one cohort's round: the stacked uploads with their
     clients' local training sample counts and all-sample counts (training + local test), and
-    the checks' facts when the training program computed them (`upload_finish`); a streamed
-    cohort (`stream_reducer`) gives its `reduced` carry instead of stacked uploads."""
+    the checks' facts when the training program computed them (`UploadPlan.finish`); a
+    streamed cohort (`UploadPlan.reducer`) gives its `reduced` carry instead of stacked
+    uploads."""
     take = jnp.asarray(slots)
     sizes = jnp.take(cohort.train.sizes, take, mode="clip")
     all_sizes = sizes + jnp.take(jnp.asarray(cohort.test.sizes), take, mode="clip")

@@ -6,7 +6,7 @@ A round of the 'scan' strategy trains its participants one at a time inside one 
 upload pipeline transforms nothing (its stages only check uploads and weigh them by samples),
 each upload is added into a running sum in the scan's carry while it is in cache, and the
 stacked uploads (participants x model size, written and read back by the server) are never
-made. What the checks need is kept per client (`finishing.upload_finish`: finite, norm), and the
+made. What the checks need is kept per client (`plan.UploadPlan.finish`: finite, norm), and the
 stages decide after the scan exactly as on stacked uploads:
 
 - the finite check is per client: a non-finite upload never enters the sum (when
