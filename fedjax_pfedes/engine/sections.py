@@ -28,6 +28,7 @@ from fedjax_pfedes.config.defaults import (
     read_section,
 )
 from fedjax_pfedes.config.fields import Section
+from fedjax_pfedes.config.runtime_sections import float_list
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.upload import privacy, stages
@@ -40,8 +41,8 @@ def uniformly_random_selection(config: ml_collections.ConfigDict) -> bool:
     always online, no drop-outs or deadlines (which decay failing clients' sampling weights), and
     nobody skipped below a minimum size."""
     t, s = config.train, config.system
-    availability = [float(a) for a in str(s.availability).split(",") if a.strip()]
-    reliable = (min(availability, default=1.0) >= 1.0 and s.availability_period == 0
+    availability = float_list(s.availability, "config.system.availability")
+    reliable = (min(availability) >= 1.0 and s.availability_period == 0
                 and s.dropout == 0 and s.deadline_s == 0)
     skips = t.min_samples > 0 and t.below_min == "skip"
     return t.sampling in ("uniform", "poisson") and reliable and not skips
