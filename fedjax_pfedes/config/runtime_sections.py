@@ -111,10 +111,12 @@ class ExecutionSection(Section):
     SECTION: ClassVar[str] = "execution"
 
     strategy: str = param(
-        "loop", "'loop' | 'vmap' | 'shard' | 'scan' | 'auto' (times the applicable ones per "
-        "cohort at start-up, keeps the cheapest). 'shard' splits each round's participants "
-        "over the devices of a mesh: the multi-GPU / TPU strategy. 'scan' runs a round's "
-        "participants through one compiled lax.scan: the cross-device strategy")
+        "auto", "'auto' | 'loop' | 'vmap' | 'shard' | 'scan'. 'auto' picks per cohort: a cost "
+        "model prices the applicable ones (execution.cost_model) and only two within its "
+        "margin are timed; cached per machine. 'shard' splits each round's participants "
+        "over the devices of a mesh: the multi-GPU / TPU strategy (what 'auto' means across "
+        "processes). 'scan' runs a round's participants through one compiled lax.scan: the "
+        "cross-device strategy. Same numbers for any, up to float reassociation")
     scan_chunk: int = param(1, "'scan': participants vmapped per iteration",
                             at_least(1, integer=True))
     scan_held_uploads: int = param(
@@ -130,9 +132,10 @@ class ExecutionSection(Section):
         "CPU cores on a CPU backend, 1 on an accelerator; same numbers for any value)",
         at_least(0, " (0 = the CPU cores)", integer=True))
     cpu_kernels: str = param(
-        "xla", "kernels of the clients' programs on a CPU backend: 'xla' (XLA:CPU's choice: "
-        "YNNPACK) | 'eigen' (XLA's Eigen kernels: faster for CNNs on an AVX2 CPU) | 'auto' "
-        "(both timed per cohort at start-up); equal up to float reassociation")
+        "auto", "kernels of the clients' programs on a CPU backend: 'auto' (chosen per cohort "
+        "with the strategy; 'xla' across processes) | 'xla' (XLA:CPU's choice: YNNPACK) | "
+        "'eigen' (XLA's Eigen kernels: faster for CNNs on an AVX2 CPU); equal up to float "
+        "reassociation")
     client_states: str = param(
         "device", "where the clients' private states and data live: 'device' (stacked on the "
         "accelerator) | 'offload' (host memory, gathered per round for the participants: "
@@ -156,13 +159,6 @@ class ExecutionSection(Section):
         if not self.client_state_budget_gb > 0:
             raise ConfigError("config.execution.client_state_budget_gb must be > 0, got "
                              f"{self.client_state_budget_gb!r}")
-        if self.strategy == "auto":
-            raise ConfigError("config.execution.client_states='offload' needs an explicit "
-                             "config.execution.strategy ('loop', 'vmap', 'shard' or "
-                             "'scan'), not 'auto'")
-        if self.cpu_kernels == "auto":
-            raise ConfigError("config.execution.client_states='offload' needs explicit "
-                             "config.execution.cpu_kernels ('xla' or 'eigen'), not 'auto'")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import os
 import tempfile
+import time
 from typing import Any
 
 import jax
@@ -38,7 +39,7 @@ from fedjax_pfedes.engine.sections import round_settings
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.execution import choice, compilation, kernels, placement, runners
+from fedjax_pfedes.execution import choice, compilation, cost_model, kernels, placement, runners
 from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.io import plotting
 from fedjax_pfedes.io.metrics import write_json
@@ -200,7 +201,9 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         _runner_trial, algorithm=algorithm, server_state=server_state, upload=upload,
         attack=attack, arch_runners=arch_runners, client_states=client_states,
         launches=(_launches_per_round(config, n), n), planned=planned,
-        epochs=int(epochs.max()), batch_size=batch_size)
+        epochs=int(epochs.max()), batch_size=batch_size, programs=programs,
+        host_threads=config.execution.loop_threads or runners.default_loop_threads(),
+        mesh_size=mesh_size)
     choices = _choose_runners(config.execution, cohorts, arch_runners, strategies, trial)
     _place_on_mesh(config.execution, cohorts, client_states, mesh)
     eligible = _statically_eligible(t, sizes)
@@ -255,10 +258,13 @@ def _launches_per_round(config: ml_collections.ConfigDict, num_clients: int) -> 
 
 def _runner_trial(c, *, algorithm, server_state, upload, attack, arch_runners, client_states,
                   launches: tuple[float, int], planned: np.ndarray, epochs: int,
-                  batch_size: int) -> choice.Trial:
+                  batch_size: int, programs: dict, host_threads: int, mesh_size: int
+                  ) -> choice.Trial:
     """What `execution.choice` times cohort `c`'s candidate runners on: its broadcast, states
-    and data, the clients it launches per round, their local steps, and what a round passes
-    the runner (`finishing.sent_to_runner`). `launches`: (clients launched per round, N)."""
+    and data, the clients it launches per round, their local steps, what a round passes
+    the runner (`finishing.sent_to_runner`), and what the cost model reads (the program's
+    one-client update, the loop's threads, the mesh's devices). `launches`: (clients launched
+    per round, N)."""
     broadcast = algorithm.broadcast(server_state, c.arch)
     sent = functools.partial(finishing.sent_to_runner, upload, attack.active, bucket=c.bucket,
                              broadcast=broadcast,
@@ -266,18 +272,25 @@ def _runner_trial(c, *, algorithm, server_state, upload, attack, arch_runners, c
     return choice.Trial(
         f"{algorithm.name}/{c.arch}", arch_runners[c.arch], broadcast, client_states[c.arch],
         c.train, c.bucket, launches[0] * len(c.client_ids) / launches[1], planned[c.client_ids],
-        epochs, batch_size, sent=lambda r: sent(runner=r))
+        epochs, batch_size, sent=lambda r: sent(runner=r),
+        client_update=programs[c.arch].client_update, host_threads=host_threads,
+        mesh_size=mesh_size)
 
 
 def _candidate_runners(ex: ml_collections.ConfigDict, programs: dict
                        ) -> tuple[dict[str, dict[str, Any]], Any, int]:
     """arch -> runner name -> runner, for every (strategy, kernels) pair `config.execution`
-    lets the run use ('auto' may pick any of them); the device mesh of a mesh strategy (or
+    lets the run use ('auto' may pick any of them; across processes 'auto' is 'shard' with
+    'xla' kernels, which every process runs alike); the device mesh of a mesh strategy (or
     None) and the mesh size the cohorts' slots are padded to."""
     requested = protocol.resolve_strategy(ex.strategy)
+    across_processes = jax.process_count() > 1  # every process must run the same programs
+    if across_processes and requested == "auto":
+        requested = "shard"
     mesh = placement.client_mesh(ex.devices) if protocol.needs_mesh(requested) else None
     candidates = protocol.auto_candidates(mesh) if requested == "auto" else (requested,)
-    kernel_set = kernels.kernel_candidates(ex.cpu_kernels)
+    kernel_set = kernels.kernel_candidates(
+        "xla" if across_processes and ex.cpu_kernels == "auto" else ex.cpu_kernels)
     arch_runners = {a: {r.name: r for r in (runners.make_runner(p, s, mesh, ex.loop_threads, k,
                                                                 ex.scan_chunk,
                                                                 ex.eval_memory_budget_gb)
@@ -302,16 +315,19 @@ def _choose_runners(ex: ml_collections.ConfigDict, cohorts, arch_runners: dict,
                     strategies: dict[str, str] | None, trial) -> dict:
     """Sets each cohort's runner: the only candidate (left as `build_cohorts` set it); the
     checkpoint's (`strategies`) when a resumed run has it among the candidates; else the one
-    `execution.choice` measures fastest on `trial(cohort)`.
+    `execution.choice` picks on `trial(cohort)`: the decision cache's, the cost model's best,
+    or the faster of the model's two best strategies as timed (module `execution.cost_model`;
+    a difference below 5 % of the predicted round is not timed; offloaded states never are).
 
     Returns:
-      arch -> the choice as summary.json states it ({} with a single candidate).
+      arch -> the choice as summary.json states it, with the seconds deciding took ({} with a
+      single candidate).
     """
     if all(len(r) == 1 for r in arch_runners.values()):
         return {}  # the one candidate, as `build_cohorts` set it up
     if strategies and all(strategies.get(c.arch) in arch_runners[c.arch] for c in cohorts):
         for c in cohorts:
-            c.runner = arch_runners[c.arch][strategies[c.arch]]
+            c.use(arch_runners[c.arch][strategies[c.arch]])
         return {c.arch: {"strategy": strategies[c.arch], "from_checkpoint": True}
                 for c in cohorts}
     if strategies:
@@ -321,11 +337,27 @@ def _choose_runners(ex: ml_collections.ConfigDict, cohorts, arch_runners: dict,
             "resumed rounds may differ from the original run's in the last float bits",
             strategies, sorted(next(iter(arch_runners.values()))))
     cache_dir = compilation.configure_cache(ex.compilation_cache_dir)
+    start = time.perf_counter()
+    trials = {c.arch: trial(c) for c in cohorts}
+    undecided = [a for a, t in trials.items() if choice.cached_choice(t, cache_dir) is None]
+    predicted = {}
+    if undecided:
+        rates = cost_model.machine_rates(choice.machine(), tuple(dict.fromkeys(
+            r.kernels for t in trials.values() for r in t.runners.values())), cache_dir)
+        predicted = {a: trials[a].predicted(rates) for a in undecided}
+    # A predicted difference below 5 % of the whole round is not worth compiling a candidate.
+    negligible = 0.05 * sum(min(p.values()) for p in predicted.values())
+    overhead = time.perf_counter() - start  # the machine's rates, the programs' jaxprs
     choices = {}
     for c in cohorts:
-        picked = choice.choose(trial(c), cache_dir)
-        c.runner = arch_runners[c.arch][picked.strategy]
-        choices[c.arch] = picked.as_dict()
+        start = time.perf_counter()
+        picked = choice.choose(trials[c.arch], cache_dir, predicted=predicted.get(c.arch),
+                               timing=ex.client_states == "device", negligible_s=negligible)
+        c.use(arch_runners[c.arch][picked.strategy])
+        choices[c.arch] = {**picked.as_dict(), "decided_in_s": time.perf_counter() - start +
+                           overhead / len(cohorts)}
+        logging.info("execution of the %s cohort: %s (%s)", c.arch, picked.strategy,
+                     "decided before, cached" if picked.cached else picked.reason)
     return choices
 
 

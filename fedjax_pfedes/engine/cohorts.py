@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,8 @@ class Cohort:
       train, test: padded local train / test arrays (on device).
       program, runner: what the members run and how.
       bucket: fixed number of participant slots per round (no re-compilation).
+      wrap: what a runner is wrapped in to run this cohort (offloaded states: gathered per
+        round, `execution.offload.offloaded_runner`; else as it is): `use` applies it.
     """
 
     arch: str
@@ -64,6 +67,11 @@ class Cohort:
     program: CohortProgram
     runner: CohortRunner
     bucket: int
+    wrap: Callable[[CohortRunner], CohortRunner] = dataclasses.field(default=lambda r: r)
+
+    def use(self, runner: CohortRunner) -> None:
+        """Runs the cohort with `runner` (wrapped as the cohort's states need)."""
+        self.runner = self.wrap(runner)
 
     def slots(self, participants: np.ndarray) -> np.ndarray:
         """Local indices of this round's participants, padded with len(client_ids)."""
@@ -141,7 +149,9 @@ def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, Coh
                 data.central.x_train, data.central.y_train,
                 [chosen[int(k)] for k in ids])
                 for chosen in (data.train_indices, data.test_indices))
-            runner = client_states.offloaded_runner(runner, buckets[arch], on_disk=not in_memory)
+        wrap = ((lambda r: r) if offload is None else functools.partial(
+            client_states.offloaded_runner, bucket=buckets[arch], on_disk=not in_memory))
         cohorts.append(Cohort(arch=arch, client_ids=ids, train=train, test=test,
-                              program=programs[arch], runner=runner, bucket=buckets[arch]))
+                              program=programs[arch], runner=wrap(runner), bucket=buckets[arch],
+                              wrap=wrap))
     return cohorts, states_of

@@ -69,11 +69,9 @@ def _check_multi_process(s: distributed.Settings, config: ml_collections.ConfigD
     if not s.multi_process:
         return
     refusals = [
-        (config.execution.strategy != "shard", "config.execution.strategy must be 'shard' "
-         f"across processes (the mesh spans all processes' devices), got "
-         f"'{config.execution.strategy}'"),
-        (config.execution.cpu_kernels == "auto", "config.execution.cpu_kernels='auto' is not "
-         "supported across processes (each would time its own); use 'xla' or 'eigen'"),
+        (config.execution.strategy not in ("shard", "auto"), "config.execution.strategy must "
+         "be 'shard' (or 'auto', which means 'shard' there) across processes (the mesh spans "
+         f"all processes' devices), got '{config.execution.strategy}'"),
         (config.execution.devices != 0, "config.execution.devices must be 0 (all devices of "
          f"all processes) across processes, got {config.execution.devices}"),
         (config.execution.client_states != "device", "config.execution.client_states="

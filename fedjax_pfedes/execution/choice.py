@@ -1,20 +1,26 @@
-"""`config.execution.strategy='auto'` (and `cpu_kernels='auto'`): pick each cohort's execution
-strategy and CPU kernels by timing them.
+"""`config.execution.strategy='auto'` and `cpu_kernels='auto'` (the defaults): pick each cohort's
+execution strategy and CPU kernels.
 
-For every cohort, every candidate runner (the strategies 'loop', 'vmap' and 'scan', each with the
-kernel choices `execution.kernels.kernel_candidates` gives) runs the cohort's local update on a full
-bucket of participants with every client cut to one batch of rows (one local step per epoch), on the
-backend the run uses. The compiled programs are the run's own (sizes are data, not shapes), so the
-winner's compilation is reused by the rounds. From the per-call times the expected cost of a real
-round follows from the clients' planned step counts: the loop and the scan run each
-participant's own steps, vmap iterates over the whole bucket until the longest schedule ends. The
-cheaper one wins; the timings and the choice go into summary.json.
+The candidates are the strategies 'loop', 'vmap' and 'scan' ('shard' with several devices), each
+with the kernel choices `execution.kernels.kernel_candidates` gives. `execution.cost_model`
+prices them first, without compiling any. Its best is taken untimed unless the best candidate of
+another strategy is predicted within `cost_model.MARGIN`, worth more than 5 % of the round, and
+the best one's program compiles within `cost_model.TIMING_COMPILE_BUDGET_S` (a timing compiles
+the other at about that cost). Then both run the cohort's local update on a full bucket of
+participants with every client cut to one batch of rows (one local step per epoch), on the
+backend the run uses. The compiled programs are the run's own (sizes are data, not shapes), so
+the winner's compilation is reused by the rounds. From the per-call times the expected cost of
+a real round follows from the clients' planned step counts: the loop and the scan run each
+participant's own steps, vmap iterates over the whole bucket until the longest schedule ends.
+The cheaper one wins; the prediction, the timings, the choice and its reason go into
+summary.json and the run's log.
 
 Decisions are cached in `strategy_choices.json` next to the compilation cache (keyed by backend,
 device kind and count, the CPU's model and instruction-set features and the cores this process
 may use, the jax and jaxlib versions, algorithm, architecture, shapes and bucket), so later runs
-on the same machine skip the measurement and a cache copied to another CPU measures anew; the
-key includes the candidates, so adding one measures anew. No platform rule is built in.
+on the same machine decide without the model or a timing, and a cache copied to another CPU
+decides anew; the key includes the candidates, so adding one decides anew. No platform rule is
+built in: the model's constants are measured on the machine (`cost_model.machine_rates`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes.algorithms.base import PyTree
+from fedjax_pfedes.execution import cost_model
 from fedjax_pfedes.execution.strategies import protocol
 
 CACHE_FILE = "strategy_choices.json"
@@ -45,12 +52,16 @@ class Choice:
         with '/eigen' when it uses the Eigen CPU kernels.
       seconds_per_call: measured seconds of one update call with one step per client per epoch.
       expected_round_s: those scaled to the cohort's planned steps per round, per runner name.
-      cached: True when read from the decision cache instead of measured.
+      predicted_round_s: the cost model's round seconds per runner name (empty without it).
+      reason: why this one, in words.
+      cached: True when read from the decision cache instead of decided now.
     """
 
     strategy: str
     seconds_per_call: dict[str, float]
     expected_round_s: dict[str, float]
+    predicted_round_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    reason: str = ""
     cached: bool = False
 
     def as_dict(self) -> dict:
@@ -97,7 +108,9 @@ def machine() -> dict:
 
 def _signature(name: str, candidates: list[str], broadcast, states, train, bucket: int,
                epochs: int) -> str:
-    shapes = [(jax.tree_util.keystr(p), tuple(np.shape(x)), str(jnp.result_type(x)))
+    # (offloaded samples are one ragged host object: its type and padded capacity stand in)
+    shapes = [(jax.tree_util.keystr(p), tuple(np.shape(x)),
+               str(getattr(x, "dtype", type(x).__name__)), getattr(x, "capacity", None))
               for tree in (broadcast, states, train)
               for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
     text = json.dumps([machine(), name, candidates, bucket, epochs, shapes], sort_keys=True)
@@ -121,6 +134,38 @@ class Trial:
     # runner -> what a round passes its update as the broadcast (`finishing.sent_to_runner`: an
     # `execution.strategies.protocol.Finishing` that streams under 'scan'); None: `broadcast` itself
     sent: Callable[[protocol.CohortRunner], PyTree] | None = None
+    # one client's local update (`CohortProgram.client_update`): what the cost model reads
+    client_update: Callable | None = None
+    host_threads: int = 1  # the 'loop' strategy's host threads (resolved)
+    mesh_size: int = 1  # devices of the 'shard' mesh
+
+    def work(self) -> tuple[cost_model.StepWork, float]:
+        """(one client's local step, the bytes its upload's finishing writes), from the jaxprs
+        of `client_update` and of what a round sends (`cost_model.work_of`)."""
+        one = lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype)  # noqa: E731
+        whole = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)  # noqa: E731
+        # offloaded samples are ragged on the host: one client's padded rows stand for all
+        train = (self.train.padded(np.zeros(1, np.int64)) if hasattr(self.train, "padded")
+                 else self.train)
+        args = (jax.tree.map(whole, self.broadcast), jax.tree.map(one, self.states),
+                jax.tree.map(one, train), jax.random.key(0))
+        step, (upload, _, _) = cost_model.work_of(self.client_update, *args, with_shapes=True)
+        sent = None if self.sent is None else self.sent(next(iter(self.runners.values())))
+        if not isinstance(sent, protocol.Finishing):
+            return step, 0.0
+        operand = jax.tree.map(whole, sent.operand)
+        return step, cost_model.work_of(sent.fn, upload, operand).bytes
+
+    def predicted(self, rates: cost_model.MachineRates) -> dict[str, float]:
+        """The cost model's round seconds per runner, cheapest first (`cost_model.rank`)."""
+        step, finish_bytes = self.work()
+        cohort = cost_model.Cohort(
+            participants=float(self.expected_participants), bucket=self.bucket,
+            mean_steps=float(np.mean(self.planned_steps)),
+            max_steps=float(np.max(self.planned_steps)), host_threads=self.host_threads,
+            mesh_size=self.mesh_size, finish_bytes=finish_bytes)
+        candidates = {name: (r.strategy, r.kernels) for name, r in self.runners.items()}
+        return cost_model.rank(step, cohort, rates, candidates)
 
     def inputs(self):
         """(one-step train arrays, slots, keys) of the measurement: every client keeps one full
@@ -170,8 +215,12 @@ def _key(t: Trial) -> str:
                       t.epochs)
 
 
-def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
-    """Times the trial's runners (name -> runner) on one cohort; returns the cheapest.
+def choose(trial: Trial, cache_dir: str | None, repeats: int = 2,
+           predicted: dict[str, float] | None = None, timing: bool = True,
+           negligible_s: float = 0.0) -> Choice:
+    """The trial's runner (name -> runner) for one cohort: the cached decision, else the cost
+    model's best when no other candidate is within `cost_model.MARGIN` of it, else the cheaper
+    of the contenders as timed.
 
     `trial` fields: name (algorithm/architecture, part of the cache key); runners; broadcast
     (or `sent`: per runner, what a round really passes it, e.g. a streaming `Finishing`);
@@ -180,35 +229,88 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2) -> Choice:
     that train in a round); planned_steps ([members] local steps in a round); epochs (the static
     number of local epochs: each measured client runs one step per epoch); batch_size (the local
     batch size: each measured client keeps that many rows). `cache_dir`: where the
-    decision cache lives (None: no cache).
+    decision cache lives (None: no cache). `predicted`: the cost model's round seconds per
+    runner, cheapest first (`cost_model.rank`; None: time every runner). `timing`: False takes
+    the model's best untimed (where a timing cannot run, e.g. offloaded states).
+    `negligible_s`: a predicted difference per round not worth timing (`cost_model.contenders`).
     """
     cached = cached_choice(trial, cache_dir)
     if cached is not None:
         return cached
-    trial_runners, bucket, epochs = trial.runners, trial.bucket, trial.epochs
-    planned_steps, expected_participants = trial.planned_steps, trial.expected_participants
-    one_step, slots, keys = trial.inputs()
-    per_call = {s: _time_update(r, trial.broadcast if trial.sent is None else trial.sent(r),
-                                trial.states, one_step, slots, keys, repeats)
-                for s, r in trial_runners.items()}
-    # A call ran `epochs` steps of every slot. The loop pays per participant and step; vmap
-    # (and shard: vmap per device) pays per iteration of the whole bucket, until the longest
-    # schedule ends.
-    mean_steps, max_steps = float(np.mean(planned_steps)), float(np.max(planned_steps))
-    # 'scan' pays per participant and step like the loop (padded slots take no step).
-    per_participant = mean_steps * expected_participants / (epochs * bucket)
-    calls_per_round = {"per_participant": per_participant,
-                       "longest_schedule": max_steps / epochs}
-    expected = {name: seconds * calls_per_round[
-        protocol.strategy(trial_runners[name].strategy).cost]
-        for name, seconds in per_call.items()}
-    choice = Choice(min(expected, key=expected.get), per_call, expected)
+    if predicted is None:
+        timed, why = list(trial.runners), "timed every candidate"
+    else:
+        strategies = {name: r.strategy for name, r in trial.runners.items()}
+        timed = (cost_model.contenders(predicted, strategies, negligible_s=negligible_s)
+                 if timing else list(predicted)[:1])
+        why = (f"timed the cost model's best two strategies (within {cost_model.MARGIN}x)"
+               if len(timed) > 1 else _model_reason(predicted, strategies, timing))
+    if len(timed) == 1:
+        choice = Choice(timed[0], {}, {}, dict(predicted or {}), why)
+    else:
+        per_call, expected, first_s = _timed(trial, timed, repeats,
+                                             budget_s=None if predicted is None else
+                                             cost_model.TIMING_COMPILE_BUDGET_S)
+        if len(per_call) < len(timed):
+            why = (f"the cost model's best; {timed[0]}'s program took {first_s:.1f} s to "
+                   f"compile and run once, above the {cost_model.TIMING_COMPILE_BUDGET_S} s "
+                   f"a timing of {timed[1]} may cost")
+        choice = Choice(min(expected, key=expected.get), per_call, expected,
+                        dict(predicted or {}), why)
     if cache_dir:  # re-read: another run may have added its decisions meanwhile
         path = os.path.join(cache_dir, CACHE_FILE)
         cache = _read(path)
         cache[_key(trial)] = {k: v for k, v in choice.as_dict().items() if k != "cached"}
         _write(path, cache)
     return choice
+
+
+def _model_reason(predicted: dict[str, float], strategies: dict[str, str],
+                  timing: bool) -> str:
+    """Why the model's best was taken untimed, in words."""
+    names = list(predicted)
+    others = [n for n in names if strategies[n] != strategies[names[0]]]
+    if not others or not timing:
+        return (f"cost model: {names[0]} {predicted[names[0]]:.3g} s/round "
+                f"({'no timing with offloaded states' if not timing else 'one strategy'})")
+    best, second = predicted[names[0]], predicted[others[0]]
+    why = (f"beyond the {cost_model.MARGIN}x margin" if second > cost_model.MARGIN * best
+           else "a difference not worth a compilation")
+    return (f"cost model: {names[0]} {best:.3g} s/round, next strategy {others[0]} "
+            f"{second:.3g} ({second / best:.2f}x, {why})")
+
+
+def _timed(trial: Trial, names: list[str], repeats: int, budget_s: float | None = None
+           ) -> tuple[dict[str, float], dict[str, float], float]:
+    """(seconds per measured call, expected round seconds, seconds of the first runner's
+    first call) of the runners `names`, timed in order; with `budget_s`, the others only when
+    that first call (its compilation) took at most that long."""
+    epochs, bucket = trial.epochs, trial.bucket
+    one_step, slots, keys = trial.inputs()
+    per_call, first_s = {}, 0.0
+    for i, s in enumerate(names):
+        t0 = time.perf_counter()
+        per_call[s] = _time_update(trial.runners[s],
+                                   trial.broadcast if trial.sent is None else
+                                   trial.sent(trial.runners[s]),
+                                   trial.states, one_step, slots, keys, repeats)
+        if i == 0:
+            first_s = time.perf_counter() - t0 - repeats * per_call[s]
+            if budget_s is not None and first_s > budget_s:
+                break
+    # A call ran `epochs` steps of every slot. The loop pays per participant and step; vmap
+    # (and shard: vmap per device) pays per iteration of the whole bucket, until the longest
+    # schedule ends.
+    mean_steps, max_steps = float(np.mean(trial.planned_steps)), float(np.max(
+        trial.planned_steps))
+    # 'scan' pays per participant and step like the loop (padded slots take no step).
+    per_participant = mean_steps * trial.expected_participants / (epochs * bucket)
+    calls_per_round = {"per_participant": per_participant,
+                       "longest_schedule": max_steps / epochs}
+    expected = {name: seconds * calls_per_round[
+        protocol.strategy(trial.runners[name].strategy).cost]
+        for name, seconds in per_call.items()}
+    return per_call, expected, first_s
 
 
 def _read(path: str | None) -> dict:

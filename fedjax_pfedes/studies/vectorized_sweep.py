@@ -287,6 +287,22 @@ class _Route(Callback):
             c.runner = self.coordinator.runner(self.member, c.arch, c.runner)
 
 
+def _resolved_execution(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`config` with 'auto' execution settings resolved for a sweep: its members' local
+    training runs participant by participant in one program of the sweep's own, so 'auto'
+    strategy means 'loop' and 'auto' kernels 'xla' (give 'eigen' to compile it with those)."""
+    ex = config.execution
+    if ex.strategy != "auto" and ex.cpu_kernels != "auto":
+        return config
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        if ex.strategy == "auto":
+            config.execution.strategy = "loop"
+        if ex.cpu_kernels == "auto":
+            config.execution.cpu_kernels = "xla"
+    return config
+
+
 def _check_sweepable(config: ml_collections.ConfigDict, dotted: str, values: list[float]
                      ) -> None:
     """ConfigError naming the flag or field for a sweep this module cannot batch: repeated
@@ -304,10 +320,6 @@ def _check_sweepable(config: ml_collections.ConfigDict, dotted: str, values: lis
                           "participant: it needs config.execution.strategy='loop', "
                           "config.execution.client_states='device' and synchronous rounds "
                           "(config.asynchronous.enabled=False)")
-    if ex.cpu_kernels == "auto":
-        raise ConfigError("config.execution.cpu_kernels='auto': launch.sweep compiles one "
-                          "program for all members, so it does not time kernel choices; give "
-                          "'xla' or 'eigen' (launch.main with 'auto' shows which is faster)")
 
 
 def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float],
@@ -323,6 +335,7 @@ def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float
     from fedjax_pfedes.engine.validate import validate_config
     from fedjax_pfedes.studies.experiments import run_record, with_overrides
 
+    config = _resolved_execution(config)
     _check_sweepable(config, dotted, values)
     members = {}
     for v in values:

@@ -124,12 +124,10 @@ def test_bad_distributed_settings_are_refused_naming_the_field(fields, match):
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("execution.strategy", "vmap", r"config\.execution\.strategy must be 'shard' across"),
+    ("execution.strategy", "vmap", r"config\.execution\.strategy must be 'shard' \(or 'auto'"),
     ("execution.client_states", "offload", r"config\.execution\.client_states='offload' is "
      r"not supported across processes"),
     ("asynchronous.enabled", True, r"config\.asynchronous\.enabled: asynchronous rounds"),
-    ("execution.cpu_kernels", "auto", r"config\.execution\.cpu_kernels='auto' is not "
-     r"supported across processes"),
 ])
 def test_what_does_not_run_across_processes_yet_is_refused(field, value, match):
     config = _distributed(num_processes=2, coordinator_address="127.0.0.1:1234")
@@ -137,6 +135,14 @@ def test_what_does_not_run_across_processes_yet_is_refused(field, value, match):
     setattr(config[section], name, value)
     with pytest.raises(ConfigError, match=match):
         validate_config(config)
+
+
+def test_auto_execution_is_accepted_across_processes():
+    """The defaults run across processes: 'auto' means 'shard' with XLA's kernels there (every
+    process must compile the same programs; `engine.build._candidate_runners`)."""
+    config = _distributed(num_processes=2, coordinator_address="127.0.0.1:1234")
+    config.execution.strategy, config.execution.cpu_kernels = "auto", "auto"
+    validate_config(config)
 
 
 def test_one_process_is_the_default_and_a_config_without_the_section_is_one_process():

@@ -36,12 +36,17 @@ def test_fields_members_cannot_differ_in_are_refused_naming_them(field, message)
         vectorized_sweep.check_float(tiny_config(), field)
 
 
-def test_auto_cpu_kernels_are_refused_by_the_sweep(tmp_path):
+def test_auto_execution_settings_mean_loop_and_xla_in_a_sweep():
+    """The defaults ('auto') run a sweep: its one batched program goes participant by
+    participant ('loop') with XLA's kernels; explicit settings are kept; the caller's config is
+    not changed."""
     config = tiny_config()
-    config.execution.cpu_kernels = "auto"
-    with pytest.raises(ConfigError, match=r"config\.execution\.cpu_kernels='auto': "
-                                          r"launch\.sweep compiles one program"):
-        vectorized_sweep.run_sweep(config, "lam", [0.5, 1.0], str(tmp_path))
+    config.execution.strategy, config.execution.cpu_kernels = "auto", "auto"
+    resolved = vectorized_sweep._resolved_execution(config)
+    assert (resolved.execution.strategy, resolved.execution.cpu_kernels) == ("loop", "xla")
+    assert config.execution.strategy == "auto"
+    config.execution.cpu_kernels = "eigen"
+    assert vectorized_sweep._resolved_execution(config).execution.cpu_kernels == "eigen"
 
 
 def test_traced_fields_pass_the_trace_check_and_a_shape_field_fails_it(monkeypatch):
