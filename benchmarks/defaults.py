@@ -1,12 +1,13 @@
 """What a user gets by default, beside every explicit execution choice, on the machine it runs on.
 
   python -m benchmarks.defaults                       # works A, B, pFedES CIFAR-shaped, quick start
-  python -m benchmarks.defaults --works=b --rounds=8
+  python -m benchmarks.defaults --works=b --rounds_b=40
   python -m benchmarks.defaults --works=cross_device_10k --rounds=6   # writes ~33 GiB of states
 
 For each work it runs the engine with the config's own `config.execution.strategy` and
-`cpu_kernels` (what a user gets without setting them), then with every explicit strategy the
-backend offers ('loop', 'vmap', 'scan'; 'shard' with more than one device) x every kernel set
+`cpu_kernels` (what a user gets without setting them: 'auto', `execution.cost_model`), then
+with every explicit strategy the backend offers ('loop', 'vmap', 'scan'; 'shard' with more than
+one device) x every kernel set
 ('xla', 'eigen' on a CPU), one run after another in this process. Each run is a fresh
 `run_experiment` (monitoring, checkpoints and the compilation cache off, evaluation only after
 the last round); s/round is the median round time over rounds 2 .. R-1 (round 1 compiles, the
@@ -46,6 +47,9 @@ WORKS = ("a", "b", "pfedes", "quickstart", "cross_device_10k")
 _WORKS = flags.DEFINE_list("works", ["a", "b", "pfedes", "quickstart"],
                            "Works to run: " + ", ".join(WORKS) + ".")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "Rounds per run (>= 3).")
+_ROUNDS_B = flags.DEFINE_integer(
+    "rounds_b", 40, "Rounds per run of work b (>= 3): its rounds take ~20 ms, so its median "
+    "needs more of them to be stable.")
 _PARTICIPANTS = flags.DEFINE_integer("participants", 100, "Work b: participants per round.")
 
 
@@ -58,7 +62,7 @@ def work_config(name: str, rounds: int, scratch: str):
         path = os.path.join(scratch, "mnist_shaped.npz")
         if not os.path.exists(path):
             works.write_mnist_shaped(path, 1000)
-        return works.cross_device_config(rounds, 1000, _PARTICIPANTS.value, path)
+        return works.cross_device_config(_ROUNDS_B.value, 1000, _PARTICIPANTS.value, path)
     if name == "pfedes":
         path = os.path.join(scratch, "cifar_shaped.npz")
         if not os.path.exists(path):
@@ -78,34 +82,39 @@ def explicit_choices() -> list[tuple[str, str]]:
     return [(s, k) for s in strategies for k in kernels.kernel_candidates("auto")]
 
 
-def seconds_per_round(config, workdir: str) -> tuple[float, str]:
-    """(median round time over rounds 2 .. R-1, the strategy the run used) of one run."""
+def seconds_per_round(config, workdir: str) -> tuple[float, str, float]:
+    """(median round time over rounds 2 .. R-1, the strategy the run used, seconds its
+    'auto' decisions took) of one run."""
     summary = run_experiment(config, workdir, show_progress=False)
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         times = [json.loads(line)["round_time_s"] for line in f]
-    return statistics.median(times[1:-1]), summary["execution_strategy"]
+    deciding = sum(c.get("decided_in_s", 0.0)
+                   for c in summary.get("strategy_choice", {}).values())
+    return statistics.median(times[1:-1]), summary["execution_strategy"], deciding
 
 
 def main(argv):
     del argv
-    if _ROUNDS.value < 3:
-        raise app.UsageError("--rounds must be >= 3 (round 1 compiles, the last evaluates)")
+    if min(_ROUNDS.value, _ROUNDS_B.value) < 3:
+        raise app.UsageError("--rounds and --rounds_b must be >= 3 (round 1 compiles, the last "
+                             "evaluates)")
     print("machine:", json.dumps(choice.machine()))
     pairs = explicit_choices()
-    header = ["work", "default (chosen)"] + [f"{s}/{k}" for s, k in pairs] + [
+    header = ["work", "default (chosen)", "deciding s"] + [f"{s}/{k}" for s, k in pairs] + [
         "best explicit", "default / best"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     with tempfile.TemporaryDirectory() as scratch:
         for name in _WORKS.value:
             config = work_config(name, _ROUNDS.value, scratch)
-            default_s, used = seconds_per_round(config, os.path.join(scratch, name, "default"))
+            default_s, used, deciding = seconds_per_round(
+                config, os.path.join(scratch, name, "default"))
             explicit = {}
             for s, k in pairs:
                 config.execution.strategy, config.execution.cpu_kernels = s, k
                 explicit[f"{s}/{k}"] = seconds_per_round(
                     config, os.path.join(scratch, name, f"{s}_{k}"))[0]
             best = min(explicit, key=explicit.get)
-            cells = [name, f"{default_s:.3f} ({used})"] + [
+            cells = [name, f"{default_s:.3f} ({used})", f"{deciding:.1f}"] + [
                 f"{explicit[f'{s}/{k}']:.3f}" for s, k in pairs] + [
                 best, f"{default_s / explicit[best]:.2f}x"]
             print("| " + " | ".join(cells) + " |", flush=True)

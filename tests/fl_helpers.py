@@ -54,6 +54,9 @@ def small_config(strategy="loop"):
     config.train.lr_local = 0.1
     config.eval.every = 2
     config.execution.strategy = strategy
+    # pinned, like the strategy: these tests compare runs bit for bit (the 'auto' default's own
+    # tests are in tests/execution/test_cost_model.py and tests/io/test_checkpoint.py)
+    config.execution.cpu_kernels = "xla"
     return config
 
 

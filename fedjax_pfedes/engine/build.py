@@ -39,7 +39,14 @@ from fedjax_pfedes.engine.sections import round_settings
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.execution import choice, compilation, cost_model, kernels, placement, runners
+from fedjax_pfedes.execution import (
+    choice,
+    compilation,
+    kernels,
+    machine_rates,
+    placement,
+    runners,
+)
 from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.io import plotting
 from fedjax_pfedes.io.metrics import write_json
@@ -342,7 +349,7 @@ def _choose_runners(ex: ml_collections.ConfigDict, cohorts, arch_runners: dict,
     undecided = [a for a, t in trials.items() if choice.cached_choice(t, cache_dir) is None]
     predicted = {}
     if undecided:
-        rates = cost_model.machine_rates(choice.machine(), tuple(dict.fromkeys(
+        rates = machine_rates.cached(choice.machine(), tuple(dict.fromkeys(
             r.kernels for t in trials.values() for r in t.runners.values())), cache_dir)
         predicted = {a: trials[a].predicted(rates) for a in undecided}
     # A predicted difference below 5 % of the whole round is not worth compiling a candidate.

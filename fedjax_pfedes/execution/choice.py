@@ -20,7 +20,7 @@ device kind and count, the CPU's model and instruction-set features and the core
 may use, the jax and jaxlib versions, algorithm, architecture, shapes and bucket), so later runs
 on the same machine decide without the model or a timing, and a cache copied to another CPU
 decides anew; the key includes the candidates, so adding one decides anew. No platform rule is
-built in: the model's constants are measured on the machine (`cost_model.machine_rates`).
+built in: the model's constants are measured on the machine (`execution.machine_rates`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes.algorithms.base import PyTree
-from fedjax_pfedes.execution import cost_model
+from fedjax_pfedes.execution import cost_model, json_cache
 from fedjax_pfedes.execution.strategies import protocol
 
 CACHE_FILE = "strategy_choices.json"
@@ -180,16 +180,24 @@ class Trial:
         return one_step, slots, keys
 
 
-def _run_once(runner: protocol.CohortRunner, broadcast, states, train, slots, keys):
-    copy = jax.tree.map(jnp.copy, states)  # update donates the states it is given
-    out = runner.update(broadcast, copy, train, slots, keys)
-    jax.block_until_ready(out)
-    return out
+@jax.jit
+def _copy(tree: PyTree) -> PyTree:
+    """A copy of `tree` in one compiled call (an update donates the states it is given; eager
+    copies would compile one program per leaf shape)."""
+    return jax.tree.map(jnp.copy, tree)
 
 
 def _time_update(runner: protocol.CohortRunner, broadcast, states, train, slots, keys,
-                 repeats: int) -> float:
-    out = _run_once(runner, broadcast, states, train, slots, keys)  # compiled (or cached)
+                 repeats: int, budget_s: float | None = None) -> tuple[float | None, float]:
+    """(best of `repeats` timed update calls, seconds of the first call: its compilation, or a
+    load from the cache). With `budget_s`, a first call slower than that ends it: (None, its
+    seconds)."""
+    t0 = time.perf_counter()
+    out = runner.update(broadcast, _copy(states), train, slots, keys)
+    jax.block_until_ready(out)
+    first_s = time.perf_counter() - t0
+    if budget_s is not None and first_s > budget_s:
+        return None, first_s
     best = float("inf")
     for _ in range(repeats):
         copy = out[1]
@@ -197,12 +205,12 @@ def _time_update(runner: protocol.CohortRunner, broadcast, states, train, slots,
         out = runner.update(broadcast, copy, train, slots, keys)
         jax.block_until_ready(out)
         best = min(best, time.perf_counter() - t0)
-    return best
+    return best, first_s
 
 
 def cached_choice(trial: Trial, cache_dir: str | None) -> Choice | None:
     """The cached decision for `trial`, if there is one."""
-    cache = _read(os.path.join(cache_dir, CACHE_FILE) if cache_dir else None)
+    cache = json_cache.read(os.path.join(cache_dir, CACHE_FILE) if cache_dir else None)
     entry = cache.get(_key(trial))
     if entry and entry.get("strategy") in trial.runners:
         return Choice(**{**entry, "cached": True})
@@ -255,13 +263,13 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2,
             why = (f"the cost model's best; {timed[0]}'s program took {first_s:.1f} s to "
                    f"compile and run once, above the {cost_model.TIMING_COMPILE_BUDGET_S} s "
                    f"a timing of {timed[1]} may cost")
-        choice = Choice(min(expected, key=expected.get), per_call, expected,
-                        dict(predicted or {}), why)
+        best = min(expected, key=expected.get) if expected else timed[0]
+        choice = Choice(best, per_call, expected, dict(predicted or {}), why)
     if cache_dir:  # re-read: another run may have added its decisions meanwhile
         path = os.path.join(cache_dir, CACHE_FILE)
-        cache = _read(path)
+        cache = json_cache.read(path)
         cache[_key(trial)] = {k: v for k, v in choice.as_dict().items() if k != "cached"}
-        _write(path, cache)
+        json_cache.write(path, cache)
     return choice
 
 
@@ -289,15 +297,16 @@ def _timed(trial: Trial, names: list[str], repeats: int, budget_s: float | None 
     one_step, slots, keys = trial.inputs()
     per_call, first_s = {}, 0.0
     for i, s in enumerate(names):
-        t0 = time.perf_counter()
-        per_call[s] = _time_update(trial.runners[s],
+        best, first = _time_update(trial.runners[s],
                                    trial.broadcast if trial.sent is None else
                                    trial.sent(trial.runners[s]),
-                                   trial.states, one_step, slots, keys, repeats)
+                                   trial.states, one_step, slots, keys, repeats,
+                                   budget_s if i == 0 else None)
         if i == 0:
-            first_s = time.perf_counter() - t0 - repeats * per_call[s]
-            if budget_s is not None and first_s > budget_s:
-                break
+            first_s = first
+        if best is None:
+            break
+        per_call[s] = best
     # A call ran `epochs` steps of every slot. The loop pays per participant and step; vmap
     # (and shard: vmap per device) pays per iteration of the whole bucket, until the longest
     # schedule ends.
@@ -312,23 +321,3 @@ def _timed(trial: Trial, names: list[str], repeats: int, budget_s: float | None 
         for name, seconds in per_call.items()}
     return per_call, expected, first_s
 
-
-def _read(path: str | None) -> dict:
-    if not path or not os.path.exists(path):
-        return {}
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}  # a damaged cache is measured anew
-
-
-def _write(path: str, cache: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(cache, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # the cache is an optimization; a read-only folder only costs a measurement

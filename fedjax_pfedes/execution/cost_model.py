@@ -11,7 +11,7 @@ The model has two halves:
   convolutions, the bytes the other operations write, and the number of operations (each costs a
   fixed launch time however small it is). A `while` loop's body (the local steps) counts once, so
   these are the figures of one step; a `scan` counts its length times.
-* **The machine** (`MachineRates`, `measure_rates`): measured once per machine
+* **The machine** (`MachineRates`, `execution.machine_rates`): measured once per machine
   (`choice.machine()`: backend, device kind, CPU model and features, cores, jax and jaxlib) on
   small reference programs and cached next to the compilation cache: a jitted call's dispatch,
   an operation's launch time, the rates of one client's matrix products and convolutions and of
@@ -37,25 +37,18 @@ reassociation.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import json
 import math
-import os
-import threading
-import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfedes.execution.kernels import kernel_options
-from fedjax_pfedes.models.layers import conv
-
-RATES_FILE = "machine_rates.json"
 DEFAULT_KERNELS = "xla"  # XLA:CPU's own kernels
-KERNEL_MARGIN = 1.1  # how much faster another kernel set must be predicted to be chosen
+# How much faster another kernel set must be predicted to be chosen: the references' kernel
+# rates vary by up to a quarter between measurements on a 2-core machine, and XLA's kernels ran
+# real convolutional programs 1.1-1.2x faster than Eigen's on an AVX-512 CPU whose references
+# showed the two equal (docs/performance.md).
+KERNEL_MARGIN = 1.25
 # How far the model is trusted: another strategy predicted within this factor of the best one
 # is timed against it, when the best one compiles within `TIMING_COMPILE_BUDGET_S` (the model
 # priced rounds at 0.4-2x their timed cost on the works of docs/performance.md).
@@ -167,9 +160,9 @@ def work_of(fn: Callable, *args, with_shapes: bool = False):
 
 @dataclasses.dataclass(frozen=True)
 class KernelRates:
-    """One kernel set's measured rates (`measure_rates`): seconds per operation launch, and
-    flop/s or byte/s of one client (`*_one`) and of clients vectorized with `vmap` (`*_many`,
-    per client)."""
+    """One kernel set's measured rates (`execution.machine_rates`): seconds per operation
+    launch, and flop/s or byte/s of one client (`*_one`) and of clients vectorized with `vmap`
+    (`*_many`, per client)."""
 
     launch_s: float
     dot_one: float
@@ -181,7 +174,7 @@ class KernelRates:
 
 @dataclasses.dataclass(frozen=True)
 class MachineRates:
-    """A machine's constants (`measure_rates`).
+    """A machine's constants (`execution.machine_rates.measure`).
 
     Attributes:
       call_s: one 'scan' update call of a program that computes nothing (what 'scan' and
@@ -253,7 +246,7 @@ def predict(work: StepWork, cohort: Cohort, machine: MachineRates, strategy: str
     Args:
       work: one client's step (`work_of`).
       cohort: participants, bucket, steps, threads, devices.
-      machine: the machine's rates (`measure_rates`).
+      machine: the machine's rates (`execution.machine_rates.measure`).
       strategy: 'loop' | 'scan' | 'vmap' | 'shard' (another registered strategy: None).
       kernels: a kernel set `machine` has rates for.
 
@@ -328,270 +321,3 @@ def contenders(predicted: dict[str, float], strategies: dict[str, str],
         worth = predicted[name] - predicted[best] > negligible_s
         return [best, name] if close and worth else [best]
     return [best]
-
-
-# ---------------------------------------------------------------------------------------------
-# Measuring a machine's rates.
-
-def _best_time(fn: Callable, *args, repeats: int = 3) -> float:
-    """Best of `repeats` timed calls of `fn(*args)`, after one that compiles."""
-    jax.block_until_ready(fn(*args))
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-_STEPS = 4  # local steps of a reference update (a fori_loop, as a client's update is)
-
-
-@functools.cache  # one function per loss: its compilations are shared by the measurements
-def _sgd(loss: Callable) -> Callable:
-    """A reference client update: `steps` (traced, as a client's are) SGD steps on `loss`."""
-    def update(params, x, y, steps):
-        def body(_, p):
-            grads = jax.grad(loss)(p, x, y)
-            return jax.tree.map(lambda a, g: a - 0.01 * g, p, grads)
-        return jax.lax.fori_loop(0, steps, body, params)
-    return update
-
-
-def _dense_loss(p, x, y):
-    h = jax.nn.relu(x @ p["w1"])
-    return jnp.mean((h @ p["w2"] - y) ** 2)
-
-
-def _conv_loss(p, x, y):
-    h = conv(x, p["k"], (1, 1), "SAME")  # the models' convolution (fast inside rolled loops)
-    return jnp.mean((jnp.mean(jax.nn.relu(h), axis=(1, 2)) @ p["w"] - y) ** 2)
-
-
-def _normal(shape: tuple[int, ...], scale: float, seed: int) -> np.ndarray:
-    """Reference inputs drawn with NumPy (an eager JAX op would compile a program of its own)."""
-    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
-
-
-def _dense_case(width: int, batch: int):
-    params = {"w1": _normal((width, width), 0.05, 0), "w2": _normal((width, 10), 0.05, 1)}
-    return _dense_loss, params, _normal((batch, width), 1.0, 2), np.zeros((batch, 10),
-                                                                          np.float32)
-
-
-def _conv_case(size: int, channels: int, batch: int):
-    params = {"k": _normal((3, 3, channels, channels), 0.1, 3),
-              "w": _normal((channels, 10), 0.1, 4)}
-    x = _normal((batch, size, size, channels), 1.0, 5)
-    return _conv_loss, params, x, np.zeros((batch, 10), np.float32)
-
-
-def _elementwise_loss(p, x, y):
-    del y
-    return jnp.sum(jnp.tanh(x * p["a"] + p["b"]) ** 2)
-
-
-def _elementwise_case(rows: int, width: int):
-    params = {"a": np.ones((width,), np.float32), "b": np.zeros((width,), np.float32)}
-    return (_elementwise_loss, params, np.full((rows, width), 0.1, np.float32),
-            np.zeros((), np.float32))
-
-
-_MANY = 2  # clients of the vectorized references
-
-
-def _rates_of(kernels: str, shared: KernelRates | None = None) -> tuple[KernelRates, dict]:
-    """One kernel set's rates from reference updates: a tiny dense one (an operation's launch)
-    and an element-wise one (bytes/s), taken from `shared` when given (the kernel sets differ
-    in matrix products and convolutions only); a dense and a convolutional one (arithmetic),
-    each alone and vmapped over `_MANY` clients."""
-    jit = functools.partial(jax.jit, compiler_options=kernel_options(kernels) or None)
-
-    steps = np.int32(_STEPS)
-
-    def timed(case, vectorized: bool = True):
-        loss, params, x, y = case
-        update = _sgd(loss)
-        work = work_of(update, params, x, y, steps)  # one step: the loop's body
-        one_s = _best_time(jit(update), params, x, y, steps) / _STEPS
-        if not vectorized:
-            return work, one_s, None
-        many = jax.tree.map(lambda a: np.stack([a] * _MANY), (params, x, y))
-        many_s = _best_time(jit(jax.vmap(update, in_axes=(0, 0, 0, None))), *many,
-                            steps) / _STEPS
-        return work, one_s, many_s
-
-    timings = {}
-    if shared is None:
-        tiny, timings["tiny_step_s"], _ = timed(_dense_case(8, 2), vectorized=False)
-        launch = timings["tiny_step_s"] / max(tiny.ops, 1)
-        streamed, stream_one, _ = timed(_elementwise_case(64, 4096), vectorized=False)
-        timings["elementwise_step_s"] = stream_one
-        bytes_per_s = streamed.bytes / max(stream_one - streamed.ops * launch,
-                                           0.05 * stream_one)
-    else:
-        launch, bytes_per_s = shared.launch_s, shared.bytes_per_s
-    dense, dense_one, dense_many = timed(_dense_case(256, 64))
-    conv, conv_one, conv_many = timed(_conv_case(16, 16, 32))
-    floor = lambda w: w.ops * launch  # noqa: E731
-
-    def rate(flops: float, seconds: float, work: StepWork, clients: int) -> float:
-        rest = seconds - floor(work) - clients * work.bytes / bytes_per_s
-        return clients * flops / max(rest, 0.05 * seconds)
-
-    rates = KernelRates(
-        launch_s=launch,
-        dot_one=rate(dense.dot_flops, dense_one, dense, 1),
-        conv_one=rate(conv.conv_flops, conv_one, conv, 1),
-        dot_many=rate(dense.dot_flops, dense_many, dense, _MANY),
-        conv_many=rate(conv.conv_flops, conv_many, conv, _MANY),
-        bytes_per_s=bytes_per_s)
-    timings.update(dense_step_s=[dense_one, dense_many], conv_step_s=[conv_one, conv_many])
-    return rates, timings
-
-
-def _finish_reference(upload, template):
-    """A finishing like the upload plan's: the update's norm and a finite check."""
-    delta = jax.tree.map(lambda u, t: u - t, upload, template)
-    return {"norm": jnp.sqrt(sum(jnp.sum(d * d) for d in jax.tree.leaves(delta))),
-            "finite": jnp.all(jnp.stack([jnp.all(jnp.isfinite(u))
-                                         for u in jax.tree.leaves(upload)]))}
-
-
-def _runner_overheads(threads: int) -> dict[str, float]:
-    """The strategies' own costs on a program that computes nothing but hands back an upload
-    of 64k floats: 'call_s' (one 'scan' update call), 'loop_participant_s' (what 'loop' takes
-    per participant), 'finish_one' and 'finish_many' (bytes/s of a finishing like the upload
-    plan's, `_finish_reference`, under 'scan' and under 'vmap')."""
-    from fedjax_pfedes.algorithms.base import CohortProgram
-    from fedjax_pfedes.data.federated import ClientArrays
-    from fedjax_pfedes.execution import runners
-    from fedjax_pfedes.execution.strategies.protocol import Finishing
-
-    template = {f"w{i}": np.zeros((8192,), np.float32) for i in range(8)}
-
-    def update(broadcast, state, train, rng):
-        del rng
-        moved = jnp.sum(train.x[0]) * 0.0 + 1.0
-        return (jax.tree.map(lambda a: a + moved, broadcast), state + moved,
-                {"loss": moved})
-
-    program = CohortProgram(lambda rng: jnp.zeros(()), update,
-                            lambda b, s, t: {"personalized_accuracy": jnp.float32(0.0)},
-                            lambda b, s, x: x)
-    p = 32
-    states = np.zeros((p,), np.float32)
-    train = ClientArrays(np.zeros((p, 2, 3), np.float32), np.zeros((p, 2), np.int32),
-                         np.full((p,), 2, np.int32))
-    slots = np.arange(p, dtype=np.int32)
-    keys = jax.random.wrap_key_data(np.zeros((p, 2), np.uint32))
-    finishing = Finishing(template, template, _finish_reference)
-    finish_bytes = p * work_of(_finish_reference, template, template).bytes
-    seconds = {}
-    for name in ("scan", "vmap", "loop"):
-        runner = runners.make_runner(program, name, loop_threads=threads)
-        for sent in ((template, finishing) if name != "loop" else (template,)):
-            call = lambda sent=sent, runner=runner: runner.update(  # noqa: E731
-                sent, np.copy(states), train, slots, keys)
-            seconds[name, sent is finishing] = _best_time(call)
-    rate = lambda n: finish_bytes / max(seconds[n, True] - seconds[n, False],  # noqa: E731
-                                        1e-3 * seconds[n, True])
-    return {"call_s": seconds["scan", False], "loop_participant_s": seconds["loop", False] / p,
-            "finish_one": rate("scan"), "finish_many": rate("vmap")}
-
-
-def _thread_gain(kernels: str) -> float:
-    """Share of a second thread's work that adds throughput: two threads each running the
-    reference convolution update against one thread running both."""
-    loss, params, x, y = _conv_case(16, 16, 32)
-    fn = jax.jit(_sgd(loss), compiler_options=kernel_options(kernels) or None)
-    steps = np.int32(_STEPS)
-    jax.block_until_ready(fn(params, x, y, steps))
-    calls = 3
-
-    def run(n):
-        for _ in range(n):
-            jax.block_until_ready(fn(params, x, y, steps))
-
-    t0 = time.perf_counter()
-    run(2 * calls)
-    serial = time.perf_counter() - t0
-    threads = [threading.Thread(target=run, args=(calls,)) for _ in range(2)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    parallel = time.perf_counter() - t0
-    return float(min(max(serial / parallel - 1.0, 0.0), 1.0))
-
-
-def measure_rates(kernel_sets: tuple[str, ...]) -> tuple[MachineRates, dict]:
-    """Measures this machine's `MachineRates` for `kernel_sets` on the default backend.
-
-    Returns:
-      (the rates, the raw timings behind them).
-    """
-    from fedjax_pfedes.execution.runners import default_loop_threads
-
-    # First, as it also warms the CPU up (a first measurement runs slower) and compiles the
-    # convolution reference the rates reuse.
-    gain = _thread_gain(kernel_sets[0]) if default_loop_threads() > 1 else 0.0
-    first = _rates_of(kernel_sets[0])
-    measured = {kernel_sets[0]: first,
-                **{k: _rates_of(k, first[0]) for k in kernel_sets[1:]}}
-    overheads = _runner_overheads(default_loop_threads())
-    rates = MachineRates(thread_gain=gain, kernels={k: r for k, (r, _) in measured.items()},
-                         **overheads)
-    return rates, {k: t for k, (_, t) in measured.items()}
-
-
-def machine_rates(machine: dict, kernel_sets: tuple[str, ...], cache_dir: str | None
-                  ) -> MachineRates:
-    """This machine's rates: from `RATES_FILE` in `cache_dir` when measured before under the
-    same `machine` (`choice.machine()`) and kernel sets, else measured now (and cached).
-
-    Args:
-      machine: `choice.machine()`.
-      kernel_sets: the kernel sets to rate.
-      cache_dir: the decision cache's folder (None: measure, keep nothing).
-
-    Returns:
-      The `MachineRates`.
-    """
-    key = hashlib.sha256(json.dumps([machine, sorted(kernel_sets)], sort_keys=True)
-                         .encode()).hexdigest()[:24]
-    path = os.path.join(cache_dir, RATES_FILE) if cache_dir else None
-    cache = _read(path)
-    if key in cache:
-        try:
-            return MachineRates.from_dict(cache[key]["rates"])
-        except (KeyError, TypeError, ValueError):
-            pass  # a damaged entry is measured anew
-    rates, timings = measure_rates(tuple(kernel_sets))
-    if path:
-        cache = _read(path)
-        cache[key] = {"machine": machine, "rates": rates.as_dict(), "timings": timings}
-        _write(path, cache)
-    return rates
-
-
-def _read(path: str | None) -> dict:
-    if not path or not os.path.exists(path):
-        return {}
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write(path: str, data: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # an optimization: a read-only folder only costs a measurement next time

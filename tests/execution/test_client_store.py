@@ -133,6 +133,27 @@ def test_offloaded_runs_equal_the_device_run_and_resume(tmp_path, monkeypatch):
                             for a in jax.tree.leaves(s))
 
 
+@pytest.mark.slow  # two small runs
+def test_auto_execution_with_offloaded_states_takes_the_models_choice_untimed(tmp_path):
+    """The defaults with offloaded states: the cost model decides each cohort without a timing
+    (the states live on the host), and the run equals one given that choice explicitly."""
+    config = small_config("auto")
+    config.execution.cpu_kernels = "auto"
+    config.train.rounds, config.train.client_fraction = 2, 0.34
+    config.execution.client_states = "offload"
+    config.execution.compilation_cache_dir = str(tmp_path / "cache")
+    summary = run_experiment(config, str(tmp_path / "auto"), show_progress=False)
+    for arch, picked in summary["strategy_choice"].items():
+        assert picked["seconds_per_call"] == {} and "offloaded" in picked["reason"], arch
+        assert picked["strategy"] == next(iter(picked["predicted_round_s"]))
+    chosen = set(summary["execution_strategy_by_arch"].values())
+    if len(chosen) == 1:  # one choice for every cohort: the explicit run is one config
+        strategy, _, kernels = chosen.pop().partition("/")
+        config.execution.strategy, config.execution.cpu_kernels = strategy, kernels or "xla"
+        run_experiment(config, str(tmp_path / "explicit"), show_progress=False)
+        assert _metrics(tmp_path / "explicit") == _metrics(tmp_path / "auto")
+
+
 def test_evaluating_a_sample_of_clients_equals_those_clients_of_a_full_evaluation():
     from fedjax_pfedes.engine.build import build_context, build_federated_data
     from fedjax_pfedes.engine.evaluation import evaluate, evaluation_sample, global_test_set
