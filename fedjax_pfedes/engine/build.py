@@ -347,11 +347,12 @@ def _choose_runners(ex: ml_collections.ConfigDict, cohorts, arch_runners: dict,
     start = time.perf_counter()
     trials = {c.arch: trial(c) for c in cohorts}
     undecided = [a for a, t in trials.items() if choice.cached_choice(t, cache_dir) is None]
-    predicted = {}
+    predicted, fixed = {}, {}
     if undecided:
         rates = machine_rates.cached(choice.machine(), tuple(dict.fromkeys(
             r.kernels for t in trials.values() for r in t.runners.values())), cache_dir)
         predicted = {a: trials[a].predicted(rates) for a in undecided}
+        fixed = {a: trials[a].fixed_costs(rates) for a in undecided}
     # A predicted difference below 5 % of the whole round is not worth compiling a candidate.
     negligible = 0.05 * sum(min(p.values()) for p in predicted.values())
     overhead = time.perf_counter() - start  # the machine's rates, the programs' jaxprs
@@ -359,7 +360,8 @@ def _choose_runners(ex: ml_collections.ConfigDict, cohorts, arch_runners: dict,
     for c in cohorts:
         start = time.perf_counter()
         picked = choice.choose(trials[c.arch], cache_dir, predicted=predicted.get(c.arch),
-                               timing=ex.client_states == "device", negligible_s=negligible)
+                               timing=ex.client_states == "device", negligible_s=negligible,
+                               fixed=fixed.get(c.arch))
         c.use(arch_runners[c.arch][picked.strategy])
         choices[c.arch] = {**picked.as_dict(), "decided_in_s": time.perf_counter() - start +
                            overhead / len(cohorts)}

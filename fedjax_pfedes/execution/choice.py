@@ -156,6 +156,19 @@ class Trial:
         operand = jax.tree.map(whole, sent.operand)
         return step, cost_model.work_of(sent.fn, upload, operand).bytes
 
+    def fixed_costs(self, rates: cost_model.MachineRates) -> dict[str, tuple[float, float]]:
+        """runner -> (seconds of a measured call, seconds of a round) the machine's dispatch
+        costs: 'loop' pays its per-participant cost for each of the call's `bucket` slots and
+        each of a round's expected participants, the others one call."""
+        fixed = {}
+        for name, r in self.runners.items():
+            if r.strategy == "loop":
+                fixed[name] = (self.bucket * rates.loop_participant_s,
+                               self.expected_participants * rates.loop_participant_s)
+            else:
+                fixed[name] = (rates.call_s, rates.call_s)
+        return fixed
+
     def predicted(self, rates: cost_model.MachineRates) -> dict[str, float]:
         """The cost model's round seconds per runner, cheapest first (`cost_model.rank`)."""
         step, finish_bytes = self.work()
@@ -225,7 +238,8 @@ def _key(t: Trial) -> str:
 
 def choose(trial: Trial, cache_dir: str | None, repeats: int = 2,
            predicted: dict[str, float] | None = None, timing: bool = True,
-           negligible_s: float = 0.0) -> Choice:
+           negligible_s: float = 0.0,
+           fixed: dict[str, tuple[float, float]] | None = None) -> Choice:
     """The trial's runner (name -> runner) for one cohort: the cached decision, else the cost
     model's best when no other candidate is within `cost_model.MARGIN` of it, else the cheaper
     of the contenders as timed.
@@ -241,6 +255,8 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2,
     runner, cheapest first (`cost_model.rank`; None: time every runner). `timing`: False takes
     the model's best untimed (where a timing cannot run, e.g. offloaded states).
     `negligible_s`: a predicted difference per round not worth timing (`cost_model.contenders`).
+    `fixed`: per runner, the dispatch seconds of a measured call and of a round, which a timing
+    does not scale with the local steps (`Trial.fixed_costs`).
     """
     cached = cached_choice(trial, cache_dir)
     if cached is not None:
@@ -258,7 +274,7 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2,
     else:
         per_call, expected, first_s = _timed(trial, timed, repeats,
                                              budget_s=None if predicted is None else
-                                             cost_model.TIMING_COMPILE_BUDGET_S)
+                                             cost_model.TIMING_COMPILE_BUDGET_S, fixed=fixed)
         if len(per_call) < len(timed):
             why = (f"the cost model's best; {timed[0]}'s program took {first_s:.1f} s to "
                    f"compile and run once, above the {cost_model.TIMING_COMPILE_BUDGET_S} s "
@@ -288,11 +304,14 @@ def _model_reason(predicted: dict[str, float], strategies: dict[str, str],
             f"{second:.3g} ({second / best:.2f}x, {why})")
 
 
-def _timed(trial: Trial, names: list[str], repeats: int, budget_s: float | None = None
+def _timed(trial: Trial, names: list[str], repeats: int, budget_s: float | None = None,
+           fixed: dict[str, tuple[float, float]] | None = None
            ) -> tuple[dict[str, float], dict[str, float], float]:
     """(seconds per measured call, expected round seconds, seconds of the first runner's
     first call) of the runners `names`, timed in order; with `budget_s`, the others only when
-    that first call (its compilation) took at most that long."""
+    that first call (its compilation) took at most that long. `fixed`: runner -> (seconds of a
+    measured call, seconds of a round) that do not grow with the local steps
+    (`Trial.fixed_costs`)."""
     epochs, bucket = trial.epochs, trial.bucket
     one_step, slots, keys = trial.inputs()
     per_call, first_s = {}, 0.0
@@ -316,8 +335,14 @@ def _timed(trial: Trial, names: list[str], repeats: int, budget_s: float | None 
     per_participant = mean_steps * trial.expected_participants / (epochs * bucket)
     calls_per_round = {"per_participant": per_participant,
                        "longest_schedule": max_steps / epochs}
-    expected = {name: seconds * calls_per_round[
-        protocol.strategy(trial.runners[name].strategy).cost]
-        for name, seconds in per_call.items()}
+    # What a call pays once whatever the steps (the model's dispatch figures, `fixed`: per call,
+    # per round) is not scaled with them: a participant's dispatch in 'loop' is paid once,
+    # not once per step.
+    fixed = fixed or {}
+    expected = {}
+    for name, seconds in per_call.items():
+        call_fixed, round_fixed = fixed.get(name, (0.0, 0.0))
+        scale = calls_per_round[protocol.strategy(trial.runners[name].strategy).cost]
+        expected[name] = round_fixed + max(seconds - call_fixed, 0.0) * scale
     return per_call, expected, first_s
 

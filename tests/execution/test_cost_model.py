@@ -247,3 +247,28 @@ def test_a_machines_rates_are_measured_positive_and_finite():
     assert 0.0 <= rates.thread_gain <= 1.0
     assert set(timings["xla"]) >= {"tiny_step_s", "elementwise_step_s", "dense_step_s",
                                    "conv_step_s"}
+
+
+def test_a_timing_scales_the_steps_but_not_the_dispatch(monkeypatch):
+    """A measured call ran one step per slot; a round runs the planned steps. What a call pays
+    once per participant ('loop') or once ('scan') is not multiplied by the steps: a loop with
+    a millisecond of dispatch per participant and 9 ms of steps per slot measures 40 ms for 4
+    slots and costs 2 + 2 * 5 * 9 = 92 ms for 2 participants of 5 steps."""
+    from fedjax_pfedes.data.federated import ClientArrays
+    train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
+                         jnp.full((4,), 8, jnp.int32))
+    runners = {"loop": _fake_runner("loop", 0.0)[0], "scan": _fake_runner("scan", 0.0)[0]}
+    calls = {"loop": 0.040, "scan": 0.037}
+    monkeypatch.setattr(choice, "_time_update",
+                        lambda runner, *a, **k: (calls[runner.strategy], 0.0))
+    trial = choice.Trial("alg/fixed", runners, {}, {"w": jnp.zeros((4, 3))}, train, bucket=4,
+                         expected_participants=2.0, planned_steps=np.full(4, 5), epochs=1,
+                         batch_size=1)
+    fixed = {"loop": (0.004, 0.002), "scan": (0.001, 0.001)}
+    _, expected, _ = choice._timed(trial, ["loop", "scan"], repeats=1, fixed=fixed)
+    assert expected["loop"] == pytest.approx(0.002 + (0.040 - 0.004) / 4 * 5 * 2)
+    assert expected["scan"] == pytest.approx(0.001 + (0.037 - 0.001) / 4 * 5 * 2)
+    _, unscaled, _ = choice._timed(trial, ["loop", "scan"], repeats=1)
+    assert unscaled["loop"] == pytest.approx(0.040 / 4 * 5 * 2)  # dispatch scaled too
+    rates = _rates()
+    assert trial.fixed_costs(rates) == {"loop": (4 * 5e-4, 2 * 5e-4), "scan": (2e-4, 2e-4)}
