@@ -278,7 +278,9 @@ def rank(work: StepWork, cohort: Cohort, machine: MachineRates,
     """Predicted round seconds of each candidate, cheapest first.
 
     Args:
-      work, cohort, machine: as `predict`.
+      work: one client's step (`work_of`).
+      cohort: participants, bucket, steps, threads, devices (`Cohort`).
+      machine: the machine's rates.
       candidates: runner name -> (strategy, kernels).
 
     Returns:

@@ -137,11 +137,23 @@ RESULT_NEUTRAL = (("train", "allow_divergence"), ("train", "allow_untrained"),
                   ("execution", "compilation_cache_dir"), ("execution", "loop_threads"))
 
 
-def _without_neutral(config: dict | None) -> dict | None:
+# Fields whose value 'auto' matches a finished run of any value: every execution strategy and
+# kernel set computes the same numbers up to float reassociation, and 'auto' may pick any of
+# them (`execution.choice`), so a run made with an explicit one is an 'auto' run's result too.
+AUTO_MATCHES_ANY = (("execution", "strategy"), ("execution", "cpu_kernels"))
+
+
+def _without_neutral(config: dict | None, auto_in: dict | None = None) -> dict | None:
+    """`config` without the `RESULT_NEUTRAL` fields, nor the `AUTO_MATCHES_ANY` fields that
+    are 'auto' in `auto_in` (the config a finished run is matched against)."""
     if not isinstance(config, dict):
         return config
     out = json.loads(json.dumps(config))
-    for section, field in RESULT_NEUTRAL:
+    auto_in = auto_in if isinstance(auto_in, dict) else {}
+    dropped = RESULT_NEUTRAL + tuple(
+        (section, field) for section, field in AUTO_MATCHES_ANY
+        if isinstance(auto_in.get(section), dict) and auto_in[section].get(field) == "auto")
+    for section, field in dropped:
         if isinstance(out.get(section), dict):
             out[section].pop(field, None)
     return out
@@ -156,8 +168,9 @@ def finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | None
     with open(path) as f:
         summary = json.load(f)
     normalized = json.loads(json.dumps(config.to_dict()))
-    same = same_config(_without_neutral(summary.get("config")), _without_neutral(normalized),
-                       _without_neutral(default_values()))
+    same = same_config(_without_neutral(summary.get("config"), normalized),
+                       _without_neutral(normalized, normalized),
+                       _without_neutral(default_values(), normalized))
     return summary if same else None
 
 

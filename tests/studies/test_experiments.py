@@ -186,6 +186,26 @@ def test_a_finished_run_is_reused_whatever_its_loop_threads_but_not_another_lr(t
     assert experiments.finished_run(config, str(tmp_path)) is None
 
 
+def test_an_auto_execution_config_reuses_a_run_of_any_strategy_but_not_the_reverse(tmp_path):
+    """'auto' may pick any strategy and kernel set (same numbers up to float reassociation):
+    a run made with `loop`/`xla` (the defaults before 'auto') is reused by the 'auto' default,
+    a run asked for with another explicit strategy is not."""
+    import json
+
+    config = _tiny()
+    config.execution.strategy, config.execution.cpu_kernels = "loop", "xla"
+    (tmp_path / "summary.json").write_text(json.dumps({"config": config.to_dict()}))
+    config.execution.strategy, config.execution.cpu_kernels = "auto", "auto"
+    assert experiments.finished_run(config, str(tmp_path)) is not None
+    config.execution.strategy = "vmap"
+    assert experiments.finished_run(config, str(tmp_path)) is None
+    config.execution.strategy, config.execution.cpu_kernels = "auto", "eigen"
+    assert experiments.finished_run(config, str(tmp_path)) is None
+    config.execution.cpu_kernels = "auto"
+    config.train.lr_local *= 2
+    assert experiments.finished_run(config, str(tmp_path)) is None
+
+
 def test_compare_variants_parse_fields_and_types():
     from fedjax_pfedes.errors import ConfigError
     from fedjax_pfedes.launch.compare import parse_variants
