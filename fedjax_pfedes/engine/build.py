@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import os
 import tempfile
-import time
 from typing import Any
 
 import jax
@@ -39,14 +38,7 @@ from fedjax_pfedes.engine.sections import round_settings
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.execution import (
-    choice,
-    compilation,
-    kernels,
-    machine_rates,
-    placement,
-    runners,
-)
+from fedjax_pfedes.execution import choice, compilation, kernels, placement, runners
 from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.io import plotting
 from fedjax_pfedes.io.metrics import write_json
@@ -322,9 +314,9 @@ def _choose_runners(ex: ml_collections.ConfigDict, cohorts, arch_runners: dict,
                     strategies: dict[str, str] | None, trial) -> dict:
     """Sets each cohort's runner: the only candidate (left as `build_cohorts` set it); the
     checkpoint's (`strategies`) when a resumed run has it among the candidates; else the one
-    `execution.choice` picks on `trial(cohort)`: the decision cache's, the cost model's best,
-    or the faster of the model's two best strategies as timed (module `execution.cost_model`;
-    a difference below 5 % of the predicted round is not timed; offloaded states never are).
+    `execution.choice.decide` picks on `trial(cohort)`: the decision cache's, the cost model's
+    best, or the faster of the model's two best strategies as timed (offloaded states never
+    are).
 
     Returns:
       arch -> the choice as summary.json states it, with the seconds deciding took ({} with a
@@ -344,29 +336,13 @@ def _choose_runners(ex: ml_collections.ConfigDict, cohorts, arch_runners: dict,
             "resumed rounds may differ from the original run's in the last float bits",
             strategies, sorted(next(iter(arch_runners.values()))))
     cache_dir = compilation.configure_cache(ex.compilation_cache_dir)
-    start = time.perf_counter()
-    trials = {c.arch: trial(c) for c in cohorts}
-    undecided = [a for a, t in trials.items() if choice.cached_choice(t, cache_dir) is None]
-    predicted, fixed = {}, {}
-    if undecided:
-        rates = machine_rates.cached(choice.machine(), tuple(dict.fromkeys(
-            r.kernels for t in trials.values() for r in t.runners.values())), cache_dir)
-        predicted = {a: trials[a].predicted(rates) for a in undecided}
-        fixed = {a: trials[a].fixed_costs(rates) for a in undecided}
-    # A predicted difference below 5 % of the whole round is not worth compiling a candidate.
-    negligible = 0.05 * sum(min(p.values()) for p in predicted.values())
-    overhead = time.perf_counter() - start  # the machine's rates, the programs' jaxprs
-    choices = {}
+    choices = choice.decide({c.arch: trial(c) for c in cohorts}, cache_dir,
+                            timing=ex.client_states == "device")
     for c in cohorts:
-        start = time.perf_counter()
-        picked = choice.choose(trials[c.arch], cache_dir, predicted=predicted.get(c.arch),
-                               timing=ex.client_states == "device", negligible_s=negligible,
-                               fixed=fixed.get(c.arch))
-        c.use(arch_runners[c.arch][picked.strategy])
-        choices[c.arch] = {**picked.as_dict(), "decided_in_s": time.perf_counter() - start +
-                           overhead / len(cohorts)}
-        logging.info("execution of the %s cohort: %s (%s)", c.arch, picked.strategy,
-                     "decided before, cached" if picked.cached else picked.reason)
+        picked = choices[c.arch]
+        c.use(arch_runners[c.arch][picked["strategy"]])
+        logging.info("execution of the %s cohort: %s (%s)", c.arch, picked["strategy"],
+                     "decided before, cached" if picked["cached"] else picked["reason"])
     return choices
 
 

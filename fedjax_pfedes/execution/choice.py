@@ -3,15 +3,16 @@ execution strategy and CPU kernels.
 
 The candidates are the strategies 'loop', 'vmap' and 'scan' ('shard' with several devices), each
 with the kernel choices `execution.kernels.kernel_candidates` gives. `execution.cost_model`
-prices them first, without compiling any. Its best is taken untimed unless the best candidate of
-another strategy is predicted within `cost_model.MARGIN`, worth more than 5 % of the round, and
-the best one's program compiles within `cost_model.TIMING_COMPILE_BUDGET_S` (a timing compiles
-the other at about that cost). Then both run the cohort's local update on a full bucket of
-participants with every client cut to one batch of rows (one local step per epoch), on the
-backend the run uses. The compiled programs are the run's own (sizes are data, not shapes), so
-the winner's compilation is reused by the rounds. From the per-call times the expected cost of
-a real round follows from the clients' planned step counts: the loop and the scan run each
-participant's own steps, vmap iterates over the whole bucket until the longest schedule ends.
+prices them first, without compiling any (`decide`). Its best is taken untimed unless the best
+candidate of another strategy is predicted within `cost_model.MARGIN`, the difference is more
+than `cost_model.NEGLIGIBLE_SHARE` of the round, and the best one's program compiles within
+`cost_model.TIMING_COMPILE_BUDGET_S` (a timing compiles the other at about that cost). Then both
+run the cohort's local update on a full bucket of participants with every client cut to one
+batch of rows (one local step per epoch), on the backend the run uses. The compiled programs are
+the run's own (sizes are data, not shapes), so the winner's compilation is reused by the rounds.
+From the per-call times the expected cost of a real round follows from the clients' planned step
+counts: the loop and the scan run each participant's own steps, vmap iterates over the whole
+bucket until the longest schedule ends.
 The cheaper one wins; the prediction, the timings, the choice and its reason go into
 summary.json and the run's log.
 
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes.algorithms.base import PyTree
-from fedjax_pfedes.execution import cost_model, json_cache
+from fedjax_pfedes.execution import cost_model, json_cache, machine_rates
 from fedjax_pfedes.execution.strategies import protocol
 
 CACHE_FILE = "strategy_choices.json"
@@ -287,6 +288,41 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2,
         cache[_key(trial)] = {k: v for k, v in choice.as_dict().items() if k != "cached"}
         json_cache.write(path, cache)
     return choice
+
+
+def decide(trials: dict[str, Trial], cache_dir: str | None, timing: bool = True
+           ) -> dict[str, dict]:
+    """Each cohort's runner (`choose`), the cost model's inputs made once for all of them: the
+    machine's rates (`machine_rates.cached`, only when some cohort is not in the decision cache)
+    and the difference not worth timing (`cost_model.NEGLIGIBLE_SHARE` of the whole predicted
+    round).
+
+    Args:
+      trials: cohort name -> its `Trial`.
+      cache_dir: the decision cache's folder (None: none).
+      timing: False decides from the model alone (offloaded states).
+
+    Returns:
+      cohort name -> `Choice.as_dict()` with `decided_in_s`: the seconds its decision took
+      (the rates and the jaxprs shared equally among the cohorts).
+    """
+    start = time.perf_counter()
+    undecided = [a for a, t in trials.items() if cached_choice(t, cache_dir) is None]
+    predicted, fixed = {}, {}
+    if undecided:
+        rates = machine_rates.cached(machine(), tuple(dict.fromkeys(
+            r.kernels for t in trials.values() for r in t.runners.values())), cache_dir)
+        predicted = {a: trials[a].predicted(rates) for a in undecided}
+        fixed = {a: trials[a].fixed_costs(rates) for a in undecided}
+    negligible = cost_model.NEGLIGIBLE_SHARE * sum(min(p.values()) for p in predicted.values())
+    shared_s = (time.perf_counter() - start) / max(len(trials), 1)
+    out = {}
+    for arch, trial in trials.items():
+        start = time.perf_counter()
+        picked = choose(trial, cache_dir, predicted=predicted.get(arch), timing=timing,
+                        negligible_s=negligible, fixed=fixed.get(arch))
+        out[arch] = {**picked.as_dict(), "decided_in_s": time.perf_counter() - start + shared_s}
+    return out
 
 
 def _model_reason(predicted: dict[str, float], strategies: dict[str, str],

@@ -11,19 +11,24 @@ The model has two halves:
   convolutions, the bytes the other operations write, and the number of operations (each costs a
   fixed launch time however small it is). A `while` loop's body (the local steps) counts once, so
   these are the figures of one step; a `scan` counts its length times.
+  The bytes the finishing of one participant's upload writes (its norm and checks,
+  `protocol.Finishing`) are read from that function's jaxpr the same way.
 * **The machine** (`MachineRates`, `execution.machine_rates`): measured once per machine
   (`choice.machine()`: backend, device kind, CPU model and features, cores, jax and jaxlib) on
-  small reference programs and cached next to the compilation cache: a jitted call's dispatch,
-  an operation's launch time, the rates of one client's matrix products and convolutions and of
-  the same vectorized over clients (`vmap` turns per-client convolutions into grouped ones,
-  which XLA:CPU runs far slower), per kernel set, and how much a second host thread adds.
+  small reference programs and cached next to the compilation cache: a 'scan' call and 'loop''s
+  cost per participant on a program that computes nothing, how much a second host thread adds,
+  an operation's launch time, bytes/s of element-wise work and of the upload finishing (one
+  client at a time and vectorized), and per kernel set the rates of one client's matrix products
+  and convolutions and of the same vectorized over clients (`vmap` turns per-client
+  convolutions into grouped ones, which XLA:CPU runs far slower).
 
 A round of the cohort then costs, with P participants (expected), mean and longest local steps
-s̄ and ŝ, a bucket of B slots and T loop threads:
+s̄ and ŝ, a bucket of B slots, T loop threads and f, F the finishing's seconds per client one at
+a time and vectorized:
 
-  loop  P (per-participant + s̄ step(1) / parallel(T))   jitted calls per participant, T at once
-  scan  call + P s̄ step(1)                              one call, participants in turn
-  vmap  call + ŝ step(B)                                one call, every slot to the longest end
+  loop  P (per-participant + f + s̄ step(1) / parallel(T))   T participants at once
+  scan  call + P (f + s̄ step(1))                            one call, participants in turn
+  vmap  call + B F + ŝ step(B)                              one call, every slot to the end
   shard vmap over the devices' shares of the bucket
 
 where step(n) = ops · launch + n (matmul flops / matmul rate + conv flops / conv rate + bytes /
@@ -43,7 +48,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-DEFAULT_KERNELS = "xla"  # XLA:CPU's own kernels
+from fedjax_pfedes.execution.kernels import CPU_KERNELS
+
+DEFAULT_KERNELS = CPU_KERNELS[0]  # 'xla': XLA:CPU's own kernels
 # How much faster another kernel set must be predicted to be chosen: the references' kernel
 # rates vary by up to a quarter between measurements on a 2-core machine, and XLA's kernels ran
 # real convolutional programs 1.1-1.2x faster than Eigen's on an AVX-512 CPU whose references
@@ -56,6 +63,9 @@ MARGIN = 2.0
 # A timing compiles a second candidate, at about the cost of the first: it is run only when the
 # model's best compiled and ran its first call within this many seconds.
 TIMING_COMPILE_BUDGET_S = 1.5
+# A predicted difference below this share of the whole round (all cohorts) is not worth the
+# compilation a timing costs.
+NEGLIGIBLE_SHARE = 0.05
 # Operations that only move or relabel data (no arithmetic worth a launch of its own after XLA's
 # fusion), and the structural ones whose inner jaxprs are walked instead.
 _FREE = frozenset({"pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",

@@ -106,7 +106,6 @@ def _rates_of(kernels: str, shared: KernelRates | None = None) -> tuple[KernelRa
     in matrix products and convolutions only); a dense and a convolutional one (arithmetic),
     each alone and vmapped over `_MANY` clients."""
     jit = functools.partial(jax.jit, compiler_options=kernel_options(kernels) or None)
-
     steps = np.int32(_STEPS)
 
     def timed(case, vectorized: bool = True):
@@ -134,7 +133,7 @@ def _rates_of(kernels: str, shared: KernelRates | None = None) -> tuple[KernelRa
     else:
         launch, bytes_per_s = shared.launch_s, shared.bytes_per_s
     dense, dense_one, dense_many = timed(_dense_case(256, 64))
-    conv, conv_one, conv_many = timed(_conv_case(16, 16, 32))
+    convolution, conv_one, conv_many = timed(_conv_case(16, 16, 32))
     floor = lambda w: w.ops * launch  # noqa: E731
 
     def rate(flops: float, seconds: float, work: StepWork, clients: int) -> float:
@@ -144,9 +143,9 @@ def _rates_of(kernels: str, shared: KernelRates | None = None) -> tuple[KernelRa
     rates = KernelRates(
         launch_s=launch,
         dot_one=rate(dense.dot_flops, dense_one, dense, 1),
-        conv_one=rate(conv.conv_flops, conv_one, conv, 1),
+        conv_one=rate(convolution.conv_flops, conv_one, convolution, 1),
         dot_many=rate(dense.dot_flops, dense_many, dense, _MANY),
-        conv_many=rate(conv.conv_flops, conv_many, conv, _MANY),
+        conv_many=rate(convolution.conv_flops, conv_many, convolution, _MANY),
         bytes_per_s=bytes_per_s)
     timings.update(dense_step_s=[dense_one, dense_many], conv_step_s=[conv_one, conv_many])
     return rates, timings

@@ -272,3 +272,25 @@ def test_a_timing_scales_the_steps_but_not_the_dispatch(monkeypatch):
     assert unscaled["loop"] == pytest.approx(0.040 / 4 * 5 * 2)  # dispatch scaled too
     rates = _rates()
     assert trial.fixed_costs(rates) == {"loop": (4 * 5e-4, 2 * 5e-4), "scan": (2e-4, 2e-4)}
+
+
+def test_decide_measures_the_machine_only_for_undecided_cohorts(tmp_path, monkeypatch):
+    """`choice.decide`: the machine's rates are read once for all cohorts and not at all when
+    every decision is cached; each cohort's entry says how long it took."""
+    from fedjax_pfedes.data.federated import ClientArrays
+    train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
+                         jnp.full((4,), 8, jnp.int32))
+    runners = {"loop": _fake_runner("loop", 0.0)[0], "scan": _fake_runner("scan", 0.0)[0]}
+    trials = {a: choice.Trial(f"alg/{a}", runners, {}, {"w": jnp.zeros((4, 3))}, train,
+                              bucket=4, expected_participants=4.0,
+                              planned_steps=np.full(4, 1), epochs=1, batch_size=1)
+              for a in ("mlp", "cnn")}
+    read = []
+    monkeypatch.setattr(machine_rates, "cached", lambda *a: read.append(a) or _rates())
+    monkeypatch.setattr(choice.Trial, "predicted",
+                        lambda self, rates: {"loop": 1.0, "scan": 9.0})
+    first = choice.decide(trials, str(tmp_path))
+    assert len(read) == 1 and {c["strategy"] for c in first.values()} == {"loop"}
+    assert all(c["decided_in_s"] >= 0 and not c["cached"] for c in first.values())
+    again = choice.decide(trials, str(tmp_path))
+    assert len(read) == 1 and all(c["cached"] for c in again.values())
