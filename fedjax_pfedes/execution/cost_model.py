@@ -51,14 +51,12 @@ import numpy as np
 from fedjax_pfedes.execution.kernels import CPU_KERNELS
 
 DEFAULT_KERNELS = CPU_KERNELS[0]  # 'xla': XLA:CPU's own kernels
-# How much faster another kernel set must be predicted to be chosen: the references' kernel
-# rates vary by up to a quarter between measurements on a 2-core machine, and XLA's kernels ran
-# real convolutional programs 1.1-1.2x faster than Eigen's on an AVX-512 CPU whose references
-# showed the two equal (docs/performance.md).
+# How much faster another kernel set must be predicted to be chosen: the kernel rates come from
+# small reference programs, noisy on a small machine, and did not show XLA's lead on real
+# convolutional programs (docs/performance.md, "Defaults that decide").
 KERNEL_MARGIN = 1.25
 # How far the model is trusted: another strategy predicted within this factor of the best one
-# is timed against it, when the best one compiles within `TIMING_COMPILE_BUDGET_S` (the model
-# priced rounds at 0.4-2x their timed cost on the works of docs/performance.md).
+# is timed against it, when the best one compiles within `TIMING_COMPILE_BUDGET_S`.
 MARGIN = 2.0
 # A timing compiles a second candidate, at about the cost of the first: it is run only when the
 # model's best compiled and ran its first call within this many seconds.
