@@ -154,12 +154,21 @@ ROUND_TIMES = {
 
 
 @pytest.mark.parametrize("machine", sorted(ROUND_TIMES))
-def test_a_decision_times_only_the_models_two_best_and_lands_near_the_best(tmp_path, machine):
+def test_a_decision_times_only_the_models_two_best_and_lands_near_the_best(tmp_path, machine,
+                                                                         monkeypatch):
+    """Each runner's measured call is the table's round time (no clock: the decision logic,
+    not this machine's scheduler, is under test)."""
     from fedjax_pfedes.data.federated import ClientArrays
     times = ROUND_TIMES[machine]
     train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
                          jnp.full((4,), 8, jnp.int32))
-    made = {s: _fake_runner(s, t / 20) for s, t in times.items()}
+    made = {s: _fake_runner(s, 0.0) for s in times}
+
+    def measured(runner, *args, **kwargs):
+        made[runner.strategy][1].append(1)
+        return times[runner.strategy] / 20, 0.0
+
+    monkeypatch.setattr(choice, "_time_update", measured)
     trial = choice.Trial("alg/arch", {s: r for s, (r, _) in made.items()}, {},
                          {"w": jnp.zeros((4, 3))}, train, bucket=4, expected_participants=4.0,
                          planned_steps=np.full(4, 1), epochs=1, batch_size=1)
