@@ -181,7 +181,9 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     valid = validate_config(config)  # the run's validation, its sections built once
     algorithm = build_algorithm(config, data, valid.method)
     archs = assign_architectures(config.clients.architectures, data.num_clients)
-    programs = {a: algorithm.cohort_program(a) for a in dict.fromkeys(archs)}
+    # one finishing program per cohort, shared by its candidate runners and the cost model
+    programs = {a: protocol.finishing_program(algorithm.cohort_program(a))
+                for a in dict.fromkeys(archs)}
     arch_runners, mesh, mesh_size = _candidate_runners(config.execution, programs)
     t, n = config.train, data.num_clients
     server_key, client_key, train_key, upload_key = _run_keys(config.seed)
@@ -336,8 +338,10 @@ def _choose_runners(ex: ml_collections.ConfigDict, cohorts, arch_runners: dict,
             "resumed rounds may differ from the original run's in the last float bits",
             strategies, sorted(next(iter(arch_runners.values()))))
     cache_dir = compilation.configure_cache(ex.compilation_cache_dir)
+    # the machine's rates are the machine's: one file per user, whatever the compilation cache
     choices = choice.decide({c.arch: trial(c) for c in cohorts}, cache_dir,
-                            timing=ex.client_states == "device")
+                            timing=ex.client_states == "device",
+                            rates_dir=compilation.user_cache_dir())
     for c in cohorts:
         picked = choices[c.arch]
         c.use(arch_runners[c.arch][picked["strategy"]])

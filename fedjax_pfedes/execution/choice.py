@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes.algorithms.base import PyTree
-from fedjax_pfedes.execution import cost_model, json_cache, machine_rates
+from fedjax_pfedes.execution import cost_model, json_cache, machine_rates, slot_rows
 from fedjax_pfedes.execution.strategies import protocol
 
 CACHE_FILE = "strategy_choices.json"
@@ -142,20 +142,26 @@ class Trial:
 
     def work(self) -> tuple[cost_model.StepWork, float]:
         """(one client's local step, the bytes its upload's finishing writes), from the jaxprs
-        of `client_update` and of what a round sends (`cost_model.work_of`)."""
-        one = lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype)  # noqa: E731
+        of `client_update` and of what a round sends (`cost_model.work_of`).
+
+        The update is traced with the arguments 'loop' (where it is a candidate) first calls
+        it with: what a round sends it, one client's rows of the states and data
+        (`slot_rows.row_shapes`), a key. That trace is then the runner's own, read from JAX's
+        tracing cache instead of traced again; a finishing it runs is subtracted again."""
         whole = lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype)  # noqa: E731
         # offloaded samples are ragged on the host: one client's padded rows stand for all
         train = (self.train.padded(np.zeros(1, np.int64)) if hasattr(self.train, "padded")
                  else self.train)
-        args = (jax.tree.map(whole, self.broadcast), jax.tree.map(one, self.states),
-                jax.tree.map(one, train), jax.random.key(0))
-        step, (upload, _, _) = cost_model.work_of(self.client_update, *args, with_shapes=True)
-        sent = None if self.sent is None else self.sent(next(iter(self.runners.values())))
+        first = next((r for r in self.runners.values() if r.strategy == "loop"),
+                     next(iter(self.runners.values())))
+        sent = self.broadcast if self.sent is None else self.sent(first)
+        step, (upload, _, _) = cost_model.work_of(
+            self.client_update, sent, slot_rows.row_shapes(self.states),
+            slot_rows.row_shapes(train), jax.random.key(0), with_shapes=True)
         if not isinstance(sent, protocol.Finishing):
             return step, 0.0
-        operand = jax.tree.map(whole, sent.operand)
-        return step, cost_model.work_of(sent.fn, upload, operand).bytes
+        finish = cost_model.work_of(sent.fn, upload, jax.tree.map(whole, sent.operand))
+        return step - finish, finish.bytes
 
     def fixed_costs(self, rates: cost_model.MachineRates) -> dict[str, tuple[float, float]]:
         """runner -> (seconds of a measured call, seconds of a round) the machine's dispatch
@@ -290,8 +296,8 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2,
     return choice
 
 
-def decide(trials: dict[str, Trial], cache_dir: str | None, timing: bool = True
-           ) -> dict[str, dict]:
+def decide(trials: dict[str, Trial], cache_dir: str | None, timing: bool = True,
+           rates_dir: str | None = None) -> dict[str, dict]:
     """Each cohort's runner (`choose`), the cost model's inputs made once for all of them: the
     machine's rates (`machine_rates.cached`, only when some cohort is not in the decision cache)
     and the difference not worth timing (`cost_model.NEGLIGIBLE_SHARE` of the whole predicted
@@ -301,6 +307,8 @@ def decide(trials: dict[str, Trial], cache_dir: str | None, timing: bool = True
       trials: cohort name -> its `Trial`.
       cache_dir: the decision cache's folder (None: none).
       timing: False decides from the model alone (offloaded states).
+      rates_dir: where the machine's rates are kept (None: `cache_dir`); the engine keeps them
+        per user (`compilation.user_cache_dir`), whatever compilation cache a run uses.
 
     Returns:
       cohort name -> `Choice.as_dict()` with `decided_in_s`: the seconds its decision took
@@ -311,7 +319,8 @@ def decide(trials: dict[str, Trial], cache_dir: str | None, timing: bool = True
     predicted, fixed = {}, {}
     if undecided:
         rates = machine_rates.cached(machine(), tuple(dict.fromkeys(
-            r.kernels for t in trials.values() for r in t.runners.values())), cache_dir)
+            r.kernels for t in trials.values() for r in t.runners.values())),
+            cache_dir if rates_dir is None else rates_dir)
         predicted = {a: trials[a].predicted(rates) for a in undecided}
         fixed = {a: trials[a].fixed_costs(rates) for a in undecided}
     negligible = cost_model.NEGLIGIBLE_SHARE * sum(min(p.values()) for p in predicted.values())

@@ -23,10 +23,16 @@ from fedjax_pfedes.errors import ConfigError
 MIN_COMPILE_TIME_S = 0.0
 
 
+def user_cache_dir() -> str:
+    """$XDG_CACHE_HOME/fedjax_pfedes, or ~/.cache/fedjax_pfedes: what this package keeps per
+    user and machine (the compilation cache's default home, `execution.machine_rates`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fedjax_pfedes")
+
+
 def default_cache_dir() -> str:
     """$XDG_CACHE_HOME/fedjax_pfedes/jax, or ~/.cache/fedjax_pfedes/jax."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "fedjax_pfedes", "jax")
+    return os.path.join(user_cache_dir(), "jax")
 
 
 def configure_cache(path: str) -> str | None:

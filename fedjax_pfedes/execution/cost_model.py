@@ -90,6 +90,11 @@ class StepWork:
     bytes: float
     ops: int
 
+    def __sub__(self, other: StepWork) -> StepWork:
+        """The work of a program less that of a part of it (e.g. a step without its finishing)."""
+        return StepWork(self.dot_flops - other.dot_flops, self.conv_flops - other.conv_flops,
+                        self.bytes - other.bytes, self.ops - other.ops)
+
 
 def _size(aval) -> int:
     return int(np.prod(aval.shape)) if hasattr(aval, "shape") else 1

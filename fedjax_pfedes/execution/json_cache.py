@@ -22,10 +22,11 @@ def read(path: str | None) -> dict:
 
 
 def write(path: str, data: dict) -> None:
-    """Writes `data` to `path` through a temporary file and a rename; an OSError (a read-only or
-    full disk) is ignored."""
+    """Writes `data` to `path` (creating its folder) through a temporary file and a rename; an
+    OSError (a read-only or full disk) is ignored."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)

@@ -1,5 +1,6 @@
 """A machine's constants for the execution cost model (`cost_model.MachineRates`): measured once
-per machine on small reference programs and cached in `RATES_FILE` beside the compilation cache.
+per machine on small reference programs and cached in `RATES_FILE` (the engine keeps it in the
+user's cache folder, `compilation.user_cache_dir()`, whatever compilation cache a run uses).
 
 Each rate is what the cost model multiplies a counted quantity by: a jitted call and 'loop''s cost
 per participant on a program that computes nothing, how much a second host thread adds, an
@@ -7,7 +8,8 @@ operation's launch time, bytes/s of element-wise work and of an upload's finishi
 a time and vectorized), and per kernel set the FLOP/s of matrix products and convolutions, one
 client alone and vmapped over clients. References draw their inputs with NumPy (an eager JAX op
 compiles a program of its own) and use the models' own convolution (`models.layers.conv`: fast
-inside rolled loops); the first measurement also warms the CPU up. About 2.5 s on a 2-core CPU.
+inside rolled loops); the first measurement also warms the CPU up. What it costs on a first run
+is in docs/performance.md ("Defaults that decide").
 """
 
 from __future__ import annotations
@@ -254,7 +256,7 @@ def cached(machine: dict, kernel_sets: tuple[str, ...], cache_dir: str | None) -
     Args:
       machine: `choice.machine()`.
       kernel_sets: the kernel sets to rate.
-      cache_dir: the decision cache's folder (None: measure, keep nothing).
+      cache_dir: the folder `RATES_FILE` is kept in (None: measure, keep nothing).
 
     Returns:
       The `MachineRates`.

@@ -22,6 +22,11 @@ def get_row(tree: PyTree, i: jax.Array) -> PyTree:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
+def row_shapes(tree: PyTree) -> PyTree:
+    """The shapes of one row of `tree` (`get_row`'s), as `jax.ShapeDtypeStruct`s."""
+    return jax.eval_shape(lambda t: get_row(t, 0), tree)
+
+
 @functools.cache
 def _zeros_program(treedef, leaves: tuple[tuple[tuple[int, ...], str], ...]) -> Callable:
     return jax.jit(lambda: jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype)

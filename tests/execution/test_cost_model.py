@@ -2,6 +2,7 @@
 round prices against the formulas written out by hand, and the decision it drives
 (`execution.choice.choose`) on the round times of two CPUs."""
 
+import dataclasses
 import json
 import math
 
@@ -303,3 +304,73 @@ def test_decide_measures_the_machine_only_for_undecided_cohorts(tmp_path, monkey
     assert all(c["decided_in_s"] >= 0 and not c["cached"] for c in first.values())
     again = choice.decide(trials, str(tmp_path))
     assert len(read) == 1 and all(c["cached"] for c in again.values())
+
+
+def test_the_cost_model_reads_the_trace_the_loop_runner_compiles():
+    """`Trial.work` traces the cohort's update with the arguments 'loop' first calls it with
+    (what a round sends, one client's rows, a key), on the function the runners share
+    (`protocol.finishing_program` is idempotent): the runner then reads that trace from JAX's
+    cache instead of tracing the update again — with a plain broadcast and with a `Finishing`
+    one, whose finishing is subtracted from the step again."""
+    from fedjax_pfedes.algorithms.base import CohortProgram
+    from fedjax_pfedes.data.federated import ClientArrays
+    from fedjax_pfedes.execution import runners
+    from fedjax_pfedes.execution.strategies import protocol
+
+    traced = []
+
+    def update(broadcast, state, train, rng):
+        traced.append(1)  # runs once per trace
+        del rng
+        h = jnp.tanh(train.x.reshape(train.x.shape[0], -1) @ broadcast["w"])
+        return {"w": broadcast["w"] + jnp.mean(h)}, state + 1.0, {"loss": jnp.mean(h)}
+
+    def finish(upload, template):
+        return {"norm": jnp.sqrt(jnp.sum((upload["w"] - template["w"]) ** 2))}
+
+    base = CohortProgram(lambda rng: jnp.zeros(()), update,
+                         lambda b, s, t: {"personalized_accuracy": jnp.float32(0.0)},
+                         lambda b, s, x: x)
+    program = protocol.finishing_program(base)
+    assert protocol.finishing_program(program) is program
+    train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
+                         jnp.full((4,), 8, jnp.int32))
+    broadcast = {"w": jnp.ones((2, 3))}
+    states = jnp.zeros((4,))
+    loop = runners.make_runner(program, "loop", loop_threads=1)
+    slots = np.arange(4, dtype=np.int32)
+    keys = jax.random.split(jax.random.key(0), 4)
+    for sent in (broadcast, protocol.Finishing(broadcast, broadcast, finish)):
+        traced.clear()
+        trial = choice.Trial("alg/arch", {"loop": loop}, broadcast, states, train, bucket=4,
+                             expected_participants=4.0, planned_steps=np.full(4, 1),
+                             epochs=1, batch_size=8, sent=lambda r, sent=sent: sent,
+                             client_update=program.client_update)
+        step, finish_bytes = trial.work()
+        assert len(traced) == 1
+        jax.block_until_ready(loop.update(sent, jnp.copy(states), train, slots, keys))
+        assert len(traced) == 1, "the loop runner traced the update again"
+        plain = cost_model.work_of(update, broadcast, 0.0, jax.tree.map(lambda a: a[0], train),
+                                   jax.random.key(0))
+        assert step == plain  # the finishing is not part of the step
+        assert (finish_bytes > 0) == isinstance(sent, protocol.Finishing)
+
+
+def test_decide_keeps_the_machines_rates_where_it_is_told(tmp_path, monkeypatch):
+    """`decide(rates_dir=...)`: the machine's rates are kept apart from the decisions (the
+    engine: once per user, whatever compilation cache a run uses)."""
+    from fedjax_pfedes.data.federated import ClientArrays
+    train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
+                         jnp.full((4,), 8, jnp.int32))
+    runners = {"loop": _fake_runner("loop", 0.0)[0], "scan": _fake_runner("scan", 0.0)[0]}
+    trial = choice.Trial("alg/a", runners, {}, {"w": jnp.zeros((4, 3))}, train, bucket=4,
+                         expected_participants=4.0, planned_steps=np.full(4, 1), epochs=1,
+                         batch_size=1)
+    folders = []
+    monkeypatch.setattr(machine_rates, "cached",
+                        lambda machine, kernels, folder: folders.append(folder) or _rates())
+    monkeypatch.setattr(choice.Trial, "predicted",
+                        lambda self, rates: {"loop": 1.0, "scan": 9.0})
+    choice.decide({"a": trial}, str(tmp_path / "decisions"), rates_dir=str(tmp_path / "user"))
+    choice.decide({"b": dataclasses.replace(trial, name="alg/b")}, str(tmp_path / "decisions"))
+    assert folders == [str(tmp_path / "user"), str(tmp_path / "decisions")]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfedes.algorithms.base import CohortProgram, PyTree, global_accuracy
-from fedjax_pfedes.execution.slot_rows import get_row, set_row, zeros_in_slots
+from fedjax_pfedes.execution.slot_rows import get_row, row_shapes, set_row, zeros_in_slots
 from fedjax_pfedes.execution.strategies.protocol import (
     CohortRunner,
     Finishing,
@@ -66,9 +66,8 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
         # A `Finishing` broadcast adds outputs: its function is part of the shapes' key.
         kind = ("update", broadcast.fn if isinstance(broadcast, Finishing) else None)
         if kind not in shapes:
-            first_row = functools.partial(jax.eval_shape, lambda tree: get_row(tree, 0))
-            shapes[kind] = client_update.eval_shape(broadcast, first_row(states),
-                                                    first_row(train), keys[0])
+            shapes[kind] = client_update.eval_shape(broadcast, row_shapes(states),
+                                                    row_shapes(train), keys[0])
         uploads, _, metrics = shapes[kind]
         return zeros_in_slots((uploads, metrics), bucket)
 

@@ -205,11 +205,17 @@ def refuse_reducer(broadcast, strategy: str) -> None:
 
 def finishing_program(program: CohortProgram) -> CohortProgram:
     """`program` whose client update also accepts a `Finishing` broadcast (see there); with a
-    plain broadcast it is `program.client_update` itself."""
+    plain broadcast it is `program.client_update` itself. A program that already accepts one
+    is returned as it is: the runners of one cohort then share one function, and so JAX's trace
+    of it (`execution.choice` reads the same trace the chosen runner compiles)."""
+    if getattr(program.client_update, "accepts_finishing", False):
+        return program
+
     def client_update(broadcast, state, data, rng):
         if not isinstance(broadcast, Finishing):
             return program.client_update(broadcast, state, data, rng)
         upload, state, metrics = program.client_update(broadcast.broadcast, state, data, rng)
         return upload, state, {**metrics, UPLOAD_FACTS: broadcast.fn(upload, broadcast.operand)}
 
+    client_update.accepts_finishing = True
     return dataclasses.replace(program, client_update=client_update)
