@@ -374,3 +374,30 @@ def test_decide_keeps_the_machines_rates_where_it_is_told(tmp_path, monkeypatch)
     choice.decide({"a": trial}, str(tmp_path / "decisions"), rates_dir=str(tmp_path / "user"))
     choice.decide({"b": dataclasses.replace(trial, name="alg/b")}, str(tmp_path / "decisions"))
     assert folders == [str(tmp_path / "user"), str(tmp_path / "decisions")]
+
+
+def test_accelerator_shaped_rates_pick_vmap_or_shard_without_a_timing():
+    """On an accelerator one client alone uses a sliver of the device while vmapped clients
+    fill it, a 'loop' participant costs a host round trip and a second host thread adds
+    nothing: with rates of that shape (plausible magnitudes, not a measurement: no accelerator
+    was at hand) the model ranks `vmap` first and beyond `MARGIN` from the next strategy on
+    works B, A and pFedES-shaped, so no timing runs; over 8 devices `shard` ranks first."""
+    fast = cost_model.KernelRates(launch_s=8e-6, dot_one=5e10, conv_one=3e10, dot_many=2e12,
+                                  conv_many=1e12, bytes_per_s=5e11)
+    device = cost_model.MachineRates(call_s=1e-4, loop_participant_s=3e-4, thread_gain=0.0,
+                                     finish_one=1e10, finish_many=5e11, kernels={"xla": fast})
+    works = {  # one client's step, and the cohort (participants = bucket)
+        "B": (cost_model.StepWork(2 * 3 * 20 * (784 * 64 + 64 * 10), 0, 4e5, 60), 100, 1),
+        "A": (cost_model.StepWork(2e6, 3e8, 2e7, 120), 10, 5),
+        "pFedES": (cost_model.StepWork(3e7, 2e9, 8e7, 400), 20, 5),
+    }
+    single = {"loop": ("loop", "xla"), "scan": ("scan", "xla"), "vmap": ("vmap", "xla")}
+    strategies = {name: s for name, (s, _) in single.items()}
+    for name, (step, p, steps) in works.items():
+        cohort = cost_model.Cohort(participants=p, bucket=p, mean_steps=steps, max_steps=steps,
+                                   host_threads=2, finish_bytes=4 * 5e4)
+        ranked = cost_model.rank(step, cohort, device, single)
+        assert cost_model.contenders(ranked, strategies) == ["vmap"], (name, ranked)
+        mesh = dataclasses.replace(cohort, mesh_size=8)
+        ranked = cost_model.rank(step, mesh, device, {**single, "shard": ("shard", "xla")})
+        assert next(iter(ranked)) == "shard", (name, ranked)
