@@ -18,7 +18,8 @@ summary.json and the run's log.
 
 Decisions are cached in `strategy_choices.json` next to the compilation cache (keyed by backend,
 device kind and count, the CPU's model and instruction-set features and the cores this process
-may use, the jax and jaxlib versions, algorithm, architecture, shapes and bucket), so later runs
+may use, the jax and jaxlib versions, algorithm, architecture, shapes and bucket, and what the
+upload plan adds to each runner's program: `_what_is_sent`), so later runs
 on the same machine decide without the model or a timing, and a cache copied to another CPU
 decides anew; the key includes the candidates, so adding one decides anew. No platform rule is
 built in: the model's constants are measured on the machine (`execution.machine_rates`).
@@ -108,13 +109,14 @@ def machine() -> dict:
 
 
 def _signature(name: str, candidates: list[str], broadcast, states, train, bucket: int,
-               epochs: int) -> str:
+               epochs: int, sent: list | None = None) -> str:
     # (offloaded samples are one ragged host object: its type and padded capacity stand in)
     shapes = [(jax.tree_util.keystr(p), tuple(np.shape(x)),
                str(getattr(x, "dtype", type(x).__name__)), getattr(x, "capacity", None))
               for tree in (broadcast, states, train)
               for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    text = json.dumps([machine(), name, candidates, bucket, epochs, shapes], sort_keys=True)
+    text = json.dumps([machine(), name, candidates, bucket, epochs, shapes, sent or []],
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -240,7 +242,24 @@ def cached_choice(trial: Trial, cache_dir: str | None) -> Choice | None:
 def _key(t: Trial) -> str:
     name = t.name if t.sent is None else f"{t.name}/as sent"
     return _signature(name, sorted(t.runners), t.broadcast, t.states, t.train, t.bucket,
-                      t.epochs)
+                      t.epochs, _what_is_sent(t))
+
+
+def _what_is_sent(t: Trial) -> list:
+    """Per runner, what a round's upload plan adds to its program: the structure of the
+    finishing's per-client facts and the streaming reducer (a plain, a private and a securely
+    aggregated round of the same cohort compile different programs, so they decide apart)."""
+    if t.sent is None:
+        return []
+    described = []
+    for name in sorted(t.runners):
+        sent = t.sent(t.runners[name])
+        if not isinstance(sent, protocol.Finishing):
+            described.append([name, None])
+            continue
+        facts = jax.eval_shape(sent.fn, sent.operand, sent.operand)
+        described.append([name, str(jax.tree.structure(facts)), repr(sent.reducer)])
+    return described
 
 
 def choose(trial: Trial, cache_dir: str | None, repeats: int = 2,

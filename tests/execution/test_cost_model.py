@@ -401,3 +401,39 @@ def test_accelerator_shaped_rates_pick_vmap_or_shard_without_a_timing():
         mesh = dataclasses.replace(cohort, mesh_size=8)
         ranked = cost_model.rank(step, mesh, device, {**single, "shard": ("shard", "xla")})
         assert next(iter(ranked)) == "shard", (name, ranked)
+
+
+def test_a_decision_is_kept_per_upload_plan():
+    """The decision cache's key holds what a round's upload plan adds to each runner's program
+    (the finishing's facts, the streaming reducer): a plain and a private round of one cohort
+    decide apart; the same plan finds its decision again."""
+    from fedjax_pfedes.data.federated import ClientArrays
+    from fedjax_pfedes.execution.strategies import protocol
+    from fedjax_pfedes.upload import streaming
+
+    train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
+                         jnp.full((4,), 8, jnp.int32))
+    runners = {"loop": _fake_runner("loop", 0.0)[0], "scan": _fake_runner("scan", 0.0)[0]}
+    template = {"w": jnp.zeros((3,))}
+
+    def norm(upload, t):
+        return {"norm": jnp.sqrt(jnp.sum((upload["w"] - t["w"]) ** 2))}
+
+    def norm_and_finite(upload, t):
+        return {**norm(upload, t), "finite": jnp.all(jnp.isfinite(upload["w"]))}
+
+    def trial(fn, reducer):
+        def sent(runner):
+            streams = runner.strategy == "scan" and reducer is not None
+            return protocol.Finishing({}, template, fn, reducer if streams else None)
+        return choice.Trial("alg/arch", runners, {}, {"w": jnp.zeros((4, 3))}, train, bucket=4,
+                            expected_participants=4.0, planned_steps=np.full(4, 1), epochs=1,
+                            batch_size=1, sent=sent)
+
+    plain = trial(norm_and_finite, streaming.reducer(0, 4, True))
+    private = trial(norm_and_finite, streaming.clipped_sum_reducer(1.0, True))
+    checked_after = trial(norm, None)
+    keys = {choice._key(t) for t in (plain, private, checked_after)}
+    assert len(keys) == 3
+    assert choice._key(trial(norm_and_finite, streaming.reducer(0, 4, True))) == \
+        choice._key(plain)
