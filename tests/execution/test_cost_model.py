@@ -208,9 +208,11 @@ def test_no_timing_when_the_best_candidate_compiles_slowly(tmp_path, monkeypatch
 
     def compiling(broadcast, states, train, slots, keys):
         first.append(1)
-        if len(first) == 1:
+        if len(first) == 1:  # "compiles": 0.3 s of CPU work
             import time
-            time.sleep(0.3)  # "compiles"
+            start = time.process_time()
+            while time.process_time() - start < 0.3:
+                pass
         return None, states, {}
 
     slow_first = slow_first.__class__("loop", compiling, None, None, None)
@@ -225,6 +227,32 @@ def test_no_timing_when_the_best_candidate_compiles_slowly(tmp_path, monkeypatch
     monkeypatch.setattr(cost_model, "TIMING_COMPILE_BUDGET_S", 10.0)
     again = choice.choose(trial, None, repeats=1, predicted={"loop": 1.0, "scan": 1.1})
     assert set(again.seconds_per_call) == {"loop", "scan"} and scan_calls
+
+
+def test_a_busy_machine_does_not_stop_the_timing(tmp_path, monkeypatch):
+    """The budget counts the first call's CPU time: a first call that waits 0.3 s (the CPU
+    taken by other processes) without working is still followed by the timing, so a decision
+    cached for later runs does not depend on the load when it was made."""
+    from fedjax_pfedes.data.federated import ClientArrays
+    train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
+                         jnp.full((4,), 8, jnp.int32))
+    waits = []
+
+    def waiting(broadcast, states, train, slots, keys):
+        waits.append(1)
+        if len(waits) == 1:
+            import time
+            time.sleep(0.3)
+        return None, states, {}
+
+    loop = _fake_runner("loop", 0.0)[0].__class__("loop", waiting, None, None, None)
+    scan, scan_calls = _fake_runner("scan", 0.0)
+    trial = choice.Trial("alg/busy", {"loop": loop, "scan": scan}, {},
+                         {"w": jnp.zeros((4, 3))}, train, bucket=4, expected_participants=4.0,
+                         planned_steps=np.full(4, 1), epochs=1, batch_size=1)
+    monkeypatch.setattr(cost_model, "TIMING_COMPILE_BUDGET_S", 0.1)
+    picked = choice.choose(trial, None, repeats=1, predicted={"loop": 1.0, "scan": 1.1})
+    assert set(picked.seconds_per_call) == {"loop", "scan"} and scan_calls
 
 
 def test_machine_rates_are_measured_once_per_machine(tmp_path, monkeypatch):
