@@ -197,29 +197,41 @@ def test_a_decision_times_only_the_models_two_best_and_lands_near_the_best(tmp_p
     assert json.load(open(tmp_path / choice.CACHE_FILE))
 
 
-def test_no_timing_when_the_best_candidate_compiles_slowly(tmp_path, monkeypatch):
-    """A timing compiles the second candidate at about the first's cost: above
-    `TIMING_COMPILE_BUDGET_S` for the first call of the model's best, the second is not run."""
+def _trial_whose_best_starts_with(first_call):
+    """A trial of 'loop' (the model's best) and 'scan', whose 'loop' runs `first_call()` in its
+    first update call; and the list of 'scan''s calls."""
     from fedjax_pfedes.data.federated import ClientArrays
     train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
                          jnp.full((4,), 8, jnp.int32))
-    slow_first, slow_calls = _fake_runner("loop", 0.0)
-    first = []
+    calls = []
 
-    def compiling(broadcast, states, train, slots, keys):
-        first.append(1)
-        if len(first) == 1:  # "compiles": 0.3 s of CPU work
-            import time
-            start = time.process_time()
-            while time.process_time() - start < 0.3:
-                pass
+    def update(broadcast, states, train, slots, keys):
+        calls.append(1)
+        if len(calls) == 1:
+            first_call()
         return None, states, {}
 
-    slow_first = slow_first.__class__("loop", compiling, None, None, None)
+    loop = _fake_runner("loop", 0.0)[0].__class__("loop", update, None, None, None)
     scan, scan_calls = _fake_runner("scan", 0.0)
-    trial = choice.Trial("alg/slow", {"loop": slow_first, "scan": scan}, {},
+    trial = choice.Trial("alg/first", {"loop": loop, "scan": scan}, {},
                          {"w": jnp.zeros((4, 3))}, train, bucket=4, expected_participants=4.0,
                          planned_steps=np.full(4, 1), epochs=1, batch_size=1)
+    return trial, scan_calls
+
+
+def _work_for(seconds: float) -> None:
+    """Keeps this process's CPU busy for `seconds` (as a compilation does)."""
+    import time
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        pass
+
+
+def test_no_timing_when_the_best_candidate_compiles_slowly(monkeypatch):
+    """A timing compiles the second candidate at about the first's cost: above
+    `TIMING_COMPILE_BUDGET_S` of CPU time for the first call of the model's best, the second is
+    not run."""
+    trial, scan_calls = _trial_whose_best_starts_with(lambda: _work_for(0.3))
     monkeypatch.setattr(cost_model, "TIMING_COMPILE_BUDGET_S", 0.1)
     picked = choice.choose(trial, None, repeats=1, predicted={"loop": 1.0, "scan": 1.1})
     assert picked.strategy == "loop" and not scan_calls
@@ -229,27 +241,12 @@ def test_no_timing_when_the_best_candidate_compiles_slowly(tmp_path, monkeypatch
     assert set(again.seconds_per_call) == {"loop", "scan"} and scan_calls
 
 
-def test_a_busy_machine_does_not_stop_the_timing(tmp_path, monkeypatch):
+def test_a_busy_machine_does_not_stop_the_timing(monkeypatch):
     """The budget counts the first call's CPU time: a first call that waits 0.3 s (the CPU
     taken by other processes) without working is still followed by the timing, so a decision
     cached for later runs does not depend on the load when it was made."""
-    from fedjax_pfedes.data.federated import ClientArrays
-    train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
-                         jnp.full((4,), 8, jnp.int32))
-    waits = []
-
-    def waiting(broadcast, states, train, slots, keys):
-        waits.append(1)
-        if len(waits) == 1:
-            import time
-            time.sleep(0.3)
-        return None, states, {}
-
-    loop = _fake_runner("loop", 0.0)[0].__class__("loop", waiting, None, None, None)
-    scan, scan_calls = _fake_runner("scan", 0.0)
-    trial = choice.Trial("alg/busy", {"loop": loop, "scan": scan}, {},
-                         {"w": jnp.zeros((4, 3))}, train, bucket=4, expected_participants=4.0,
-                         planned_steps=np.full(4, 1), epochs=1, batch_size=1)
+    import time
+    trial, scan_calls = _trial_whose_best_starts_with(lambda: time.sleep(0.3))
     monkeypatch.setattr(cost_model, "TIMING_COMPILE_BUDGET_S", 0.1)
     picked = choice.choose(trial, None, repeats=1, predicted={"loop": 1.0, "scan": 1.1})
     assert set(picked.seconds_per_call) == {"loop", "scan"} and scan_calls
