@@ -215,9 +215,14 @@ def _time_update(runner: protocol.CohortRunner, broadcast, states, train, slots,
     or a load from the cache). With `budget_s`, a first call that took more CPU time than that
     ends it: (None, its CPU seconds). CPU time, not wall time: the work of a compilation, which
     other processes on a busy machine do not inflate, so that the decision (cached for later
-    runs) does not depend on the load at the moment it was made."""
+    runs) does not depend on the load at the moment it was made. The first call trains one
+    participant, the other slots padded: it compiles the programs a full bucket runs (sizes
+    are data, not shapes) without a bucket's work, which a decision that stops there would
+    add to the run."""
+    members = train.sizes.shape[0]
+    one = np.where(np.arange(len(slots)) == 0, slots, members).astype(np.asarray(slots).dtype)
     cpu0 = time.process_time()
-    out = runner.update(broadcast, _copy(states), train, slots, keys)
+    out = runner.update(broadcast, _copy(states), train, one, keys)
     jax.block_until_ready(out)
     first_s = time.process_time() - cpu0
     if budget_s is not None and first_s > budget_s:
