@@ -115,8 +115,9 @@ def _signature(name: str, candidates: list[str], broadcast, states, train, bucke
                str(getattr(x, "dtype", type(x).__name__)), getattr(x, "capacity", None))
               for tree in (broadcast, states, train)
               for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    text = json.dumps([machine(), name, candidates, bucket, epochs, shapes, sent or []],
-                      sort_keys=True)
+    # (the rates' version: a decision made from rates measured the old way is made again)
+    text = json.dumps([machine(), machine_rates.RATES_VERSION, name, candidates, bucket, epochs,
+                       shapes, sent or []], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
