@@ -11,7 +11,9 @@ differ by seconds between identical first runs (compilation), so the table adds 
 run's process, what deciding touches: measuring the machine's rates, reading the cohort
 programs' jaxprs, and every call of a 'loop' runner's update (the decision's first call compiles
 the program that round 1 then runs; without a decision round 1's call compiles it). "added" is
-that sum less the former defaults' of the same pass: what deciding costs.
+that sum less the former defaults' of the same pass: what deciding costs, where the choice is
+the former default's ("chosen": summary.json's `execution_strategy`; another choice runs other
+programs, and its row compares other work).
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ def _instrumented_run(config: str, workdir: str, former: bool) -> dict:
     except SystemExit:
         pass
     seconds["wall"] = time.perf_counter() - t0
+    try:
+        with open(os.path.join(workdir, "summary.json")) as f:
+            seconds["chosen"] = json.load(f)["execution_strategy"]
+    except (OSError, ValueError, KeyError):
+        seconds["chosen"] = "?"
     return seconds
 
 
@@ -92,15 +99,17 @@ def _run(kind: str, xdg: str) -> dict:
 def main(argv) -> None:
     del argv
     print(f"{_CONFIG.value}, round 1 of a first run (fresh compilation cache), seconds")
-    print("| pass | run | rates | jaxprs | loop update calls | sum | added | process wall |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| pass | run | chosen | rates | jaxprs | loop update calls | sum | added | "
+          "process wall |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for p in range(1, _PASSES.value + 1):
         with tempfile.TemporaryDirectory() as new, tempfile.TemporaryDirectory() as known:
             _run("known machine", known)  # measures the rates once into `known`
             rows = {k: _run(k, new if k == "new machine" else known) for k in _KINDS}
         total = {k: r["rates"] + r["jaxprs"] + r["loop_calls"] for k, r in rows.items()}
         for k, r in rows.items():
-            print(f"| {p} | {k} | {r['rates']:.2f} | {r['jaxprs']:.2f} | {r['loop_calls']:.2f} "
+            print(f"| {p} | {k} | {r['chosen']} | {r['rates']:.2f} | {r['jaxprs']:.2f} "
+                  f"| {r['loop_calls']:.2f} "
                   f"| {total[k]:.2f} | {total[k] - total['former defaults']:+.2f} "
                   f"| {r['wall']:.1f} |")
 
