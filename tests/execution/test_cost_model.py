@@ -241,6 +241,19 @@ def test_no_timing_when_the_best_candidate_compiles_slowly(monkeypatch):
     assert set(again.seconds_per_call) == {"loop", "scan"} and scan_calls
 
 
+def test_a_program_loaded_from_the_compilation_cache_counts_its_saved_compilation(monkeypatch):
+    """A first call whose programs come from JAX's persistent cache is quick, but the other
+    candidate's are not in it: the compilation the cache saved (JAX's
+    `compile_time_saved_sec` event) counts against the budget, and the timing is not run."""
+    def loaded():
+        jax.monitoring.record_event_duration_secs(
+            "/jax/compilation_cache/compile_time_saved_sec", 0.3)
+    trial, scan_calls = _trial_whose_best_starts_with(loaded)
+    monkeypatch.setattr(cost_model, "TIMING_COMPILE_BUDGET_S", 0.1)
+    picked = choice.choose(trial, None, repeats=1, predicted={"loop": 1.0, "scan": 1.1})
+    assert picked.strategy == "loop" and not scan_calls and "cache" in picked.reason
+
+
 def test_a_busy_machine_does_not_stop_the_timing(monkeypatch):
     """The budget counts the first call's CPU time: a first call that waits 0.3 s (the CPU
     taken by other processes) without working is still followed by the timing, so a decision
