@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import tempfile
 
@@ -84,10 +85,14 @@ def explicit_choices() -> list[tuple[str, str]]:
 
 def seconds_per_round(config, workdir: str) -> tuple[float, str, float]:
     """(median round time over rounds 2 .. R-1, the strategy the run used, seconds its
-    'auto' decisions took) of one run."""
-    summary = run_experiment(config, workdir, show_progress=False)
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        times = [json.loads(line)["round_time_s"] for line in f]
+    'auto' decisions took) of one run; its folder is removed afterwards (an offloaded work's
+    client states take tens of GiB per run)."""
+    try:
+        summary = run_experiment(config, workdir, show_progress=False)
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            times = [json.loads(line)["round_time_s"] for line in f]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     deciding = sum(c.get("decided_in_s", 0.0)
                    for c in summary.get("strategy_choice", {}).values())
     return statistics.median(times[1:-1]), summary["execution_strategy"], deciding

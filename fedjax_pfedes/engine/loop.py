@@ -42,7 +42,7 @@ from fedjax_pfedes.engine.evaluation import (
 from fedjax_pfedes.engine.plateau import PlateauStop
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DivergedError, NothingTrainedError, StorageError
-from fedjax_pfedes.execution import choice, compilation, distributed
+from fedjax_pfedes.execution import choice, compilation, distributed, offload
 from fedjax_pfedes.io import metrics, storage
 from fedjax_pfedes.io.workdir import WorkdirLock, data_fingerprint
 from fedjax_pfedes.tree_util import tree_size
@@ -157,6 +157,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
     finally:
         for cb in chain:
             cb.close()
+        offload.close_files((state.clients, state.memories))
     metrics.write_json(f"{out_dir}/summary.json", summary)
     _refuse_unusable_end(config, ctx, state, divergence.diverged, workdir)
     return summary

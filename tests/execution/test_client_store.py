@@ -2,6 +2,7 @@
 and whole runs that equal the on-device placement bit for bit (host memory and memory-mapped)."""
 
 import json
+import os
 
 import chex
 import jax
@@ -178,6 +179,34 @@ def test_evaluating_a_sample_of_clients_equals_those_clients_of_a_full_evaluatio
     assert part["evaluated_clients"] == 3
     assert part["personalized_accuracy_mean"] == pytest.approx(
         np.mean([per_client[int(k)] for k in sample]), abs=1e-6)
+
+
+def _open_files_under(folder) -> list[str]:
+    """The files under `folder` this process holds a descriptor of (Linux's /proc)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        if target.startswith(str(folder)):
+            held.append(target)
+    return held
+
+
+@pytest.mark.slow  # one small run
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads Linux's /proc")
+def test_a_finished_run_leaves_none_of_its_state_files_open(tmp_path):
+    """Memory-mapped states are read and written through descriptors the run opens; once the run
+    returns none is left open, so removing its folder frees the disk (an open descriptor keeps a
+    removed file's space taken until the process exits: a sweep or a notebook of offloaded
+    runs would fill the disk)."""
+    config = tiny_config(rounds=2)
+    config.train.client_fraction = 0.5
+    config.execution.client_states, config.execution.client_state_budget_gb = "offload", 0.002
+    run_experiment(config, str(tmp_path / "run"), show_progress=False)
+    assert list((tmp_path / "run" / "client_states").glob("*/leaf0.npy"))
+    assert _open_files_under(tmp_path) == []
 
 
 def test_rounds_prefetch_the_next_rounds_participants_from_disk(tmp_path, monkeypatch):
