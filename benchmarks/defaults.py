@@ -3,6 +3,7 @@
   python -m benchmarks.defaults                       # works A, B, pFedES CIFAR-shaped, quick start
   python -m benchmarks.defaults --works=b --rounds_b=40
   python -m benchmarks.defaults --works=cross_device_10k --rounds=6   # writes ~33 GiB of states
+  python -m benchmarks.defaults --works=a --choices=loop/xla,loop/eigen   # fewer columns
 
 For each work it runs the engine with the config's own `config.execution.strategy` and
 `cpu_kernels` (what a user gets without setting them: 'auto', `execution.cost_model`), then
@@ -51,6 +52,9 @@ _ROUNDS = flags.DEFINE_integer("rounds", 8, "Rounds per run (>= 3).")
 _ROUNDS_B = flags.DEFINE_integer(
     "rounds_b", 40, "Rounds per run of work b (>= 3): its rounds take ~20 ms, so its median "
     "needs more of them to be stable.")
+_CHOICES = flags.DEFINE_list(
+    "choices", [], "The explicit strategy/kernels columns to run (e.g. loop/xla,loop/eigen); "
+    "default: every one the backend offers. The best of fewer columns is the best of those.")
 _PARTICIPANTS = flags.DEFINE_integer("participants", 100, "Work b: participants per round.")
 
 
@@ -76,11 +80,19 @@ def work_config(name: str, rounds: int, scratch: str):
 
 
 def explicit_choices() -> list[tuple[str, str]]:
-    """Every (strategy, kernels) pair a run on this backend may be given explicitly."""
+    """Every (strategy, kernels) pair a run on this backend may be given explicitly (those of
+    --choices when given)."""
     multi_device = len(jax.devices()) > 1
     strategies = [s for s in protocol.strategy_names()
                   if multi_device or not protocol.strategy(s).needs_mesh]
-    return [(s, k) for s in strategies for k in kernels.kernel_candidates("auto")]
+    pairs = [(s, k) for s in strategies for k in kernels.kernel_candidates("auto")]
+    if not _CHOICES.value:
+        return pairs
+    unknown = sorted(set(_CHOICES.value) - {f"{s}/{k}" for s, k in pairs})
+    if unknown:
+        raise app.UsageError(f"--choices: {', '.join(unknown)} not among "
+                             f"{', '.join(f'{s}/{k}' for s, k in pairs)}")
+    return [(s, k) for s, k in pairs if f"{s}/{k}" in _CHOICES.value]
 
 
 def seconds_per_round(config, workdir: str) -> tuple[float, str, float]:

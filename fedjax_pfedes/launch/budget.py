@@ -16,6 +16,7 @@ compute stage uses the measured time of one local step of each architecture on t
 from __future__ import annotations
 
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -25,6 +26,7 @@ from ml_collections import config_flags
 from fedjax_pfedes.engine.build import build_context, build_federated_data
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DatasetUnavailableError
+from fedjax_pfedes.execution import offload
 from fedjax_pfedes.launch import cli
 from fedjax_pfedes.studies.round_budget import (
     budget_table,
@@ -41,13 +43,26 @@ _MEASURE = flags.DEFINE_bool("measure", False, "Measure the local step time of e
 
 def main(argv: list[str]) -> None:
     del argv
-    config = _CONFIG.value
-    try:
-        validate_config(config)
-        ctx, state = build_context(config, build_federated_data(config))
-    except (ConfigError, DatasetUnavailableError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    # Offloaded client states are written to files when the context is built: into a folder
+    # of this report's own, removed at its end (never a run's `client_state_dir`, whose
+    # states it would overwrite).
+    with tempfile.TemporaryDirectory(prefix="fedjax_pfedes_budget_") as scratch:
+        config = _CONFIG.value.copy_and_resolve_references()
+        config.execution.client_state_dir = scratch
+        try:
+            validate_config(config)
+            ctx, state = build_context(config, build_federated_data(config))
+        except (ConfigError, DatasetUnavailableError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        try:
+            _report(config, ctx, state)
+        finally:
+            offload.close_files(state.clients)
+
+
+def _report(config, ctx, state) -> None:
+    """Prints the budget of the run `config` describes (see the module docstring)."""
     s, t = ctx.system, config.train
     print(f"Round-time budget: {config.algorithm} on {config.data.name}, {ctx.num_clients} "
           f"clients, client_fraction {t.client_fraction} ({t.sampling}), {t.rounds} rounds")

@@ -271,3 +271,30 @@ def test_same_init_starts_every_client_of_an_architecture_from_one_model(tmp_pat
     first = {a: np.asarray(r.params["params"]["backbone"]["fc1"]["kernel"][0])
              for a, r in states[True].items()}
     assert first["mlp"].shape != first["mlp_small"].shape  # per architecture, not one model
+
+
+@pytest.mark.slow  # one process
+def test_the_budget_report_writes_offloaded_states_to_a_folder_of_its_own(tmp_path):
+    """`launch.budget` builds the run's context, which writes offloaded states to files: into a
+    temporary folder it removes at its end, never the config's `client_state_dir` (a run's
+    states there would be overwritten)."""
+    import subprocess
+    import sys
+
+    states = tmp_path / "a_runs_states"
+    states.mkdir()
+    (states / "kept.npy").write_bytes(b"a run's state")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.budget", "--config=configs/quickstart.py",
+         "--config.execution.client_states=offload",
+         "--config.execution.client_state_budget_gb=0.05", "--config.train.client_fraction=0.1",
+         f"--config.execution.client_state_dir={states}"],
+        capture_output=True, text=True, env={**os.environ, "TMPDIR": str(scratch)},
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "simulated time of the run" in done.stdout
+    assert sorted(p.name for p in states.iterdir()) == ["kept.npy"]
+    assert (states / "kept.npy").read_bytes() == b"a run's state"
+    assert not [p for p in scratch.iterdir() if p.name.startswith("fedjax_pfedes_budget_")]
