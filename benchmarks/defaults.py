@@ -79,20 +79,20 @@ def work_config(name: str, rounds: int, scratch: str):
     raise app.UsageError(f"--works: unknown work '{name}'; known: {', '.join(WORKS)}")
 
 
-def explicit_choices() -> list[tuple[str, str]]:
-    """Every (strategy, kernels) pair a run on this backend may be given explicitly (those of
-    --choices when given)."""
+def explicit_choices(choices: list[str] | None = None) -> list[tuple[str, str]]:
+    """Every (strategy, kernels) pair a run on this backend may be given explicitly, or those
+    of them named in `choices` ('strategy/kernels', --choices)."""
     multi_device = len(jax.devices()) > 1
     strategies = [s for s in protocol.strategy_names()
                   if multi_device or not protocol.strategy(s).needs_mesh]
     pairs = [(s, k) for s in strategies for k in kernels.kernel_candidates("auto")]
-    if not _CHOICES.value:
+    if not choices:
         return pairs
-    unknown = sorted(set(_CHOICES.value) - {f"{s}/{k}" for s, k in pairs})
+    unknown = sorted(set(choices) - {f"{s}/{k}" for s, k in pairs})
     if unknown:
         raise app.UsageError(f"--choices: {', '.join(unknown)} not among "
                              f"{', '.join(f'{s}/{k}' for s, k in pairs)}")
-    return [(s, k) for s, k in pairs if f"{s}/{k}" in _CHOICES.value]
+    return [(s, k) for s, k in pairs if f"{s}/{k}" in choices]
 
 
 def seconds_per_round(config, workdir: str) -> tuple[float, str, float]:
@@ -116,7 +116,7 @@ def main(argv):
         raise app.UsageError("--rounds and --rounds_b must be >= 3 (round 1 compiles, the last "
                              "evaluates)")
     print("machine:", json.dumps(choice.machine()))
-    pairs = explicit_choices()
+    pairs = explicit_choices(_CHOICES.value)
     header = ["work", "default (chosen)", "deciding s"] + [f"{s}/{k}" for s, k in pairs] + [
         "best explicit", "default / best"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))

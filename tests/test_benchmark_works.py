@@ -90,6 +90,10 @@ def test_the_defaults_benchmark_compares_every_explicit_choice_of_this_backend(t
     assert ("shard" in strategies) == (len(jax.devices()) > 1)
     kernel_sets = ("xla", "eigen") if jax.default_backend() == "cpu" else ("xla",)
     assert len(pairs) == len(strategies) * len(kernel_sets)
+    assert defaults.explicit_choices(["scan/xla", "loop/xla"]) == [("loop", "xla"),
+                                                                    ("scan", "xla")]
+    with pytest.raises(Exception, match="--choices: loop/cuda not among"):
+        defaults.explicit_choices(["loop/cuda"])
     config = defaults.work_config("a", 5, str(tmp_path))
     assert (config.train.rounds, config.eval.every, config.checkpoint.every) == (5, 5, 0)
     assert config.execution.strategy == defaults.quickstart.get_config().execution.strategy
