@@ -157,7 +157,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
     finally:
         for cb in chain:
             cb.close()
-        offload.close_files((state.clients, state.memories))
+        offload.close_files(state.clients)
     metrics.write_json(f"{out_dir}/summary.json", summary)
     _refuse_unusable_end(config, ctx, state, divergence.diverged, workdir)
     return summary

@@ -3,13 +3,15 @@ and whole runs that equal the on-device placement bit for bit (host memory and m
 
 import json
 import os
+import subprocess
+import sys
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fl_helpers import small_config, tiny_config
+from fl_helpers import ROOT, small_config, tiny_config
 from test_execution import _copy, _setup
 
 from fedjax_pfedes.data.federated import stack_clients
@@ -278,9 +280,6 @@ def test_the_budget_report_writes_offloaded_states_to_a_folder_of_its_own(tmp_pa
     """`launch.budget` builds the run's context, which writes offloaded states to files: into a
     temporary folder it removes at its end, never the config's `client_state_dir` (a run's
     states there would be overwritten)."""
-    import subprocess
-    import sys
-
     states = tmp_path / "a_runs_states"
     states.mkdir()
     (states / "kept.npy").write_bytes(b"a run's state")
@@ -292,7 +291,7 @@ def test_the_budget_report_writes_offloaded_states_to_a_folder_of_its_own(tmp_pa
          "--config.execution.client_state_budget_gb=0.05", "--config.train.client_fraction=0.1",
          f"--config.execution.client_state_dir={states}"],
         capture_output=True, text=True, env={**os.environ, "TMPDIR": str(scratch)},
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "simulated time of the run" in done.stdout
     assert sorted(p.name for p in states.iterdir()) == ["kept.npy"]
