@@ -7,10 +7,12 @@ round 0 (`build_context`).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import functools
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -159,13 +161,22 @@ def uses_step_limits(config: ml_collections.ConfigDict) -> bool:
 def offload_spec(config: ml_collections.ConfigDict, workdir: str | None) -> Offload | None:
     """Where `config.execution.client_states='offload'` keeps client states (None: 'device').
     Their files go to `config.execution.client_state_dir`, '' = `<workdir>/client_states`
-    (a fresh temporary folder when there is no workdir)."""
+    (without a workdir: a fresh temporary folder, removed when the process exits)."""
     ex = config.execution
     if ex.client_states == "device":
         return None
     directory = ex.client_state_dir or (os.path.join(workdir, "client_states") if workdir
-                                        else tempfile.mkdtemp(prefix="fedjax_pfedes_states_"))
+                                        else _scratch_folder("fedjax_pfedes_states_"))
     return Offload(budget_gb=ex.client_state_budget_gb, directory=directory)
+
+
+def _scratch_folder(prefix: str) -> str:
+    """A fresh temporary folder that is removed when the process exits (a context built
+    without a workdir, e.g. from a notebook, would otherwise leave every client's states
+    behind)."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def build_context(config: ml_collections.ConfigDict, data: FederatedData,
@@ -185,6 +196,8 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     programs = {a: protocol.finishing_program(algorithm.cohort_program(a))
                 for a in dict.fromkeys(archs)}
     arch_runners, mesh, mesh_size = _candidate_runners(config.execution, programs)
+    if not strategies:  # a decision ahead: its machine rates' references compile meanwhile
+        choice.prepare(arch_runners.values(), compilation.user_cache_dir())
     t, n = config.train, data.num_clients
     server_key, client_key, train_key, upload_key = _run_keys(config.seed)
     cohorts, client_states = build_cohorts(  # offload.BudgetError is a ConfigError

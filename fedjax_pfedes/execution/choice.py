@@ -32,7 +32,8 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -337,6 +338,26 @@ def choose(trial: Trial, cache_dir: str | None, repeats: int = 2,
     return choice
 
 
+def rated_kernels(runner_sets: Iterable[dict[str, Any]]) -> tuple[str, ...]:
+    """The kernel sets whose machine rates a decision among `runner_sets` (each cohort's runner
+    name -> runner) reads, in the order `machine_rates.cached` measures them."""
+    return tuple(dict.fromkeys(r.kernels for runners in runner_sets for r in runners.values()))
+
+
+def prepare(runner_sets: Iterable[dict[str, Any]], rates_dir: str | None) -> None:
+    """Starts compiling the machine rates' references in the background where a decision among
+    `runner_sets` will measure them (`machine_rates.prepare`); a run calls it before its
+    set-up, `decide` then only times them.
+
+    Args:
+      runner_sets: each cohort's runner name -> runner (cohorts with one runner decide nothing).
+      rates_dir: where the machine's rates are kept (`decide`'s `rates_dir`).
+    """
+    runner_sets = list(runner_sets)
+    if any(len(r) > 1 for r in runner_sets):
+        machine_rates.prepare(machine(), rated_kernels(runner_sets), rates_dir)
+
+
 def decide(trials: dict[str, Trial], cache_dir: str | None, timing: bool = True,
            rates_dir: str | None = None) -> dict[str, dict]:
     """Each cohort's runner (`choose`), the cost model's inputs made once for all of them: the
@@ -359,9 +380,8 @@ def decide(trials: dict[str, Trial], cache_dir: str | None, timing: bool = True,
     undecided = [a for a, t in trials.items() if cached_choice(t, cache_dir) is None]
     predicted, fixed = {}, {}
     if undecided:
-        rates = machine_rates.cached(machine(), tuple(dict.fromkeys(
-            r.kernels for t in trials.values() for r in t.runners.values())),
-            cache_dir if rates_dir is None else rates_dir)
+        rates = machine_rates.cached(machine(), rated_kernels(t.runners for t in trials.values()),
+                                     cache_dir if rates_dir is None else rates_dir)
         predicted = {a: trials[a].predicted(rates) for a in undecided}
         fixed = {a: trials[a].fixed_costs(rates) for a in undecided}
     negligible = cost_model.NEGLIGIBLE_SHARE * sum(min(p.values()) for p in predicted.values())

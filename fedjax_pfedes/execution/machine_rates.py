@@ -8,8 +8,10 @@ operation's launch time, bytes/s of element-wise work and of an upload's finishi
 a time and vectorized), and per kernel set the FLOP/s of matrix products and convolutions, one
 client alone and vmapped over clients. References draw their inputs with NumPy (an eager JAX op
 compiles a program of its own) and use the models' own convolution (`models.layers.conv`: fast
-inside rolled loops); the first measurement also warms the CPU up. What it costs on a first run
-is in docs/performance.md ("Defaults that decide").
+inside rolled loops); the first measurement also warms the CPU up. A run compiles the
+references in a background thread while it builds its cohorts (`prepare`), so that measuring
+them is mostly timing; what it costs on a first run is in docs/performance.md ("Defaults that
+decide").
 """
 
 from __future__ import annotations
@@ -105,40 +107,65 @@ def _elementwise_case(rows: int, width: int):
 _MANY = 2  # clients of the vectorized references
 
 
+@functools.cache  # one compiled program per (loss, kernels, vectorized): `prepare` warms it up
+def _jitted(loss: Callable, kernels: str, vectorized: bool) -> Callable:
+    """The reference update on `loss` jitted with `kernels`' options, vmapped over clients
+    (steps shared) when `vectorized`."""
+    update = _sgd(loss)
+    if vectorized:
+        update = jax.vmap(update, in_axes=(0, 0, 0, None))
+    return jax.jit(update, compiler_options=kernel_options(kernels) or None)
+
+
+def _stacked(case):
+    """`case` (loss, params, x, y) with params, x and y stacked for `_MANY` clients."""
+    loss, *arrays = case
+    return (loss, *jax.tree.map(lambda a: np.stack([a] * _MANY), arrays))
+
+
+def _kernel_cases(first: bool) -> dict[str, tuple[tuple, bool]]:
+    """The references `_rates_of` times, name -> (case, timed vmapped over clients too): a tiny
+    dense one and an element-wise one (the `first` kernel set's only), a dense and a
+    convolutional one."""
+    shared = {"tiny": (_dense_case(8, 2), False),
+              "elementwise": (_elementwise_case(64, 4096), False)} if first else {}
+    return {**shared, "dense": (_dense_case(256, 64), True),
+            "conv": (_conv_case(16, 16, 32), True)}
+
+
 def _rates_of(kernels: str, shared: KernelRates | None = None) -> tuple[KernelRates, dict]:
     """One kernel set's rates from reference updates: a tiny dense one (an operation's launch)
     and an element-wise one (bytes/s), taken from `shared` when given (the kernel sets differ
     in matrix products and convolutions only); a dense and a convolutional one (arithmetic),
     each alone and vmapped over `_MANY` clients."""
-    jit = functools.partial(jax.jit, compiler_options=kernel_options(kernels) or None)
     steps = np.int32(_STEPS)
 
-    def timed(case, vectorized: bool = True):
+    def timed(case, vectorized: bool):
         loss, params, x, y = case
-        update = _sgd(loss)
-        work = work_of(update, params, x, y, steps)  # one step: the loop's body
+        work = work_of(_sgd(loss), params, x, y, steps)  # one step: the loop's body
         # one client's steps take about a millisecond: many repeats cost little and steady
         # the minimum, which decides between the kernel sets
-        one_s = _best_time(jit(update), params, x, y, steps, repeats=12) / _STEPS
+        one_s = _best_time(_jitted(loss, kernels, False), params, x, y, steps,
+                           repeats=12) / _STEPS
         if not vectorized:
             return work, one_s, None
-        many = jax.tree.map(lambda a: np.stack([a] * _MANY), (params, x, y))
-        many_s = _best_time(jit(jax.vmap(update, in_axes=(0, 0, 0, None))), *many,
-                            steps) / _STEPS
+        _, *many = _stacked(case)
+        many_s = _best_time(_jitted(loss, kernels, True), *many, steps) / _STEPS
         return work, one_s, many_s
 
+    cases = _kernel_cases(first=shared is None)
     timings = {}
     if shared is None:
-        tiny, timings["tiny_step_s"], _ = timed(_dense_case(8, 2), vectorized=False)
+        tiny, timings["tiny_step_s"], _ = timed(*cases["tiny"])
         launch = timings["tiny_step_s"] / max(tiny.ops, 1)
-        streamed, stream_one, _ = timed(_elementwise_case(64, 4096), vectorized=False)
+        streamed, stream_one, _ = timed(*cases["elementwise"])
         timings["elementwise_step_s"] = stream_one
         bytes_per_s = streamed.bytes / max(stream_one - streamed.ops * launch,
                                            0.05 * stream_one)
     else:
         launch, bytes_per_s = shared.launch_s, shared.bytes_per_s
-    dense, dense_one, dense_many = timed(_dense_case(256, 64))
-    convolution, conv_one, conv_many = timed(_conv_case(16, 16, 32))
+    dense, dense_one, dense_many = timed(*cases["dense"])
+    convolution, conv_one, conv_many = timed(*cases["conv"])
     floor = lambda w: w.ops * launch  # noqa: E731
 
     def rate(flops: float, seconds: float, work: StepWork, clients: int) -> float:
@@ -164,17 +191,25 @@ def _finish_reference(upload, template):
                                          for u in jax.tree.leaves(upload)]))}
 
 
-def _runner_overheads(threads: int) -> dict[str, float]:
-    """The strategies' own costs on a program that computes nothing but hands back an upload
-    of 64k floats: 'call_s' (one 'scan' update call), 'loop_participant_s' (what 'loop' takes
-    per participant), 'finish_one' and 'finish_many' (bytes/s of a finishing like the upload
-    plan's, `_finish_reference`, under 'scan' and under 'vmap')."""
+_OVERHEAD_PARTICIPANTS = 32
+
+
+def _overhead_template() -> dict[str, np.ndarray]:
+    """The upload the overhead references hand back: 64k floats in 8 leaves."""
+    return {f"w{i}": np.zeros((8192,), np.float32) for i in range(8)}
+
+
+@functools.cache  # the runners `prepare` warms up are the ones `_runner_overheads` times
+def _overhead_calls(threads: int) -> dict[tuple[str, bool], Callable[[], object]]:
+    """(strategy, with a finishing) -> a call of that runner's update for
+    `_OVERHEAD_PARTICIPANTS` participants on a program that computes nothing but hands back an
+    upload of `_overhead_template()` ('loop': without a finishing only)."""
     from fedjax_pfedes.algorithms.base import CohortProgram
     from fedjax_pfedes.data.federated import ClientArrays
     from fedjax_pfedes.execution import runners
     from fedjax_pfedes.execution.strategies.protocol import Finishing
 
-    template = {f"w{i}": np.zeros((8192,), np.float32) for i in range(8)}
+    template = _overhead_template()
 
     def update(broadcast, state, train, rng):
         del rng
@@ -185,24 +220,36 @@ def _runner_overheads(threads: int) -> dict[str, float]:
     program = CohortProgram(lambda rng: jnp.zeros(()), update,
                             lambda b, s, t: {"personalized_accuracy": jnp.float32(0.0)},
                             lambda b, s, x: x)
-    p = 32
+    p = _OVERHEAD_PARTICIPANTS
     states = np.zeros((p,), np.float32)
     train = ClientArrays(np.zeros((p, 2, 3), np.float32), np.zeros((p, 2), np.int32),
                          np.full((p,), 2, np.int32))
     slots = np.arange(p, dtype=np.int32)
     keys = jax.random.wrap_key_data(np.zeros((p, 2), np.uint32))
     finishing = Finishing(template, template, _finish_reference)
-    finish_bytes = p * work_of(_finish_reference, template, template).bytes
-    seconds = {}
+    calls = {}
     for name in ("scan", "vmap", "loop"):
         runner = runners.make_runner(program, name, loop_threads=threads)
         for sent in ((template, finishing) if name != "loop" else (template,)):
-            call = lambda sent=sent, runner=runner: runner.update(  # noqa: E731
-                sent, np.copy(states), train, slots, keys)
-            seconds[name, sent is finishing] = _best_time(call)
+            calls[name, sent is finishing] = functools.partial(
+                lambda sent, runner: runner.update(sent, np.copy(states), train, slots, keys),
+                sent, runner)
+    return calls
+
+
+def _runner_overheads(threads: int) -> dict[str, float]:
+    """The strategies' own costs on a program that computes nothing but hands back an upload
+    of 64k floats (`_overhead_calls`): 'call_s' (one 'scan' update call),
+    'loop_participant_s' (what 'loop' takes per participant), 'finish_one' and 'finish_many'
+    (bytes/s of a finishing like the upload plan's, `_finish_reference`, under 'scan' and
+    under 'vmap')."""
+    template = _overhead_template()
+    finish_bytes = _OVERHEAD_PARTICIPANTS * work_of(_finish_reference, template, template).bytes
+    seconds = {key: _best_time(call) for key, call in _overhead_calls(threads).items()}
     rate = lambda n: finish_bytes / max(seconds[n, True] - seconds[n, False],  # noqa: E731
                                         1e-3 * seconds[n, True])
-    return {"call_s": seconds["scan", False], "loop_participant_s": seconds["loop", False] / p,
+    return {"call_s": seconds["scan", False],
+            "loop_participant_s": seconds["loop", False] / _OVERHEAD_PARTICIPANTS,
             "finish_one": rate("scan"), "finish_many": rate("vmap")}
 
 
@@ -216,7 +263,7 @@ def _thread_gain(kernels: str) -> float:
     "Defaults that decide"), and it decides between 'loop' and 'scan' on convolutional
     cohorts."""
     loss, params, x, y = _conv_case(16, 16, 32)
-    fn = jax.jit(_sgd(loss), compiler_options=kernel_options(kernels) or None)
+    fn = _jitted(loss, kernels, False)
     steps = np.int32(_STEPS)
     jax.block_until_ready(fn(params, x, y, steps))
     calls = 3
@@ -260,6 +307,61 @@ def measure(kernel_sets: tuple[str, ...]) -> tuple[MachineRates, dict]:
     return rates, {k: t for k, (_, t) in measured.items()}
 
 
+def _warm_up(kernel_sets: tuple[str, ...]) -> None:
+    """Compiles every reference program `measure` times for `kernel_sets` (one call of each)."""
+    from fedjax_pfedes.execution.runners import default_loop_threads
+
+    steps = np.int32(_STEPS)
+    for i, kernels in enumerate(kernel_sets):
+        for case, vectorized in _kernel_cases(first=i == 0).values():
+            loss, *arrays = case
+            jax.block_until_ready(_jitted(loss, kernels, False)(*arrays, steps))
+            if vectorized:
+                jax.block_until_ready(_jitted(loss, kernels, True)(*_stacked(case)[1:], steps))
+    for call in _overhead_calls(default_loop_threads()).values():
+        jax.block_until_ready(call())
+
+
+_WARMING: dict[str, threading.Thread] = {}  # rates key -> the thread compiling its references
+
+
+def _rates_key(machine: dict, kernel_sets: tuple[str, ...]) -> str:
+    return hashlib.sha256(json.dumps([RATES_VERSION, machine, sorted(kernel_sets)],
+                                     sort_keys=True).encode()).hexdigest()[:24]
+
+
+def prepare(machine: dict, kernel_sets: tuple[str, ...], cache_dir: str | None
+            ) -> threading.Thread | None:
+    """Starts compiling the reference programs in a background thread when `cached` will
+    measure (no rates in `cache_dir` for `machine` and `kernel_sets`), so that their
+    compilations overlap a run's set-up, which leaves a core idle much of the time; `cached`
+    waits for the thread and then only times. A warm-up that fails is left to `cached`, which
+    meets the same error where it reports it.
+
+    Args:
+      machine: `choice.machine()`.
+      kernel_sets: the kernel sets to rate, in `cached`'s order.
+      cache_dir: the folder `RATES_FILE` is kept in (None: nothing is kept; rates measured).
+
+    Returns:
+      The warm-up's thread; None where the rates are cached or a warm-up already runs.
+    """
+    key = _rates_key(machine, kernel_sets)
+    path = os.path.join(cache_dir, RATES_FILE) if cache_dir else None
+    if key in _WARMING or key in json_cache.read(path):
+        return None
+
+    def warm_up():
+        try:
+            _warm_up(tuple(kernel_sets))
+        except Exception:  # noqa: BLE001 - `cached` measures again and reports it
+            pass
+
+    _WARMING[key] = threading.Thread(target=warm_up, name="machine-rates-warm-up", daemon=True)
+    _WARMING[key].start()
+    return _WARMING[key]
+
+
 def cached(machine: dict, kernel_sets: tuple[str, ...], cache_dir: str | None) -> MachineRates:
     """This machine's rates: from `RATES_FILE` in `cache_dir` when measured before under the
     same `machine` (`choice.machine()`) and kernel sets, else measured now (and cached).
@@ -272,8 +374,10 @@ def cached(machine: dict, kernel_sets: tuple[str, ...], cache_dir: str | None) -
     Returns:
       The `MachineRates`.
     """
-    key = hashlib.sha256(json.dumps([RATES_VERSION, machine, sorted(kernel_sets)], sort_keys=True)
-                         .encode()).hexdigest()[:24]
+    key = _rates_key(machine, kernel_sets)
+    warming = _WARMING.pop(key, None)
+    if warming is not None:  # `prepare` is compiling the references: timings wait for it
+        warming.join()
     path = os.path.join(cache_dir, RATES_FILE) if cache_dir else None
     cache = json_cache.read(path)
     if key in cache:

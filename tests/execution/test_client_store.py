@@ -297,3 +297,27 @@ def test_the_budget_report_writes_offloaded_states_to_a_folder_of_its_own(tmp_pa
     assert sorted(p.name for p in states.iterdir()) == ["kept.npy"]
     assert (states / "kept.npy").read_bytes() == b"a run's state"
     assert not [p for p in scratch.iterdir() if p.name.startswith("fedjax_pfedes_budget_")]
+
+
+@pytest.mark.slow  # one process
+def test_a_context_built_without_a_workdir_removes_its_state_folder_at_exit(tmp_path):
+    """`build_context` without a workdir (a notebook's, the public API's) and no
+    `client_state_dir` writes offloaded states to a temporary folder; the process removes it
+    when it exits instead of leaving every client's states behind."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    script = (
+        "import os, sys\n"
+        "from fl_helpers import tiny_config\n"
+        "from fedjax_pfedes.engine.build import build_context, build_federated_data\n"
+        "config = tiny_config(rounds=1, num_clients=4)\n"
+        "config.execution.client_states = 'offload'\n"
+        "config.execution.client_state_budget_gb = 0.002\n"
+        "build_context(config, build_federated_data(config))\n"
+        "print(os.listdir(sys.argv[1]))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(scratch)], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "TMPDIR": str(scratch),
+                                                    "PYTHONPATH": os.path.join(ROOT, "tests")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fedjax_pfedes_states_" in done.stdout  # the states were written there
+    assert not [p for p in scratch.iterdir() if p.name.startswith("fedjax_pfedes_states_")]

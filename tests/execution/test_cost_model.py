@@ -285,6 +285,30 @@ def test_machine_rates_are_measured_once_per_machine(tmp_path, monkeypatch):
     assert len(measured) == 3  # a damaged cache too
 
 
+def test_the_warm_up_compiles_every_program_the_rates_measurement_times(tmp_path):
+    """`prepare` compiles the references in a background thread (a run's set-up goes on
+    meanwhile); measuring then compiles nothing more, and a machine whose rates are cached
+    starts no warm-up."""
+    here = choice.machine()
+    warming = machine_rates.prepare(here, ("xla", "eigen"), str(tmp_path))
+    assert warming is not None
+    warming.join()
+    compiles = []
+
+    def listen(event, seconds, **kwargs):
+        del seconds, kwargs
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        rates = machine_rates.cached(here, ("xla", "eigen"), str(tmp_path))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [] and set(rates.kernels) == {"xla", "eigen"}
+    assert machine_rates.prepare(here, ("xla", "eigen"), str(tmp_path)) is None
+
+
 def test_a_machines_rates_are_measured_positive_and_finite():
     """The references run on this backend and every rate the model divides by is a positive,
     finite number (values vary by machine: no timed assertion)."""
@@ -412,6 +436,46 @@ def test_decide_keeps_the_machines_rates_where_it_is_told(tmp_path, monkeypatch)
     choice.decide({"a": trial}, str(tmp_path / "decisions"), rates_dir=str(tmp_path / "user"))
     choice.decide({"b": dataclasses.replace(trial, name="alg/b")}, str(tmp_path / "decisions"))
     assert folders == [str(tmp_path / "user"), str(tmp_path / "decisions")]
+
+
+def test_a_run_starts_the_rates_warm_up_before_its_set_up_and_only_when_it_decides(
+        tmp_path, monkeypatch):
+    """`build_context` starts `machine_rates.prepare` (the references compile while the cohorts
+    are built) ahead of the decision that measures the rates, for the kernel sets measured; a
+    run whose strategies are given (a resumed run's) decides nothing and warms nothing up."""
+    from fl_helpers import tiny_config
+
+    from fedjax_pfedes.engine import cohorts
+    from fedjax_pfedes.engine.build import build_context, build_federated_data
+
+    events = []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user"))
+    monkeypatch.setattr(machine_rates, "prepare",
+                        lambda machine, kernels, folder: events.append(("prepare", kernels)))
+    class Decided(Exception):
+        pass
+
+    def cached(machine, kernels, folder):  # the decision's rates: the set-up stops here
+        events.append(("cached", kernels))
+        raise Decided
+
+    monkeypatch.setattr(machine_rates, "cached", cached)
+    built = cohorts.build_cohorts
+    monkeypatch.setattr("fedjax_pfedes.engine.build.build_cohorts",
+                        lambda *a, **k: events.append(("cohorts",)) or built(*a, **k))
+    config = tiny_config(rounds=1, num_clients=4)
+    config.execution.strategy = "loop"
+    config.execution.cpu_kernels = "auto"
+    config.execution.compilation_cache_dir = str(tmp_path / "cache")
+    data = build_federated_data(config)
+    if jax.default_backend() == "cpu":  # elsewhere 'auto' kernels are XLA's: nothing to decide
+        with pytest.raises(Decided):
+            build_context(config, data)
+        assert events == [("prepare", ("xla", "eigen")), ("cohorts",),
+                          ("cached", ("xla", "eigen"))]
+    events.clear()
+    build_context(config, data, strategies={"mlp": "loop"})
+    assert events == [("cohorts",)]
 
 
 def test_accelerator_shaped_rates_pick_vmap_or_shard_without_a_timing():
