@@ -357,7 +357,9 @@ def prepare(machine: dict, kernel_sets: tuple[str, ...], cache_dir: str | None
         except Exception:  # noqa: BLE001 - `cached` measures again and reports it
             pass
 
-    _WARMING[key] = threading.Thread(target=warm_up, name="machine-rates-warm-up", daemon=True)
+    # not a daemon: a process that ends meanwhile (a config error: exit 2) waits for it, as a
+    # daemon thread inside a compilation aborts the interpreter's shutdown
+    _WARMING[key] = threading.Thread(target=warm_up, name="machine-rates-warm-up")
     _WARMING[key].start()
     return _WARMING[key]
 

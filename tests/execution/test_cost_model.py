@@ -5,11 +5,15 @@ round prices against the formulas written out by hand, and the decision it drive
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fl_helpers import ROOT
 
 from fedjax_pfedes.execution import choice, cost_model, machine_rates
 
@@ -476,6 +480,24 @@ def test_a_run_starts_the_rates_warm_up_before_its_set_up_and_only_when_it_decid
     events.clear()
     build_context(config, data, strategies={"mlp": "loop"})
     assert events == [("cohorts",)]
+
+
+@pytest.mark.slow  # one process
+def test_a_set_up_error_during_the_warm_up_exits_2_with_one_line(tmp_path):
+    """A config error raised while the rates' references compile in the background (here the
+    offloaded states' budget, checked while the cohorts are built) ends the CLI with its
+    one-line error and exit status 2: the process waits for the warm-up instead of aborting in
+    the interpreter's shutdown (a daemon thread inside a compilation did: status 134)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.main", "--config=configs/quickstart.py",
+         f"--workdir={tmp_path / 'run'}", "--config.execution.client_states=offload",
+         "--config.execution.client_state_budget_gb=0.00001", "--progress=False"],
+        capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "new_machine")})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        next(ln for ln in done.stderr.splitlines() if ln.startswith("error: "))]
+    assert "config.execution.client_state_budget_gb" in done.stderr
 
 
 def test_accelerator_shaped_rates_pick_vmap_or_shard_without_a_timing():
