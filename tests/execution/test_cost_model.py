@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -289,14 +290,17 @@ def test_machine_rates_are_measured_once_per_machine(tmp_path, monkeypatch):
     assert len(measured) == 3  # a damaged cache too
 
 
-def test_the_warm_up_compiles_every_program_the_rates_measurement_times(tmp_path):
+def test_the_warm_up_compiles_every_program_the_rates_measurement_times(tmp_path, monkeypatch):
     """`prepare` compiles the references in a background thread (a run's set-up goes on
     meanwhile); measuring then compiles nothing more, and a machine whose rates are cached
     starts no warm-up."""
+    monkeypatch.setattr(machine_rates, "_WARMING", {})  # another test's run may have warmed up
     here = choice.machine()
     warming = machine_rates.prepare(here, ("xla", "eigen"), str(tmp_path))
     assert warming is not None
-    warming.join()
+    for thread in threading.enumerate():  # this one, and any an earlier test's run left behind
+        if thread.name == warming.name:
+            thread.join()
     compiles = []
 
     def listen(event, seconds, **kwargs):
