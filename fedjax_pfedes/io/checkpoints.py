@@ -92,6 +92,11 @@ def due(every: int, rounds_done: int, total_rounds: int) -> bool:
     return every > 0 and (rounds_done % every == 0 or rounds_done == total_rounds)
 
 
+class ConfigChangedError(ConfigError):
+    """The workdir's checkpoint was written under a config that differs in a field that changes
+    the run: resuming would corrupt it (a study that owns its run folders moves it aside)."""
+
+
 class Checkpointer:
     """Saves / restores `(state pytree, meta dict)` under `<workdir>` (when: `due`).
 
@@ -229,7 +234,7 @@ class Checkpointer:
                 continue
             changes = config_changes(meta["config"], current, defaults)
             if changes:
-                raise ConfigError(
+                raise ConfigChangedError(
                     f"cannot resume from {self.directory}/{step}: the config changed in ways "
                     "that would corrupt the run:\n  " + "\n  ".join(changes) + "\nUse another "
                     "--workdir, or --config.checkpoint.resume=False to start this workdir over.")

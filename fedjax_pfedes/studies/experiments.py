@@ -22,6 +22,7 @@ from fedjax_pfedes.config.defaults import TrainSection
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.plateau import plateau_reached
 from fedjax_pfedes.engine.schema import default_values
+from fedjax_pfedes.io.checkpoints import ConfigChangedError
 
 
 def heterogeneous_architectures(num_clients: int, ratio: float, majority: str,
@@ -231,12 +232,31 @@ def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]
             if summary is None:
                 if not run_missing:
                     continue
-                os.makedirs(run_dir, exist_ok=True)
-                summary = run_experiment(config, run_dir, show_progress=show_progress)
+                summary = _run_in(config, run_dir, show_progress)
             results[name].append(run_record(config, summary, run_dir))
         if on_seed_done is not None:
             on_seed_done(results)
     return results
+
+
+def _run_in(config: ml_collections.ConfigDict, run_dir: str, show_progress: bool) -> dict:
+    """Runs `config` in `run_dir`, resuming its checkpoint; a folder whose checkpoint holds a run
+    of another config (a tuned rate that moved when its grid was extended) is moved aside to
+    `<run_dir>.replaced<k>` with a warning and the run starts anew."""
+    os.makedirs(run_dir, exist_ok=True)
+    try:
+        return run_experiment(config, run_dir, show_progress=show_progress)
+    except ConfigChangedError as e:
+        k = 1
+        while os.path.exists(f"{run_dir}.replaced{k}"):
+            k += 1
+        os.rename(run_dir, f"{run_dir}.replaced{k}")
+        lines = str(e).splitlines()
+        change = lines[1].strip() if len(lines) > 2 else lines[0]
+        warnings.warn(f"{run_dir} held a run of another config ({change}); moved to "
+                      f"{run_dir}.replaced{k}, running this config anew", stacklevel=2)
+        os.makedirs(run_dir)
+        return run_experiment(config, run_dir, show_progress=show_progress)
 
 
 def mean_std(values: Sequence[float], digits: int = 4) -> str:

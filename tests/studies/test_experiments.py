@@ -171,6 +171,27 @@ def test_run_grid_without_running_collects_only_finished_runs(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no run started, no folder made
 
 
+@pytest.mark.slow
+def test_a_run_folder_of_another_config_is_moved_aside_and_run_anew(tmp_path):
+    """A tuned rate that moves (its grid extended) re-runs the reported seeds in the folders of
+    the old choice: their checkpoints hold another config, which the engine refuses to resume;
+    the grid moves such a folder aside with a warning and runs the new config."""
+    config = _tiny()
+    config.checkpoint.every = 1
+    experiments.run_grid(config, {"a": {"train.lr_local": 0.1}}, 1, str(tmp_path),
+                         show_progress=False, reuse=True)
+    with pytest.warns(UserWarning, match=r"held a run of another config \(config\.train\."
+                                         r"lr_local: 0\.1 in the checkpoint, 0\.2 now\)"):
+        out = experiments.run_grid(config, {"a": {"train.lr_local": 0.2}}, 1, str(tmp_path),
+                                   show_progress=False, reuse=True)
+    assert len(out["a"]) == 1
+    assert experiments.finished_run(experiments.with_overrides(config, {"train.lr_local": 0.2}),
+                                    str(tmp_path / "a" / "seed0")) is not None
+    old = experiments.finished_run(experiments.with_overrides(config, {"train.lr_local": 0.1}),
+                                   str(tmp_path / "a" / "seed0.replaced1"))
+    assert old is not None  # the old run kept, whole
+
+
 def test_a_finished_run_is_reused_whatever_its_loop_threads_but_not_another_lr(tmp_path):
     """Host threads change how fast a run goes, never its numbers: a comparison started with
     `--config.execution.loop_threads=1` is continued with the default and reuses its runs."""
