@@ -98,7 +98,8 @@ def diverged_seeds(tuning_dir: str, method: str, cell, seed: int) -> list[int]:
     found = []
     for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         run_dir = os.path.join(folder, entry)
-        if (entry.startswith("seed") and entry != f"seed{seed}"
+        if (entry.startswith("seed") and entry[len("seed"):].isdigit()  # not .replaced<n>
+                and entry != f"seed{seed}"
                 and os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
                 and experiments.training_diverged(experiments.read_rounds(run_dir))):
             found.append(int(entry[len("seed"):]))

@@ -281,6 +281,7 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
     assert not (tmp_path / "scaffold" / "seed2").exists()
     assert (tmp_path / "fedavg" / "seed0").exists()  # no divergence: stays
     tuning = str(tmp_path / "lr_tuning")
+    run(tmp_path / "lr_tuning" / "scaffold" / "lr0.05" / "seed3.replaced1", True)  # run_grid's
     assert diverged_seeds(tuning, "scaffold", 0.05, 0) == [1]
     assert diverged_seeds(tuning, "scaffold", 0.02, 0) == []
     # A rate chosen although dropped (every rate was): nothing better to move to, no loop.
