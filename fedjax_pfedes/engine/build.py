@@ -40,7 +40,14 @@ from fedjax_pfedes.engine.sections import round_settings
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.execution import choice, compilation, kernels, placement, runners
+from fedjax_pfedes.execution import (
+    choice,
+    compilation,
+    kernels,
+    machine_rates,
+    placement,
+    runners,
+)
 from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.io import plotting
 from fedjax_pfedes.io.metrics import write_json
@@ -196,8 +203,10 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
     programs = {a: protocol.finishing_program(algorithm.cohort_program(a))
                 for a in dict.fromkeys(archs)}
     arch_runners, mesh, mesh_size = _candidate_runners(config.execution, programs)
-    if not strategies:  # a decision ahead: its machine rates' references compile meanwhile
-        choice.prepare(arch_runners.values(), compilation.user_cache_dir())
+    if not strategies and any(len(r) > 1 for r in arch_runners.values()):
+        # a decision ahead (`_choose_runners`): its machine rates' references compile meanwhile
+        machine_rates.prepare(choice.machine(), choice.rated_kernels(arch_runners.values()),
+                              compilation.user_cache_dir())
     t, n = config.train, data.num_clients
     server_key, client_key, train_key, upload_key = _run_keys(config.seed)
     cohorts, client_states = build_cohorts(  # offload.BudgetError is a ConfigError

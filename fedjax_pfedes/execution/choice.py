@@ -344,20 +344,6 @@ def rated_kernels(runner_sets: Iterable[dict[str, Any]]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(r.kernels for runners in runner_sets for r in runners.values()))
 
 
-def prepare(runner_sets: Iterable[dict[str, Any]], rates_dir: str | None) -> None:
-    """Starts compiling the machine rates' references in the background where a decision among
-    `runner_sets` will measure them (`machine_rates.prepare`); a run calls it before its
-    set-up, `decide` then only times them.
-
-    Args:
-      runner_sets: each cohort's runner name -> runner (cohorts with one runner decide nothing).
-      rates_dir: where the machine's rates are kept (`decide`'s `rates_dir`).
-    """
-    runner_sets = list(runner_sets)
-    if any(len(r) > 1 for r in runner_sets):
-        machine_rates.prepare(machine(), rated_kernels(runner_sets), rates_dir)
-
-
 def decide(trials: dict[str, Trial], cache_dir: str | None, timing: bool = True,
            rates_dir: str | None = None) -> dict[str, dict]:
     """Each cohort's runner (`choose`), the cost model's inputs made once for all of them: the
