@@ -128,8 +128,10 @@ class ExecutionSection(Section):
         4.0, "'vmap' / 'shard': memory one vectorized evaluation call may take; a cohort that "
         "needs more is evaluated in chunks of clients (same numbers for any value)", above(0))
     loop_threads: int = param(
-        0, "'loop': host threads that train participants at the same time (0 = this process's "
-        "CPU cores on a CPU backend, 1 on an accelerator; same numbers for any value)",
+        0, "'loop' and 'scan': host threads that train participants at the same time ('scan': "
+        "that many lanes of participants, one scanned call each; 0 = this process's CPU cores "
+        "on a CPU backend, 1 on an accelerator; same numbers for any value, up to float "
+        "reassociation of 'scan''s streamed sums)",
         at_least(0, " (0 = the CPU cores)", integer=True))
     cpu_kernels: str = param(
         "auto", "kernels of the clients' programs on a CPU backend: 'auto' (chosen per cohort "

@@ -33,6 +33,10 @@ a time and vectorized:
 
 where step(n) = ops · launch + n (matmul flops / matmul rate + conv flops / conv rate + bytes /
 bandwidth), the rates being the one-client ones for n = 1 and the vectorized ones otherwise.
+'scan' is priced as one scan, although on T > 1 host threads it runs T lanes of participants at
+once (`strategies.scanned`): the price is an upper bound, which keeps every decision the model
+makes alone as it was; where 'scan' is timed against another strategy (work B), the timing runs
+the lanes.
 `rank` returns the candidates' predicted round times; `contenders` the best and the best of
 another strategy when it is within `MARGIN` and the difference is worth a compilation. The
 model never changes numbers: every candidate computes the same ones up to float

@@ -229,7 +229,8 @@ def _overhead_calls(threads: int) -> dict[tuple[str, bool], Callable[[], object]
     finishing = Finishing(template, template, _finish_reference)
     calls = {}
     for name in ("scan", "vmap", "loop"):
-        runner = runners.make_runner(program, name, loop_threads=threads)
+        # 'scan' on one lane: the cost model prices one scan (`cost_model.predict`).
+        runner = runners.make_runner(program, name, loop_threads=threads if name == "loop" else 1)
         for sent in ((template, finishing) if name != "loop" else (template,)):
             calls[name, sent is finishing] = functools.partial(
                 lambda sent, runner: runner.update(sent, np.copy(states), train, slots, keys),

@@ -47,6 +47,7 @@ from fedjax_pfedes.upload import privacy
 # What a streamed cohort's reduced carry holds.
 SUM, WEIGHT, TOP, HELD, HELD_AT, HELD_WEIGHT = (
     "sum", "weight", "top", "held", "held_at", "held_weight")
+LANES = "lanes"  # a merged carry's held uploads, one {HELD, HELD_AT, HELD_WEIGHT} per lane
 COUNT = "count"  # a clipped sum's number of updates
 ROWS_PER_HOLD = 8  # rows for held uploads per upload the norm rule may reject
 
@@ -120,6 +121,18 @@ class StreamingMean:
         out[WEIGHT] = carry[WEIGHT] + jnp.where(into_sum, weight, 0.0)
         return out
 
+    def merge(self, carries: list[dict]) -> dict:
+        """One carry from the carries of lanes that each streamed some of a cohort's
+        participants (the 'scan' strategy on several host threads): the sums and weights added,
+        each lane's held uploads kept where they are (`LANES`, read by `finalize`; nothing is
+        copied). An upload among the round's `hold` largest is among its lane's largest, so a
+        lane holds it as one stream would."""
+        if len(carries) == 1:
+            return carries[0]
+        sums, weights = _added(tuple(c[SUM] for c in carries), tuple(c[WEIGHT] for c in carries))
+        return {SUM: sums, WEIGHT: weights, TOP: carries[0][TOP],
+                LANES: tuple(held for c in carries for held in held_lanes(c))}
+
 
 @dataclasses.dataclass(frozen=True)
 class StreamingClippedSum:
@@ -156,6 +169,29 @@ class StreamingClippedSum:
             carry[SUM], upload, template)
         return {SUM: total, COUNT: carry[COUNT] + ok.astype(jnp.float32)}
 
+    def merge(self, carries: list[dict]) -> dict:
+        """One carry from lanes' carries (`StreamingMean.merge`): the clipped sums and counts
+        added."""
+        if len(carries) == 1:
+            return carries[0]
+        sums, counts = _added(tuple(c[SUM] for c in carries), tuple(c[COUNT] for c in carries))
+        return {SUM: sums, COUNT: counts}
+
+
+@jax.jit
+def _added(trees: tuple, scalars: tuple):
+    """(the sum of `trees`, the sum of `scalars`), added in lane order."""
+    return jax.tree.map(lambda *a: functools.reduce(jnp.add, a), *trees), \
+        functools.reduce(jnp.add, scalars)
+
+
+def held_lanes(carry: dict) -> tuple[dict, ...]:
+    """A streamed carry's held uploads per lane: ({HELD, HELD_AT, HELD_WEIGHT}, ...), one
+    entry for a carry of one stream."""
+    if LANES in carry:
+        return carry[LANES]
+    return ({HELD: carry[HELD], HELD_AT: carry[HELD_AT], HELD_WEIGHT: carry[HELD_WEIGHT]},)
+
 
 @functools.cache
 def clipped_sum_reducer(clip_norm: float, reject_nonfinite: bool) -> StreamingClippedSum:
@@ -163,20 +199,23 @@ def clipped_sum_reducer(clip_norm: float, reject_nonfinite: bool) -> StreamingCl
     return StreamingClippedSum(clip_norm, reject_nonfinite)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _finalize(carry: dict, accept_held: jax.Array, used: int):
-    # Only the first `used` rows were written (rows fill in order): the rest are not read.
-    accept_held = accept_held[:used]
-    extra = accept_held.astype(jnp.float32) * carry[HELD_WEIGHT][:used]
-    total = carry[WEIGHT] + jnp.sum(extra)
+@functools.partial(jax.jit, static_argnums=4)
+def _finalize(total_sum, weight, lanes: tuple, accept_held: tuple, used: tuple):
+    # Only the first `used` rows of a lane were written (rows fill in order): the rest are not
+    # read.
+    extras = [a[:u].astype(jnp.float32) * lane[HELD_WEIGHT][:u]
+              for lane, a, u in zip(lanes, accept_held, used, strict=True)]
+    total = weight + functools.reduce(jnp.add, [jnp.sum(e) for e in extras])
     safe = jnp.where(total > 0, total, 1.0)
 
-    def leaf(s, h):  # rejected rows zeroed first: 0 x Inf is NaN
-        h = h[:used]
-        h = jnp.where(accept_held.reshape((-1,) + (1,) * (h.ndim - 1)), h, 0.0)
-        return (s + jnp.tensordot(extra, h, axes=1)) / safe
+    def leaf(s, *held):  # rejected rows zeroed first: 0 x Inf is NaN
+        for h, a, e, u in zip(held, accept_held, extras, used, strict=True):
+            h = h[:u]
+            h = jnp.where(a[:u].reshape((-1,) + (1,) * (h.ndim - 1)), h, 0.0)
+            s = s + jnp.tensordot(e, h, axes=1)
+        return s / safe
 
-    mean = jax.tree.map(leaf, carry[SUM], carry[HELD])
+    mean = jax.tree.map(leaf, total_sum, *[lane[HELD] for lane in lanes])
     return jax.tree.map(lambda m: m[None], mean), total[None]
 
 
@@ -201,16 +240,21 @@ def finalize(carry: dict, accepted: np.ndarray, rejected_for_norm: np.ndarray, a
       HeldUploadsExceeded: when an upload the norm rule rejected is in the sum, naming the
         config field.
     """
-    held_at = np.asarray(jax.device_get(carry[HELD_AT]))
-    if np.setdiff1d(np.flatnonzero(rejected_for_norm), held_at).size:
+    lanes = held_lanes(carry)
+    held_at = [np.asarray(a) for a in jax.device_get([lane[HELD_AT] for lane in lanes])]
+    if np.setdiff1d(np.flatnonzero(rejected_for_norm), np.concatenate(held_at)).size:
         raise HeldUploadsExceeded(
             f"round {round_index + 1}: the norm rule rejected {int(rejected_for_norm.sum())} "
             f"uploads of cohort '{arch}', one of them not held aside by the 'scan' strategy "
             f"(it holds up to {int(np.shape(carry[TOP])[0])} per cohort, "
             "config.execution.scan_held_uploads): raise it, or use execution.strategy='loop'")
-    held = held_at >= 0
-    accept_held = held & np.asarray(accepted, bool)[np.where(held, held_at, 0)]
-    return _finalize(carry, jnp.asarray(accept_held), _rows_to_read(int(held.sum()), len(held)))
+    accepted = np.asarray(accepted, bool)
+    accept_held, used = [], []
+    for at in held_at:
+        held = at >= 0
+        accept_held.append(jnp.asarray(held & accepted[np.where(held, at, 0)]))
+        used.append(_rows_to_read(int(held.sum()), len(held)))
+    return _finalize(carry[SUM], carry[WEIGHT], lanes, tuple(accept_held), tuple(used))
 
 
 @functools.cache

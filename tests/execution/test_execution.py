@@ -2,6 +2,7 @@
 nothing compiles again after the first round."""
 
 import dataclasses
+import threading
 
 import chex
 import jax
@@ -12,8 +13,8 @@ import pytest
 from fedjax_pfedes.algorithms.pfedes import PFedESConfig, pfedes
 from fedjax_pfedes.data.federated import stack_clients
 from fedjax_pfedes.data.spec import InputSpec
-from fedjax_pfedes.execution import kernels, runners, slot_rows
-from fedjax_pfedes.execution.strategies import looped, protocol
+from fedjax_pfedes.execution import host_threads, kernels, runners, slot_rows
+from fedjax_pfedes.execution.strategies import protocol
 
 
 def _setup(arch, num_clients=4):
@@ -108,6 +109,32 @@ def test_scan_gives_the_loops_round(chunk):
     wide = runners.make_runner(program, "scan", scan_chunk=8)
     chex.assert_trees_all_close(wide.update(server.proxy_params, _copy(states), data, slots,
                                             keys)[0], up_l, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("slots", [[2, 0, 4, 4], [3, 0, 2]])
+def test_scan_lanes_give_one_scans_round_bit_for_bit(slots):
+    """'scan' on two host threads (two lanes of participants, each its own scanned call)
+    gives one scan's uploads, states and metrics exactly, for an even bucket with padded
+    slots and an odd one (a lane padded); a second round runs the lanes at once; a lane
+    budget too small for the stacked new state rows runs one scan."""
+    _, program, data, states, server = _setup("mlp")
+    slots = np.array(slots, np.int32)
+    keys = jax.random.split(jax.random.key(7), len(slots))
+    lane_threads = lambda: sum(t.name.startswith("scan_lane")  # noqa: E731
+                               for t in threading.enumerate())
+    want = runners.make_runner(program, "scan", loop_threads=1).update(
+        server.proxy_params, _copy(states), data, slots, keys)
+    before = lane_threads()
+    narrow = runners.make_runner(program, "scan", loop_threads=2, eval_memory_budget_gb=1e-9)
+    for _ in range(2):
+        chex.assert_trees_all_equal(
+            narrow.update(server.proxy_params, _copy(states), data, slots, keys), want)
+    assert lane_threads() == before  # the stacked rows do not fit: one scan
+    lanes = runners.make_runner(program, "scan", loop_threads=2)
+    for _ in range(2):  # the first call compiles on one thread; the second runs both lanes
+        chex.assert_trees_all_equal(
+            lanes.update(server.proxy_params, _copy(states), data, slots, keys), want)
+    assert lane_threads() > before
 
 
 @pytest.mark.parametrize("strategy", ["loop", "vmap", "scan"])
@@ -383,11 +410,11 @@ def test_eigen_cpu_kernels_compile_without_ynnpack_and_give_the_same_round():
 
 def test_balanced_groups_split_the_weight_evenly_and_keep_every_slot_once():
     weights = np.array([5.0, 1.0, 4.0, 3.0, 3.0, 2.0])
-    groups = looped.balanced_groups(np.arange(6), weights, 2)
+    groups = host_threads.balanced_groups(np.arange(6), weights, 2)
     assert sorted(np.concatenate(groups).tolist()) == list(range(6))
     assert [float(weights[g].sum()) for g in groups] == [9.0, 9.0]  # 5+4 and 3+3+2+1
     assert all(list(g) == sorted(g) for g in groups)
-    assert [len(g) for g in looped.balanced_groups(np.arange(2), weights[:2], 4)] == [
+    assert [len(g) for g in host_threads.balanced_groups(np.arange(2), weights[:2], 4)] == [
         1, 1, 0, 0]
 
 

@@ -96,6 +96,73 @@ def test_the_clipped_sum_is_the_sum_of_the_clipped_updates_by_hand():
     assert float(carry[streaming.COUNT]) == keep.sum()
 
 
+def _stream_lanes(reducer, w, b, sizes, finite, valid, lanes=2):
+    """The uploads streamed in `lanes` interleaved lanes (positions t, t + lanes, ...), as the
+    'scan' strategy on several host threads does, each lane naming its uploads by their
+    position in the whole bucket; the lanes' carries merged."""
+    norms = np.sqrt((w.astype(np.float64) ** 2).sum((1, 2)) + (b.astype(np.float64) ** 2)
+                    .sum(1)).astype(np.float32)
+    template = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
+
+    @jax.jit
+    def run(w, b, sizes, norms, finite, positions, valid):
+        def body(carry, xs):
+            wi, bi, size, norm, fin, position, ok = xs
+            return reducer.add(carry, {"w": wi, "b": bi}, {"finite": fin, "norm": norm}, size,
+                               position, ok, template), None
+        return jax.lax.scan(body, reducer.init(template),
+                            (w, b, sizes, norms, finite, positions, valid))[0]
+
+    carries = []
+    for t in range(lanes):
+        p = np.arange(t, len(sizes), lanes)
+        carries.append(run(w[p], b[p], sizes[p], norms[p], finite[p], p.astype(np.int32),
+                           valid[p]))
+    return reducer.merge(carries), norms
+
+
+def test_lanes_merged_give_the_mean_of_the_accepted_uploads():
+    """Two lanes, each streaming half of the uploads with its own held rows, merged: the
+    outlier the norm rule rejects was held by its lane and is left out; the non-finite upload
+    and the padded slot never entered; the mean is the by-hand mean of the rest. A rejected
+    upload that no lane held stops the round as with one stream."""
+    w, b, sizes = _uploads(n=11)
+    w[5] *= 1e3
+    w[6, 0, 0] = np.nan
+    finite = np.isfinite(w).all((1, 2))
+    valid = np.ones(len(sizes), bool)
+    valid[10] = False
+    carry, _ = _stream_lanes(streaming.reducer(2, len(sizes), True), w, b, sizes, finite, valid)
+    held = [np.asarray(lane[streaming.HELD_AT]) for lane in streaming.held_lanes(carry)]
+    assert len(held) == 2 and 5 in held[1].tolist()  # position 5: lane 1's
+    accepted = valid & finite
+    accepted[5] = False
+    mean, total = streaming.finalize(carry, accepted, valid & finite & ~accepted, "mlp", 0)
+    want_w, want_b, want_total = _by_hand(np.nan_to_num(w), b, sizes, accepted)
+    np.testing.assert_allclose(mean["w"][0], want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mean["b"][0], want_b, rtol=1e-5, atol=1e-6)
+    assert float(total[0]) == pytest.approx(want_total)
+    unheld = next(j for j in range(10) if finite[j] and j not in np.concatenate(held))
+    rejected = np.zeros(len(sizes), bool)
+    rejected[unheld] = True
+    with pytest.raises(streaming.HeldUploadsExceeded, match="scan_held_uploads"):
+        streaming.finalize(carry, valid & finite & ~rejected, rejected, "mlp", 0)
+
+
+def test_lanes_merged_give_the_clipped_sum_of_one_stream():
+    """Under client-level DP the lanes' clipped sums and counts add up to one stream's."""
+    w, b, sizes = _uploads()
+    w[2] *= 50.0
+    finite, valid = np.ones(len(sizes), bool), np.ones(len(sizes), bool)
+    reducer = streaming.clipped_sum_reducer(1.5, True)
+    one, _ = _stream(reducer, w, b, sizes, finite, valid)
+    merged, _ = _stream_lanes(reducer, w, b, sizes, finite, valid, lanes=3)
+    for leaf in ("w", "b"):
+        np.testing.assert_allclose(merged[streaming.SUM][leaf], one[streaming.SUM][leaf],
+                                   rtol=1e-5, atol=1e-6)
+    assert float(merged[streaming.COUNT]) == float(one[streaming.COUNT]) == len(sizes)
+
+
 @pytest.mark.parametrize("secagg", [False, True])
 def test_a_scope_with_one_streamed_and_one_stacked_cohort_releases_the_same_mean(secagg):
     """Under `execution.strategy='auto'` one cohort of a shared scope may stream its clipped
@@ -265,28 +332,30 @@ def test_a_streamed_scan_run_gives_the_loops_numbers(name, factor, tmp_path, mon
     finalize = streaming.finalize
     monkeypatch.setattr(streaming, "finalize", lambda *a: streamed.append(1) or finalize(*a))
     runs = {}
-    for variant in ("loop", "scan", "scan/offload"):
+    for variant in ("loop", "scan", "scan/offload", "scan:1"):
         strategy, _, states = variant.partition("/")
+        strategy, _, threads = strategy.partition(":")
         config = fl_helpers.tiny_config(rounds=3)
         config.algorithm = name
         config.execution.strategy = strategy
+        config.execution.loop_threads = int(threads or 2)  # 'scan': two lanes, or one
         config.execution.client_states = states or "device"
         config.execution.scan_held_uploads = 8
         config.upload.norm_outlier_factor = factor
         config.upload.norm_outlier_z = 0.0  # the factor alone: rejections to hold aside
         config.upload.norm_outlier_model_ratio = 0.0
         config.eval.every = 1
-        workdir = tmp_path / variant.replace("/", "_")
+        workdir = tmp_path / variant.replace("/", "_").replace(":", "_")
         run_experiment(config, str(workdir), show_progress=False)
         runs[variant] = _metrics(workdir)
-    for scanned in ("scan", "scan/offload"):  # offloaded: the bucket's slots are compacted
+    for scanned in ("scan", "scan/offload", "scan:1"):  # offloaded: slots are compacted
         for loop, scan in zip(runs["loop"], runs[scanned], strict=True):
             for key, value in loop.items():
                 if key.endswith("_s") or not isinstance(value, float):
                     assert key.endswith("_s") or scan[key] == value, key
                     continue
                 assert scan[key] == pytest.approx(value, rel=2e-4, abs=2e-5), key
-    assert len(streamed) == 6  # one streamed cohort, every round of 'scan', none of 'loop'
+    assert len(streamed) == 9  # one streamed cohort, every round of each 'scan', none of 'loop'
     if factor < 2:
         assert sum(r["uploads_rejected"] for r in runs["scan"]) > 0
 

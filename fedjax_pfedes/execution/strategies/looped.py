@@ -3,16 +3,15 @@ stacked state in place; with several host threads, the participants split over t
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-import threading
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfedes.algorithms.base import CohortProgram, PyTree, global_accuracy
+from fedjax_pfedes.algorithms.base import CohortProgram, global_accuracy
+from fedjax_pfedes.execution.host_threads import ClientThreads
 from fedjax_pfedes.execution.slot_rows import get_row, row_shapes, set_row, zeros_in_slots
 from fedjax_pfedes.execution.strategies.protocol import (
     CohortRunner,
@@ -21,19 +20,6 @@ from fedjax_pfedes.execution.strategies.protocol import (
     refuse_reducer,
     register_strategy,
 )
-
-
-def balanced_groups(slots: np.ndarray, weights: np.ndarray, groups: int) -> list[np.ndarray]:
-    """Positions of `slots` split into `groups` lists of nearly equal total weight (longest
-    first onto the lightest list; ties in slot order), each list in ascending position order.
-    The 'loop' strategy's threads take one list each."""
-    lists: list[list[int]] = [[] for _ in range(groups)]
-    load = np.zeros(groups)
-    for j in sorted(range(len(slots)), key=lambda j: (-weights[j], j)):
-        g = int(np.argmin(load))
-        lists[g].append(j)
-        load[g] += weights[j]
-    return [np.asarray(sorted(g), np.int64) for g in lists]
 
 
 def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.jit
@@ -149,46 +135,8 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
         del bucket  # padded slots are never called
         return float(np.sum(steps))
 
-    pool = _ClientThreads(threads) if threads > 1 else None
+    pool = ClientThreads(threads, "loop_client") if threads > 1 else None
     return CohortRunner("loop", update, evaluate, evaluate_slots, computed_steps)
-
-
-class _ClientThreads:
-    """Host threads for the 'loop' strategy (see `_loop_runner`): `run` calls a jitted
-    per-client function for every participant, split over the threads by `balanced_groups`.
-    The first call of each kind runs on the calling thread alone, so the threads never compile
-    the same program at once."""
-
-    def __init__(self, threads: int):
-        self.threads = threads
-        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.lock = threading.Lock()
-        self.compiled: set[str] = set()
-
-    def run(self, kind: str, call: Callable[[int], PyTree], real: np.ndarray,
-            weights: np.ndarray) -> dict[int, PyTree]:
-        """call(j) for every slot position j in `real` (its weight the expected cost);
-        {j: output}, each output computed."""
-        out: dict[int, PyTree] = {}
-        todo = real
-        if kind not in self.compiled or len(real) == 1:
-            out[int(real[0])] = jax.block_until_ready(call(int(real[0])))
-            self.compiled.add(kind)
-            todo, weights = real[1:], weights[1:]
-        groups = [g for g in balanced_groups(todo, weights, self.threads) if len(g)]
-        if not groups:
-            return out
-
-        def work(group: np.ndarray) -> dict[int, PyTree]:
-            return {int(todo[p]): jax.block_until_ready(call(int(todo[p]))) for p in group}
-
-        with self.lock:
-            if self.pool is None:
-                self.pool = concurrent.futures.ThreadPoolExecutor(
-                    self.threads, thread_name_prefix="loop_client")
-            for done in self.pool.map(work, groups):
-                out.update(done)
-        return out
 
 
 register_strategy(Strategy("loop", lambda program, o: _loop_runner(

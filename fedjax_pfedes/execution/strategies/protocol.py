@@ -22,7 +22,7 @@ class RunnerOptions:
 
     Attributes:
       mesh: the device mesh of `client_mesh` (strategies that `needs_mesh`), else None.
-      loop_threads: host threads of the loop (already resolved: >= 1).
+      loop_threads: host threads of 'loop' and of 'scan''s lanes (already resolved: >= 1).
       scan_chunk: participants vmapped together per iteration of the scan.
       jit: `jax.jit` with the run's compiler options (CPU kernels).
       eval_budget_bytes: the memory one mapped evaluation call may take ('vmap', 'shard':

@@ -1,6 +1,7 @@
 """The 'scan' strategy: a cohort's participants pass through one compiled `lax.scan`, one client
 (or a vmapped chunk) per iteration, the stacked states as the carry; it can stream the uploads
-into a reducer instead of stacking them (`upload.streaming`)."""
+into a reducer instead of stacking them (`upload.streaming`). On several host threads the
+participants split into lanes, one scanned call each, run at the same time."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from fedjax_pfedes.algorithms.base import CohortProgram, PyTree, global_accuracy
 from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.execution.host_threads import ClientThreads
 from fedjax_pfedes.execution.slot_rows import get_row
 from fedjax_pfedes.execution.strategies.protocol import (
     UPLOAD_FACTS,
@@ -24,8 +26,8 @@ from fedjax_pfedes.execution.strategies.protocol import (
 from fedjax_pfedes.tree_util import put_rows, take_rows
 
 
-def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
-                 ) -> CohortRunner:
+def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit,
+                 threads: int = 1, lane_budget_bytes: float = 0.0) -> CohortRunner:
     """'scan': a cohort's participants pass through one compiled `lax.scan`, `chunk` of them
     per iteration (one at a time: the client function itself; more: vmapped over the chunk).
 
@@ -35,7 +37,18 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
     and activations are live at a time instead of the bucket's copies of 'vmap' (a small model
     then stays in cache). Padded slots (out of range) hold no samples, take no local step, write
     nothing and return zeros. Evaluation maps the per-client programs the same way (`lax.map`).
-    `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`)."""
+    `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`).
+
+    With `threads` > 1 a round's participants split into that many lanes (slot positions j,
+    j + threads, ...), each one scanned call of the same program, run at the same time on host
+    threads (one scan is one thread: two lanes on two cores take about two thirds of the time
+    of one scan on a cross-device round, docs/performance.md). A lane reads its participants'
+    state rows and returns their new ones, which one donated call writes back with the lanes'
+    metrics (and stacked uploads) put in slot order; streamed uploads are merged by the
+    reducer (`merge`). Every participant computes what it computes in one scan, so states,
+    metrics and stacked uploads are equal bit for bit; a streamed sum adds the lanes' sums
+    (float reassociation). Lanes are used when the participants' new state rows take at most
+    `lane_budget_bytes` (they are stacked, where one scan writes them in place)."""
     if chunk < 1:
         raise ConfigError(f"config.execution.scan_chunk must be >= 1, got {chunk}")
     per_chunk = (lambda fn, in_axes: fn) if chunk == 1 else (
@@ -70,8 +83,9 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
             valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a,
             jnp.zeros((), a.dtype)), tree)  # a bool stays a bool
 
-    @functools.partial(jit, donate_argnums=1)
-    def scanned_update(broadcast, states, train, slots, keys):
+    def scanned(broadcast, states, train, slots, keys, positions, in_place: bool):
+        """One scan over `slots` (bucket positions `positions`): (uploads or the reduced carry,
+        the states with the new rows written in place, or the new rows stacked, metrics)."""
         n = train.sizes.shape[0]
         bucket = slots.shape[0]
         padded_keys = keys if chunk == 1 else jnp.concatenate(
@@ -88,26 +102,48 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
                                 (upload, facts, sizes, position, valid))[0]
 
         def body(carry, xs):
-            states, reduced = carry
+            states_carry, reduced = carry
             slot, key, position = xs
             valid = slot < n
             rows = rows_at(train, slot)
             # A padded slot holds no samples, so it takes no local step.
             rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
-            upload, new_rows, metrics = client_update(broadcast, rows_at(states, slot), rows, key)
-            states = write_rows(states, slot, valid, new_rows)
+            upload, new_rows, metrics = client_update(broadcast, rows_at(states, slot)
+                                                      if not in_place else
+                                                      rows_at(states_carry, slot), rows, key)
+            if in_place:
+                states_carry = write_rows(states_carry, slot, valid, new_rows)
+                new_rows = None
             if reducer is None:  # the uploads are stacked outputs
-                return (states, reduced), (zero_padded(upload, valid),
-                                           zero_padded(metrics, valid))
+                return (states_carry, reduced), (zero_padded(upload, valid), new_rows,
+                                                 zero_padded(metrics, valid))
             reduced = reduce(reduced, upload, metrics, rows.sizes, position, valid)
-            return (states, reduced), (None, zero_padded(metrics, valid))
+            return (states_carry, reduced), (None, new_rows, zero_padded(metrics, valid))
 
         start = None if reducer is None else reducer.init(broadcast.operand)
-        positions = chunked(jnp.arange(bucket, dtype=jnp.int32), bucket)  # slot j of the bucket
-        (states, reduced), (uploads, metrics) = jax.lax.scan(
-            body, (states, start), (chunked(slots, n), padded_keys, positions))
+        (states_out, reduced), (uploads, new_rows, metrics) = jax.lax.scan(
+            body, (states if in_place else None, start),
+            (chunked(slots, n), padded_keys, chunked(positions, bucket)))
         uploads = unchunked(uploads, bucket) if reducer is None else reduced
-        return uploads, states, unchunked(metrics, bucket)
+        return uploads, states_out if in_place else unchunked(new_rows, bucket), \
+            unchunked(metrics, bucket)
+
+    @functools.partial(jit, donate_argnums=1)
+    def scanned_update(broadcast, states, train, slots, keys):
+        positions = jnp.arange(slots.shape[0], dtype=jnp.int32)  # slot j of the bucket
+        return scanned(broadcast, states, train, slots, keys, positions, in_place=True)
+
+    @jit
+    def lane_update(broadcast, states, train, slots, keys, positions):
+        return scanned(broadcast, states, train, slots, keys, positions, in_place=False)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def put_lanes(states, lane_slots, new_rows, outputs, order):
+        """The lanes' new rows written into `states`; their outputs (metrics, stacked uploads)
+        concatenated and put in slot order."""
+        cat = lambda trees: jax.tree.map(lambda *a: jnp.concatenate(a), *trees)  # noqa: E731
+        return (put_rows(states, lane_slots.reshape(-1), cat(new_rows)),
+                jax.tree.map(lambda a: a[order], cat(outputs)))
 
     def mapped(fn: Callable, slots: jax.Array, n: int) -> PyTree:
         """fn(slot) -> per-client pytree, over `slots`, `chunk` at a time; zeros where padded."""
@@ -126,8 +162,37 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
         return mapped(lambda i: global_accuracy(program, broadcast, get_row(states, i), global_x,
                                                 global_y), slots, sizes.shape[0])
 
+    pool = ClientThreads(threads, "scan_lane") if threads > 1 else None
+
+    def lanes_for(states, bucket: int) -> int:
+        row_bytes = sum(a.nbytes // max(a.shape[0], 1) for a in jax.tree.leaves(states))
+        if pool is None or bucket < 2 or bucket * row_bytes > lane_budget_bytes:
+            return 1
+        return min(threads, bucket)
+
     def update(broadcast, states, train, slots, keys):
-        return scanned_update(broadcast, states, train, jnp.asarray(slots, jnp.int32), keys)
+        slots = np.asarray(slots, np.int32)
+        bucket, n = len(slots), train.sizes.shape[0]
+        lanes = lanes_for(states, bucket)
+        if lanes == 1:
+            return scanned_update(broadcast, states, train, jnp.asarray(slots), keys)
+        width = -(-bucket // lanes)
+        positions = np.arange(lanes * width).reshape(width, lanes).T  # lane t: t, t + lanes..
+        real = positions < bucket
+        lane_slots = np.where(real, slots[np.minimum(positions, bucket - 1)], n).astype(np.int32)
+        lane_keys = [keys[np.minimum(p, bucket - 1)] for p in positions]
+        done = pool.run("update", lambda t: lane_update(
+            broadcast, states, train, jnp.asarray(lane_slots[t]), lane_keys[t],
+            jnp.asarray(positions[t], jnp.int32)), np.arange(lanes), np.ones(lanes))
+        outs = [done[t] for t in range(lanes)]
+        streamed = isinstance(broadcast, Finishing) and broadcast.reducer is not None
+        order = jnp.asarray((np.arange(bucket) % lanes) * width + np.arange(bucket) // lanes)
+        states, (metrics, uploads) = put_lanes(
+            states, jnp.asarray(lane_slots), [o[1] for o in outs],
+            [(o[2], None if streamed else o[0]) for o in outs], order)
+        if streamed:
+            uploads = broadcast.reducer.merge([o[0] for o in outs])
+        return uploads, states, metrics
 
     def evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None):
         slots = jnp.asarray(slots, jnp.int32)
@@ -153,4 +218,5 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
 
 
 register_strategy(Strategy("scan", lambda program, o: _scan_runner(
-    program, o.scan_chunk, jit=o.jit), streams_uploads=True))
+    program, o.scan_chunk, jit=o.jit, threads=o.loop_threads,
+    lane_budget_bytes=o.eval_budget_bytes), streams_uploads=True))

@@ -1,0 +1,66 @@
+"""Host threads that run a cohort's jitted client programs at the same time: the 'loop'
+strategy's per-participant calls and the 'scan' strategy's lanes (`config.execution.loop_threads`).
+Every call computes what it would on one thread, so the numbers do not depend on the threads."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from fedjax_pfedes.algorithms.base import PyTree
+
+
+def balanced_groups(slots: np.ndarray, weights: np.ndarray, groups: int) -> list[np.ndarray]:
+    """Positions of `slots` split into `groups` lists of nearly equal total weight (longest
+    first onto the lightest list; ties in slot order), each list in ascending position order.
+    `ClientThreads`' threads take one list each."""
+    lists: list[list[int]] = [[] for _ in range(groups)]
+    load = np.zeros(groups)
+    for j in sorted(range(len(slots)), key=lambda j: (-weights[j], j)):
+        g = int(np.argmin(load))
+        lists[g].append(j)
+        load[g] += weights[j]
+    return [np.asarray(sorted(g), np.int64) for g in lists]
+
+
+class ClientThreads:
+    """Host threads that run jitted client programs at once ('loop': one call per
+    participant; 'scan': one call per lane of participants): `run` calls a function for every
+    item, split over the threads by `balanced_groups`. The first call of each kind runs on the
+    calling thread alone, so the threads never compile the same program at once."""
+
+    def __init__(self, threads: int, name: str):
+        self.threads = threads
+        self.name = name  # the threads' name prefix
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.lock = threading.Lock()
+        self.compiled: set[str] = set()
+
+    def run(self, kind: str, call: Callable[[int], PyTree], real: np.ndarray,
+            weights: np.ndarray) -> dict[int, PyTree]:
+        """call(j) for every slot position j in `real` (its weight the expected cost);
+        {j: output}, each output computed."""
+        out: dict[int, PyTree] = {}
+        todo = real
+        if kind not in self.compiled or len(real) == 1:
+            out[int(real[0])] = jax.block_until_ready(call(int(real[0])))
+            self.compiled.add(kind)
+            todo, weights = real[1:], weights[1:]
+        groups = [g for g in balanced_groups(todo, weights, self.threads) if len(g)]
+        if not groups:
+            return out
+
+        def work(group: np.ndarray) -> dict[int, PyTree]:
+            return {int(todo[p]): jax.block_until_ready(call(int(todo[p]))) for p in group}
+
+        with self.lock:
+            if self.pool is None:
+                self.pool = concurrent.futures.ThreadPoolExecutor(
+                    self.threads, thread_name_prefix=self.name)
+            for done in self.pool.map(work, groups):
+                out.update(done)
+        return out
