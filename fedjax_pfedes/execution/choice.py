@@ -223,34 +223,31 @@ def _count_saved(event: str, duration: float, **_) -> None:
 jax.monitoring.register_event_duration_secs_listener(_count_saved)
 
 
-def _time_update(runner: protocol.CohortRunner, broadcast, states, train, slots, keys,
-                 repeats: int, budget_s: float | None = None) -> tuple[float | None, float]:
-    """(best of `repeats` timed update calls, the cost of the first call: its CPU seconds
-    plus the compilation seconds JAX's persistent cache saved it). With `budget_s`, a first
-    call that cost more than that ends it: (None, its cost). CPU time, not wall time: the work
-    of a compilation, which other processes on a busy machine do not inflate, so that the
-    decision (cached for later runs) does not depend on the load at the moment it was made;
-    and the compilations the cache saved, because the other candidate's programs are not in
-    it: a first call loaded from the cache is no sign of a cheap timing. The first call trains one
-    participant, the other slots padded: it compiles the programs a full bucket runs (sizes
-    are data, not shapes) without a bucket's work, which a decision that stops there would
-    add to the run."""
+def _first_call(runner: protocol.CohortRunner, broadcast, states, train, slots, keys
+                ) -> tuple[Any, float]:
+    """(the states after a first update call, its cost: CPU seconds plus the compilation seconds
+    JAX's persistent cache saved it). CPU time, not wall time: the work of a compilation, which
+    other processes on a busy machine do not inflate, so that the decision (cached for later
+    runs) does not depend on the load at the moment it was made; and the compilations the cache
+    saved, because the other candidate's programs are not in it: a first call loaded from the
+    cache is no sign of a cheap timing. The call trains one participant, the other slots
+    padded: it compiles the programs a full bucket runs (sizes are data, not shapes) without a
+    bucket's work, which a decision that stops there would add to the run."""
     members = train.sizes.shape[0]
     one = np.where(np.arange(len(slots)) == 0, slots, members).astype(np.asarray(slots).dtype)
     cpu0, saved0 = time.process_time(), _saved_compile_s[0]
     out = runner.update(broadcast, _copy(states), train, one, keys)
     jax.block_until_ready(out)
-    first_s = time.process_time() - cpu0 + _saved_compile_s[0] - saved0
-    if budget_s is not None and first_s > budget_s:
-        return None, first_s
-    best = float("inf")
-    for _ in range(repeats):
-        copy = out[1]
-        t0 = time.perf_counter()
-        out = runner.update(broadcast, copy, train, slots, keys)
-        jax.block_until_ready(out)
-        best = min(best, time.perf_counter() - t0)
-    return best, first_s
+    return out[1], time.process_time() - cpu0 + _saved_compile_s[0] - saved0
+
+
+def _call_seconds(runner: protocol.CohortRunner, broadcast, states, train, slots, keys
+                  ) -> tuple[float, Any]:
+    """(wall seconds of one update call of every slot, the states after it)."""
+    t0 = time.perf_counter()
+    out = runner.update(broadcast, states, train, slots, keys)
+    jax.block_until_ready(out)
+    return time.perf_counter() - t0, out[1]
 
 
 def cached_choice(trial: Trial, cache_dir: str | None) -> Choice | None:
@@ -285,7 +282,7 @@ def _what_is_sent(t: Trial) -> list:
     return described
 
 
-def choose(trial: Trial, cache_dir: str | None, repeats: int = 2,
+def choose(trial: Trial, cache_dir: str | None, repeats: int = 3,
            predicted: dict[str, float] | None = None, timing: bool = True,
            negligible_s: float = 0.0,
            fixed: dict[str, tuple[float, float]] | None = None) -> Choice:
@@ -400,24 +397,31 @@ def _timed(trial: Trial, names: list[str], repeats: int, budget_s: float | None 
            fixed: dict[str, tuple[float, float]] | None = None
            ) -> tuple[dict[str, float], dict[str, float], float]:
     """(seconds per measured call, expected round seconds, seconds of the first runner's
-    first call) of the runners `names`, timed in order; with `budget_s`, the others only when
-    that first call (its compilation) took at most that long. `fixed`: runner -> (seconds of a
-    measured call, seconds of a round) that do not grow with the local steps
+    first call) of the runners `names`, their calls alternating; with `budget_s`, the others
+    only when that first call (its compilation) took at most that long. `fixed`: runner ->
+    (seconds of a measured call, seconds of a round) that do not grow with the local steps
     (`Trial.fixed_costs`)."""
     epochs, bucket = trial.epochs, trial.bucket
     one_step, slots, keys = trial.inputs()
-    per_call, first_s = {}, 0.0
+    sent = {s: trial.broadcast if trial.sent is None else trial.sent(trial.runners[s])
+            for s in names}
+    states, first_s = {}, 0.0
     for i, s in enumerate(names):
-        best, first = _time_update(trial.runners[s],
-                                   trial.broadcast if trial.sent is None else
-                                   trial.sent(trial.runners[s]),
-                                   trial.states, one_step, slots, keys, repeats,
-                                   budget_s if i == 0 else None)
+        states[s], first = _first_call(trial.runners[s], sent[s], trial.states, one_step,
+                                       slots, keys)
         if i == 0:
             first_s = first
-        if best is None:
-            break
-        per_call[s] = best
+            if budget_s is not None and first > budget_s:
+                states = {}
+                break
+    # The candidates' calls alternate, best of `repeats` each: a burst of load on the machine
+    # slows the candidates alike instead of one of them.
+    per_call = dict.fromkeys(states, float("inf"))
+    for _ in range(repeats):
+        for s in states:
+            seconds, states[s] = _call_seconds(trial.runners[s], sent[s], states[s], one_step,
+                                               slots, keys)
+            per_call[s] = min(per_call[s], seconds)
     # A call ran `epochs` steps of every slot. The loop pays per participant and step; vmap
     # (and shard: vmap per device) pays per iteration of the whole bucket, until the longest
     # schedule ends.

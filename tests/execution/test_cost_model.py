@@ -170,11 +170,13 @@ def test_a_decision_times_only_the_models_two_best_and_lands_near_the_best(tmp_p
                          jnp.full((4,), 8, jnp.int32))
     made = {s: _fake_runner(s, 0.0) for s in times}
 
-    def measured(runner, *args, **kwargs):
+    def first(runner, broadcast, states, *args):
         made[runner.strategy][1].append(1)
-        return times[runner.strategy] / 20, 0.0
+        return states, 0.0
 
-    monkeypatch.setattr(choice, "_time_update", measured)
+    monkeypatch.setattr(choice, "_first_call", first)
+    monkeypatch.setattr(choice, "_call_seconds", lambda runner, broadcast, states, *a: (
+        times[runner.strategy] / 20, states))
     trial = choice.Trial("alg/arch", {s: r for s, (r, _) in made.items()}, {},
                          {"w": jnp.zeros((4, 3))}, train, bucket=4, expected_participants=4.0,
                          planned_steps=np.full(4, 1), epochs=1, batch_size=1)
@@ -329,6 +331,33 @@ def test_a_machines_rates_are_measured_positive_and_finite():
                                    "conv_step_s"}
 
 
+def test_the_candidates_calls_alternate_so_a_burst_of_load_slows_both(monkeypatch):
+    """Timed calls alternate between the candidates (best of `repeats` each): a burst of load
+    during the first two timed calls slows one call of each, and the faster candidate ('scan',
+    10 ms against 20) is still measured faster. Timed one candidate after the other, the burst
+    would have slowed both of scan's calls (30 ms) and chosen 'vmap'."""
+    from fedjax_pfedes.data.federated import ClientArrays
+    train = ClientArrays(jnp.zeros((4, 8, 2)), jnp.zeros((4, 8), jnp.int32),
+                         jnp.full((4,), 8, jnp.int32))
+    runners = {"scan": _fake_runner("scan", 0.0)[0], "vmap": _fake_runner("vmap", 0.0)[0]}
+    quiet = {"scan": 0.010, "vmap": 0.020}
+    order = []
+
+    def call(runner, broadcast, states, *a):
+        order.append(runner.strategy)
+        return quiet[runner.strategy] + (0.020 if len(order) <= 2 else 0.0), states
+
+    monkeypatch.setattr(choice, "_first_call", lambda runner, broadcast, states, *a: (states, 0.0))
+    monkeypatch.setattr(choice, "_call_seconds", call)
+    trial = choice.Trial("alg/burst", runners, {}, {"w": jnp.zeros((4, 3))}, train, bucket=4,
+                         expected_participants=4.0, planned_steps=np.full(4, 1), epochs=1,
+                         batch_size=1)
+    per_call, expected, _ = choice._timed(trial, ["scan", "vmap"], repeats=2)
+    assert order == ["scan", "vmap", "scan", "vmap"]
+    assert per_call == {"scan": 0.010, "vmap": 0.020}
+    assert min(expected, key=expected.get) == "scan"
+
+
 def test_a_timing_scales_the_steps_but_not_the_dispatch(monkeypatch):
     """A measured call ran one step per slot; a round runs the planned steps. What a call pays
     once per participant ('loop') or once ('scan') is not multiplied by the steps: a loop with
@@ -339,8 +368,9 @@ def test_a_timing_scales_the_steps_but_not_the_dispatch(monkeypatch):
                          jnp.full((4,), 8, jnp.int32))
     runners = {"loop": _fake_runner("loop", 0.0)[0], "scan": _fake_runner("scan", 0.0)[0]}
     calls = {"loop": 0.040, "scan": 0.037}
-    monkeypatch.setattr(choice, "_time_update",
-                        lambda runner, *a, **k: (calls[runner.strategy], 0.0))
+    monkeypatch.setattr(choice, "_first_call", lambda runner, broadcast, states, *a: (states, 0.0))
+    monkeypatch.setattr(choice, "_call_seconds", lambda runner, broadcast, states, *a: (
+        calls[runner.strategy], states))
     trial = choice.Trial("alg/fixed", runners, {}, {"w": jnp.zeros((4, 3))}, train, bucket=4,
                          expected_participants=2.0, planned_steps=np.full(4, 5), epochs=1,
                          batch_size=1)
