@@ -135,6 +135,8 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
 
     @jit
     def lane_update(broadcast, states, train, slots, keys, positions):
+        """One lane: `keys` are the whole bucket's (the lane's picked here, in the program)."""
+        keys = keys[jnp.minimum(positions, keys.shape[0] - 1)]
         return scanned(broadcast, states, train, slots, keys, positions, in_place=False)
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -180,9 +182,8 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
         positions = np.arange(lanes * width).reshape(width, lanes).T  # lane t: t, t + lanes..
         real = positions < bucket
         lane_slots = np.where(real, slots[np.minimum(positions, bucket - 1)], n).astype(np.int32)
-        lane_keys = [keys[np.minimum(p, bucket - 1)] for p in positions]
         done = pool.run("update", lambda t: lane_update(
-            broadcast, states, train, jnp.asarray(lane_slots[t]), lane_keys[t],
+            broadcast, states, train, jnp.asarray(lane_slots[t]), keys,
             jnp.asarray(positions[t], jnp.int32)), np.arange(lanes), np.ones(lanes))
         outs = [done[t] for t in range(lanes)]
         streamed = isinstance(broadcast, Finishing) and broadcast.reducer is not None
