@@ -64,8 +64,10 @@ KERNEL_MARGIN = 1.25
 MARGIN = 2.0
 # A timing compiles a second candidate, at about the cost of the first: it is run only when the
 # model's best compiled and ran its first call within this many seconds of CPU time (not wall
-# time, which a busy machine inflates: a decision is cached for later runs).
-TIMING_COMPILE_BUDGET_S = 2.5
+# time, which a busy machine inflates: a decision is cached for later runs). It lies between
+# work B's programs, which the model cannot rank and a timing must, and the quick start's
+# convolutional cohorts, which the model ranks (docs/performance.md, "Defaults that decide").
+TIMING_COMPILE_BUDGET_S = 3.2
 # A predicted difference below this share of the whole round (all cohorts) is not worth the
 # compilation a timing costs.
 NEGLIGIBLE_SHARE = 0.05
