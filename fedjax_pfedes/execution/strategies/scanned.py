@@ -108,9 +108,8 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
             rows = rows_at(train, slot)
             # A padded slot holds no samples, so it takes no local step.
             rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
-            upload, new_rows, metrics = client_update(broadcast, rows_at(states, slot)
-                                                      if not in_place else
-                                                      rows_at(states_carry, slot), rows, key)
+            source = states_carry if in_place else states  # a lane only reads `states`
+            upload, new_rows, metrics = client_update(broadcast, rows_at(source, slot), rows, key)
             if in_place:
                 states_carry = write_rows(states_carry, slot, valid, new_rows)
                 new_rows = None
@@ -178,16 +177,14 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
         lanes = lanes_for(states, bucket)
         if lanes == 1:
             return scanned_update(broadcast, states, train, jnp.asarray(slots), keys)
-        width = -(-bucket // lanes)
-        positions = np.arange(lanes * width).reshape(width, lanes).T  # lane t: t, t + lanes..
-        real = positions < bucket
-        lane_slots = np.where(real, slots[np.minimum(positions, bucket - 1)], n).astype(np.int32)
+        positions, lane_positions, order = _lane_layout(bucket, lanes)
+        lane_slots = np.where(positions < bucket, slots[np.minimum(positions, bucket - 1)],
+                              n).astype(np.int32)
         done = pool.run("update", lambda t: lane_update(
-            broadcast, states, train, jnp.asarray(lane_slots[t]), keys,
-            jnp.asarray(positions[t], jnp.int32)), np.arange(lanes), np.ones(lanes))
+            broadcast, states, train, jnp.asarray(lane_slots[t]), keys, lane_positions[t]),
+            np.arange(lanes), np.ones(lanes))
         outs = [done[t] for t in range(lanes)]
         streamed = isinstance(broadcast, Finishing) and broadcast.reducer is not None
-        order = jnp.asarray((np.arange(bucket) % lanes) * width + np.arange(bucket) // lanes)
         states, (metrics, uploads) = put_lanes(
             states, jnp.asarray(lane_slots), [o[1] for o in outs],
             [(o[2], None if streamed else o[0]) for o in outs], order)
@@ -216,6 +213,17 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
         return float(chunk * padded.max(axis=1).sum())
 
     return CohortRunner("scan", update, evaluate, evaluate_slots, computed_steps)
+
+
+@functools.cache
+def _lane_layout(bucket: int, lanes: int) -> tuple[np.ndarray, tuple[jax.Array, ...], jax.Array]:
+    """(bucket positions per lane [lanes, width]: lane t holds t, t + lanes, ..., padded past the
+    bucket; the same per lane on the device; for each slot position, its index in the lanes'
+    concatenated outputs): the same every round of a bucket."""
+    width = -(-bucket // lanes)
+    positions = np.arange(lanes * width).reshape(width, lanes).T
+    order = (np.arange(bucket) % lanes) * width + np.arange(bucket) // lanes
+    return positions, tuple(jnp.asarray(p, jnp.int32) for p in positions), jnp.asarray(order)
 
 
 register_strategy(Strategy("scan", lambda program, o: _scan_runner(
