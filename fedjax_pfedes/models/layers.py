@@ -1,9 +1,12 @@
-"""Layers shared by every model: a convolution whose gradient is fast on CPU, fast max pooling
-and the input-normalization layer."""
+"""Layers shared by every model: a convolution whose gradient is fast on CPU (and whose first
+layers run as a sum over their few taps there), fast max pooling and the input-normalization
+layer."""
 
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -34,18 +37,53 @@ def conv(x: jnp.ndarray, kernel: jnp.ndarray, strides: tuple[int, ...], padding:
          ) -> jnp.ndarray:
     """Channels-last convolution: x [batch, *spatial, in], kernel [*window, in, out].
 
-    Values and gradients equal `lax.conv_general_dilated`'s. The backward pass is written as two
-    convolutions in the forward (channels-last, [*window, in, out]) layout with explicit
-    transposes. Autodiff's own backward convolutions carry transposed dimension labels, which
-    XLA:CPU has no library kernel for when they sit inside a rolled loop (`lax.scan` /
+    Values and gradients equal `lax.conv_general_dilated`'s (a forward pass with few taps,
+    `_few_taps`, sums them in its own order: equal up to float reassociation). The backward pass
+    is written as two convolutions in the forward (channels-last, [*window, in, out]) layout
+    with explicit transposes. Autodiff's own backward convolutions carry transposed dimension
+    labels, which XLA:CPU has no library kernel for when they sit inside a rolled loop (`lax.scan` /
     `lax.while_loop`): they fall back to a naive loop emitter, 5-10x slower
     (docs/performance.md). Canonical convolutions keep the rolled local-training loop as fast as
     an unrolled one, so the local step compiles once.
     """
     pads = [_same_or_valid_pads(x.shape[1 + d], kernel.shape[d], strides[d], padding)[1:]
             for d in range(x.ndim - 2)]
+    if _few_taps(kernel, strides):
+        return _tap_sum(x, kernel, pads)
     return jax.lax.conv_general_dilated(x, kernel, strides, pads,
                                         dimension_numbers=_dimension_numbers(x.ndim))
+
+
+# A stride-1 convolution with at most this many (window position, input channel) taps is a sum
+# of shifted inputs times a kernel row on CPU (`_tap_sum`).
+MAX_TAPS = 27
+
+
+def _few_taps(kernel: jnp.ndarray, strides: tuple[int, ...]) -> bool:
+    """Whether `conv`'s forward pass is `_tap_sum`: on the CPU backend, every stride 1 and at
+    most `MAX_TAPS` taps (a first layer on 1- or 3-channel images: 5x5x1, 3x3x3). XLA:CPU's
+    convolution kernels run such layers far below their rate on wider ones (there is nothing to
+    block over the input channels); one fused elementwise loop over the taps runs them several
+    times faster (docs/performance.md, "The first convolution"; `benchmarks.micro.first_conv`)."""
+    return (jax.default_backend() == "cpu" and all(s == 1 for s in strides)
+            and math.prod(kernel.shape[:-1]) <= MAX_TAPS)
+
+
+def _tap_sum(x: jnp.ndarray, kernel: jnp.ndarray, pads) -> jnp.ndarray:
+    """The stride-1 convolution as sum over taps (window offset o, input channel c) of
+    x_padded[o : o + out, c] * kernel[o, c, :] (equal to `lax.conv_general_dilated` up to the
+    order of the float additions)."""
+    nd = x.ndim - 2
+    window = kernel.shape[:nd]
+    xp = jnp.pad(x, ((0, 0),) + tuple(pads) + ((0, 0),))
+    out_shape = [xp.shape[1 + d] - window[d] + 1 for d in range(nd)]
+    total = None
+    for offset in itertools.product(*(range(k) for k in window)):
+        view = tuple(slice(o, o + n) for o, n in zip(offset, out_shape, strict=True))
+        for c in range(x.shape[-1]):
+            term = xp[(slice(None),) + view + (slice(c, c + 1),)] * kernel[offset + (c,)]
+            total = term if total is None else total + term
+    return total
 
 
 def _conv_fwd(x, kernel, strides, padding):

@@ -12,7 +12,9 @@ from fedjax_pfedes.models import layers
 
 
 @pytest.mark.parametrize("shape,window,strides,padding", [
-    ((2, 28, 28, 1), (3, 3), (1, 1), "SAME"),
+    ((2, 28, 28, 1), (3, 3), (1, 1), "SAME"),     # taps: convnet3's first layer
+    ((2, 28, 28, 1), (5, 5), (1, 1), "VALID"),    # taps: CNN-1..5's first layer on MNIST
+    ((2, 12, 10, 3), (3, 3), (1, 1), "SAME"),     # taps: 27, the most
     ((2, 32, 32, 3), (5, 5), (1, 1), "VALID"),
     ((2, 28, 28, 1), (7, 7), (7, 7), "VALID"),   # the ViT patch embedding
     ((3, 9, 10, 4), (3, 3), (2, 2), "SAME"),
@@ -34,6 +36,26 @@ def test_conv_values_and_gradients_equal_lax(shape, window, strides, padding):
     np.testing.assert_allclose(ours(x, k), reference(x, k), rtol=1e-5)
     for a, b in zip(jax.grad(ours, (0, 1))(x, k), jax.grad(reference, (0, 1))(x, k), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_forward_is_a_tap_sum_only_for_few_taps_at_stride_1():
+    def taps(window, cin, strides):
+        return layers._few_taps(jnp.zeros(window + (cin, 4)), strides)
+
+    assert taps((3, 3), 1, (1, 1)) and taps((5, 5), 1, (1, 1)) and taps((3, 3), 3, (1, 1))
+    assert taps((5,), 4, (1,))
+    assert not taps((5, 5), 3, (1, 1))          # 75 taps: XLA's kernel
+    assert not taps((3, 3), 4, (1, 1))          # 36 taps
+    assert not taps((2, 2), 1, (2, 2))          # strided
+
+
+def test_tap_sum_vmapped_over_clients_equals_each_client():
+    x = jax.random.normal(jax.random.key(0), (3, 2, 10, 9, 1))      # 3 clients
+    k = jax.random.normal(jax.random.key(1), (3, 5, 5, 1, 4))
+    one = lambda x, k: layers.conv(x, k, (1, 1), "SAME")  # noqa: E731
+    stacked = jax.vmap(one)(x, k)
+    for c in range(3):
+        np.testing.assert_allclose(stacked[c], one(x[c], k[c]), rtol=1e-6, atol=1e-6)
 
 
 def test_conv_module_has_flax_conv_parameters():

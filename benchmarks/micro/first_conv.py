@@ -1,0 +1,81 @@
+"""A network's first convolution (1-3 input channels) on CPU: XLA's convolution kernel against
+the tap sum `models.layers.conv` runs there (`layers.MAX_TAPS`).
+
+  python -m benchmarks.micro.first_conv             # ~1 min on 2 cores
+  taskset -c 0 python -m benchmarks.micro.first_conv  # one core, as each 'loop' thread runs
+
+For each layer shape, the forward pass and the forward pass with the kernel's gradient (what a
+first layer computes in training: its input needs no gradient), best of 5 x 50 calls, in ms, of
+`lax.conv_general_dilated` (autodiff's gradient) and of `layers.conv` (the tap sum forward where
+it applies, the canonical backward convolutions), and their ratio. A shape above `MAX_TAPS` runs
+XLA's kernel in both columns (the control). The measurement behind the tap sum
+(docs/performance.md, "The first convolution").
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app
+
+from fedjax_pfedes.models import layers
+
+SHAPES = {  # name: input [batch, H, W, C], window, output channels, padding
+    "convnet3 on MNIST (work A, quick start)": ((32, 28, 28, 1), (3, 3), 16, "SAME"),
+    "CNN-1..5 on MNIST (collaboration)": ((32, 28, 28, 1), (5, 5), 16, "VALID"),
+    "3x3 on CIFAR": ((32, 32, 32, 3), (3, 3), 16, "SAME"),
+    "CNN-1..5 on CIFAR (pFedES work; 75 taps)": ((64, 32, 32, 3), (5, 5), 16, "VALID"),
+}
+
+
+def _best_ms(f, *args, calls: int = 50, repeats: int = 5) -> float:
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = f(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e3
+
+
+def _xla(padding):
+    def run(x, k):
+        pads = [layers._same_or_valid_pads(x.shape[1 + d], k.shape[d], 1, padding)[1:]
+                for d in range(2)]
+        return jax.lax.conv_general_dilated(x, k, (1, 1), pads,
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return run
+
+
+def _ours(padding):
+    return lambda x, k: layers.conv(x, k, (1, 1), padding)
+
+
+def _with_kernel_gradient(f):
+    return lambda x, k: jax.grad(lambda k: jnp.sum(f(x, k) ** 2))(k)
+
+
+def main(argv):
+    del argv
+    print(f"JAX {jax.__version__} on {jax.default_backend()}; ms per call, best of 5 x 50")
+    print("| first layer | taps | XLA fwd | ours fwd | fwd speed-up | XLA fwd+dk | ours fwd+dk "
+          "| fwd+dk speed-up |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (shape, window, out, padding) in SHAPES.items():
+        x = jax.random.normal(jax.random.key(0), shape)
+        k = jax.random.normal(jax.random.key(1), window + (shape[-1], out)) * 0.1
+        taps = window[0] * window[1] * shape[-1]
+        xla, ours = jax.jit(_xla(padding)), jax.jit(_ours(padding))
+        f_xla, f_ours = _best_ms(xla, x, k), _best_ms(ours, x, k)
+        g_xla = _best_ms(jax.jit(_with_kernel_gradient(_xla(padding))), x, k)
+        g_ours = _best_ms(jax.jit(_with_kernel_gradient(_ours(padding))), x, k)
+        print(f"| {name} | {taps} | {f_xla:.3f} | {f_ours:.3f} | {f_xla / f_ours:.2f}x "
+              f"| {g_xla:.3f} | {g_ours:.3f} | {g_xla / g_ours:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
