@@ -1,15 +1,18 @@
 """A network's first convolution (1-3 input channels) on CPU: XLA's convolution kernel against
-the tap sum `models.layers.conv` runs there (`layers.MAX_TAPS`).
+the tap sum `models.layers.conv` runs there in training (`layers.MAX_TAPS`).
 
   python -m benchmarks.micro.first_conv             # ~1 min on 2 cores
   taskset -c 0 python -m benchmarks.micro.first_conv  # one core, as each 'loop' thread runs
 
-For each layer shape, the forward pass and the forward pass with the kernel's gradient (what a
-first layer computes in training: its input needs no gradient), best of 5 x 50 calls, in ms, of
-`lax.conv_general_dilated` (autodiff's gradient) and of `layers.conv` (the tap sum forward where
-it applies, the canonical backward convolutions), and their ratio. A shape above `MAX_TAPS` runs
-XLA's kernel in both columns (the control). The measurement behind the tap sum
-(docs/performance.md, "The first convolution").
+For each layer shape, best of 5 x 50 calls, in ms: the forward pass as XLA's kernel
+(`lax.conv_general_dilated`) and as the tap sum (`layers._tap_sum`, written out), and the
+forward pass with the kernel's gradient (what a first layer computes in training: its input
+needs no gradient) with autodiff's `lax.conv_general_dilated` and with `layers.conv` (the tap
+sum where `layers._few_taps`, then the canonical backward convolution), with their ratios;
+then the forward pass followed by ReLU and 2x2 max pooling, summed (an evaluation's forward
+pass, where XLA fuses the sum of taps into the pooling), both ways. The last shape has more
+taps than `MAX_TAPS`: `layers.conv` trains it on XLA's kernel (the control).
+The measurement behind the tap sum (docs/performance.md, "The first convolution").
 """
 
 from __future__ import annotations
@@ -51,8 +54,16 @@ def _xla(padding):
     return run
 
 
+def _tap_sum(padding):
+    return lambda x, k: layers._tap_sum(x, k, layers._pads(x, k, (1, 1), padding))
+
+
 def _ours(padding):
     return lambda x, k: layers.conv(x, k, (1, 1), padding)
+
+
+def _then_pooled(f):  # an evaluation's forward pass: XLA fuses the layer into the pooling
+    return lambda x, k: layers.max_pool_2x2(jax.nn.relu(f(x, k))).sum()
 
 
 def _with_kernel_gradient(f):
@@ -62,19 +73,22 @@ def _with_kernel_gradient(f):
 def main(argv):
     del argv
     print(f"JAX {jax.__version__} on {jax.default_backend()}; ms per call, best of 5 x 50")
-    print("| first layer | taps | XLA fwd | ours fwd | fwd speed-up | XLA fwd+dk | ours fwd+dk "
-          "| fwd+dk speed-up |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| first layer | taps | XLA fwd | tap sum fwd | fwd speed-up | XLA fwd+dk "
+          "| `layers.conv` fwd+dk | fwd+dk speed-up | XLA fwd+pool | tap sum fwd+pool |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, (shape, window, out, padding) in SHAPES.items():
         x = jax.random.normal(jax.random.key(0), shape)
         k = jax.random.normal(jax.random.key(1), window + (shape[-1], out)) * 0.1
         taps = window[0] * window[1] * shape[-1]
-        xla, ours = jax.jit(_xla(padding)), jax.jit(_ours(padding))
-        f_xla, f_ours = _best_ms(xla, x, k), _best_ms(ours, x, k)
+        xla, taps_only = jax.jit(_xla(padding)), jax.jit(_tap_sum(padding))
+        f_xla, f_ours = _best_ms(xla, x, k), _best_ms(taps_only, x, k)
         g_xla = _best_ms(jax.jit(_with_kernel_gradient(_xla(padding))), x, k)
         g_ours = _best_ms(jax.jit(_with_kernel_gradient(_ours(padding))), x, k)
+        p_xla = _best_ms(jax.jit(_then_pooled(_xla(padding))), x, k)
+        p_ours = _best_ms(jax.jit(_then_pooled(_tap_sum(padding))), x, k)
         print(f"| {name} | {taps} | {f_xla:.3f} | {f_ours:.3f} | {f_xla / f_ours:.2f}x "
-              f"| {g_xla:.3f} | {g_ours:.3f} | {g_xla / g_ours:.2f}x |", flush=True)
+              f"| {g_xla:.3f} | {g_ours:.3f} | {g_xla / g_ours:.2f}x | {p_xla:.3f} "
+              f"| {p_ours:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -37,34 +37,38 @@ def conv(x: jnp.ndarray, kernel: jnp.ndarray, strides: tuple[int, ...], padding:
          ) -> jnp.ndarray:
     """Channels-last convolution: x [batch, *spatial, in], kernel [*window, in, out].
 
-    Values and gradients equal `lax.conv_general_dilated`'s (a forward pass with few taps,
-    `_few_taps`, sums them in its own order: equal up to float reassociation). The backward pass
-    is written as two convolutions in the forward (channels-last, [*window, in, out]) layout
-    with explicit transposes. Autodiff's own backward convolutions carry transposed dimension
-    labels, which XLA:CPU has no library kernel for when they sit inside a rolled loop (`lax.scan` /
-    `lax.while_loop`): they fall back to a naive loop emitter, 5-10x slower
+    Values and gradients equal `lax.conv_general_dilated`'s (a differentiated forward pass with
+    few taps, `_few_taps`, sums them in its own order: equal up to float reassociation). The
+    backward pass is written as two convolutions in the forward (channels-last, [*window, in,
+    out]) layout with explicit transposes. Autodiff's own backward convolutions carry transposed
+    dimension labels, which XLA:CPU has no library kernel for when they sit inside a rolled loop
+    (`lax.scan` / `lax.while_loop`): they fall back to a naive loop emitter, 5-10x slower
     (docs/performance.md). Canonical convolutions keep the rolled local-training loop as fast as
     an unrolled one, so the local step compiles once.
     """
-    pads = [_same_or_valid_pads(x.shape[1 + d], kernel.shape[d], strides[d], padding)[1:]
-            for d in range(x.ndim - 2)]
-    if _few_taps(kernel, strides):
-        return _tap_sum(x, kernel, pads)
-    return jax.lax.conv_general_dilated(x, kernel, strides, pads,
+    return jax.lax.conv_general_dilated(x, kernel, strides, _pads(x, kernel, strides, padding),
                                         dimension_numbers=_dimension_numbers(x.ndim))
 
 
-# A stride-1 convolution with at most this many (window position, input channel) taps is a sum
-# of shifted inputs times a kernel row on CPU (`_tap_sum`).
+def _pads(x, kernel, strides, padding) -> list[tuple[int, int]]:
+    return [_same_or_valid_pads(x.shape[1 + d], kernel.shape[d], strides[d], padding)[1:]
+            for d in range(x.ndim - 2)]
+
+
+# A differentiated stride-1 convolution with at most this many (window position, input channel)
+# taps is a sum of shifted inputs times a kernel row on CPU (`_tap_sum`).
 MAX_TAPS = 27
 
 
 def _few_taps(kernel: jnp.ndarray, strides: tuple[int, ...]) -> bool:
-    """Whether `conv`'s forward pass is `_tap_sum`: on the CPU backend, every stride 1 and at
-    most `MAX_TAPS` taps (a first layer on 1- or 3-channel images: 5x5x1, 3x3x3). XLA:CPU's
-    convolution kernels run such layers far below their rate on wider ones (there is nothing to
-    block over the input channels); one fused elementwise loop over the taps runs them several
-    times faster (docs/performance.md, "The first convolution"; `benchmarks.micro.first_conv`)."""
+    """Whether `conv`'s differentiated forward pass is `_tap_sum`: on the CPU backend, every
+    stride 1 and at most `MAX_TAPS` taps (a first layer on 1- or 3-channel images: 5x5x1, 3x3x3).
+    XLA:CPU's convolution kernels run such layers far below their rate on wider ones (there is
+    nothing to block over the input channels); one fused elementwise loop over the taps runs
+    them several times faster when its output is written out, as training's backward pass needs
+    it (docs/performance.md, "The first convolution"; `benchmarks.micro.first_conv`). A forward
+    pass alone (evaluation) keeps XLA's kernel: there XLA fuses the sum into the pooling or
+    reduction that follows, which runs slower than the kernel."""
     return (jax.default_backend() == "cpu" and all(s == 1 for s in strides)
             and math.prod(kernel.shape[:-1]) <= MAX_TAPS)
 
@@ -87,6 +91,8 @@ def _tap_sum(x: jnp.ndarray, kernel: jnp.ndarray, pads) -> jnp.ndarray:
 
 
 def _conv_fwd(x, kernel, strides, padding):
+    if _few_taps(kernel, strides):
+        return _tap_sum(x, kernel, _pads(x, kernel, strides, padding)), (x, kernel)
     return conv(x, kernel, strides, padding), (x, kernel)
 
 

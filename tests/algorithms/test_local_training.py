@@ -34,6 +34,10 @@ def test_conv_values_and_gradients_equal_lax(shape, window, strides, padding):
         return jnp.sum(jnp.sin(layers.conv(x, k, strides, padding)))
 
     np.testing.assert_allclose(ours(x, k), reference(x, k), rtol=1e-5)
+    # The differentiated forward pass (a tap sum where `_few_taps`) gives the same values.
+    trained, _ = jax.vjp(lambda x, k: layers.conv(x, k, strides, padding), x, k)
+    lax_out = jax.lax.conv_general_dilated(x, k, strides, padding, dimension_numbers=numbers)
+    np.testing.assert_allclose(trained, lax_out, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.grad(ours, (0, 1))(x, k), jax.grad(reference, (0, 1))(x, k), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
@@ -52,10 +56,26 @@ def test_conv_forward_is_a_tap_sum_only_for_few_taps_at_stride_1():
 def test_tap_sum_vmapped_over_clients_equals_each_client():
     x = jax.random.normal(jax.random.key(0), (3, 2, 10, 9, 1))      # 3 clients
     k = jax.random.normal(jax.random.key(1), (3, 5, 5, 1, 4))
-    one = lambda x, k: layers.conv(x, k, (1, 1), "SAME")  # noqa: E731
-    stacked = jax.vmap(one)(x, k)
+
+    def trained(x, k):  # the forward pass of a gradient: the tap sum
+        return jax.vjp(lambda x, k: layers.conv(x, k, (1, 1), "SAME"), x, k)[0]
+
+    stacked = jax.vmap(trained)(x, k)
     for c in range(3):
-        np.testing.assert_allclose(stacked[c], one(x[c], k[c]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(stacked[c], trained(x[c], k[c]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(stacked[c], layers.conv(x[c], k[c], (1, 1), "SAME"),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_evaluation_forward_pass_is_xlas_convolution():
+    # Not differentiated, the forward pass stays XLA's kernel (fused into the pooling after it,
+    # a tap sum runs slower), so evaluation's numbers are lax's to the bit.
+    x = jax.random.normal(jax.random.key(0), (2, 28, 28, 1))
+    k = jax.random.normal(jax.random.key(1), (5, 5, 1, 4))
+    np.testing.assert_array_equal(
+        jax.jit(lambda x, k: layers.conv(x, k, (1, 1), "VALID"))(x, k),
+        jax.jit(lambda x, k: jax.lax.conv_general_dilated(
+            x, k, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")))(x, k))
 
 
 def test_conv_module_has_flax_conv_parameters():
