@@ -47,9 +47,7 @@ def _best_ms(f, *args, calls: int = 50, repeats: int = 5) -> float:
 
 def _xla(padding):
     def run(x, k):
-        pads = [layers._same_or_valid_pads(x.shape[1 + d], k.shape[d], 1, padding)[1:]
-                for d in range(2)]
-        return jax.lax.conv_general_dilated(x, k, (1, 1), pads,
+        return jax.lax.conv_general_dilated(x, k, (1, 1), layers._pads(x, k, (1, 1), padding),
                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
     return run
 
