@@ -43,7 +43,19 @@ class _QuietOrbax(pylogging.Filter):
         return record.levelno >= pylogging.WARNING or "orbax" not in record.pathname
 
 
+class _ReportedStorageFaults(pylogging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" record (with its traceback) for
+    the storage library's write tasks that failed on the disk or file system: the failed save
+    reports that cause in one line (`Checkpointer.save`). The record is written whenever such a
+    task is garbage-collected, which may be after the save has returned."""
+
+    def filter(self, record: pylogging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or not storage.is_storage_fault(error)
+
+
 logging.get_absl_logger().addFilter(_QuietOrbax())
+pylogging.getLogger("asyncio").addFilter(_ReportedStorageFaults())
 
 
 def config_changes(saved: dict, current: dict, defaults: dict) -> list[str]:
@@ -127,16 +139,19 @@ class Checkpointer:
         self._closed = False
 
     def save(self, rounds_done: int, state: Any, meta: dict) -> None:
-        """Saves the step `rounds_done`. A failure of the disk or file system raises
-        `StorageError` naming the file and the cause, after removing the unfinished step and
-        shutting the manager's threads down; the last good step stays."""
+        """Saves the step `rounds_done`. A failure of the disk or file system, or a save past
+        the library's time limit, raises `StorageError` naming the file and the cause, after
+        removing the unfinished step and shutting the manager's threads down; the last good
+        step stays."""
         # Under the lock: fd 2 is the process's, and sweep members save from several threads.
         with ORBAX_LOCK, storage.held_stderr() as held:
             try:
                 self._save(rounds_done, state, meta)
                 return
             except Exception as e:
-                if not storage.is_storage_fault(e):
+                # TimeoutError: the library ends a save that took longer than its limit on the
+                # wall clock, which includes time the process spent suspended (Ctrl-Z).
+                if not (storage.is_storage_fault(e) or isinstance(e, TimeoutError)):
                     raise
                 failure = e
                 held["drop"] = True
@@ -149,7 +164,9 @@ class Checkpointer:
             f"writing {where}; "
             + (f"the last good checkpoint (round {max(kept)}) is kept in {self.directory}"
                if kept else "no earlier checkpoint exists")
-            + "; free space and run the same command to resume")
+            + ("; run the same command to resume (was the process suspended during the save, "
+               "or is the file system hung?)" if isinstance(failure, TimeoutError)
+               else "; free space and run the same command to resume"))
 
     def _steps_on_disk(self) -> list[int]:
         if not os.path.isdir(self.directory):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import os
 import re
 import shutil
@@ -152,6 +153,8 @@ def held_stderr():
         try:
             yield held
         finally:
+            if held["drop"]:
+                gc.collect()  # the failed write tasks' records are written while held
             sys.stderr.flush()
             if held["drop"]:
                 settle(capture.fileno())

@@ -4,6 +4,7 @@ R15-R21)."""
 
 import errno
 import json
+import logging
 import os
 
 import pytest
@@ -69,6 +70,50 @@ def test_held_stderr_gives_back_what_was_written_unless_dropped(capfd):
         held["drop"] = True
     err = capfd.readouterr().err
     assert "kept" in err and "dropped" not in err
+
+
+def test_a_failed_write_task_collected_after_the_save_logs_no_traceback(caplog):
+    """asyncio logs "Task exception was never retrieved" with a traceback whenever one of the
+    storage library's failed write tasks is garbage-collected, which may be after the failed
+    save has reported its cause in one line: those records are dropped, others are kept."""
+    from fedjax_pfedes.io import checkpoints  # noqa: F401 - installs the filter
+
+    def task_record(error):
+        logging.getLogger("asyncio").error("Task exception was never retrieved",
+                                           exc_info=(type(error), error, None))
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        task_record(ValueError("RESOURCE_EXHAUSTED: Error writing \"x/0\": Failed to write "
+                               "957341 bytes to file 8: No space left on device "
+                               "[os_error_code='28']"))
+        task_record(OSError(errno.EDQUOT, "Disk quota exceeded"))
+        assert not caplog.records
+        task_record(ValueError("a bug in a user's callback"))
+    assert [r.exc_info[1].args[0] for r in caplog.records] == ["a bug in a user's callback"]
+
+
+def test_a_save_past_the_libraries_time_limit_is_one_line_and_keeps_the_last_step(
+        tmp_path, monkeypatch):
+    """A process suspended (Ctrl-Z) during an asynchronous save for longer than orbax's limit
+    (a wall-clock time) gets orbax's TimeoutError when it continues."""
+    import jax.numpy as jnp
+
+    from fedjax_pfedes.io import checkpoints
+    saver = checkpoints.Checkpointer(str(tmp_path), max_to_keep=3)
+    saver.save(1, {"w": jnp.ones(3)}, {"round": 1})
+
+    def timed_out(self, rounds_done, state, meta):
+        os.makedirs(os.path.join(self.directory, f"{rounds_done}.orbax-checkpoint-tmp-1"))
+        raise TimeoutError("ChainedFuture completed 3/4 futures but timed out after 3473.12 "
+                           "seconds.")
+
+    monkeypatch.setattr(checkpoints.Checkpointer, "_save", timed_out)
+    with pytest.raises(StorageError, match=r"checkpoint of round 2 failed: TimeoutError: .*"
+                                           r"3473.12 seconds.*last good checkpoint \(round 1\) "
+                                           r"is kept.*suspended during the save") as e:
+        saver.save(2, {"w": jnp.ones(3)}, {"round": 2})
+    assert "\n" not in str(e.value)
+    assert os.listdir(tmp_path / "checkpoints") == ["1"]
 
 
 def test_records_are_strict_json_with_non_finite_values_named(tmp_path):
