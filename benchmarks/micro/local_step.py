@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import linen as nn
 
+from fedjax_pfedes.execution import kernels
 from fedjax_pfedes.models import backbones, layers
 
 _TORCH = flags.DEFINE_bool("torch", False, "Also time the same layers in PyTorch.")
@@ -64,16 +65,16 @@ def _jax_rows(name: str, build, shape) -> list[str]:
         variants = [(_STEPS, "xla"), (1, "xla")]
         if conv is layers.Conv:  # the engine's loop, with each kernel choice asked for
             variants = [(_STEPS, "xla")] + [(1, k) for k in _KERNELS.value]
-        for unroll, kernels in variants:
+        for unroll, kernel_set in variants:
             f = jax.jit(lambda p, xs, unroll=unroll, step=step:
                         jax.lax.scan(step, p, xs, unroll=unroll)[0],
-                        compiler_options=kernels.kernel_options(kernels) or None)
+                        compiler_options=kernels.kernel_options(kernel_set) or None)
             t0 = time.perf_counter()
             jax.block_until_ready(f(params, xs))
             compile_s = time.perf_counter() - t0
             ms = _best_ms(f, params, xs) / _STEPS
             loop = "unrolled scan" if unroll == _STEPS else "rolled scan"
-            suffix = "" if kernels == "xla" else f", {kernels} kernels"
+            suffix = "" if kernel_set == "xla" else f", {kernel_set} kernels"
             rows.append(f"| {name} | XLA {conv_name}, {loop}{suffix} | {ms:.1f} | "
                         f"{compile_s:.1f} |")
     backbones.Conv = layers.Conv

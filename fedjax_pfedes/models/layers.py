@@ -150,14 +150,59 @@ class Conv(nn.Module):
 def max_pool_2x2(x: jnp.ndarray) -> jnp.ndarray:
     """2x2 max pooling with stride 2 and 'VALID' padding, as `nn.max_pool(x, (2, 2), (2, 2))`.
 
-    Written as a reshape and a max: on XLA:CPU its gradient measured ~2.4x faster than
-    `reduce_window`'s. Odd trailing rows/columns are dropped, as VALID pooling does. Values equal;
-    on exact ties the gradient is shared among the tied inputs instead of going to one of them.
+    Evaluation (a forward pass not differentiated) takes a reshape and a max. Training takes the
+    elementwise maximum of each window's four corners (strided slices), and a gradient of
+    elementwise operations only: on XLA:CPU the autodiff gradient of the reshape and max, whose
+    reductions XLA hands to separate kernels, ran up to 4x slower (and `reduce_window`'s
+    slower still); in evaluation the corners ran slower than the reshape (docs/performance.md,
+    "Max pooling"). Odd trailing rows/columns are dropped, as VALID pooling does. Values equal
+    either way; on exact ties (a window of equal values: a constant image region after a bias
+    and a ReLU) the gradient is shared equally among the tied inputs, as JAX's gradient of a
+    max shares it, instead of going to one of them.
     """
     *lead, h, w, c = x.shape
-    x = x[..., : h // 2 * 2, : w // 2 * 2, :]
-    x = x.reshape(*lead, h // 2, 2, w // 2, 2, c)
-    return x.max(axis=(-4, -2))
+    return _pool_2x2(x[..., : h // 2 * 2, : w // 2 * 2, :])
+
+
+def _corners(x: jnp.ndarray) -> list[jnp.ndarray]:
+    """The four positions of every 2x2 window of x [..., 2h, 2w, c], each [..., h, w, c]."""
+    return [x[..., a::2, b::2, :] for a in (0, 1) for b in (0, 1)]
+
+
+def _upsampled(t: jnp.ndarray) -> jnp.ndarray:
+    """t [..., h, w, c] with each value repeated over its 2x2 window: [..., 2h, 2w, c]."""
+    *lead, h, w, c = t.shape
+    spread = jnp.broadcast_to(t[..., :, None, :, None, :], (*lead, h, 2, w, 2, c))
+    return spread.reshape(*lead, 2 * h, 2 * w, c)
+
+
+def _window_max(x: jnp.ndarray) -> jnp.ndarray:
+    *lead, h, w, c = x.shape
+    return x.reshape(*lead, h // 2, 2, w // 2, 2, c).max(axis=(-4, -2))
+
+
+def _corner_max(x: jnp.ndarray) -> jnp.ndarray:
+    top_left, top_right, bottom_left, bottom_right = _corners(x)
+    return jnp.maximum(jnp.maximum(top_left, top_right), jnp.maximum(bottom_left, bottom_right))
+
+
+@jax.custom_vjp
+def _pool_2x2(x: jnp.ndarray) -> jnp.ndarray:
+    return _window_max(x)
+
+
+def _pool_2x2_fwd(x):
+    y = _corner_max(x)
+    return y, (x, y)
+
+
+def _pool_2x2_bwd(saved, g):
+    x, y = saved
+    ties = sum((corner == y).astype(g.dtype) for corner in _corners(x))
+    return (jnp.where(x == _upsampled(y), _upsampled(g / ties), jnp.zeros((), g.dtype)),)
+
+
+_pool_2x2.defvjp(_pool_2x2_fwd, _pool_2x2_bwd)
 
 
 class InputNormalization(nn.Module):

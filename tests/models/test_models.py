@@ -24,6 +24,40 @@ def test_reshape_max_pool_equals_flax_max_pool(shape):
     np.testing.assert_array_equal(max_pool_2x2(x), nn.max_pool(x, (2, 2), (2, 2), "VALID"))
 
 
+def _reference_pool(x):
+    """2x2 VALID max pooling written independently: crop, reshape, reduce (JAX's own gradient,
+    which shares the gradient of a window among its tied maxima)."""
+    *lead, h, w, c = x.shape
+    x = x[..., : h // 2 * 2, : w // 2 * 2, :].reshape(*lead, h // 2, 2, w // 2, 2, c)
+    return x.max(axis=(-4, -2))
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 3), (1, 7, 9, 2), (3, 28, 28, 16), (4, 2, 6, 6, 5)])
+def test_max_pool_gradient_equals_autodiff_of_a_reshape_and_max_with_ties(shape):
+    """Bit for bit, ties included (a constant region, as MNIST's background gives after a
+    convolution's bias and a ReLU), on odd sizes (dropped rows get no gradient) and with a
+    leading client axis, plainly and vmapped."""
+    x = np.array(jax.random.normal(jax.random.key(1), shape))
+    x[..., :4, :, :] = 0.25  # windows of four equal values
+    x[..., 4:, ::3, :] = 0.0
+    x = jnp.asarray(x)
+    g = jax.random.normal(jax.random.key(2), _reference_pool(x).shape)
+    expected = jax.vjp(_reference_pool, x)[1](g)[0]
+    pooled, pullback = jax.vjp(max_pool_2x2, x)  # training's forward pass (the corners)
+    np.testing.assert_array_equal(pooled, _reference_pool(x))
+    np.testing.assert_array_equal(pullback(g)[0], expected)
+    np.testing.assert_array_equal(jax.jit(lambda x, g: jax.vjp(max_pool_2x2, x)[1](g)[0])(x, g),
+                                  expected)
+    vmapped = jax.vmap(lambda x, g: jax.vjp(max_pool_2x2, x)[1](g)[0])(x, g)
+    np.testing.assert_array_equal(vmapped, expected)
+
+
+def test_max_pool_gradient_of_a_tied_window_is_shared_by_hand():
+    x = jnp.array([[1.0, 1.0], [0.5, 1.0]]).reshape(1, 2, 2, 1)
+    grad = jax.grad(lambda x: 6.0 * max_pool_2x2(x).sum())(x)
+    np.testing.assert_array_equal(grad.reshape(2, 2), [[2.0, 2.0], [0.0, 2.0]])
+
+
 def _count(tree):
     return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree))
 
