@@ -17,12 +17,11 @@ The measurement behind the tap sum (docs/performance.md, "The first convolution"
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 from absl import app
 
+from benchmarks.micro.timing import best_ms
 from fedjax_pfedes.models import layers
 
 SHAPES = {  # name: input [batch, H, W, C], window, output channels, padding
@@ -31,18 +30,6 @@ SHAPES = {  # name: input [batch, H, W, C], window, output channels, padding
     "3x3 on CIFAR": ((32, 32, 32, 3), (3, 3), 16, "SAME"),
     "CNN-1..5 on CIFAR (pFedES work; 75 taps)": ((64, 32, 32, 3), (5, 5), 16, "VALID"),
 }
-
-
-def _best_ms(f, *args, calls: int = 50, repeats: int = 5) -> float:
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = f(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e3
 
 
 def _xla(padding):
@@ -79,11 +66,11 @@ def main(argv):
         k = jax.random.normal(jax.random.key(1), window + (shape[-1], out)) * 0.1
         taps = window[0] * window[1] * shape[-1]
         xla, taps_only = jax.jit(_xla(padding)), jax.jit(_tap_sum(padding))
-        f_xla, f_ours = _best_ms(xla, x, k), _best_ms(taps_only, x, k)
-        g_xla = _best_ms(jax.jit(_with_kernel_gradient(_xla(padding))), x, k)
-        g_ours = _best_ms(jax.jit(_with_kernel_gradient(_ours(padding))), x, k)
-        p_xla = _best_ms(jax.jit(_then_pooled(_xla(padding))), x, k)
-        p_ours = _best_ms(jax.jit(_then_pooled(_tap_sum(padding))), x, k)
+        f_xla, f_ours = best_ms(xla, x, k), best_ms(taps_only, x, k)
+        g_xla = best_ms(jax.jit(_with_kernel_gradient(_xla(padding))), x, k)
+        g_ours = best_ms(jax.jit(_with_kernel_gradient(_ours(padding))), x, k)
+        p_xla = best_ms(jax.jit(_then_pooled(_xla(padding))), x, k)
+        p_ours = best_ms(jax.jit(_then_pooled(_tap_sum(padding))), x, k)
         print(f"| {name} | {taps} | {f_xla:.3f} | {f_ours:.3f} | {f_xla / f_ours:.2f}x "
               f"| {g_xla:.3f} | {g_ours:.3f} | {g_xla / g_ours:.2f}x | {p_xla:.3f} "
               f"| {p_ours:.3f} |", flush=True)

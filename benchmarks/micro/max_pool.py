@@ -12,13 +12,12 @@ two gradients are equal bit for bit, ties included.
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app
 
+from benchmarks.micro.timing import best_ms
 from fedjax_pfedes.models import layers
 
 SHAPES = {  # layer -> the pooling's input
@@ -33,19 +32,6 @@ def reshape_max(x):
     *lead, h, w, c = x.shape
     x = x[..., : h // 2 * 2, : w // 2 * 2, :].reshape(*lead, h // 2, 2, w // 2, 2, c)
     return x.max(axis=(-4, -2))
-
-
-def best_ms(f, *args, calls: int = 300) -> float:
-    f = jax.jit(f)
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out = f(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e3
 
 
 def main(argv):
@@ -69,8 +55,10 @@ def main(argv):
                 return jax.vjp(lambda z: pool(jax.nn.relu(z)), z)[1](g)[0]
 
             grads[label] = jax.jit(pullback)(x, g)
-            print(f"| {name} | {label} | {best_ms(pullback, x, g):.3f} | "
-                  f"{best_ms(relu_pool_grad, x - 0.5, g):.3f} | {best_ms(pool, x):.3f} |",
+            times = (best_ms(jax.jit(pullback), x, g, calls=300),
+                     best_ms(jax.jit(relu_pool_grad), x - 0.5, g, calls=300),
+                     best_ms(jax.jit(pool), x, calls=300))
+            print(f"| {name} | {label} | " + " | ".join(f"{t:.3f}" for t in times) + " |",
                   flush=True)
         first, second = grads.values()
         assert bool(jnp.all(first == second)), f"{name}: the gradients differ"
