@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import linen as nn
 
+from benchmarks.micro.timing import best_ms
 from fedjax_pfedes.execution import kernels
 from fedjax_pfedes.models import backbones, layers
 
@@ -34,16 +35,6 @@ WORKS = {  # backbone, input batch
     "convnet3": (lambda: backbones.ConvStack((16, 32, 64), (0, 1)), (32, 28, 28, 1)),
     "vit": (lambda: backbones.ViT(), (32, 28, 28, 1)),
 }
-
-
-def _best_ms(f, *args, repeats=3) -> float:
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def _jax_rows(name: str, build, shape) -> list[str]:
@@ -72,7 +63,7 @@ def _jax_rows(name: str, build, shape) -> list[str]:
             t0 = time.perf_counter()
             jax.block_until_ready(f(params, xs))
             compile_s = time.perf_counter() - t0
-            ms = _best_ms(f, params, xs) / _STEPS
+            ms = best_ms(f, params, xs, calls=1, repeats=3) / _STEPS
             loop = "unrolled scan" if unroll == _STEPS else "rolled scan"
             suffix = "" if kernel_set == "xla" else f", {kernel_set} kernels"
             rows.append(f"| {name} | XLA {conv_name}, {loop}{suffix} | {ms:.1f} | "

@@ -19,6 +19,7 @@ import logging as pylogging
 import os
 import shutil
 import threading
+import traceback
 from typing import Any
 
 import jax
@@ -45,13 +46,19 @@ class _QuietOrbax(pylogging.Filter):
 
 class _ReportedStorageFaults(pylogging.Filter):
     """Drops asyncio's "Task exception was never retrieved" record (with its traceback) for
-    the storage library's write tasks that failed on the disk or file system: the failed save
-    reports that cause in one line (`Checkpointer.save`). The record is written whenever such a
-    task is garbage-collected, which may be after the save has returned."""
+    orbax's write tasks that failed on the disk or file system: the failed save reports that
+    cause in one line (`Checkpointer.save`). The record is written whenever such a task is
+    garbage-collected, which may be after the save has returned. Records of other code's tasks
+    are kept."""
 
     def filter(self, record: pylogging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return error is None or not storage.is_storage_fault(error)
+        return error is None or not (storage.is_storage_fault(error)  and _raised_in_orbax(error))
+
+
+def _raised_in_orbax(error: BaseException) -> bool:
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+    return any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames)
 
 
 logging.get_absl_logger().addFilter(_QuietOrbax())
