@@ -33,6 +33,11 @@ a time and vectorized:
 
 where step(n) = ops · launch + n (matmul flops / matmul rate + conv flops / conv rate + bytes /
 bandwidth), the rates being the one-client ones for n = 1 and the vectorized ones otherwise.
+'vmap' (and 'shard') keep every slot's arrays live at once: where the bucket's bytes of a step
+(n x bytes) or of its finishing (B x finishing bytes) exceed the last-level cache, the share
+beyond it moves at the machine's memory bandwidth instead of the cache's (`memory_slowdown`;
+the reference rates are measured in cache). One client's step streams through its own
+activations, which the references' rates already include.
 'scan' is priced as one scan, although on T > 1 host threads it runs T lanes of participants at
 once (`strategies.scanned`): the price is an upper bound, which keeps every decision the model
 makes alone as it was; where 'scan' is timed against another strategy (work B), the timing runs
@@ -207,6 +212,10 @@ class MachineRates:
         `protocol.Finishing`) one client at a time ('loop', 'scan').
       finish_many: the same vectorized over the bucket ('vmap', 'shard').
       kernels: kernel set ('xla', 'eigen') -> its `KernelRates`.
+      cache_bytes: the last-level cache (a CPU's; infinite on an accelerator, whose measured
+        rates are its memory's).
+      memory_bytes_per_s: bytes/s of the element-wise reference whose working set is beyond
+        `cache_bytes` (0: not measured, bytes move at the in-cache rate).
     """
 
     call_s: float
@@ -215,6 +224,8 @@ class MachineRates:
     finish_one: float
     finish_many: float
     kernels: dict[str, KernelRates]
+    cache_bytes: float = math.inf
+    memory_bytes_per_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -223,7 +234,8 @@ class MachineRates:
     def from_dict(cls, d: dict) -> MachineRates:
         return cls(float(d["call_s"]), float(d["loop_participant_s"]),
                    float(d["thread_gain"]), float(d["finish_one"]), float(d["finish_many"]),
-                   {k: KernelRates(**v) for k, v in d["kernels"].items()})
+                   {k: KernelRates(**v) for k, v in d["kernels"].items()},
+                   float(d["cache_bytes"]), float(d["memory_bytes_per_s"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,12 +262,26 @@ class Cohort:
     finish_bytes: float = 0.0
 
 
-def step_seconds(work: StepWork, rates: KernelRates, clients: int) -> float:
-    """Seconds of one local step of `clients` clients run together (1: alone; more: vmapped)."""
+def memory_slowdown(working_set: float, machine: MachineRates) -> float:
+    """How many times longer bytes take to move when a program keeps `working_set` bytes live
+    at once: 1 within the last-level cache; beyond it, the share of the bytes beyond the cache
+    moves at the memory's rate instead of the cache's (the ratio of the machine's element-wise
+    rates in cache and beyond it)."""
+    if working_set <= machine.cache_bytes or machine.memory_bytes_per_s <= 0:
+        return 1.0
+    in_cache = next(iter(machine.kernels.values())).bytes_per_s  # shared by the kernel sets
+    beyond = 1.0 - machine.cache_bytes / working_set
+    return 1.0 + beyond * max(in_cache / machine.memory_bytes_per_s - 1.0, 0.0)
+
+
+def step_seconds(work: StepWork, rates: KernelRates, clients: int,
+                 slowdown: float = 1.0) -> float:
+    """Seconds of one local step of `clients` clients run together (1: alone; more: vmapped),
+    its bytes moving `slowdown` times slower than in cache (`memory_slowdown`)."""
     dot, conv = ((rates.dot_one, rates.conv_one) if clients == 1
                  else (rates.dot_many, rates.conv_many))
     return work.ops * rates.launch_s + clients * (
-        work.dot_flops / dot + work.conv_flops / conv + work.bytes / rates.bytes_per_s)
+        work.dot_flops / dot + work.conv_flops / conv + slowdown * work.bytes / rates.bytes_per_s)
 
 
 def predict(work: StepWork, cohort: Cohort, machine: MachineRates, strategy: str,
@@ -288,8 +314,11 @@ def predict(work: StepWork, cohort: Cohort, machine: MachineRates, strategy: str
     if strategy in ("vmap", "shard"):
         share = cohort.bucket if strategy == "vmap" else math.ceil(
             cohort.bucket / max(cohort.mesh_size, 1))
-        return c + share * cohort.finish_bytes / machine.finish_many + (
-            cohort.max_steps * step_seconds(work, rates, max(share, 2)))
+        many = max(share, 2)
+        finishing = share * cohort.finish_bytes
+        return c + memory_slowdown(finishing, machine) * finishing / machine.finish_many + (
+            cohort.max_steps * step_seconds(work, rates, many,
+                                            memory_slowdown(many * work.bytes, machine)))
     return math.inf
 
 

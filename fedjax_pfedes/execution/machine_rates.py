@@ -4,8 +4,9 @@ user's cache folder, `compilation.user_cache_dir()`, whatever compilation cache 
 
 Each rate is what the cost model multiplies a counted quantity by: a jitted call and 'loop''s cost
 per participant on a program that computes nothing, how much a second host thread adds, an
-operation's launch time, bytes/s of element-wise work and of an upload's finishing (one client at
-a time and vectorized), and per kernel set the FLOP/s of matrix products and convolutions, one
+operation's launch time, bytes/s of element-wise work (in cache, and beyond the last-level cache
+whose size the system reports) and of an upload's finishing (one client at a time and
+vectorized), and per kernel set the FLOP/s of matrix products and convolutions, one
 client alone and vmapped over clients. References draw their inputs with NumPy (an eager JAX op
 compiles a program of its own) and use the models' own convolution (`models.layers.conv`: fast
 inside rolled loops); the first measurement also warms the CPU up. A run compiles the
@@ -37,7 +38,10 @@ from fedjax_pfedes.models.layers import conv
 RATES_FILE = "machine_rates.json"
 # Part of the cached rates' key: raised whenever what is measured or how changes, so that rates
 # measured the old way are measured again.
-RATES_VERSION = 2
+RATES_VERSION = 3
+# The last-level cache assumed where the system does not say (a CPU's `memory_rate` reference is
+# sized from it).
+_CACHE_FALLBACK_BYTES = 32 * 2**20
 
 
 def _best_time(fn: Callable, *args, repeats: int = 3) -> float:
@@ -183,6 +187,43 @@ def _rates_of(kernels: str, shared: KernelRates | None = None) -> tuple[KernelRa
     return rates, timings
 
 
+def last_level_cache_bytes() -> float:
+    """The default backend's last-level cache in bytes: a CPU's largest cache (Linux's sysfs,
+    else `_CACHE_FALLBACK_BYTES`); infinite on an accelerator, whose element-wise rate is
+    measured in its own memory (`cost_model.memory_slowdown` is 1 there)."""
+    if jax.default_backend() != "cpu":
+        return math.inf
+    root, units = "/sys/devices/system/cpu/cpu0/cache", {"K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+        sizes = []
+        for index in os.listdir(root):
+            with open(os.path.join(root, index, "size")) as f:
+                text = f.read().strip()
+            sizes.append(int(text.rstrip("KMG")) * units.get(text[-1:], 1))
+        return float(max(sizes))
+    except (OSError, ValueError):  # not Linux, or no cache described
+        return float(_CACHE_FALLBACK_BYTES)
+
+
+def _memory_case(cache_bytes: float):
+    """The element-wise reference over rows twice `cache_bytes` (at most 256 MiB; one step)."""
+    rows = int(min(2 * cache_bytes, 2**28)) // (4096 * 4)
+    return _elementwise_case(max(rows, 64), 4096)
+
+
+def _memory_rate(cache_bytes: float, launch_s: float) -> float:
+    """Bytes/s (counted as `work_of` counts them) of the element-wise reference beyond the
+    last-level cache; 0 on an accelerator (no such cache)."""
+    if not math.isfinite(cache_bytes):
+        return 0.0
+    loss, *arrays = _memory_case(cache_bytes)
+    arrays = jax.device_put(arrays)  # on the device once: the timing is of the program
+    one = np.int32(1)
+    work = work_of(_sgd(loss), *arrays, one)
+    seconds = _best_time(_jitted(loss, "xla", False), *arrays, one, repeats=2)
+    return work.bytes / max(seconds - work.ops * launch_s, 0.05 * seconds)
+
+
 def _finish_reference(upload, template):
     """A finishing like the upload plan's: the update's norm and a finite check."""
     delta = jax.tree.map(lambda u, t: u - t, upload, template)
@@ -303,7 +344,10 @@ def measure(kernel_sets: tuple[str, ...]) -> tuple[MachineRates, dict]:
     measured = {kernel_sets[0]: first,
                 **{k: _rates_of(k, first[0]) for k in kernel_sets[1:]}}
     overheads = _runner_overheads(default_loop_threads())
+    cache_bytes = last_level_cache_bytes()
     rates = MachineRates(thread_gain=gain, kernels={k: r for k, (r, _) in measured.items()},
+                         cache_bytes=cache_bytes,
+                         memory_bytes_per_s=_memory_rate(cache_bytes, first[0].launch_s),
                          **overheads)
     return rates, {k: t for k, (_, t) in measured.items()}
 
@@ -321,6 +365,10 @@ def _warm_up(kernel_sets: tuple[str, ...]) -> None:
                 jax.block_until_ready(_jitted(loss, kernels, True)(*_stacked(case)[1:], steps))
     for call in _overhead_calls(default_loop_threads()).values():
         jax.block_until_ready(call())
+    cache_bytes = last_level_cache_bytes()
+    if math.isfinite(cache_bytes):
+        loss, *arrays = _memory_case(cache_bytes)
+        jax.block_until_ready(_jitted(loss, "xla", False)(*arrays, np.int32(1)))
 
 
 _WARMING: dict[str, threading.Thread] = {}  # rates key -> the thread compiling its references
