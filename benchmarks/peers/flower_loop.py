@@ -33,41 +33,22 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
+
+from benchmarks.peers import work_file
+from benchmarks.peers.work_file import load_work, write_work  # noqa: F401 - its work file
 
 _WORK_ENV = "FEDJAX_PFEDES_FLOWER_WORK"  # the .npz path, read by the Ray workers too
 _cache: dict = {}
 
 
-def write_work(path: str, clients: list[tuple[np.ndarray, np.ndarray]], mean, std,
-               num_classes: int, model: str, per_round: int, batch_size: int, epochs: int,
-               lr: float) -> None:
-    """Writes a FedAvg work for this module: the clients' local train arrays ([(x uint8
-    [n, H, W, C], y [n])], concatenated with their offsets), the inputs' normalization,
-    `model` (one of `works.PEER_MODELS`), the participants per round
-    and the local optimization (batch, epochs, SGD rate)."""
-    from benchmarks.works import PEER_MODELS
-    if model not in PEER_MODELS:
-        raise ValueError(f"model: expected one of {', '.join(PEER_MODELS)}, got {model!r}")
-    sizes = np.asarray([len(y) for _, y in clients], np.int64)
-    np.savez(path, x=np.concatenate([x for x, _ in clients]),
-             y=np.concatenate([y for _, y in clients]).astype(np.int64),
-             offsets=np.concatenate([[0], np.cumsum(sizes)]),
-             mean=np.asarray(mean, np.float32), std=np.asarray(std, np.float32),
-             num_classes=num_classes, model=model, per_round=per_round,
-             batch_size=batch_size, epochs=epochs, lr=lr)
-
-
 def _work() -> dict:
     """The work's scalars and arrays, loaded once per process (driver and each Ray worker)."""
     if "work" not in _cache:
-        with np.load(os.environ[_WORK_ENV]) as f:
-            _cache["work"] = {k: f[k] for k in f.files}
+        _cache["work"] = load_work(os.environ[_WORK_ENV])
     return _cache["work"]
 
 
@@ -183,29 +164,13 @@ def run(work_path: str, rounds: int, cpus_per_client: float = 1.0) -> dict:
 def run_in(python: str, clients: list[tuple[np.ndarray, np.ndarray]], mean, std,
            num_classes: int, model: str, per_round: int, batch_size: int, epochs: int,
            lr: float, rounds: int) -> dict:
-    """Runs the FedAvg work (`write_work`'s arguments) for `rounds` rounds with the Python
-    interpreter `python` of an environment that has Flower and PyTorch, from the environment
-    the caller runs in (which needs neither). Returns `run`'s dict.
-
-    Raises:
-      RuntimeError with the end of Flower's output when the run fails.
-    """
-    if not os.path.isfile(python):
-        raise FileNotFoundError(f"--flower_python: no such interpreter {python!r} "
-                                "(benchmarks/peers/flower_loop.py says how to make one)")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "work.npz")
-        write_work(path, clients, mean, std, num_classes, model, per_round, batch_size, epochs,
-                   lr)
-        done = subprocess.run([python, "-m", "benchmarks.peers.flower_loop", f"--work={path}",
-                               f"--rounds={rounds}"], cwd=root, capture_output=True,
-                              text=True, check=False)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"Flower's run failed (exit {done.returncode}): "
-                           + (done.stderr or done.stdout)[-2000:])
-    return json.loads(lines[-1])
+    """Runs the FedAvg work (`work_file.write_work`'s arguments) for `rounds` rounds with the
+    Python interpreter `python` of an environment that has Flower and PyTorch, from the
+    environment the caller runs in (which needs neither). Returns `run`'s dict
+    (`work_file.run_in`, whose errors it raises)."""
+    return work_file.run_in(python, "benchmarks.peers.flower_loop", "flower_python", clients,
+                            mean, std, num_classes, model, per_round, batch_size, epochs, lr,
+                            rounds)
 
 
 def main() -> None:
