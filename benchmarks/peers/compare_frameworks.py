@@ -182,35 +182,35 @@ def pfl(config, work: str) -> dict | None:
     return out
 
 
-def flower(config, work: str) -> dict | None:
-    """A FedAvg work in Flower's simulation engine (`flower_loop`, run by --flower_python's
-    interpreter), or None without --flower_python or when the work is not FedAvg."""
-    if work == "pfedes" or not _FLOWER.value:
+def _in_own_environment(config, work: str, python: str, peer, label: str,
+                        models: tuple[str, ...] = ()) -> dict | None:
+    """A FedAvg work run by a peer module in its own environment (`peer.run_in` with the
+    interpreter `python`), or None without `python`, for pFedES, or for a model not in
+    `models` (when given)."""
+    if work == "pfedes" or not python or (models and config.clients.architectures
+                                           not in models):
         return None
     clients, args = fedavg_inputs(config)
     mean, std, num_classes, rounds, per_round, batch, epochs, lr = args
-    out = flower_loop.run_in(_FLOWER.value, clients, mean, std, num_classes,
-                             config.clients.architectures, per_round, batch, epochs, lr,
-                             rounds)
+    out = peer.run_in(python, clients, mean, std, num_classes, config.clients.architectures,
+                      per_round, batch, epochs, lr, rounds)
     out["steps_per_round"] = out["client_steps"] / rounds
-    out["strategy"] = f"Flower 1.42 simulation (Ray, {os.cpu_count()} workers)"
+    out["strategy"] = label
     return out
+
+
+def flower(config, work: str) -> dict | None:
+    """A FedAvg work in Flower's simulation engine (`flower_loop`, run by --flower_python's
+    interpreter), or None without --flower_python or when the work is not FedAvg."""
+    return _in_own_environment(config, work, _FLOWER.value, flower_loop,
+                               f"Flower 1.42 simulation (Ray, {os.cpu_count()} workers)")
 
 
 def fedjax(config, work: str) -> dict | None:
     """A FedAvg work in FedJAX (`fedjax_loop`, run by --fedjax_python's interpreter), or None
     without --fedjax_python or when the work is not FedAvg of a model FedJAX runs there."""
-    if (work == "pfedes" or not _FEDJAX.value
-            or config.clients.architectures not in ("convnet3", "mlp_small")):
-        return None
-    clients, args = fedavg_inputs(config)
-    mean, std, num_classes, rounds, per_round, batch, epochs, lr = args
-    out = fedjax_loop.run_in(_FEDJAX.value, clients, mean, std, num_classes,
-                             config.clients.architectures, per_round, batch, epochs, lr,
-                             rounds)
-    out["steps_per_round"] = out["client_steps"] / rounds
-    out["strategy"] = "FedJAX 0.0.17 (its fed_avg)"
-    return out
+    return _in_own_environment(config, work, _FEDJAX.value, fedjax_loop,
+                               "FedJAX 0.0.17 (its fed_avg)", fedjax_loop.MODELS)
 
 
 def plain(config, work: str) -> dict:

@@ -27,16 +27,14 @@ clients until its new parameters are ready; set-up is everything before round 1.
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import sys
 import time
 
 import numpy as np
 
+from benchmarks.peers import work_file
 from benchmarks.peers.work_file import load_work
+
+MODELS = ("convnet3", "mlp_small")  # the peer models (`works.PEER_MODELS`) written in haiku here
 
 
 def _forward(model: str, num_classes: int):
@@ -45,8 +43,8 @@ def _forward(model: str, num_classes: int):
     convolutions of 16, 32, 64 channels with ReLU, 2x2 max pooling after the first two, Dense
     128 + ReLU, Dense classes; as `models.backbones.ConvStack`) or `mlp_small` (Dense 64 + ReLU,
     Dense classes)."""
-    if model not in ("convnet3", "mlp_small"):
-        raise ValueError(f"model: FedJAX runs convnet3, mlp_small, not {model!r}")
+    if model not in MODELS:
+        raise ValueError(f"model: FedJAX runs {', '.join(MODELS)}, not {model!r}")
     import haiku as hk
     import jax
 
@@ -108,12 +106,8 @@ def run(work_path: str, rounds: int) -> dict:
         state, _ = algorithm.apply(state, sampler.sample())
         jax.block_until_ready(state.params)
         times.append(time.perf_counter() - t0)
-    sizes = np.diff(offsets)
-    steps_per_client = int(w["epochs"]) * math.ceil(float(np.median(sizes))
-                                                    / int(w["batch_size"]))
-    setup = time.perf_counter() - start - sum(times)
-    return {"round_s": times, "setup_s": setup,
-            "client_steps": rounds * per_round * steps_per_client}
+    return {"round_s": times, "setup_s": time.perf_counter() - start - sum(times),
+            "client_steps": work_file.client_steps(w, rounds)}
 
 
 def run_in(python: str, clients: list[tuple[np.ndarray, np.ndarray]], mean, std,
@@ -122,22 +116,13 @@ def run_in(python: str, clients: list[tuple[np.ndarray, np.ndarray]], mean, std,
     """Runs the FedAvg work (`work_file.write_work`'s arguments) for `rounds` rounds with the
     Python interpreter `python` of an environment that has FedJAX (`work_file.run_in`, whose
     errors it raises). Returns `run`'s dict."""
-    from benchmarks.peers import work_file
     return work_file.run_in(python, "benchmarks.peers.fedjax_loop", "fedjax_python", clients,
                             mean, std, num_classes, model, per_round, batch_size, epochs, lr,
                             rounds)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", required=True, help="An .npz written by work_file.write_work.")
-    parser.add_argument("--rounds", type=int, default=12)
-    args = parser.parse_args()
-    if not os.path.isfile(args.work):
-        sys.exit(f"--work: no such file {args.work!r} (write it with work_file.write_work)")
-    result = run(args.work, args.rounds)
-    print(json.dumps({k: (list(map(float, v)) if isinstance(v, list) else float(v))
-                      for k, v in result.items()}), flush=True)
+    work_file.main(run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

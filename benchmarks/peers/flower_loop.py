@@ -29,11 +29,7 @@ every round and does nothing here); set-up is the time to the first call.
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import os
-import sys
 import time
 
 import numpy as np
@@ -154,11 +150,8 @@ def run(work_path: str, rounds: int, cpus_per_client: float = 1.0) -> dict:
     if len(stamps) != rounds + 1:
         raise RuntimeError(f"Flower ran {max(len(stamps) - 1, 0)} of {rounds} rounds "
                            "(its log above says why)")
-    sizes = np.diff(w["offsets"])
-    steps_per_client = int(w["epochs"]) * math.ceil(float(np.median(sizes))
-                                                    / int(w["batch_size"]))
     return {"round_s": list(np.diff(stamps)), "setup_s": stamps[0] - start,
-            "client_steps": rounds * int(w["per_round"]) * steps_per_client}
+            "client_steps": work_file.client_steps(w, rounds)}
 
 
 def run_in(python: str, clients: list[tuple[np.ndarray, np.ndarray]], mean, std,
@@ -174,17 +167,9 @@ def run_in(python: str, clients: list[tuple[np.ndarray, np.ndarray]], mean, std,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", required=True, help="An .npz written by write_work.")
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--cpus_per_client", type=float, default=1.0,
-                        help="Ray CPUs per client: workers = cores / this.")
-    args = parser.parse_args()
-    if not os.path.isfile(args.work):
-        sys.exit(f"--work: no such file {args.work!r} (write it with write_work)")
-    result = run(args.work, args.rounds, args.cpus_per_client)
-    print(json.dumps({k: (list(map(float, v)) if isinstance(v, list) else float(v))
-                      for k, v in result.items()}), flush=True)
+    work_file.main(run, __doc__.splitlines()[0], lambda parser: parser.add_argument(
+        "--cpus_per_client", type=float, default=1.0,
+        help="Ray CPUs per client: workers = cores / this."))
 
 
 if __name__ == "__main__":

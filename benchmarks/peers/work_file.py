@@ -9,10 +9,14 @@ client-steps run, the set-up time).
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import subprocess
+import sys
 import tempfile
+from collections.abc import Callable
 
 import numpy as np
 
@@ -82,3 +86,29 @@ def run_in(python: str, module: str, flag: str, clients: list[tuple[np.ndarray, 
         raise RuntimeError(f"{module}'s run failed (exit {done.returncode}): "
                            + (done.stderr or done.stdout)[-2000:])
     return json.loads(lines[-1])
+
+
+def client_steps(work: dict, rounds: int) -> int:
+    """The client-steps `rounds` rounds of `work` run: participants x epochs x the median
+    client's batches (the last one partial)."""
+    batches = math.ceil(float(np.median(np.diff(work["offsets"]))) / int(work["batch_size"]))
+    return rounds * int(work["per_round"]) * int(work["epochs"]) * batches
+
+
+def main(run: Callable[..., dict], description: str,
+         add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+    """A peer module's command line: `--work` (an .npz of `write_work`) and `--rounds`, and
+    what `add_arguments` adds; calls `run(work, rounds, *added)` and prints its result as the
+    one JSON line `run_in` reads."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--work", required=True, help="An .npz written by work_file.write_work.")
+    parser.add_argument("--rounds", type=int, default=12)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = vars(parser.parse_args())
+    work, rounds = args.pop("work"), args.pop("rounds")
+    if not os.path.isfile(work):
+        sys.exit(f"--work: no such file {work!r} (write it with work_file.write_work)")
+    result = run(work, rounds, *args.values())
+    print(json.dumps({k: (list(map(float, v)) if isinstance(v, list) else float(v))
+                      for k, v in result.items()}), flush=True)
