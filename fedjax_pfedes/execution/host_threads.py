@@ -14,14 +14,18 @@ import numpy as np
 from fedjax_pfedes.algorithms.base import PyTree
 
 
-def balanced_groups(slots: np.ndarray, weights: np.ndarray, groups: int) -> list[np.ndarray]:
+def balanced_groups(slots: np.ndarray, weights: np.ndarray, groups: int,
+                    capacity: int | None = None) -> list[np.ndarray]:
     """Positions of `slots` split into `groups` lists of nearly equal total weight (longest
-    first onto the lightest list; ties in slot order), each list in ascending position order.
-    `ClientThreads`' threads take one list each."""
+    first onto the lightest list that holds fewer than `capacity` positions; ties in slot
+    order), each list in ascending position order. `ClientThreads`' threads take one list
+    each; the 'scan' strategy's lanes (of `capacity` slots each) too. Equal weights deal the
+    positions round-robin: list t holds t, t + groups, ..."""
     lists: list[list[int]] = [[] for _ in range(groups)]
     load = np.zeros(groups)
     for j in sorted(range(len(slots)), key=lambda j: (-weights[j], j)):
-        g = int(np.argmin(load))
+        open_ = [g for g in range(groups) if capacity is None or len(lists[g]) < capacity]
+        g = min(open_, key=lambda g: (load[g], g))
         lists[g].append(j)
         load[g] += weights[j]
     return [np.asarray(sorted(g), np.int64) for g in lists]

@@ -219,9 +219,15 @@ def _finalize(total_sum, weight, lanes: tuple, accept_held: tuple, used: tuple):
     return jax.tree.map(lambda m: m[None], mean), total[None]
 
 
+# The fewest held rows `_finalize` reads per lane: each distinct count is a compilation of it, in
+# the first rounds of a run, and a small bucket's held counts would otherwise make several.
+_MIN_ROWS_READ = 8
+
+
 def _rows_to_read(used: int, rows: int) -> int:
-    """The used rows rounded up to a power of two (at most `rows`): a few compiled shapes."""
-    return min(rows, 1 << max(used - 1, 0).bit_length()) if used else 0
+    """The used rows rounded up to a power of two, at least `_MIN_ROWS_READ` and at most
+    `rows`: a few compiled shapes (the rows past the used ones weigh 0)."""
+    return min(rows, max(_MIN_ROWS_READ, 1 << max(used - 1, 0).bit_length()))
 
 
 def finalize(carry: dict, accepted: np.ndarray, rejected_for_norm: np.ndarray, arch: str,

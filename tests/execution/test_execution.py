@@ -444,6 +444,28 @@ def test_balanced_groups_split_the_weight_evenly_and_keep_every_slot_once():
         1, 1, 0, 0]
 
 
+def test_scan_lanes_are_dealt_by_samples_within_their_width():
+    """'scan''s lanes hold `capacity` slots each: the heaviest participant first onto the
+    lightest lane with room; equal sizes deal the slots round-robin (the layout lanes had
+    before they were balanced); the layout puts each lane's outputs back in slot order."""
+    from fedjax_pfedes.execution.strategies import scanned
+    heavy = np.array([9.0, 1.0, 1.0, 1.0])
+    free = host_threads.balanced_groups(np.arange(4), heavy, 2)
+    assert [g.tolist() for g in free] == [[0], [1, 2, 3]]
+    capped = host_threads.balanced_groups(np.arange(4), heavy, 2, capacity=2)
+    assert [g.tolist() for g in capped] == [[0, 3], [1, 2]]
+    equal = host_threads.balanced_groups(np.arange(5), np.ones(5), 2, capacity=3)
+    assert [g.tolist() for g in equal] == [[0, 2, 4], [1, 3]]
+    positions, lane_positions, order = scanned._lane_layout(  # noqa: SLF001
+        tuple(map(tuple, capped)), 4)
+    assert positions.tolist() == [[0, 3], [1, 2]]
+    assert [p.tolist() for p in lane_positions] == [[0, 3], [1, 2]]
+    assert np.concatenate(positions)[np.asarray(order)].tolist() == [0, 1, 2, 3]
+    odd, _, order = scanned._lane_layout(((0, 2, 4), (1, 3)), 5)  # noqa: SLF001
+    assert odd.tolist() == [[0, 2, 4], [1, 3, 5]]  # padded past the bucket
+    assert np.concatenate(odd)[np.asarray(order)].tolist() == [0, 1, 2, 3, 4]
+
+
 def test_zero_buffers_of_a_tree_compile_one_program_and_are_independent():
     """The slot buffers of a round (uploads, metrics) are zeros made by ONE compiled program per
     tree of shapes, not one per leaf shape, and each leaf is its own buffer (later donated)."""

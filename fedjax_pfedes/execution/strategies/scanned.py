@@ -14,7 +14,7 @@ import numpy as np
 
 from fedjax_pfedes.algorithms.base import CohortProgram, PyTree, global_accuracy
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.execution.host_threads import ClientThreads
+from fedjax_pfedes.execution.host_threads import ClientThreads, balanced_groups
 from fedjax_pfedes.execution.slot_rows import get_row
 from fedjax_pfedes.execution.strategies.protocol import (
     UPLOAD_FACTS,
@@ -39,7 +39,8 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
     nothing and return zeros. Evaluation maps the per-client programs the same way (`lax.map`).
     `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`).
 
-    With `threads` > 1 a round's participants split into that many lanes (slot positions j,
+    With `threads` > 1 a round's participants split into that many lanes of nearly equal work
+    (dealt by their samples, `host_threads.balanced_groups`; equal sizes: slot positions j,
     j + threads, ...), each one scanned call of the same program, run at the same time on host
     threads (one scan is one thread: two lanes on two cores take about two thirds of the time
     of one scan on a cross-device round, docs/performance.md). A lane reads its participants'
@@ -177,7 +178,12 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
         lanes = lanes_for(states, bucket)
         if lanes == 1:
             return scanned_update(broadcast, states, train, jnp.asarray(slots), keys)
-        positions, lane_positions, order = _lane_layout(bucket, lanes)
+        # Lanes of nearly equal work: participants dealt by their samples (`balanced_groups`;
+        # equal sizes deal them round-robin), padded slots last.
+        weights = np.where(slots < n, np.asarray(train.sizes)[np.minimum(slots, n - 1)], 0)
+        groups = balanced_groups(slots, weights.astype(np.float64), lanes,
+                                 capacity=-(-bucket // lanes))
+        positions, lane_positions, order = _lane_layout(tuple(map(tuple, groups)), bucket)
         lane_slots = np.where(positions < bucket, slots[np.minimum(positions, bucket - 1)],
                               n).astype(np.int32)
         done = pool.run("update", lambda t: lane_update(
@@ -216,13 +222,17 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
 
 
 @functools.cache
-def _lane_layout(bucket: int, lanes: int) -> tuple[np.ndarray, tuple[jax.Array, ...], jax.Array]:
-    """(bucket positions per lane [lanes, width]: lane t holds t, t + lanes, ..., padded past the
+def _lane_layout(groups: tuple[tuple[int, ...], ...], bucket: int
+                 ) -> tuple[np.ndarray, tuple[jax.Array, ...], jax.Array]:
+    """(bucket positions per lane [lanes, width]: lane t holds `groups[t]`, padded past the
     bucket; the same per lane on the device; for each slot position, its index in the lanes'
-    concatenated outputs): the same every round of a bucket."""
-    width = -(-bucket // lanes)
-    positions = np.arange(lanes * width).reshape(width, lanes).T
-    order = (np.arange(bucket) % lanes) * width + np.arange(bucket) // lanes
+    concatenated outputs): the same every round of the same groups."""
+    lanes, width = len(groups), -(-bucket // len(groups))
+    positions = np.full((lanes, width), bucket, np.int64)
+    order = np.zeros(bucket, np.int64)
+    for t, group in enumerate(groups):
+        positions[t, :len(group)] = group
+        order[list(group)] = t * width + np.arange(len(group))
     return positions, tuple(jnp.asarray(p, jnp.int32) for p in positions), jnp.asarray(order)
 
 
