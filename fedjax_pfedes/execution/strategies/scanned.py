@@ -221,7 +221,7 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
     return CohortRunner("scan", update, evaluate, evaluate_slots, computed_steps)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # rounds of the same sizes meet the same layouts
 def _lane_layout(groups: tuple[tuple[int, ...], ...], bucket: int
                  ) -> tuple[np.ndarray, tuple[jax.Array, ...], jax.Array]:
     """(bucket positions per lane [lanes, width]: lane t holds `groups[t]`, padded past the
