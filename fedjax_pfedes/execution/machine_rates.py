@@ -164,8 +164,7 @@ def _rates_of(kernels: str, shared: KernelRates | None = None) -> tuple[KernelRa
         launch = timings["tiny_step_s"] / max(tiny.ops, 1)
         streamed, stream_one, _ = timed(*cases["elementwise"])
         timings["elementwise_step_s"] = stream_one
-        bytes_per_s = streamed.bytes / max(stream_one - streamed.ops * launch,
-                                           0.05 * stream_one)
+        bytes_per_s = _bytes_rate(streamed, stream_one, launch)
     else:
         launch, bytes_per_s = shared.launch_s, shared.bytes_per_s
     dense, dense_one, dense_many = timed(*cases["dense"])
@@ -221,6 +220,12 @@ def _memory_rate(cache_bytes: float, launch_s: float) -> float:
     one = np.int32(1)
     work = work_of(_sgd(loss), *arrays, one)
     seconds = _best_time(_jitted(loss, "xla", False), *arrays, one, repeats=2)
+    return _bytes_rate(work, seconds, launch_s)
+
+
+def _bytes_rate(work: StepWork, seconds: float, launch_s: float) -> float:
+    """Bytes/s of an element-wise reference step: its counted bytes over its seconds less its
+    operations' launches (at least 5 % of them)."""
     return work.bytes / max(seconds - work.ops * launch_s, 0.05 * seconds)
 
 
