@@ -52,19 +52,12 @@ def norm_rule_parts() -> dict[str, float]:
     valid = np.ones(100, bool)
     template = {"d0": {"kernel": jnp.zeros((784, 64)), "bias": jnp.zeros(64)},
                 "d1": {"kernel": jnp.zeros((64, 10)), "bias": jnp.zeros(10)}}
-    carry = streaming.reducer(8, 100, True).init(template)
-    carry[streaming.HELD] = jax.tree.map(
-        lambda h: jnp.asarray(rng.normal(size=h.shape), jnp.float32), carry[streaming.HELD])
-    held_at = np.full(64, -1, np.int32)
-    held_at[:28] = np.arange(28)
-    carry[streaming.HELD_AT] = jnp.asarray(held_at)
-    carry[streaming.HELD_WEIGHT] = jnp.asarray(np.where(held_at >= 0, 20.0, 0.0), jnp.float32)
-    kept, none = np.ones(100, bool), np.zeros(100, bool)
+    carry = streaming.mean_reducer(True).init(template)
     return {
         "`validation.norm_outliers` (100 norms)": _median_ms(
             lambda: np.asarray(validation.norm_outliers(per_sample, valid, 10.0)), 300),
-        "`streaming.finalize` (28 of 64 held rows used)": _median_ms(
-            lambda: jax.block_until_ready(streaming.finalize(carry, kept, none, "a", 0)), 300),
+        "`streaming.finalize` (a streamed cohort's mean)": _median_ms(
+            lambda: jax.block_until_ready(streaming.finalize(carry)), 300),
     }
 
 

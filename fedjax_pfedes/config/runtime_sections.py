@@ -119,10 +119,6 @@ class ExecutionSection(Section):
         "cross-device strategy. Same numbers for any, up to float reassociation")
     scan_chunk: int = param(1, "'scan': participants vmapped per iteration",
                             at_least(1, integer=True))
-    scan_held_uploads: int = param(
-        8, "'scan' sums the uploads as they are made when the server step is a weighted mean; "
-        "this many uploads per cohort are held aside for the norm rule, which may reject at "
-        "most that many of a cohort in a round", at_least(1, integer=True))
     devices: int = param(0, "devices of the 'shard' mesh (0 = all local devices)")
     eval_memory_budget_gb: float = param(
         4.0, "'vmap' / 'shard': memory one vectorized evaluation call may take; a cohort that "

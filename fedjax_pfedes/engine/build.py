@@ -131,8 +131,7 @@ def build_upload_plan(config: ml_collections.ConfigDict, pipeline_cfg: PipelineC
     """The run's upload plan (`upload.plan`) from its validated upload settings.
 
     Args:
-      config: the experiment config (`train`'s round size and rounds, `asynchronous`,
-        `execution.scan_held_uploads`).
+      config: the experiment config (`train`'s round size and rounds, `asynchronous`).
       pipeline_cfg: `ValidConfig.upload`, the sections as validation built them.
       algorithm: the built method (its `norm_keys` complete the settings).
       num_clients: clients in the population.
@@ -146,8 +145,7 @@ def build_upload_plan(config: ml_collections.ConfigDict, pipeline_cfg: PipelineC
     return make_plan(dataclasses.replace(pipeline_cfg, norm_keys=algorithm.norm_keys),
                      algorithm, num_clients=num_clients, expected_participants=expected,
                      clients_per_round=m, rounds=t.rounds,
-                     synchronous=not config.asynchronous.enabled,
-                     scan_held_uploads=config.execution.scan_held_uploads)
+                     synchronous=not config.asynchronous.enabled)
 
 
 def client_epochs(config: ml_collections.ConfigDict, sizes: np.ndarray) -> np.ndarray:

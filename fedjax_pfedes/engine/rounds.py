@@ -10,6 +10,7 @@ Everything random is keyed by (seed, round), so resuming from a checkpoint repea
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ from fedjax_pfedes.engine.records import (
 from fedjax_pfedes.engine.state import SimState
 from fedjax_pfedes.execution import offload
 from fedjax_pfedes.execution.strategies import protocol
-from fedjax_pfedes.tree_util import tree_size
+from fedjax_pfedes.tree_util import take_rows, tree_size
 from fedjax_pfedes.upload import validation
 from fedjax_pfedes.upload.plan import CohortUploads, UploadReport
 
@@ -72,10 +73,15 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         sent = sent_to_runner(ctx.upload, ctx.attack.active, cohort.runner, cohort.bucket,
                               broadcast, template)
         finishing = isinstance(sent, protocol.Finishing)
+        streams = finishing and sent.reducer is not None
+        train = train_arrays(ctx, cohort, step_limits)
+        restack = (_restacker(cohort.runner, sent, clients[cohort.arch], train, slots, keys,
+                              valid) if streams and ctx.upload.rejects_summed else None)
         stacked, clients[cohort.arch], metrics = cohort.runner.update(
-            sent, clients[cohort.arch], train_arrays(ctx, cohort, step_limits), slots, keys)
-        reduced, stacked = ((stacked, None) if finishing and sent.reducer is not None
-                            else (None, stacked))
+            sent, clients[cohort.arch], train, slots, keys)
+        if restack is not None:
+            restack = functools.partial(restack, clients[cohort.arch])
+        reduced, stacked = (stacked, None) if streams else (None, stacked)
         if ctx.attack.active:
             stacked = attacks.apply(stacked, template, ids, fold_in(round_key, ATTACK_STREAM),
                                     ctx.attack)
@@ -89,7 +95,7 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
         # The pipeline reads the facts only when it transforms nothing, where the plan's
         # `finish` includes its checks' facts.
         uploads[cohort.arch] = cohort_uploads(ctx, cohort, stacked, template, slots, valid, ids,
-                                              facts or None, reduced)
+                                              facts or None, reduced, restack)
         if not valid.any():
             continue
         if norms is None:
@@ -114,17 +120,42 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
 
 def cohort_uploads(ctx: RunContext, cohort: Cohort, stacked, template, slots: np.ndarray,
                    valid: np.ndarray, ids: np.ndarray, facts: dict | None = None,
-                   reduced: dict | None = None) -> CohortUploads:
+                   reduced: dict | None = None,
+                   restack: Callable[[], Any] | None = None) -> CohortUploads:
     """What the upload pipeline gets of one cohort's round: the stacked uploads with their
     clients' local training sample counts and all-sample counts (training + local test), and
     the checks' facts when the training program computed them (`UploadPlan.finish`); a
     streamed cohort (`UploadPlan.reducer`) gives its `reduced` carry instead of stacked
-    uploads."""
+    uploads, and `restack` (`_restacker`) where a stage may reject an upload it summed."""
     take = jnp.asarray(slots)
     sizes = jnp.take(cohort.train.sizes, take, mode="clip")
     all_sizes = sizes + jnp.take(jnp.asarray(cohort.test.sizes), take, mode="clip")
     return CohortUploads(stacked, template, sizes, valid, ids, slots,
-                         attacks.rogue_slots(ids, ctx.attack), all_sizes, facts, reduced)
+                         attacks.rogue_slots(ids, ctx.attack), all_sizes, facts, reduced,
+                         restack)
+
+
+def _restacker(runner, sent: protocol.Finishing, states, train, slots: np.ndarray,
+               keys: jax.Array, valid: np.ndarray) -> Callable[[Any], Any]:
+    """(states after the round) -> the round's uploads of a streamed cohort, stacked: its
+    participants trained again from their state rows as they were before the round (read here,
+    before the update takes `states`), with the same data, step limits and keys, by the same
+    runner without the reducer. `UploadPipeline` calls it only in a round whose stages reject
+    an upload the cohort had already summed (`upload.streaming`); the states it writes are
+    those the first pass wrote."""
+    rows = np.asarray(slots)[valid]
+    leaves = jax.tree.leaves(states)
+    on_device = all(isinstance(a, jax.Array) for a in leaves)
+    before = (take_rows(states, jnp.asarray(rows)) if on_device
+              else offload.read_rows(states, rows)) if leaves else None
+    plain = sent.replace(reducer=None)
+
+    def restack(after):
+        if before is not None:
+            after = offload.replace_rows(after, rows, before)
+        return runner.update(plain, after, train, slots, keys)[0]
+
+    return restack
 
 
 def participants_metrics(ctx: RunContext, server_state, clients: dict[str, Any],

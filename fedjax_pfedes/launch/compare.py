@@ -52,7 +52,6 @@ from fedjax_pfedes.io.workdir import RunLockedError
 from fedjax_pfedes.launch import cli
 from fedjax_pfedes.launch.cli import fail, loaded_config
 from fedjax_pfedes.studies import experiments, lr_tuning
-from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _ALGORITHMS = flags.DEFINE_list("algorithms", ["pfedes", "standalone", "fedavg"],
@@ -291,7 +290,7 @@ def main(argv: list[str]) -> None:
                 on_seed_done=write_unseen, run_missing=not _REPORT_ONLY.value))
         table = report.write(results)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError, KeyError,
-            TypeError, HeldUploadsExceeded, StorageError) as e:
+            TypeError, StorageError) as e:
         fail(str(e))
     if tuning:
         with open(os.path.join(_WORKDIR.value, "comparison.md"), "a") as f:

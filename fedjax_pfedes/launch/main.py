@@ -28,7 +28,6 @@ from fedjax_pfedes.errors import (
 from fedjax_pfedes.io.workdir import RunLockedError
 from fedjax_pfedes.launch import cli
 from fedjax_pfedes.launch.cli import fail, loaded_config
-from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -43,7 +42,7 @@ def main(argv: list[str]) -> None:
     try:
         summary = run_experiment(config, _WORKDIR.value, show_progress=_PROGRESS.value)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError,
-            HeldUploadsExceeded, StorageError) as e:
+            StorageError) as e:
         fail(str(e))
     except DivergedError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,7 +26,6 @@ from fedjax_pfedes.io.workdir import RunLockedError
 from fedjax_pfedes.launch import cli
 from fedjax_pfedes.launch.cli import fail, loaded_config
 from fedjax_pfedes.studies import experiments, vectorized_sweep
-from fedjax_pfedes.upload.streaming import HeldUploadsExceeded
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/sweep", "One folder per member goes here.")
@@ -57,7 +56,7 @@ def main(argv: list[str]) -> None:
         records = vectorized_sweep.run_sweep(config, field, values, _WORKDIR.value, _PROGRESS.value,
                                   _MEMBER_AXIS.value)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError,
-            HeldUploadsExceeded, StorageError) as e:
+            StorageError) as e:
         fail(str(e))
     results = {name: [r] for name, r in records.items()}
     title = (f"{config.algorithm} on {config.data.name}, {config.data.num_clients} clients, "

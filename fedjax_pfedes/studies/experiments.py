@@ -131,11 +131,13 @@ def same_config(old: Any, new: Any, default: Any) -> bool:
 
 # Fields that change what a run reports or keeps, or how fast it runs, never its numbers:
 # ignored when a finished run is matched for reuse. (`loop_threads` gives bit-identical
-# numbers: tests/execution/test_execution.py.)
+# numbers: tests/execution/test_execution.py. `scan_held_uploads`, retired, only decided
+# whether a 'scan' round could stop with an error: archived runs carry it.)
 RESULT_NEUTRAL = (("train", "allow_divergence"), ("train", "allow_untrained"),
                   ("monitor", "tensorboard"),
                   ("checkpoint", "every"), ("checkpoint", "max_to_keep"),
-                  ("execution", "compilation_cache_dir"), ("execution", "loop_threads"))
+                  ("execution", "compilation_cache_dir"), ("execution", "loop_threads"),
+                  ("execution", "scan_held_uploads"))
 
 
 # Fields whose value 'auto' matches a finished run of any value: every execution strategy and

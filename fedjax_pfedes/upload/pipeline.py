@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -50,7 +51,10 @@ class CohortUploads:
     the client halves' per-client facts [slots] already computed with the uploads
     (`UploadPipeline.client_facts` inside the cohort's program; None = computed here), used
     only by a pipeline that transforms nothing; `reduced` the carry of a streamed cohort
-    (`upload.streaming`: its uploads were summed as they were made, `uploads` is None)."""
+    (`upload.streaming`: its uploads were summed as they were made, `uploads` is None), and
+    `restack` () -> its uploads stacked, the participants trained again from their rows before
+    the round, for a round whose stages reject an upload already summed (None where no stage
+    can: `plan.UploadPlan.rejects_summed`)."""
 
     uploads: Any
     template: Any
@@ -62,6 +66,7 @@ class CohortUploads:
     all_sizes: jax.Array | None = None
     facts: dict[str, np.ndarray] | None = None
     reduced: dict | None = None
+    restack: Callable[[], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,16 +335,22 @@ class UploadPipeline:
     def _as_arrived(self, r: stages.RoundUploads, arrived: dict) -> dict:
         """{arch: (uploads, weights)} when no stage transforms: the uploads as they arrived,
         the rejected slots holding the template (NaN x 0 weight is still NaN); a streamed
-        cohort's carry finalized without the uploads it held aside that the stages rejected."""
+        cohort's sum as its mean, or, where a stage rejected an upload it summed, its uploads
+        stacked again (`CohortUploads.restack`)."""
         groups = {}
         for arch, c in r.cohorts.items():
             rejected = np.asarray(c.valid) & ~r.valid[arch]
             if c.reduced is not None:
                 entered = np.asarray(c.valid) & (np.asarray(r.info[arch]["finite"])
                                                  | (not self.cfg.upload.reject_nonfinite))
-                groups[arch] = streaming.finalize(c.reduced, r.valid[arch],
-                                                  rejected & entered, arch, r.round_index)
-                continue
+                if not (rejected & entered).any():
+                    groups[arch] = streaming.finalize(c.reduced)
+                    continue
+                if c.restack is None:
+                    raise RuntimeError(  # the plan's `rejects_summed` keeps what restacks
+                        f"round {r.round_index + 1}: a stage rejected an upload cohort "
+                        f"'{arch}' had summed, and the round kept no rows to train it again")
+                arrived[arch] = c.restack()
             shape = (arch, len(rejected))
             if rejected.any() or shape not in self._compiled_shapes:
                 self._compiled_shapes.add(shape)

@@ -39,6 +39,10 @@ class UploadPlan:
         compiled programs' identity.
       reducer: bucket -> the reducer with which a 'scan' cohort of that bucket sums its uploads
         as they are made (`upload.streaming`), or None where the stacked uploads are needed.
+      rejects_summed: whether a stage may reject an upload a streamed cohort has already
+        summed (the norm rule decides on the round's median): the engine then keeps each
+        streamed cohort's participants' rows as they were before the round, so that such a
+        round can train them again with stacked uploads (`CohortUploads.restack`).
       process: the server half, (round index, {arch: CohortUploads}, memories, {arch: members},
         key) -> ({arch: (uploads, weights)} for the server step, memories, `UploadReport`).
       init_memory: (template, members) -> a cohort's per-client stage states.
@@ -56,6 +60,7 @@ class UploadPlan:
 
     finish: Callable[[Any, Any], dict]
     reducer: Callable[[int], Any] | None
+    rejects_summed: bool
     process: Callable[..., tuple[dict, dict, UploadReport]]
     init_memory: Callable[[Any, int], dict]
     bytes_per_client: Callable[[Any], float]
@@ -68,7 +73,7 @@ class UploadPlan:
 
 def make_plan(cfg: PipelineConfig, algorithm, *, num_clients: int,
               expected_participants: float, clients_per_round: int, rounds: int,
-              synchronous: bool = True, scan_held_uploads: int = 0) -> UploadPlan:
+              synchronous: bool = True) -> UploadPlan:
     """The upload pipeline of a run and its plan.
 
     Args:
@@ -80,8 +85,6 @@ def make_plan(cfg: PipelineConfig, algorithm, *, num_clients: int,
       clients_per_round: participants of a fixed-size round.
       rounds: the run's rounds (DP's noise calibration).
       synchronous: False for buffered asynchronous rounds (each upload is kept: no streaming).
-      scan_held_uploads: the uploads a streamed round holds aside for the norm rule
-        (`config.execution.scan_held_uploads`).
 
     Returns:
       The `UploadPlan`. ValueError naming the field for settings that cannot be honest.
@@ -89,10 +92,12 @@ def make_plan(cfg: PipelineConfig, algorithm, *, num_clients: int,
     pipeline = UploadPipeline(cfg, algorithm.aggregation, algorithm.name, num_clients,
                               expected_participants, clients_per_round, rounds)
     dp = cfg.dp
+    reducer = _reducer(pipeline) if synchronous and algorithm.mean_server_step else None
     return UploadPlan(
         finish=_finish(pipeline, algorithm.norm_keys),
-        reducer=(_reducer(pipeline, scan_held_uploads)
-                 if synchronous and algorithm.mean_server_step else None),
+        reducer=reducer,
+        rejects_summed=(reducer is not None and pipeline.streamed_clip_norm is None
+                        and outlier_rule(pipeline.cfg)[0] > 0),
         process=pipeline.process,
         init_memory=pipeline.init_memory,
         bytes_per_client=functools.partial(_bytes_per_client, cfg),
@@ -123,12 +128,11 @@ def _finish(pipeline: UploadPipeline, norm_keys: tuple[str, ...]):
     return finish
 
 
-def _reducer(pipeline: UploadPipeline, scan_held_uploads: int):
+def _reducer(pipeline: UploadPipeline):
     """bucket -> the reducer of `UploadPlan.reducer`, or None: a method whose server step is a
     weighted mean, and a pipeline that either transforms nothing (no compression, privacy,
-    robust aggregation: `StreamingMean`, holding up to `scan_held_uploads` uploads aside for the
-    norm rule) or is client-level DP that adds its noise to the sum of the clipped updates
-    (`UploadPipeline.streamed_clip_norm`: `StreamingClippedSum`)."""
+    robust aggregation: `StreamingMean`) or is client-level DP that adds its noise to the sum
+    of the clipped updates (`UploadPipeline.streamed_clip_norm`: `StreamingClippedSum`)."""
     if pipeline.aggregation not in ("per_cohort", "shared"):
         return None
     reject_nonfinite = bool(pipeline.cfg.upload.reject_nonfinite)
@@ -138,8 +142,8 @@ def _reducer(pipeline: UploadPipeline, scan_held_uploads: int):
         return lambda bucket: clipped
     if pipeline.active:
         return None
-    hold = scan_held_uploads if outlier_rule(pipeline.cfg)[0] > 0 else 0
-    return functools.partial(streaming.reducer, hold, reject_nonfinite=reject_nonfinite)
+    mean = streaming.mean_reducer(reject_nonfinite)
+    return lambda bucket: mean
 
 
 def _bytes_per_client(cfg: PipelineConfig, template) -> float:

@@ -132,7 +132,7 @@ def test_round_settings_read_their_sections_and_nothing_else():
     assert (s.seed, s.train.rounds, s.train.sampling, s.train.client_fraction) == (
         7, 12, "poisson", 0.25)
     assert s.monitor.aggregation_loss and s.asynchronous is None
-    assert s.execution.scan_held_uploads == config.execution.scan_held_uploads
+    assert s.execution.scan_chunk == config.execution.scan_chunk
     config.asynchronous.enabled, config.asynchronous.buffer_size = True, 3
     config.asynchronous.staleness = "hinge"
     a = round_settings(config).asynchronous

@@ -640,10 +640,10 @@ def test_a_decision_is_kept_per_upload_plan():
                             expected_participants=4.0, planned_steps=np.full(4, 1), epochs=1,
                             batch_size=1, sent=sent)
 
-    plain = trial(norm_and_finite, streaming.reducer(0, 4, True))
+    plain = trial(norm_and_finite, streaming.mean_reducer(True))
     private = trial(norm_and_finite, streaming.clipped_sum_reducer(1.0, True))
     checked_after = trial(norm, None)
     keys = {choice._key(t) for t in (plain, private, checked_after)}
     assert len(keys) == 3
-    assert choice._key(trial(norm_and_finite, streaming.reducer(0, 4, True))) == \
+    assert choice._key(trial(norm_and_finite, streaming.mean_reducer(True))) == \
         choice._key(plain)

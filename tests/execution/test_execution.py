@@ -283,7 +283,9 @@ def test_a_cached_decision_is_not_reused_on_another_cpu_or_jaxlib(tmp_path, monk
     assert {"cpu", "cpu_features", "cores", "jax", "jaxlib"} <= set(here)
     assert not choice.choose(trial, str(tmp_path), repeats=1).cached
     assert choice.choose(trial, str(tmp_path), repeats=1).cached
-    for other in ({"cpu_features": ["avx", "avx2", "fma"]}, {"jaxlib": "0.0.1"},
+    features = set(here["cpu_features"])
+    other_features = sorted(features ^ {"avx512f"})  # AVX-512 here: without it; else with it
+    for other in ({"cpu_features": other_features}, {"jaxlib": "0.0.1"},
                   {"cores": here["cores"] + 14}):
         monkeypatch.setattr(choice, "machine", lambda other=other: {**here, **other})
         assert choice.cached_choice(trial, str(tmp_path)) is None, other

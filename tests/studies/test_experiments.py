@@ -207,6 +207,21 @@ def test_a_finished_run_is_reused_whatever_its_loop_threads_but_not_another_lr(t
     assert experiments.finished_run(config, str(tmp_path)) is None
 
 
+def test_a_run_archived_with_a_retired_field_is_still_reused(tmp_path):
+    """`execution.scan_held_uploads` is gone from the config; the archived runs that carry it
+    (docs/results) still match their command's config."""
+    import json
+
+    config = _tiny()
+    old = config.to_dict()
+    old["execution"]["scan_held_uploads"] = 8
+    (tmp_path / "summary.json").write_text(json.dumps({"config": old}))
+    assert experiments.finished_run(config, str(tmp_path)) is not None
+    old["train"]["lr_local"] *= 2
+    (tmp_path / "summary.json").write_text(json.dumps({"config": old}))
+    assert experiments.finished_run(config, str(tmp_path)) is None
+
+
 def test_an_auto_execution_config_reuses_a_run_of_any_strategy_but_not_the_reverse(tmp_path):
     """'auto' may pick any strategy and kernel set (same numbers up to float reassociation):
     a run made with `loop`/`xla` (the defaults before 'auto') is reused by the 'auto' default,

@@ -1,7 +1,7 @@
 """The 'scan' strategy's streaming aggregation (`fedjax_pfedes/upload/streaming.py`): uploads summed
-as they are made, the largest held aside for the norm rule, equal to the weighted mean of the
-accepted stacked uploads; the methods that claim a weighted-mean server step; the engine's
-streamed round against the loop's."""
+as they are made, equal to the weighted mean of the accepted stacked uploads, and trained again
+stacked in a round whose norm rule rejects one already summed; the methods that claim a
+weighted-mean server step; the engine's streamed round against the loop's."""
 
 import json
 
@@ -53,24 +53,18 @@ def _by_hand(w, b, sizes, accepted):
             (weight[:, None] * b).sum(0) / weight.sum(), weight.sum())
 
 
-@pytest.mark.parametrize("hold", [0, 3])
-def test_the_streamed_mean_is_the_mean_of_the_accepted_uploads(hold):
-    """A non-finite upload never enters the sum; a padded slot neither; with hold > 0 the
-    largest uploads per sample are held aside and only those still accepted are added."""
+def test_the_streamed_mean_is_the_mean_of_the_finite_uploads():
+    """A non-finite upload never enters the sum; a padded slot neither; the mean and total
+    weight are the by-hand ones of the rest."""
     w, b, sizes = _uploads()
-    w[4] *= 1e3  # an outlier the norm rule will reject
+    w[4] *= 1e3  # large, but finite: in the sum
     w[6, 0, 0] = np.nan
     finite = np.isfinite(w).all((1, 2))
     valid = np.ones(len(sizes), bool)
     valid[8] = False  # a padded slot
-    carry, norms = _stream(streaming.reducer(hold, len(sizes), True), w, b, sizes, finite, valid)
-    accepted = valid & finite
-    if hold:
-        accepted[4] = False  # what the norm rule decides on the host
-        assert 4 in np.asarray(carry[streaming.HELD_AT]).tolist()
-    rejected = valid & finite & ~accepted
-    mean, total = streaming.finalize(carry, accepted, rejected, "mlp", 0)
-    want_w, want_b, want_total = _by_hand(np.nan_to_num(w), b, sizes, accepted)
+    carry, norms = _stream(streaming.mean_reducer(True), w, b, sizes, finite, valid)
+    mean, total = streaming.finalize(carry)
+    want_w, want_b, want_total = _by_hand(np.nan_to_num(w), b, sizes, valid & finite)
     np.testing.assert_allclose(mean["w"][0], want_w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mean["b"][0], want_b, rtol=1e-5, atol=1e-6)
     assert float(total[0]) == want_total
@@ -121,32 +115,20 @@ def _stream_lanes(reducer, w, b, sizes, finite, valid, lanes=2):
     return reducer.merge(carries), norms
 
 
-def test_lanes_merged_give_the_mean_of_the_accepted_uploads():
-    """Two lanes, each streaming half of the uploads with its own held rows, merged: the
-    outlier the norm rule rejects was held by its lane and is left out; the non-finite upload
-    and the padded slot never entered; the mean is the by-hand mean of the rest. A rejected
-    upload that no lane held stops the round as with one stream."""
+def test_lanes_merged_give_the_mean_of_the_finite_uploads():
+    """Two lanes, each streaming half of the uploads, merged: the non-finite upload and the
+    padded slot never entered; the mean is the by-hand mean of the rest."""
     w, b, sizes = _uploads(n=11)
-    w[5] *= 1e3
     w[6, 0, 0] = np.nan
     finite = np.isfinite(w).all((1, 2))
     valid = np.ones(len(sizes), bool)
     valid[10] = False
-    carry, _ = _stream_lanes(streaming.reducer(2, len(sizes), True), w, b, sizes, finite, valid)
-    held = [np.asarray(lane[streaming.HELD_AT]) for lane in streaming.held_lanes(carry)]
-    assert len(held) == 2 and 5 in held[1].tolist()  # position 5: lane 1's
-    accepted = valid & finite
-    accepted[5] = False
-    mean, total = streaming.finalize(carry, accepted, valid & finite & ~accepted, "mlp", 0)
-    want_w, want_b, want_total = _by_hand(np.nan_to_num(w), b, sizes, accepted)
+    carry, _ = _stream_lanes(streaming.mean_reducer(True), w, b, sizes, finite, valid)
+    mean, total = streaming.finalize(carry)
+    want_w, want_b, want_total = _by_hand(np.nan_to_num(w), b, sizes, valid & finite)
     np.testing.assert_allclose(mean["w"][0], want_w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mean["b"][0], want_b, rtol=1e-5, atol=1e-6)
     assert float(total[0]) == pytest.approx(want_total)
-    unheld = next(j for j in range(10) if finite[j] and j not in np.concatenate(held))
-    rejected = np.zeros(len(sizes), bool)
-    rejected[unheld] = True
-    with pytest.raises(streaming.HeldUploadsExceeded, match="scan_held_uploads"):
-        streaming.finalize(carry, valid & finite & ~rejected, rejected, "mlp", 0)
 
 
 def test_lanes_merged_give_the_clipped_sum_of_one_stream():
@@ -243,35 +225,48 @@ def test_a_streamed_private_run_gives_the_loops_numbers(secagg, tmp_path, monkey
     assert len(summed) == 3  # every round of 'scan' streamed, none of 'loop'
 
 
-def _in_order(w, b, sizes, order):
-    return w[order], b[order], sizes[order]
+@pytest.mark.parametrize("outlier", [False, True])
+def test_a_summed_upload_the_norm_rule_rejects_makes_the_cohort_restack(outlier):
+    """The pipeline takes a streamed cohort's sum as its mean while no stage rejects an upload
+    it summed; when the norm rule rejects one (a 1e3 x outlier), it asks the cohort for its
+    uploads stacked (`CohortUploads.restack`) and averages the accepted ones: both equal the
+    by-hand mean of what was accepted (numpy), and the non-finite upload is left out either
+    way."""
+    from fedjax_pfedes.upload.pipeline import CohortUploads
+    w, b, sizes = _uploads(n=9)
+    if outlier:
+        w[4] *= 1e3
+    w[6, 0, 0] = np.nan
+    finite = np.isfinite(w).all((1, 2))
+    valid = np.ones(len(sizes), bool)
+    valid[8] = False  # a padded slot
+    carry, norms = _stream(streaming.mean_reducer(True), w, b, sizes, finite, valid)
+    restacked = []
 
+    def restack():
+        restacked.append(1)
+        return {"w": jnp.asarray(w), "b": jnp.asarray(b)}
 
-def test_a_rejected_upload_that_was_not_held_stops_the_round_naming_the_field():
-    """Arriving largest first, the third largest upload never enters the running top 2, so it
-    is summed; rejecting it cannot be undone. Arriving smallest first with 1 held, every upload
-    enters and the 8 rows run out before the largest arrives: rejecting it cannot either.
-    Rejecting only what was held works in both orders."""
-    w, b, sizes = _uploads(n=12)
-    score = np.sqrt((w ** 2).sum((1, 2)) + (b ** 2).sum(1)) / sizes
-    for hold, order in ((2, np.argsort(-score)), (1, np.argsort(score))):
-        w_o, b_o, s_o = _in_order(w, b, sizes, order)
-        ones = np.ones(len(s_o), bool)
-        carry, _ = _stream(streaming.reducer(hold, len(s_o), True), w_o, b_o, s_o, ones, ones)
-        held = set(np.asarray(carry[streaming.HELD_AT]).tolist()) - {-1}
-        largest = np.argsort(-(score[order]))  # positions, largest first
-        rejected = np.zeros(len(s_o), bool)
-        rejected[largest[:hold + 1]] = True
-        if hold == 1:
-            rejected[:] = False
-            rejected[largest[0]] = True  # one rejection, but its upload came after the rows
-        assert not set(np.flatnonzero(rejected)) <= held
-        with pytest.raises(streaming.HeldUploadsExceeded, match="scan_held_uploads"):
-            streaming.finalize(carry, ~rejected, rejected, "mlp", 4)
-        fine = np.zeros(len(s_o), bool)
-        fine[sorted(held)[:1]] = True
-        mean, _ = streaming.finalize(carry, ~fine, fine, "mlp", 4)
-        np.testing.assert_allclose(mean["w"][0], _by_hand(w_o, b_o, s_o, ~fine)[0], rtol=1e-5)
+    template = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
+    cohort = CohortUploads(None, template, jnp.asarray(sizes, jnp.float32), valid,
+                           np.arange(9), np.arange(9, dtype=np.int32),
+                           facts={"finite": finite, "norm": norms}, reduced=carry,
+                           restack=restack)
+    pipe = fl_helpers.upload_pipeline(aggregation="per_cohort", norm_outlier_factor=10.0,
+                                      norm_outlier_z=0.0)
+    groups, _, report = pipe.process(0, {"mlp": cohort}, {"mlp": {}}, {"mlp": 9},
+                                     jax.random.key(0))
+    accepted = valid & finite
+    accepted[4] = not outlier
+    assert len(restacked) == int(outlier)
+    assert {r["client"] for r in report.rejections} == ({4, 6} if outlier else {6})
+    uploads, weights = groups["mlp"]
+    share = np.asarray(weights, np.float64) / np.asarray(weights, np.float64).sum()
+    got_w = np.tensordot(share, np.asarray(uploads["w"], np.float64), 1)
+    got_b = np.tensordot(share, np.asarray(uploads["b"], np.float64), 1)
+    want_w, want_b, _ = _by_hand(np.nan_to_num(w), b, sizes, accepted)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_b, want_b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_reducer_needs_the_scan_strategy():
@@ -279,7 +274,7 @@ def test_a_reducer_needs_the_scan_strategy():
     _, program, data, states, server = _setup("mlp")
     runner = runners.make_runner(program, "vmap")
     bcast = protocol.Finishing(server.proxy_params, server.proxy_params,
-                                lambda u, t: {}, streaming.reducer(0, 2, True))
+                                lambda u, t: {}, streaming.mean_reducer(True))
     with pytest.raises(ValueError, match="'scan' strategy"):
         runner.update(bcast, states, data, np.array([0, 1], np.int32),
                       jax.random.split(jax.random.key(0), 2))
@@ -325,12 +320,20 @@ def _metrics(workdir):
 def test_a_streamed_scan_run_gives_the_loops_numbers(name, factor, tmp_path, monkeypatch):
     """A whole run with the 'scan' strategy, which streams these methods' uploads (client
     states on the device or offloaded to the host), against the 'loop' strategy, which stacks
-    them: the same accuracies, losses, update norms and
-    rejections (factor 1.1 makes the norm rule reject some uploads, which the scan held
-    aside)."""
-    streamed = []
+    them: the same accuracies, losses, update norms and rejections (factor 1.1 makes the norm
+    rule reject some uploads the scan had summed: those rounds train the cohort again
+    stacked, from its rows before the round)."""
+    from fedjax_pfedes.engine import rounds
+    streamed, restacked = [], []
     finalize = streaming.finalize
     monkeypatch.setattr(streaming, "finalize", lambda *a: streamed.append(1) or finalize(*a))
+    restacker = rounds._restacker
+
+    def counted(*a):
+        restack = restacker(*a)
+        return lambda after: restacked.append(1) or restack(after)
+
+    monkeypatch.setattr(rounds, "_restacker", counted)
     runs = {}
     for variant in ("loop", "scan", "scan/offload", "scan:1"):
         strategy, _, states = variant.partition("/")
@@ -340,9 +343,8 @@ def test_a_streamed_scan_run_gives_the_loops_numbers(name, factor, tmp_path, mon
         config.execution.strategy = strategy
         config.execution.loop_threads = int(threads or 2)  # 'scan': two lanes, or one
         config.execution.client_states = states or "device"
-        config.execution.scan_held_uploads = 8
         config.upload.norm_outlier_factor = factor
-        config.upload.norm_outlier_z = 0.0  # the factor alone: rejections to hold aside
+        config.upload.norm_outlier_z = 0.0  # the factor alone: rejections
         config.upload.norm_outlier_model_ratio = 0.0
         config.eval.every = 1
         workdir = tmp_path / variant.replace("/", "_").replace(":", "_")
@@ -355,9 +357,13 @@ def test_a_streamed_scan_run_gives_the_loops_numbers(name, factor, tmp_path, mon
                     assert key.endswith("_s") or scan[key] == value, key
                     continue
                 assert scan[key] == pytest.approx(value, rel=2e-4, abs=2e-5), key
-    assert len(streamed) == 9  # one streamed cohort, every round of each 'scan', none of 'loop'
+    # one streamed cohort, every round of each 'scan', none of 'loop': its sum as the mean, or
+    # restacked where the rule rejected an upload
+    assert len(streamed) + len(restacked) == 9
     if factor < 2:
-        assert sum(r["uploads_rejected"] for r in runs["scan"]) > 0
+        assert sum(r["uploads_rejected"] for r in runs["scan"]) > 0 and restacked
+    else:
+        assert not restacked
 
 
 def _last_round_counts(name: str, events: list) -> dict[int, int]:
@@ -417,21 +423,3 @@ def test_a_rounds_dispatched_programs_do_not_grow_with_its_participants(name, mo
                         lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
     counts = _last_round_counts(name, runs)
     assert counts[8] == counts[32] > 0, counts
-
-
-@pytest.mark.slow  # one short run through the CLI
-def test_the_cli_stops_a_run_whose_rejections_were_not_held_with_one_line(tmp_path):
-    import subprocess
-    import sys
-    args = [sys.executable, "-m", "launch.main", "--config=configs/quickstart.py",
-            f"--workdir={tmp_path}", "--noprogress", "--config.algorithm=fedavg",
-            "--config.data.name=digits", "--config.data.num_clients=12",
-            "--config.clients.architectures=mlp", "--config.train.rounds=3",
-            "--config.checkpoint.every=0", "--config.execution.strategy=scan",
-            "--config.upload.norm_outlier_factor=1.01", "--config.upload.norm_outlier_z=0",
-            "--config.upload.norm_outlier_model_ratio=0",
-            "--config.execution.scan_held_uploads=1"]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "config.execution.scan_held_uploads" in out.stderr
-    assert "Traceback" not in out.stderr
