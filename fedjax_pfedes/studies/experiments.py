@@ -130,9 +130,8 @@ def same_config(old: Any, new: Any, default: Any) -> bool:
 
 
 # Fields that change what a run reports or keeps, or how fast it runs, never its numbers:
-# ignored when a finished run is matched for reuse. (`loop_threads` gives bit-identical
-# numbers: tests/execution/test_execution.py. `scan_held_uploads`, retired, only decided
-# whether a 'scan' round could stop with an error: archived runs carry it.)
+# ignored when a finished run is matched for reuse (`loop_threads`: bit-identical numbers;
+# `scan_held_uploads`, retired, decided only whether a round could stop: archives carry it).
 RESULT_NEUTRAL = (("train", "allow_divergence"), ("train", "allow_untrained"),
                   ("monitor", "tensorboard"),
                   ("checkpoint", "every"), ("checkpoint", "max_to_keep"),
