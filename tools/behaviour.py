@@ -4,12 +4,16 @@
   python -m tools.behaviour record --out=/tmp/after     # on the new code
   python -m tools.behaviour compare /tmp/before /tmp/after
   python -m tools.behaviour record --out=/tmp/some --only=quickstart,method_fml
+  python -m tools.behaviour record --out=/tmp/loop --flags=--config.execution.strategy=loop
 
 `record` runs, through the command line (`python -m launch.main`, so it does not depend on the
 package's module layout), the quick start, the private and the unreliable quick starts and 3
 rounds of every registered method, and keeps each run's metrics.jsonl. `compare` reports, per run
 and metric, the largest relative difference between the two records; wall-clock fields are
 ignored. Exit status 1 when a run is missing or a metric differs by more than `--rtol`.
+`--flags` adds `launch.main` flags to every run: under the default `execution.strategy='auto'`
+two records may differ because a timed decision went another way (float reassociation,
+amplified over rounds), so a refactor of one strategy is checked with it forced.
 """
 
 from __future__ import annotations
@@ -45,14 +49,14 @@ def runs() -> dict[str, list[str]]:
     return table
 
 
-def record(out: str, only: list[str] | None = None) -> None:
+def record(out: str, only: list[str] | None = None, extra: list[str] | None = None) -> None:
     os.makedirs(out, exist_ok=True)
     for name, flags in runs().items():
         if only and name not in only:
             continue
         with tempfile.TemporaryDirectory() as work:
-            cmd = [sys.executable, "-m", "launch.main", *flags, f"--workdir={work}",
-                   "--noprogress"]
+            cmd = [sys.executable, "-m", "launch.main", *flags, *(extra or []),
+                   f"--workdir={work}", "--noprogress"]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 print(f"{name}: exit {done.returncode}: {done.stderr.strip()[-300:]}")
@@ -119,6 +123,8 @@ def main() -> None:
     rec = sub.add_parser("record")
     rec.add_argument("--out", required=True)
     rec.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    rec.add_argument("--flags", default="", help="space-separated launch.main flags added to "
+                     "every run, e.g. --config.execution.strategy=scan")
     cmp_ = sub.add_parser("compare")
     cmp_.add_argument("before")
     cmp_.add_argument("after")
@@ -127,7 +133,7 @@ def main() -> None:
                       help="compare only the runs both records hold")
     args = parser.parse_args()
     if args.command == "record":
-        record(args.out, [n for n in args.only.split(",") if n])
+        record(args.out, [n for n in args.only.split(",") if n], args.flags.split())
     else:
         sys.exit(compare(args.before, args.after, args.rtol, args.partial))
 
