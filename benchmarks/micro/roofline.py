@@ -44,6 +44,7 @@ from absl import app, flags
 from benchmarks.micro import cohort_inputs
 from benchmarks.works import fedavg_config, pfedes_config, write_cifar_shaped
 from fedjax_pfedes.engine.build import build_federated_data
+from fedjax_pfedes.execution import kernels
 
 _KERNELS = flags.DEFINE_list("cpu_kernels", ["xla", "eigen"], "config.execution.cpu_kernels "
                              "choices our update is timed with.")
@@ -79,21 +80,22 @@ def matmul_gflops(repeats: int) -> dict[str, float]:
     return out
 
 
-def compiled_updates(config, kernels: str = "xla"):
+def compiled_updates(config, cpu_kernels: str = "xla"):
     """(arch, compiled client update, its arguments) for the first client of each architecture
-    of `config`'s run, compiled with `kernels` (`config.execution.cpu_kernels` choices)."""
-    options = kernels.kernel_options(kernels) or None
+    of `config`'s run, compiled with `cpu_kernels` (`config.execution.cpu_kernels` choices)."""
+    options = kernels.kernel_options(cpu_kernels) or None
     for arch, program, args in cohort_inputs.first_clients(config)[1]:
         yield arch, jax.jit(program.client_update, compiler_options=options).lower(
             *args).compile(), args
 
 
-def our_steps(config, kernels: str, repeats: int) -> dict[str, tuple[float, float, float]]:
+def our_steps(config, cpu_kernels: str,
+              repeats: int) -> dict[str, tuple[float, float, float]]:
     """{arch: (XLA-counted FLOPs of one local step, seconds per step, steps of the update)} of
     our client update for the work's first client of each architecture, compiled with
-    `kernels`."""
+    `cpu_kernels`."""
     out = {}
-    for arch, compiled, args in compiled_updates(config, kernels):
+    for arch, compiled, args in compiled_updates(config, cpu_kernels):
         steps = float(compiled(*args)[2]["local_steps"])  # the update's own count
         seconds = _best_s(lambda c=compiled, a=args: jax.block_until_ready(c(*a)), repeats)
         flops = compiled.cost_analysis()["flops"]  # the loop body counts once: one step
@@ -198,10 +200,10 @@ def main(argv):
             ours = {k: our_steps(config, k, repeats) for k in _KERNELS.value}
             for arch in archs:
                 torch_count = f"{theirs[arch][0] / 1e9:.3f}" if theirs else ""
-                for kernels, result in ours.items():
+                for cpu_kernels, result in ours.items():
                     flops, seconds, _ = result[arch]
                     rate = flops / seconds / 1e9
-                    print(f"| {work} | {arch} | ours, {kernels} kernels | {flops / 1e9:.3f} | "
+                    print(f"| {work} | {arch} | ours, {cpu_kernels} kernels | {flops / 1e9:.3f} | "
                           f"{torch_count} | {seconds * 1e3:.1f} | {rate:.1f} | "
                           f"{rate / best_peak:.0%} |")
                 if theirs:

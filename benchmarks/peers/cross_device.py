@@ -111,8 +111,9 @@ def work_config(strategy: str, clients: int, participants: int, rounds: int,
 
 
 def engine_round_s(data, strategy: str, participants: int, rounds: int,
-                   private: bool = False, simulation: str = "sum") -> tuple[float, float]:
-    """(median s/round of rounds 3.., mean local steps per participant)."""
+                   private: bool = False, simulation: str = "sum") -> tuple[float, float, str]:
+    """(median s/round of rounds 3.., mean local steps per participant, the runner the cohort
+    ran: `strategy` or, for 'auto', what it chose)."""
     from fedjax_pfedes.engine import rounds as engine_rounds
     from fedjax_pfedes.engine.build import build_context
     ctx, state = build_context(work_config(strategy, data.num_clients, participants, rounds,
@@ -123,7 +124,8 @@ def engine_round_s(data, strategy: str, participants: int, rounds: int,
         state, record, _, _ = engine_rounds.sync_round(ctx, state, r)
         jax.block_until_ready(state.server)
         times.append(time.perf_counter() - t)
-    return float(np.median(times[2:])), float(record["local_steps_mean"])
+    return (float(np.median(times[2:])), float(record["local_steps_mean"]),
+            "+".join(c.runner.name for c in ctx.cohorts))
 
 
 def engine_profile(data, strategy: str, participants: int, rounds: int, private: bool,
@@ -341,11 +343,12 @@ def main(argv):
             print(f"  Flower (simulation engine, Ray, {os.cpu_count()} workers): "
                   f"{flower:.4f} s/round", flush=True)
         for strategy in _STRATEGIES.value:
-            round_s, steps = engine_round_s(data, strategy, m, rounds)
+            round_s, steps, ran = engine_round_s(data, strategy, m, rounds)
+            label = strategy if ran == strategy else f"{strategy} ({ran})"
             versus = ("— | —" if peer is None else f"{peer:.4f} | {peer / round_s:.2f}")
             plain = ("— | —" if reference is None
                      else f"{reference:.4f} | {round_s / reference:.2f}")
-            print(f"| {m:,} | {n:,} | {strategy} | {round_s:.4f} | {m * steps / round_s:,.0f} | "
+            print(f"| {m:,} | {n:,} | {label} | {round_s:.4f} | {m * steps / round_s:,.0f} | "
                   f"{plain} | {versus} | {device_memory()} |", flush=True)
             if pfl is not None:
                 print(f"  pfl-research / engine: {pfl / round_s:.2f}", flush=True)
@@ -353,20 +356,20 @@ def main(argv):
                 print(f"  Flower / engine: {flower / round_s:.2f}", flush=True)
             if _PRIVATE.value:
                 for simulation in _SIMULATIONS.value:
-                    private_s, _ = engine_round_s(data, strategy, m, rounds, private=True,
-                                                  simulation=simulation)
-                    print(f"  with client-level DP + secure aggregation ('{simulation}'): "
-                          f"{private_s:.4f} s/round, {private_s / round_s:.2f}x the plain "
+                    private_s, _, ran = engine_round_s(data, strategy, m, rounds,
+                                                       private=True, simulation=simulation)
+                    print(f"  with client-level DP + secure aggregation ('{simulation}', "
+                          f"{ran}): {private_s:.4f} s/round, {private_s / round_s:.2f}x the plain "
                           "round", flush=True)
-                central_s, _ = engine_round_s(data, strategy, m, rounds, private=True,
-                                              simulation="")
-                print(f"  with client-level DP, no secure aggregation: {central_s:.4f} s/round, "
-                      f"{central_s / round_s:.2f}x the plain round", flush=True)
+                central_s, _, ran = engine_round_s(data, strategy, m, rounds, private=True,
+                                                   simulation="")
+                print(f"  with client-level DP, no secure aggregation ({ran}): {central_s:.4f} "
+                      f"s/round, {central_s / round_s:.2f}x the plain round", flush=True)
                 if _PROTOCOL.value:
-                    full_s, _ = engine_round_s(data, strategy, m, rounds, private=True,
-                                               simulation="protocol")
-                    print(f"  the same, every party's cryptography run: {full_s:.4f} s/round, "
-                          f"{full_s / round_s:.2f}x the plain round", flush=True)
+                    full_s, _, ran = engine_round_s(data, strategy, m, rounds, private=True,
+                                                    simulation="protocol")
+                    print(f"  the same, every party's cryptography run ({ran}): {full_s:.4f} "
+                          f"s/round, {full_s / round_s:.2f}x the plain round", flush=True)
             if _PROFILE.value:
                 engine_profile(data, strategy, m, rounds, _PRIVATE.value)
             if _BREAKDOWN.value:
