@@ -18,8 +18,8 @@ def balanced_groups(slots: np.ndarray, weights: np.ndarray, groups: int,
                     capacity: int | None = None) -> list[np.ndarray]:
     """Positions of `slots` split into `groups` lists of nearly equal total weight (longest
     first onto the lightest list that holds fewer than `capacity` positions; ties in slot
-    order), each list in ascending position order. `ClientThreads`' threads take one list
-    each; the 'scan' strategy's lanes (of `capacity` slots each) too. Equal weights deal the
+    order), each list in ascending position order: the 'scan' strategy's lanes (of `capacity`
+    slots each), one call per lane on `ClientThreads`. Equal weights deal the
     positions round-robin: list t holds t, t + groups, ..."""
     lists: list[list[int]] = [[] for _ in range(groups)]
     load = np.zeros(groups)
@@ -34,8 +34,10 @@ def balanced_groups(slots: np.ndarray, weights: np.ndarray, groups: int,
 class ClientThreads:
     """Host threads that run jitted client programs at once ('loop': one call per
     participant; 'scan': one call per lane of participants): `run` calls a function for every
-    item, split over the threads by `balanced_groups`. The first call of each kind runs on the
-    calling thread alone, so the threads never compile the same program at once."""
+    item, each thread taking the next item when its last call is done, the heaviest items
+    first (a participant's time varies from call to call, so a split fixed in advance leaves a
+    thread idle at the end of a round). The first call of each kind runs on the calling thread
+    alone, so the threads never compile the same program at once."""
 
     def __init__(self, threads: int, name: str):
         self.threads = threads
@@ -54,17 +56,24 @@ class ClientThreads:
             out[int(real[0])] = jax.block_until_ready(call(int(real[0])))
             self.compiled.add(kind)
             todo, weights = real[1:], weights[1:]
-        groups = [g for g in balanced_groups(todo, weights, self.threads) if len(g)]
-        if not groups:
+        if not len(todo):
             return out
+        queue = iter(sorted(range(len(todo)), key=lambda p: (-weights[p], p)))
+        taking = threading.Lock()
 
-        def work(group: np.ndarray) -> dict[int, PyTree]:
-            return {int(todo[p]): jax.block_until_ready(call(int(todo[p]))) for p in group}
+        def work(_) -> dict[int, PyTree]:
+            done = {}
+            while True:
+                with taking:
+                    p = next(queue, None)
+                if p is None:
+                    return done
+                done[int(todo[p])] = jax.block_until_ready(call(int(todo[p])))
 
         with self.lock:
             if self.pool is None:
                 self.pool = concurrent.futures.ThreadPoolExecutor(
                     self.threads, thread_name_prefix=self.name)
-            for done in self.pool.map(work, groups):
+            for done in self.pool.map(work, range(min(self.threads, len(todo)))):
                 out.update(done)
         return out

@@ -446,6 +446,38 @@ def test_balanced_groups_split_the_weight_evenly_and_keep_every_slot_once():
         1, 1, 0, 0]
 
 
+def test_client_threads_take_the_next_item_when_free_the_heaviest_first():
+    """Every item is called once and its output kept; the first call runs alone (it compiles);
+    the rest start heaviest first, each thread taking the next item when its call returns, so
+    one slow call does not hold back items a fixed split would have queued behind it."""
+    import threading
+    import time
+    pool = host_threads.ClientThreads(2, "test_threads")
+    started, lock = [], threading.Lock()
+    ran_on = {}
+
+    def call(j):
+        with lock:
+            started.append(j)
+            ran_on[j] = threading.current_thread().name
+        time.sleep(1.0 if j == 1 else 0.01)  # item 1 is slow
+        return np.float32(10 * j)
+
+    real = np.arange(6)
+    weights = np.array([1.0, 6.0, 5.0, 4.0, 3.0, 2.0])
+    out = pool.run("update", call, real, weights)
+    assert out == {j: np.float32(10 * j) for j in range(6)}
+    assert started[0] == 0  # the first call of a kind, alone on the calling thread
+    assert sorted(started[1:3]) == [1, 2] and started[3:] == [3, 4, 5]
+    # While item 1 sleeps, the other thread takes 3, 4 and 5 in turn (a split fixed in advance
+    # by weight, 1 + 4 + 5 against 2 + 3, would have queued 4 and 5 behind the slow call).
+    assert ran_on[0] == threading.current_thread().name
+    assert ran_on[1] not in {ran_on[j] for j in (0, 2, 3, 4, 5)}
+    assert len({ran_on[j] for j in (2, 3, 4, 5)}) == 1
+    again = pool.run("update", call, real[1:3], weights[1:3])
+    assert again == {1: np.float32(10), 2: np.float32(20)}
+
+
 def test_scan_lanes_are_dealt_by_samples_within_their_width():
     """'scan''s lanes hold `capacity` slots each: the heaviest participant first onto the
     lightest lane with room; equal sizes deal the slots round-robin (the layout lanes had

@@ -31,8 +31,8 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
     second program), written into the bucket by a small donated call: the monitoring of a
     round's participants and the evaluation of every client then share one compiled program.
 
-    With `threads` > 1 the participants are split over host threads (`balanced_groups` by
-    sample count); each thread's calls return the client's outputs, which the calling thread
+    With `threads` > 1 the participants are split over host threads (`ClientThreads`: each
+    takes the next participant, the most samples first); each thread's calls return the client's outputs, which the calling thread
     then writes into the bucket and the state rows (one small donated call each). Every client
     computes the same function of the same inputs, so the numbers are those of one thread.
     `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`)."""
@@ -40,9 +40,13 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
     # Traced once: the output shapes below and the jitted call share this trace.
     client_update = jax.jit(program.client_update)
 
+    # Indices go in as numpy scalars and the key is picked in the program: an eager `keys[j]`
+    # or `jnp.int32(...)` per participant costs more host time than the call it feeds, and
+    # holds the interpreter lock the other threads need for their own calls.
     @functools.partial(jit, donate_argnums=(1, 5, 6))
-    def one_client_update(broadcast, states, train, i, key, uploads, metrics, j):
-        upload, new_row, m = client_update(broadcast, get_row(states, i), get_row(train, i), key)
+    def one_client_update(broadcast, states, train, i, keys, uploads, metrics, j):
+        upload, new_row, m = client_update(broadcast, get_row(states, i), get_row(train, i),
+                                           keys[j])
         return (set_row(uploads, j, upload), set_row(states, i, new_row),
                 set_row(metrics, j, m))
 
@@ -58,8 +62,8 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
         return zeros_in_slots((uploads, metrics), bucket)
 
     @jit
-    def one_update(broadcast, states, train, i, key):  # the threads' calls: outputs only
-        return client_update(broadcast, get_row(states, i), get_row(train, i), key)
+    def one_update(broadcast, states, train, i, keys, j):  # the threads' calls: outputs only
+        return client_update(broadcast, get_row(states, i), get_row(train, i), keys[j])
 
     @jit
     def one_evaluate(broadcast, states, test, i):
@@ -67,7 +71,7 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
 
     def evaluate_buffer(broadcast, states, test, bucket):
         if "evaluate" not in shapes:  # the same trace as one_evaluate's first call
-            shapes["evaluate"] = one_evaluate.eval_shape(broadcast, states, test, jnp.int32(0))
+            shapes["evaluate"] = one_evaluate.eval_shape(broadcast, states, test, np.int32(0))
         return zeros_in_slots(shapes["evaluate"], bucket)
 
     @jit
@@ -84,27 +88,25 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
 
     def update(broadcast, states, train, slots, keys):
         refuse_reducer(broadcast, "loop")
-        slots = np.asarray(slots)
-        real = np.flatnonzero(slots < train.sizes.shape[0])
+        slots = np.asarray(slots, np.int32)
+        real = np.flatnonzero(slots < train.sizes.shape[0]).astype(np.int32)
         uploads, metrics = update_buffers(broadcast, states, train, keys, len(slots))
         if pool is not None and len(real):
             sizes = np.asarray(train.sizes)[slots[real]].astype(np.float64)
             outputs = pool.run("update", lambda j: one_update(
-                broadcast, states, train, jnp.int32(slots[j]), keys[j]), real, sizes)
+                broadcast, states, train, slots[j], keys, np.int32(j)), real, sizes)
             for j in real:
-                uploads, states, metrics = put_update(uploads, states, metrics,
-                                                      jnp.int32(slots[j]), jnp.int32(j),
+                uploads, states, metrics = put_update(uploads, states, metrics, slots[j], j,
                                                       outputs[int(j)])
             return uploads, states, metrics
         for j in real:
             uploads, states, metrics = one_client_update(
-                broadcast, states, train, jnp.int32(slots[j]), keys[j], uploads, metrics,
-                jnp.int32(j))
+                broadcast, states, train, slots[j], keys, uploads, metrics, j)
         return uploads, states, metrics
 
     def evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None):
-        slots = np.asarray(slots)
-        real = np.flatnonzero(slots < test.sizes.shape[0])
+        slots = np.asarray(slots, np.int32)
+        real = np.flatnonzero(slots < test.sizes.shape[0]).astype(np.int32)
         out = evaluate_buffer(broadcast, states, test, len(slots))
         accuracy = None if global_x is None else zeros_in_slots(
             jax.ShapeDtypeStruct((), jnp.float32), len(slots))
@@ -116,15 +118,15 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
             lambda kind, call, weights: {int(j): call(int(j)) for j in real})
         sizes = np.asarray(test.sizes)[slots[real]].astype(np.float64)
         outputs = run("evaluate", lambda j: one_evaluate(broadcast, states, test,
-                                                         jnp.int32(slots[j])), sizes)
+                                                         slots[j]), sizes)
         for j in real:
-            out = put_evaluate(out, jnp.int32(j), outputs[int(j)])
+            out = put_evaluate(out, j, outputs[int(j)])
         if accuracy is None:
             return out
         scores = run(f"global{global_x.shape}", lambda j: one_global(  # equal work per client
-            broadcast, states, jnp.int32(slots[j]), global_x, global_y), np.ones(len(real)))
+            broadcast, states, slots[j], global_x, global_y), np.ones(len(real)))
         for j in real:
-            accuracy = put_evaluate(accuracy, jnp.int32(j), scores[int(j)])
+            accuracy = put_evaluate(accuracy, j, scores[int(j)])
         return {**out, "global_accuracy": accuracy}
 
     def evaluate(broadcast, states, test, global_x=None, global_y=None):
