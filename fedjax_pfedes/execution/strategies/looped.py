@@ -34,8 +34,8 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
     With `threads` > 1 the participants are split over host threads (`ClientThreads`: each
     takes the next participant, the most samples first); each thread's calls return the
     client's outputs, which the calling thread then writes into the bucket and the state rows
-    (one small donated call each). Every client
-    computes the same function of the same inputs, so the numbers are those of one thread.
+    (one small donated call each). Every client computes the same function of the same inputs,
+    so the numbers are those of one thread.
     `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`)."""
 
     # Traced once: the output shapes below and the jitted call share this trace.
