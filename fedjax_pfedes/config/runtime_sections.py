@@ -132,8 +132,8 @@ class ExecutionSection(Section):
     cpu_kernels: str = param(
         "auto", "kernels of the clients' programs on a CPU backend: 'auto' (chosen per cohort "
         "with the strategy; 'xla' across processes) | 'xla' (XLA:CPU's choice: YNNPACK) | "
-        "'eigen' (XLA's Eigen kernels: faster for CNNs on an AVX2 CPU); equal up to float "
-        "reassociation")
+        "'eigen' (convolutions on XLA's Eigen kernels, YNNPACK for the rest: 'auto' prefers it "
+        "on an AVX2 CPU without AVX-512); equal up to float reassociation")
     client_states: str = param(
         "device", "where the clients' private states and data live: 'device' (stacked on the "
         "accelerator) | 'offload' (host memory, gathered per round for the participants: "

@@ -189,7 +189,9 @@ class Trial:
             max_steps=float(np.max(self.planned_steps)), host_threads=self.host_threads,
             mesh_size=self.mesh_size, finish_bytes=finish_bytes)
         candidates = {name: (r.strategy, r.kernels) for name, r in self.runners.items()}
-        return cost_model.rank(step, cohort, rates, candidates)
+        here = machine()
+        return cost_model.rank(step, cohort, rates, candidates, cost_model.preferred_kernels(
+            here["platform"], here["cpu_features"]))
 
     def inputs(self):
         """(one-step train arrays, slots, keys) of the measurement: every client keeps one full

@@ -27,21 +27,25 @@ s̄ and ŝ, a bucket of B slots, T loop threads and f, F the finishing's seconds
 a time and vectorized:
 
   loop  P (per-participant + f + s̄ step(1) / parallel(T))   T participants at once
-  scan  call + P (f + s̄ step(1))                            one call, participants in turn
+  scan  call + L/parallel(L) (⌈P/L⌉ (f + s̄ step(1)) + (1 - 1/L)(ŝ - s̄) step(1))
+                                                           L = min(T, B) lanes, one call each
   vmap  call + B F + ŝ step(B)                              one call, every slot to the end
   shard vmap over the devices' shares of the bucket
 
 where step(n) = ops · launch + n (matmul flops / matmul rate + conv flops / conv rate + bytes /
-bandwidth), the rates being the one-client ones for n = 1 and the vectorized ones otherwise.
+bandwidth), the rates being the one-client ones for n = 1 and the vectorized ones otherwise,
+and parallel(n) = 1 + (n - 1) · thread gain: n host threads run n participants (or lanes) in the
+time one runs parallel(n) of them.
 'vmap' (and 'shard') keep every slot's arrays live at once: where the bucket's bytes of a step
 (n x bytes) or of its finishing (B x finishing bytes) exceed the last-level cache, the share
 beyond it moves at the machine's memory bandwidth instead of the cache's (`memory_slowdown`;
 the reference rates are measured in cache). One client's step streams through its own
 activations, which the references' rates already include.
-'scan' is priced as one scan, although on T > 1 host threads it runs T lanes of participants at
-once (`strategies.scanned`): the price is an upper bound, which keeps every decision the model
-makes alone as it was; where 'scan' is timed against another strategy (work B), the timing runs
-the lanes.
+'scan' on T > 1 host threads splits the participants into lanes of equal counts, dealt by their
+samples (`strategies.scanned`): the longest lane runs ⌈P/L⌉ participants, and unequal clients
+leave it up to (1 - 1/L) of the longest one's steps above the mean (a bound for a greedy deal).
+A cohort whose states would take more than the evaluation budget per lane runs one lane; the
+model does not see that budget and prices lanes (an optimistic price, for 10,000s of clients).
 `rank` returns the candidates' predicted round times; `contenders` the best and the best of
 another strategy when it is within `MARGIN` and the difference is worth a compilation. The
 model never changes numbers: every candidate computes the same ones up to float
@@ -60,9 +64,13 @@ import numpy as np
 from fedjax_pfedes.execution.kernels import CPU_KERNELS
 
 DEFAULT_KERNELS = CPU_KERNELS[0]  # 'xla': XLA:CPU's own kernels
-# How much faster another kernel set must be predicted to be chosen: the kernel rates come from
-# small reference programs, noisy on a small machine, and did not show XLA's lead on real
-# convolutional programs (docs/performance.md, "Defaults that decide").
+# The kernel set preferred on an x86 CPU without AVX-512: on the AVX2-only CPUs measured, XLA's
+# Eigen convolutions ran every convolutional client program faster than YNNPACK's, on the
+# AVX-512 one as fast or slower (docs/performance.md, "CPU kernels and strategies").
+AVX2_KERNELS = CPU_KERNELS[1]  # 'eigen'
+# How much faster another kernel set than the preferred one must be predicted to be chosen:
+# the kernel rates come from small reference programs, noisy on a small machine
+# (docs/performance.md, "Defaults that decide").
 KERNEL_MARGIN = 1.25
 # How far the model is trusted: another strategy predicted within this factor of the best one
 # is timed against it, when the best one compiles within `TIMING_COMPILE_BUDGET_S`.
@@ -310,7 +318,13 @@ def predict(work: StepWork, cohort: Cohort, machine: MachineRates, strategy: str
         return p * (machine.loop_participant_s + finish_one +
                     cohort.mean_steps * step_seconds(work, rates, 1) / parallel)
     if strategy == "scan":
-        return c + p * (finish_one + cohort.mean_steps * step_seconds(work, rates, 1))
+        one = step_seconds(work, rates, 1)
+        lanes = max(1, min(cohort.host_threads, cohort.bucket))
+        if lanes == 1:
+            return c + p * (finish_one + cohort.mean_steps * one)
+        longest = (math.ceil(p / lanes) * (finish_one + cohort.mean_steps * one) +
+                   (1 - 1 / lanes) * max(cohort.max_steps - cohort.mean_steps, 0.0) * one)
+        return c + longest * lanes / (1.0 + (lanes - 1) * machine.thread_gain)
     if strategy in ("vmap", "shard"):
         share = cohort.bucket if strategy == "vmap" else math.ceil(
             cohort.bucket / max(cohort.mesh_size, 1))
@@ -322,8 +336,26 @@ def predict(work: StepWork, cohort: Cohort, machine: MachineRates, strategy: str
     return math.inf
 
 
+def preferred_kernels(platform: str, cpu_features: list[str] | tuple[str, ...]) -> str:
+    """The kernel set another must be predicted `KERNEL_MARGIN` faster than to be chosen:
+    `AVX2_KERNELS` on a CPU with AVX2 and without AVX-512, else `DEFAULT_KERNELS`.
+
+    Args:
+      platform: the backend's platform ('cpu', 'gpu', 'tpu').
+      cpu_features: the CPU's instruction-set features (`choice.machine()`'s).
+
+    Returns:
+      A name of `CPU_KERNELS`.
+    """
+    features = set(cpu_features)
+    if platform == "cpu" and "avx2" in features and "avx512f" not in features:
+        return AVX2_KERNELS
+    return DEFAULT_KERNELS
+
+
 def rank(work: StepWork, cohort: Cohort, machine: MachineRates,
-         candidates: dict[str, tuple[str, str]]) -> dict[str, float]:
+         candidates: dict[str, tuple[str, str]], preferred: str = DEFAULT_KERNELS
+         ) -> dict[str, float]:
     """Predicted round seconds of each candidate, cheapest first.
 
     Args:
@@ -331,14 +363,16 @@ def rank(work: StepWork, cohort: Cohort, machine: MachineRates,
       cohort: participants, bucket, steps, threads, devices (`Cohort`).
       machine: the machine's rates.
       candidates: runner name -> (strategy, kernels).
+      preferred: the kernel set a candidate of another must be predicted `KERNEL_MARGIN`
+        faster than to rank first (`preferred_kernels`).
 
     Returns:
       runner name -> predicted seconds, cheapest first, where a kernel set other than
-      `DEFAULT_KERNELS` must be predicted `KERNEL_MARGIN` faster to rank first (the kernel
-      rates come from small reference programs).
+      `preferred` must be predicted `KERNEL_MARGIN` faster to rank first (the kernel rates
+      come from small reference programs).
     """
     priced = {name: predict(work, cohort, machine, s, k) for name, (s, k) in candidates.items()}
-    handicap = {name: 1.0 if k == DEFAULT_KERNELS else KERNEL_MARGIN
+    handicap = {name: 1.0 if k == preferred else KERNEL_MARGIN
                 for name, (_, k) in candidates.items()}
     return dict(sorted(priced.items(), key=lambda item: item[1] * handicap[item[0]]))
 

@@ -38,7 +38,7 @@ from fedjax_pfedes.models.layers import conv
 RATES_FILE = "machine_rates.json"
 # Part of the cached rates' key: raised whenever what is measured or how changes, so that rates
 # measured the old way are measured again.
-RATES_VERSION = 3
+RATES_VERSION = 4
 # The last-level cache assumed where the system does not say (a CPU's `memory_rate` reference is
 # sized from it).
 _CACHE_FALLBACK_BYTES = 32 * 2**20

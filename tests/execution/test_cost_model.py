@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from fl_helpers import ROOT
 
-from fedjax_pfedes.execution import choice, cost_model, machine_rates
+from fedjax_pfedes.execution import choice, cost_model, kernels, machine_rates
 
 
 def test_work_counts_matmuls_and_convolutions_by_hand():
@@ -72,7 +72,12 @@ def test_round_prices_follow_the_written_formulas():
     price = lambda s: cost_model.predict(work, cohort, rates, s, "xla")  # noqa: E731
     finish_one, finish_many = 2e6 / 1e10, 2e6 / 4e9  # the upload's finishing, per client
     assert price("loop") == pytest.approx(10 * (5e-4 + finish_one + 5 * one / 1.5))
-    assert price("scan") == pytest.approx(2e-4 + 10 * (finish_one + 5 * one))
+    # two lanes of 5 participants, the longest up to half of (8 - 5) steps above the mean
+    assert price("scan") == pytest.approx(
+        2e-4 + (5 * (finish_one + 5 * one) + 0.5 * 3 * one) * 2 / 1.5)
+    one_lane = dataclasses.replace(cohort, host_threads=1)
+    assert cost_model.predict(work, one_lane, rates, "scan", "xla") == pytest.approx(
+        2e-4 + 10 * (finish_one + 5 * one))
     assert price("vmap") == pytest.approx(2e-4 + 12 * finish_many + 8 * many)
     four = cost_model.Cohort(10, 12, 5, 8, mesh_size=4)
     assert cost_model.predict(work, four, rates, "shard", "xla") == pytest.approx(
@@ -147,7 +152,9 @@ def test_the_model_separates_per_client_dispatch_from_batched_convolutions():
                                                "vmap": ("vmap", "xla")})
     assert list(ranked) == ["loop", "scan", "vmap"]
     same = {"loop": "loop", "scan": "scan", "vmap": "vmap"}
-    assert cost_model.contenders(ranked, same, margin=1.25) == ["loop"]  # scan: 1.4x
+    # 5 participants on 2 lanes: the longest runs 3, plus the unequal steps
+    assert ranked["scan"] / ranked["loop"] == pytest.approx(1.24, abs=0.01)
+    assert cost_model.contenders(ranked, same, margin=1.2) == ["loop"]
     assert cost_model.contenders(ranked, same, margin=2.0) == ["loop", "scan"]
 
 
@@ -180,6 +187,24 @@ def test_another_kernel_set_must_be_predicted_clearly_faster_to_rank_first():
     assert slightly["loop/eigen"] < slightly["loop"]  # the prices themselves are as predicted
     clearly = cost_model.rank(work, cohort, _rates(conv_one=7.5e9), candidates)
     assert list(clearly) == ["loop/eigen", "loop"]
+    # Where Eigen's convolutions are preferred (an AVX2-only CPU), XLA's must be clearly faster.
+    eigen_first = cost_model.rank(work, cohort, _rates(conv_one=4.5e9), candidates, "eigen")
+    assert list(eigen_first) == ["loop/eigen", "loop"]  # XLA 11 % faster: not enough
+    assert eigen_first["loop"] < eigen_first["loop/eigen"]
+    xla_clearly = cost_model.rank(work, cohort, _rates(conv_one=3.5e9), candidates, "eigen")
+    assert list(xla_clearly) == ["loop", "loop/eigen"]
+
+
+def test_the_preferred_kernel_set_follows_the_cpus_instruction_set():
+    """Eigen's convolutions on an x86 CPU with AVX2 and without AVX-512; XLA's own kernels on
+    an AVX-512 CPU, an ARM CPU, an accelerator."""
+    avx2 = ["avx", "avx2", "fma"]
+    assert cost_model.preferred_kernels("cpu", avx2) == "eigen"
+    assert cost_model.preferred_kernels("cpu", avx2 + ["avx512f", "avx512bw"]) == "xla"
+    assert cost_model.preferred_kernels("cpu", ["asimd"]) == "xla"
+    assert cost_model.preferred_kernels("cpu", ["avx"]) == "xla"
+    assert cost_model.preferred_kernels("gpu", avx2) == "xla"
+    assert cost_model.preferred_kernels("cpu", avx2) in kernels.CPU_KERNELS
 
 
 def _fake_runner(name, seconds, kernels="xla"):

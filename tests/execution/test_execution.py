@@ -2,6 +2,7 @@
 nothing compiles again after the first round."""
 
 import dataclasses
+import re
 import threading
 
 import chex
@@ -407,10 +408,12 @@ def test_tap_sum_under_both_kernel_sets_equals_lax():
             k, jnp.stack([x, x]))[1], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_eigen_cpu_kernels_compile_without_ynnpack_and_give_the_same_round(monkeypatch):
-    """`cpu_kernels='eigen'` compiles the client programs without YNNPACK fusions (XLA's
-    default hands the convolutions to them) and computes the same round up to float
-    reassociation; a name it does not know is refused naming the field. The convolutions are
+def test_eigen_cpu_kernels_compile_convolutions_without_ynnpack_and_give_the_same_round(
+        monkeypatch):
+    """`cpu_kernels='eigen'` compiles the client programs' convolutions without YNNPACK
+    fusions (XLA's default hands them to it), its matrix products still with them, and computes
+    the same round up to float reassociation; a name it does not know is refused naming the
+    field. The convolutions are
     the kernels' here (no tap sum: `layers.MAX_TAPS` 0); the tap sum under both kernel sets is
     `test_tap_sum_under_both_kernel_sets_equals_lax`."""
     if jax.default_backend() != "cpu":
@@ -425,7 +428,13 @@ def test_eigen_cpu_kernels_compile_without_ynnpack_and_give_the_same_round(monke
             jax.tree.map(lambda a: a[0], data), keys[0])
     texts = {name: jax.jit(program.client_update, compiler_options=opts or None).lower(
         *args).compile().as_text() for name, opts in (("xla", {}), ("eigen", options))}
-    assert "__ynn_fusion" in texts["xla"] and "__ynn_fusion" not in texts["eigen"]
+    def library_fused(text, op):  # YNNPACK fusions whose result is `op`'s
+        return [line for line in text.splitlines()
+                if "__ynn_fusion" in line and re.search(f'op_name="[^"]*/{op}"', line)]
+
+    assert library_fused(texts["xla"], "conv_general_dilated")
+    assert not library_fused(texts["eigen"], "conv_general_dilated")
+    assert library_fused(texts["eigen"], "dot_general")
     results = {k: runners.make_runner(program, "loop", cpu_kernels=k).update(
         server.proxy_params, _copy(states), data, slots, keys) for k in ("xla", "eigen")}
     chex.assert_trees_all_close(results["xla"], results["eigen"], rtol=2e-4, atol=2e-5)
