@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -116,9 +117,10 @@ def _signature(name: str, candidates: list[str], broadcast, states, train, bucke
                str(getattr(x, "dtype", type(x).__name__)), getattr(x, "capacity", None))
               for tree in (broadcast, states, train)
               for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    # (the rates' version: a decision made from rates measured the old way is made again)
-    text = json.dumps([machine(), machine_rates.RATES_VERSION, name, candidates, bucket, epochs,
-                       shapes, sent or []], sort_keys=True)
+    # (the rates' and the model's versions: a decision made from rates measured, or by a
+    # model pricing, the old way is made again)
+    text = json.dumps([machine(), machine_rates.RATES_VERSION, cost_model.MODEL_VERSION, name,
+                       candidates, bucket, epochs, shapes, sent or []], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -187,7 +189,9 @@ class Trial:
             participants=float(self.expected_participants), bucket=self.bucket,
             mean_steps=float(np.mean(self.planned_steps)),
             max_steps=float(np.max(self.planned_steps)), host_threads=self.host_threads,
-            mesh_size=self.mesh_size, finish_bytes=finish_bytes)
+            mesh_size=self.mesh_size, finish_bytes=finish_bytes,
+            state_bytes=float(sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize
+                                  for r in jax.tree.leaves(slot_rows.row_shapes(self.states)))))
         candidates = {name: (r.strategy, r.kernels) for name, r in self.runners.items()}
         here = machine()
         return cost_model.rank(step, cohort, rates, candidates, cost_model.preferred_kernels(

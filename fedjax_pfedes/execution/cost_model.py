@@ -44,6 +44,8 @@ activations, which the references' rates already include.
 'scan' on T > 1 host threads splits the participants into lanes of equal counts, dealt by their
 samples (`strategies.scanned`): the longest lane runs ⌈P/L⌉ participants, and unequal clients
 leave it up to (1 - 1/L) of the longest one's steps above the mean (a bound for a greedy deal).
+Its participants' new state rows also move `LANE_ROW_PASSES` more times than under 'loop',
+which updates them in place: P x that x a state row's bytes at the memory's rate are added.
 A cohort whose states would take more than the evaluation budget per lane runs one lane; the
 model does not see that budget and prices lanes (an optimistic price, for 10,000s of clients).
 `rank` returns the candidates' predicted round times; `contenders` the best and the best of
@@ -84,6 +86,13 @@ TIMING_COMPILE_BUDGET_S = 3.2
 # A predicted difference below this share of the whole round (all cohorts) is not worth the
 # compilation a timing costs.
 NEGLIGIBLE_SHARE = 0.05
+# Part of a cached decision's key (`choice`): raised whenever the prices change, so that a
+# decision the former model made is made again.
+MODEL_VERSION = 2
+# Passes over a participant's state row that 'scan''s lanes make beyond 'loop''s in-place
+# update: a lane writes its new rows stacked, the round concatenates them (a read and a write)
+# and scatters them back (a read).
+LANE_ROW_PASSES = 4
 # Operations that only move or relabel data (no arithmetic worth a launch of its own after XLA's
 # fusion), and the structural ones whose inner jaxprs are walked instead.
 _FREE = frozenset({"pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
@@ -259,6 +268,7 @@ class Cohort:
       mesh_size: devices of the 'shard' mesh.
       finish_bytes: bytes the finishing of one participant's upload writes (`work_of` of
         `protocol.Finishing.fn`; 0 without one).
+      state_bytes: bytes of one client's private state row.
     """
 
     participants: float
@@ -268,6 +278,7 @@ class Cohort:
     host_threads: int = 1
     mesh_size: int = 1
     finish_bytes: float = 0.0
+    state_bytes: float = 0.0
 
 
 def memory_slowdown(working_set: float, machine: MachineRates) -> float:
@@ -290,6 +301,13 @@ def step_seconds(work: StepWork, rates: KernelRates, clients: int,
                  else (rates.dot_many, rates.conv_many))
     return work.ops * rates.launch_s + clients * (
         work.dot_flops / dot + work.conv_flops / conv + slowdown * work.bytes / rates.bytes_per_s)
+
+
+def _memory_rate(machine: MachineRates) -> float:
+    """Bytes/s of traffic beyond the cache: the measured memory rate, else the in-cache one."""
+    if math.isfinite(machine.memory_bytes_per_s) and machine.memory_bytes_per_s > 0:
+        return machine.memory_bytes_per_s
+    return next(iter(machine.kernels.values())).bytes_per_s
 
 
 def predict(work: StepWork, cohort: Cohort, machine: MachineRates, strategy: str,
@@ -324,7 +342,9 @@ def predict(work: StepWork, cohort: Cohort, machine: MachineRates, strategy: str
             return c + p * (finish_one + cohort.mean_steps * one)
         longest = (math.ceil(p / lanes) * (finish_one + cohort.mean_steps * one) +
                    (1 - 1 / lanes) * max(cohort.max_steps - cohort.mean_steps, 0.0) * one)
-        return c + longest * lanes / (1.0 + (lanes - 1) * machine.thread_gain)
+        # the lanes' new state rows: stacked, concatenated, scattered back (`LANE_ROW_PASSES`)
+        rows = LANE_ROW_PASSES * p * cohort.state_bytes / _memory_rate(machine)
+        return c + longest * lanes / (1.0 + (lanes - 1) * machine.thread_gain) + rows
     if strategy in ("vmap", "shard"):
         share = cohort.bucket if strategy == "vmap" else math.ceil(
             cohort.bucket / max(cohort.mesh_size, 1))

@@ -75,6 +75,12 @@ def test_round_prices_follow_the_written_formulas():
     # two lanes of 5 participants, the longest up to half of (8 - 5) steps above the mean
     assert price("scan") == pytest.approx(
         2e-4 + (5 * (finish_one + 5 * one) + 0.5 * 3 * one) * 2 / 1.5)
+    # clients with private states: their rows' extra passes at the memory's rate
+    stateful = dataclasses.replace(cohort, state_bytes=3e6)
+    assert cost_model.predict(work, stateful, rates, "scan", "xla") == pytest.approx(
+        price("scan") + cost_model.LANE_ROW_PASSES * 10 * 3e6 / rates.kernels["xla"].bytes_per_s)
+    assert cost_model.predict(work, stateful, rates, "loop", "xla") == pytest.approx(
+        price("loop"))
     one_lane = dataclasses.replace(cohort, host_threads=1)
     assert cost_model.predict(work, one_lane, rates, "scan", "xla") == pytest.approx(
         2e-4 + 10 * (finish_one + 5 * one))
