@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -190,8 +189,7 @@ class Trial:
             mean_steps=float(np.mean(self.planned_steps)),
             max_steps=float(np.max(self.planned_steps)), host_threads=self.host_threads,
             mesh_size=self.mesh_size, finish_bytes=finish_bytes,
-            state_bytes=float(sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize
-                                  for r in jax.tree.leaves(slot_rows.row_shapes(self.states)))))
+            state_bytes=float(slot_rows.row_bytes(self.states)))
         candidates = {name: (r.strategy, r.kernels) for name, r in self.runners.items()}
         here = machine()
         return cost_model.rank(step, cohort, rates, candidates, cost_model.preferred_kernels(

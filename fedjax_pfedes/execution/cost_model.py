@@ -286,11 +286,10 @@ def memory_slowdown(working_set: float, machine: MachineRates) -> float:
     at once: 1 within the last-level cache; beyond it, the share of the bytes beyond the cache
     moves at the memory's rate instead of the cache's (the ratio of the machine's element-wise
     rates in cache and beyond it)."""
-    if working_set <= machine.cache_bytes or machine.memory_bytes_per_s <= 0:
+    if working_set <= machine.cache_bytes:
         return 1.0
-    in_cache = next(iter(machine.kernels.values())).bytes_per_s  # shared by the kernel sets
     beyond = 1.0 - machine.cache_bytes / working_set
-    return 1.0 + beyond * max(in_cache / machine.memory_bytes_per_s - 1.0, 0.0)
+    return 1.0 + beyond * max(_in_cache_rate(machine) / _memory_rate(machine) - 1.0, 0.0)
 
 
 def step_seconds(work: StepWork, rates: KernelRates, clients: int,
@@ -303,11 +302,17 @@ def step_seconds(work: StepWork, rates: KernelRates, clients: int,
         work.dot_flops / dot + work.conv_flops / conv + slowdown * work.bytes / rates.bytes_per_s)
 
 
+def _in_cache_rate(machine: MachineRates) -> float:
+    """Bytes/s of element-wise traffic within the cache (shared by the kernel sets)."""
+    return next(iter(machine.kernels.values())).bytes_per_s
+
+
 def _memory_rate(machine: MachineRates) -> float:
-    """Bytes/s of traffic beyond the cache: the measured memory rate, else the in-cache one."""
+    """Bytes/s of traffic beyond the cache: the measured memory rate, else the in-cache one
+    (no slowdown beyond the cache where none was measured)."""
     if math.isfinite(machine.memory_bytes_per_s) and machine.memory_bytes_per_s > 0:
         return machine.memory_bytes_per_s
-    return next(iter(machine.kernels.values())).bytes_per_s
+    return _in_cache_rate(machine)
 
 
 def predict(work: StepWork, cohort: Cohort, machine: MachineRates, strategy: str,

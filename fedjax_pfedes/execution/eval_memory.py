@@ -20,6 +20,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from fedjax_pfedes.algorithms.base import GLOBAL_BATCH, CohortProgram, PyTree
+from fedjax_pfedes.execution.slot_rows import row_bytes
 
 # The budget of `runners.make_runner` when none is given (`config.execution.eval_memory_budget_gb`
 # has the same default).
@@ -82,6 +83,5 @@ def clients_per_call(program: CohortProgram, broadcast: PyTree, states: PyTree, 
     x_row = jax.ShapeDtypeStruct((1,) + tuple(test.x.shape[2:]), test.x.dtype)
     per_row = activation_bytes_per_row(program, broadcast, state_row, x_row)
     rows = test.x.shape[1] + min(global_rows, GLOBAL_BATCH)
-    state_bytes = sum(a.nbytes // max(a.shape[0], 1) for a in jax.tree.leaves(states))
-    fits = int(budget_bytes // (rows * per_row + state_bytes))
+    fits = int(budget_bytes // (rows * per_row + row_bytes(states)))
     return max(multiple, fits // multiple * multiple)

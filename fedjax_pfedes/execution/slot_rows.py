@@ -5,6 +5,7 @@ outputs, evaluating members a bucket at a time)."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -25,6 +26,20 @@ def get_row(tree: PyTree, i: jax.Array) -> PyTree:
 def row_shapes(tree: PyTree) -> PyTree:
     """The shapes of one row of `tree` (`get_row`'s), as `jax.ShapeDtypeStruct`s."""
     return jax.eval_shape(lambda t: get_row(t, 0), tree)
+
+
+def row_bytes(tree: PyTree) -> int:
+    """Bytes of one row of stacked `tree` (one client's state): what the cost model prices and
+    the lanes and evaluation chunks budget per client.
+
+    Args:
+      tree: stacked arrays (or `jax.ShapeDtypeStruct`s), rows along axis 0.
+
+    Returns:
+      Bytes of one row, dense.
+    """
+    return sum(math.prod(a.shape[1:]) * np.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(tree))
 
 
 @functools.cache

@@ -533,6 +533,19 @@ def test_zero_buffers_of_a_tree_compile_one_program_and_are_independent():
     assert len(compiles) == before  # cached: the same tree of shapes compiles nothing more
 
 
+def test_row_bytes_count_one_clients_row_by_hand():
+    """One client's row of a stacked state, counted by hand: what the cost model prices, the
+    lanes budget and the evaluation chunks size (the same for arrays and shapes, and for a
+    cohort with no member yet)."""
+    stacked = {"w": np.zeros((7, 3, 4), np.float32), "n": np.zeros((7,), np.int8),
+               "m": np.zeros((7, 2), np.float64)}
+    hand = 3 * 4 * 4 + 1 + 2 * 8
+    assert slot_rows.row_bytes(stacked) == hand
+    assert slot_rows.row_bytes(jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stacked)) == hand
+    assert slot_rows.row_bytes({"w": np.zeros((0, 3, 4), np.float32)}) == 48
+
+
 def test_a_registered_strategy_runs_by_name_and_joins_auto():
     """A new strategy is one `register_strategy`: `make_runner` builds it by name (same numbers
     as the runner it wraps here), 'auto' times it, and a mesh strategy is left out of 'auto'

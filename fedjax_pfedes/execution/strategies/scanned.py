@@ -15,7 +15,7 @@ import numpy as np
 from fedjax_pfedes.algorithms.base import CohortProgram, PyTree, global_accuracy
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution.host_threads import ClientThreads, balanced_groups
-from fedjax_pfedes.execution.slot_rows import get_row
+from fedjax_pfedes.execution.slot_rows import get_row, row_bytes
 from fedjax_pfedes.execution.strategies.protocol import (
     UPLOAD_FACTS,
     CohortRunner,
@@ -167,8 +167,7 @@ def _scan_runner(program: CohortProgram, chunk: int = 1, jit: Callable = jax.jit
     pool = ClientThreads(threads, "scan_lane") if threads > 1 else None
 
     def lanes_for(states, bucket: int) -> int:
-        row_bytes = sum(a.nbytes // max(a.shape[0], 1) for a in jax.tree.leaves(states))
-        if pool is None or bucket < 2 or bucket * row_bytes > lane_budget_bytes:
+        if pool is None or bucket < 2 or bucket * row_bytes(states) > lane_budget_bytes:
             return 1
         return min(threads, bucket)
 
