@@ -62,7 +62,7 @@ class FedMRLSection(Section):
                          "(<= config.proxy_dim; 0 = half of it)", at_least(0))
     local_momentum: float = local_override(
         "local_momentum", 0.0, "its fused representation feeds unnormalized linear headers; "
-        "with momentum 0.9 it diverged on the quick start (docs/baselines.md)")
+        "with momentum 0.9 it diverged on the quick start (docs/baselines_history.md)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ AGGREGATIONS = ("shared", "per_cohort", "custom", "none")
 
 # Local-training fields a method's config section may set to override `config.train` (numbers:
 # -1 = inherit). E.g. `config.scaffold.local_momentum = 0.0`: SCAFFOLD's control variates assume
-# plain local SGD, and it diverges with the quick start's momentum 0.9 (docs/baselines.md);
+# plain local SGD, and it diverges with the quick start's momentum 0.9 (docs/baselines_history.md);
 # `config.pfedes_paper.batch_size = 512`: the published pFedES runs' batch.
 OPTIMIZER_OVERRIDES = ("lr_local", "local_momentum", "reset_local_optimizer", "batch_size")
 

@@ -53,7 +53,7 @@ class ScaffoldSection(FedAvgSection):
     server_lr: float = param(1.0, "global step size lr_g (1 = the averaged model)", above(0))
     local_momentum: float = local_override(
         "local_momentum", 0.0, "control variates correct plain SGD steps; with momentum 0.9 "
-        "SCAFFOLD diverged on the quick start (docs/baselines.md)")
+        "SCAFFOLD diverged on the quick start (docs/baselines_history.md)")
 
 
 @struct.dataclass

@@ -50,7 +50,7 @@ class TrainSection(Section):
         "code's: flip, random erasing, crop padded with the mean)")
     lr_local: float = param(
         0.01, "local SGD learning rate; 0.01 was the best of {0.01, 0.02, 0.05, 0.1} for pFedES "
-        "(docs/baselines.md); 0.05 diverged on a GPU (docs/performance.md)", above(0))
+        "(docs/baselines_history.md); 0.05 diverged on a GPU (docs/performance.md)", above(0))
     local_momentum: float = param(0.9, "local SGD momentum (0 = plain SGD); never aggregated",
                                   between(0, 1, "[)"))
     reset_local_optimizer: bool = param(
