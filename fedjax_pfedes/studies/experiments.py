@@ -139,6 +139,10 @@ RESULT_NEUTRAL = (("train", "allow_divergence"), ("train", "allow_untrained"),
                   ("execution", "scan_held_uploads"))
 
 
+# The plateau stop's settings: neutral in a run made without `train.stop_at_plateau`.
+PLATEAU_FIELDS = ("plateau_window", "plateau_tolerance", "plateau_min_evaluations")
+
+
 # Fields whose value 'auto' matches a finished run of any value: every execution strategy and
 # kernel set computes the same numbers up to float reassociation, and 'auto' may pick any of
 # them (`execution.choice`), so a run made with an explicit one is an 'auto' run's result too.
@@ -158,6 +162,10 @@ def _without_neutral(config: dict | None, auto_in: dict | None = None) -> dict |
     for section, field in dropped:
         if isinstance(out.get(section), dict):
             out[section].pop(field, None)
+    train = out.get("train")
+    if isinstance(train, dict) and not train.get("stop_at_plateau"):
+        for field in PLATEAU_FIELDS:  # the stop's settings, which a run without it never reads
+            train.pop(field, None)
     return out
 
 

@@ -207,6 +207,25 @@ def test_a_finished_run_is_reused_whatever_its_loop_threads_but_not_another_lr(t
     assert experiments.finished_run(config, str(tmp_path)) is None
 
 
+def test_the_stop_rules_settings_match_any_run_made_without_the_stop(tmp_path):
+    """A run made without `train.stop_at_plateau` never reads `train.plateau_*`: a config that
+    sets another minimum (configs/collaboration_mnist.py) still reuses the archived fixed-round
+    runs; with the stop on, the minimum is part of the run."""
+    import json
+
+    config = _tiny()
+    (tmp_path / "summary.json").write_text(json.dumps({"config": config.to_dict()}))
+    config.train.plateau_min_evaluations = 20
+    assert experiments.finished_run(config, str(tmp_path)) is not None
+    config.train.stop_at_plateau = True
+    assert experiments.finished_run(config, str(tmp_path)) is None
+    stopped = config.to_dict()
+    (tmp_path / "summary.json").write_text(json.dumps({"config": stopped}))
+    assert experiments.finished_run(config, str(tmp_path)) is not None
+    config.train.plateau_min_evaluations = 10
+    assert experiments.finished_run(config, str(tmp_path)) is None
+
+
 def test_a_run_archived_with_a_retired_field_is_still_reused(tmp_path):
     """`execution.scan_held_uploads` is gone from the config; the archived runs that carry it
     (docs/results) still match their command's config."""
