@@ -21,8 +21,8 @@ from fedjax_pfedes import markdown
 from fedjax_pfedes.config.defaults import TrainSection
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.plateau import plateau_reached
-from fedjax_pfedes.engine.schema import default_values
 from fedjax_pfedes.io.checkpoints import ConfigChangedError
+from fedjax_pfedes.studies.run_reuse import finished_run
 
 
 def heterogeneous_architectures(num_clients: int, ratio: float, majority: str,
@@ -110,78 +110,6 @@ def hit_max_rounds(runs: list[dict]) -> int:
 def diverged_before_plateau(runs: list[dict]) -> int:
     """How many of `runs` diverged under the plateau rule (0 without the rule)."""
     return sum(1 for r in runs if "stopped_at_round" in r and r.get("diverged"))
-
-
-def same_config(old: Any, new: Any, default: Any) -> bool:
-    """Whether a finished run's config `old` is `new`: every field equal, except a field `old`
-    lacks (added to the code after the run was made) whose value in `new` is its shipped
-    default (`default`, fedjax_pfedes/config/defaults.py): new fields default to the old
-    behaviour."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        default = default if isinstance(default, dict) else {}
-        for key, value in new.items():
-            if key not in old:
-                if key not in default or default[key] != value:
-                    return False
-            elif not same_config(old[key], value, default.get(key)):
-                return False
-        return set(old) <= set(new)
-    return old == new
-
-
-# Fields that change what a run reports or keeps, or how fast it runs, never its numbers:
-# ignored when a finished run is matched for reuse (`loop_threads`: bit-identical numbers;
-# `scan_held_uploads`, retired, decided only whether a round could stop: archives carry it).
-RESULT_NEUTRAL = (("train", "allow_divergence"), ("train", "allow_untrained"),
-                  ("monitor", "tensorboard"),
-                  ("checkpoint", "every"), ("checkpoint", "max_to_keep"),
-                  ("execution", "compilation_cache_dir"), ("execution", "loop_threads"),
-                  ("execution", "scan_held_uploads"))
-
-
-# The plateau stop's settings: neutral in a run made without `train.stop_at_plateau`.
-PLATEAU_FIELDS = ("plateau_window", "plateau_tolerance", "plateau_min_evaluations")
-
-
-# Fields whose value 'auto' matches a finished run of any value: every execution strategy and
-# kernel set computes the same numbers up to float reassociation, and 'auto' may pick any of
-# them (`execution.choice`), so a run made with an explicit one is an 'auto' run's result too.
-AUTO_MATCHES_ANY = (("execution", "strategy"), ("execution", "cpu_kernels"))
-
-
-def _without_neutral(config: dict | None, auto_in: dict | None = None) -> dict | None:
-    """`config` without the `RESULT_NEUTRAL` fields, nor the `AUTO_MATCHES_ANY` fields that
-    are 'auto' in `auto_in` (the config a finished run is matched against)."""
-    if not isinstance(config, dict):
-        return config
-    out = json.loads(json.dumps(config))
-    auto_in = auto_in if isinstance(auto_in, dict) else {}
-    dropped = RESULT_NEUTRAL + tuple(
-        (section, field) for section, field in AUTO_MATCHES_ANY
-        if isinstance(auto_in.get(section), dict) and auto_in[section].get(field) == "auto")
-    for section, field in dropped:
-        if isinstance(out.get(section), dict):
-            out[section].pop(field, None)
-    train = out.get("train")
-    if isinstance(train, dict) and not train.get("stop_at_plateau"):
-        for field in PLATEAU_FIELDS:  # the stop's settings, which a run without it never reads
-            train.pop(field, None)
-    return out
-
-
-def finished_run(config: ml_collections.ConfigDict, run_dir: str) -> dict | None:
-    """The summary of a finished run in `run_dir` made with `config` (`same_config`), else
-    None."""
-    path = os.path.join(run_dir, "summary.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        summary = json.load(f)
-    normalized = json.loads(json.dumps(config.to_dict()))
-    same = same_config(_without_neutral(summary.get("config"), normalized),
-                       _without_neutral(normalized, normalized),
-                       _without_neutral(default_values(), normalized))
-    return summary if same else None
 
 
 def unknown_fields(base: ml_collections.ConfigDict, overrides: dict[str, Any]) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 
 from configs import tabular_hetero
 from fedjax_pfedes.engine.loop import run_experiment
-from fedjax_pfedes.studies import experiments
+from fedjax_pfedes.studies import experiments, run_reuse
 
 
 def _tiny():
@@ -152,13 +152,13 @@ def test_the_unseen_seed_range_overlaps_neither_reported_nor_tuning_seeds():
 def test_a_finished_run_is_reused_across_fields_added_later_at_their_default():
     default = {"train": {"lr": 0.05, "new_flag": False}, "seed": 0}
     old = {"train": {"lr": 0.05}, "seed": 0}  # made before new_flag existed
-    assert experiments.same_config(old, {"train": {"lr": 0.05, "new_flag": False}, "seed": 0},
+    assert run_reuse.same_config(old, {"train": {"lr": 0.05, "new_flag": False}, "seed": 0},
                                    default)
-    assert not experiments.same_config(old, {"train": {"lr": 0.05, "new_flag": True},
+    assert not run_reuse.same_config(old, {"train": {"lr": 0.05, "new_flag": True},
                                              "seed": 0}, default)
-    assert not experiments.same_config(old, {"train": {"lr": 0.1, "new_flag": False},
+    assert not run_reuse.same_config(old, {"train": {"lr": 0.1, "new_flag": False},
                                              "seed": 0}, default)
-    assert not experiments.same_config({**old, "gone": 1}, {"train": {"lr": 0.05}, "seed": 0},
+    assert not run_reuse.same_config({**old, "gone": 1}, {"train": {"lr": 0.05}, "seed": 0},
                                        default)
 
 
@@ -185,9 +185,9 @@ def test_a_run_folder_of_another_config_is_moved_aside_and_run_anew(tmp_path):
         out = experiments.run_grid(config, {"a": {"train.lr_local": 0.2}}, 1, str(tmp_path),
                                    show_progress=False, reuse=True)
     assert len(out["a"]) == 1
-    assert experiments.finished_run(experiments.with_overrides(config, {"train.lr_local": 0.2}),
+    assert run_reuse.finished_run(experiments.with_overrides(config, {"train.lr_local": 0.2}),
                                     str(tmp_path / "a" / "seed0")) is not None
-    old = experiments.finished_run(experiments.with_overrides(config, {"train.lr_local": 0.1}),
+    old = run_reuse.finished_run(experiments.with_overrides(config, {"train.lr_local": 0.1}),
                                    str(tmp_path / "a" / "seed0.replaced1"))
     assert old is not None  # the old run kept, whole
 
@@ -200,11 +200,11 @@ def test_a_finished_run_is_reused_whatever_its_loop_threads_but_not_another_lr(t
     config = _tiny()
     config.execution.loop_threads = 1
     (tmp_path / "summary.json").write_text(json.dumps({"config": config.to_dict()}))
-    assert experiments.finished_run(config, str(tmp_path)) is not None
+    assert run_reuse.finished_run(config, str(tmp_path)) is not None
     config.execution.loop_threads = 0
-    assert experiments.finished_run(config, str(tmp_path)) is not None
+    assert run_reuse.finished_run(config, str(tmp_path)) is not None
     config.train.lr_local *= 2
-    assert experiments.finished_run(config, str(tmp_path)) is None
+    assert run_reuse.finished_run(config, str(tmp_path)) is None
 
 
 def test_the_stop_rules_settings_match_any_run_made_without_the_stop(tmp_path):
@@ -216,14 +216,14 @@ def test_the_stop_rules_settings_match_any_run_made_without_the_stop(tmp_path):
     config = _tiny()
     (tmp_path / "summary.json").write_text(json.dumps({"config": config.to_dict()}))
     config.train.plateau_min_evaluations = 20
-    assert experiments.finished_run(config, str(tmp_path)) is not None
+    assert run_reuse.finished_run(config, str(tmp_path)) is not None
     config.train.stop_at_plateau = True
-    assert experiments.finished_run(config, str(tmp_path)) is None
+    assert run_reuse.finished_run(config, str(tmp_path)) is None
     stopped = config.to_dict()
     (tmp_path / "summary.json").write_text(json.dumps({"config": stopped}))
-    assert experiments.finished_run(config, str(tmp_path)) is not None
+    assert run_reuse.finished_run(config, str(tmp_path)) is not None
     config.train.plateau_min_evaluations = 10
-    assert experiments.finished_run(config, str(tmp_path)) is None
+    assert run_reuse.finished_run(config, str(tmp_path)) is None
 
 
 def test_a_run_archived_with_a_retired_field_is_still_reused(tmp_path):
@@ -235,10 +235,10 @@ def test_a_run_archived_with_a_retired_field_is_still_reused(tmp_path):
     old = config.to_dict()
     old["execution"]["scan_held_uploads"] = 8
     (tmp_path / "summary.json").write_text(json.dumps({"config": old}))
-    assert experiments.finished_run(config, str(tmp_path)) is not None
+    assert run_reuse.finished_run(config, str(tmp_path)) is not None
     old["train"]["lr_local"] *= 2
     (tmp_path / "summary.json").write_text(json.dumps({"config": old}))
-    assert experiments.finished_run(config, str(tmp_path)) is None
+    assert run_reuse.finished_run(config, str(tmp_path)) is None
 
 
 def test_an_auto_execution_config_reuses_a_run_of_any_strategy_but_not_the_reverse(tmp_path):
@@ -251,14 +251,14 @@ def test_an_auto_execution_config_reuses_a_run_of_any_strategy_but_not_the_rever
     config.execution.strategy, config.execution.cpu_kernels = "loop", "xla"
     (tmp_path / "summary.json").write_text(json.dumps({"config": config.to_dict()}))
     config.execution.strategy, config.execution.cpu_kernels = "auto", "auto"
-    assert experiments.finished_run(config, str(tmp_path)) is not None
+    assert run_reuse.finished_run(config, str(tmp_path)) is not None
     config.execution.strategy = "vmap"
-    assert experiments.finished_run(config, str(tmp_path)) is None
+    assert run_reuse.finished_run(config, str(tmp_path)) is None
     config.execution.strategy, config.execution.cpu_kernels = "auto", "eigen"
-    assert experiments.finished_run(config, str(tmp_path)) is None
+    assert run_reuse.finished_run(config, str(tmp_path)) is None
     config.execution.cpu_kernels = "auto"
     config.train.lr_local *= 2
-    assert experiments.finished_run(config, str(tmp_path)) is None
+    assert run_reuse.finished_run(config, str(tmp_path)) is None
 
 
 def test_compare_variants_parse_fields_and_types():
