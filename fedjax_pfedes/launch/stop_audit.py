@@ -46,7 +46,11 @@ def _numbers(flag: flags.FlagHolder, kind: type) -> list:
 
 
 def rules_from_flags() -> list[plateau_replay.StopRule]:
-    """Every combination of the flags' values, as rules."""
+    """The rules to replay.
+
+    Returns:
+      One rule per combination of --window, --tolerance and --min_evaluations.
+    """
     windows = _numbers(_WINDOW, float)
     if any(w > 0.5 for w in windows):
         raise ConfigError("--window: at most 0.5 (two windows of the evaluations so far)")

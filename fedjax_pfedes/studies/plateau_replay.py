@@ -53,7 +53,14 @@ class Replay:
 
 
 def evaluated_curve(run_dir: str) -> tuple[list[int], list[float]]:
-    """(rounds, mean personalized accuracy) of a run's evaluated rounds, from metrics.jsonl."""
+    """A run's evaluated rounds, from its metrics.jsonl.
+
+    Args:
+      run_dir: the run's folder.
+
+    Returns:
+      (rounds, mean personalized accuracy at each).
+    """
     rounds, accuracy = [], []
     path = os.path.join(run_dir, "metrics.jsonl")
     with open(path) as f:
@@ -69,8 +76,15 @@ def evaluated_curve(run_dir: str) -> tuple[list[int], list[float]]:
 
 
 def first_stop(accuracy: list[float], rule: StopRule) -> int | None:
-    """The number of evaluations after which `rule` first holds (the callback's test after each
-    evaluation), or None."""
+    """Where `rule` first holds, tested after each evaluation as the callback does.
+
+    Args:
+      accuracy: the evaluated accuracies in round order.
+      rule: the stop's settings.
+
+    Returns:
+      The number of evaluations at the stop, or None when it never holds.
+    """
     for n in range(1, len(accuracy) + 1):
         if plateau_reached(accuracy[:n], rule.window, rule.tolerance, rule.min_evaluations):
             return n
@@ -78,8 +92,15 @@ def first_stop(accuracy: list[float], rule: StopRule) -> int | None:
 
 
 def fixed_round_runs(root: str) -> tuple[list[str], int]:
-    """Every run folder under `root` with a metrics.jsonl whose summary.json says it ran to its
-    last round (relative paths, sorted), and how many were left out for stopping early."""
+    """The run folders under `root` that ran to their last round.
+
+    Args:
+      root: a folder holding run folders (each with a metrics.jsonl).
+
+    Returns:
+      (their paths relative to `root`, sorted; how many were left out because their
+      summary.json says they stopped early).
+    """
     if not os.path.isdir(root):
         raise ConfigError(f"--runs: {root} is not a folder")
     runs, stopped = [], 0
@@ -129,7 +150,14 @@ def replay(root: str, rules: list[StopRule]) -> tuple[dict[StopRule, list[Replay
 
 
 def summary_table(replays: dict[StopRule, list[Replay]]) -> str:
-    """One line per rule: runs it stops, its stop rounds, and the points they gained after."""
+    """One line per rule: runs it stops, its stop rounds, and the points they gained after.
+
+    Args:
+      replays: `replay`'s first result.
+
+    Returns:
+      A Markdown table.
+    """
     lines = ["| rule | runs stopped | stop round: mean [range] | gain after the stop, pp: "
              "mean ± sd | runs gaining > 1 pp | > 2 pp |", "|---|---|---|---|---|---|"]
     for rule, rows in replays.items():
@@ -148,7 +176,14 @@ def summary_table(replays: dict[StopRule, list[Replay]]) -> str:
 
 def per_run_table(replays: dict[StopRule, list[Replay]]) -> str:
     """Each run's stop round under each rule ('-': not before its last evaluation), with the
-    points gained after it."""
+    points gained after it.
+
+    Args:
+      replays: `replay`'s first result.
+
+    Returns:
+      A Markdown table, one row per run.
+    """
     rules = list(replays)
     header = "| run | last round | " + " | ".join(r.label() for r in rules) + " |"
     lines = [header, "|---|---|" + "---|" * len(rules)]
