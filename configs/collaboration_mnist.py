@@ -45,11 +45,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.rounds = 150
     config.train.client_fraction = 0.1
     config.eval.every = 10
+    config.eval.global_test_samples = 1000
     # With `train.stop_at_plateau`: 10 clients a round of 100 train rarely, and a slow steady climb
     # passes the rule's short first windows; never stop before round 200 (`launch.stop_audit` on
     # this population's fixed-round runs, docs/guide/methods.md).
     config.train.plateau_min_evaluations = 20
-    config.eval.global_test_samples = 1000
     config.checkpoint.every = 50
     # A checkpoint holds 100 clients' private models and optimizer states; one per run is
     # enough to resume (docs/findings.md: the experiment's disk use).
