@@ -146,6 +146,38 @@ def set_aside_diverged(config, results: dict[str, list[dict]], tuned: dict[str, 
     return moved
 
 
+def grid_edges(chosen: int, local_rates: int, server_rates: int = 1) -> list[str]:
+    """Where a chosen cell lies on an edge of the grid, beyond which no rate was tried.
+
+    Args:
+      chosen: the cell's index, local rate major (`grid_cells`' order: local rate i, server
+        rate j at i x server_rates + j).
+      local_rates: how many local rates the grid has.
+      server_rates: how many server rates each local rate was tried with (1: none).
+
+    Returns:
+      'the smallest local rate', 'the largest server rate', ...: empty inside the grid (an axis
+      of one rate has no edge to report).
+    """
+    out = []
+    for axis, position, count in (("local", chosen // server_rates, local_rates),
+                                  ("server", chosen % server_rates, server_rates)):
+        if count > 1 and position in (0, count - 1):
+            out.append(f"the {'smallest' if position == 0 else 'largest'} {axis} rate")
+    return out
+
+
+def edge_note(edges: dict[str, list[str]]) -> str:
+    """The sentence under the grid's table naming the methods tuned at an edge of it ('' when
+    none): a rate beyond the edge may score better, and `--lr_grid` / `--server_lr_grid` can
+    extend it (finished runs are reused)."""
+    at_edge = [f"{method} ({' and '.join(where)})" for method, where in edges.items() if where]
+    if not at_edge:
+        return ""
+    return ("Chosen at an edge of the grid, beyond which no rate was tried (extend the grid to "
+            "see whether a rate past it scores better): " + ", ".join(at_edge) + ".")
+
+
 def grid_cell(score: float, chosen: bool, diverged_on: list[int]) -> str:
     """One rate's cell of the grid table: the tuning seed's score (bold when chosen), and the
     further seeds that diverged at it (the rate was dropped)."""
@@ -174,11 +206,12 @@ def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: 
 
     Returns:
       The variants at each method's best rate (`choose_rate`: rates where a reported seed
-      diverged are dropped) and the grid as a Markdown table.
+      diverged are dropped) and the grid as a Markdown table, with `edge_note`'s sentence
+      under it when a method was tuned at an edge of the grid.
     """
     if not grid or any(not lr > 0 for lr in grid):
         raise ConfigError(f"--lr_grid: rates must be > 0, got {grid}")
-    tuned, rows = {}, []
+    tuned, rows, edges = {}, [], {}
     tuning_dir = os.path.join(workdir, "lr_tuning")
     seed = tuning_seed(config)
     on_validation = experiments.with_overrides(config, {"seed": seed,
@@ -204,6 +237,7 @@ def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: 
         scaled = ("" if all(grid_rate(config, a, g) == g for g in grid)
                   else f", momentum {method_momentum(config, a):g}")
         per_row = len(names) // len(grid)  # server rates per local rate (1 without)
+        edges[a] = grid_edges(names.index(best), len(grid), per_row)
         for r in range(per_row):
             row = names[r::per_row]
             server = server_lr_field(config, a)
@@ -212,7 +246,9 @@ def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: 
             rows.append([label, *((f"{cells[c][field]:g}: " if scaled else "")
                                   + grid_cell(scores[names.index(c)], c == best,
                                               dropped.get(c, [])) for c in row)])
-    return tuned, markdown.table(["method", *(f"effective step {lr:g}" for lr in grid)], rows)
+    table = markdown.table(["method", *(f"effective step {lr:g}" for lr in grid)], rows)
+    note = edge_note(edges)
+    return tuned, table + (f"\n\n{note}" if note else "")
 
 
 def check_unseen_seeds(config, first: int, seeds: int) -> None:

@@ -104,6 +104,8 @@ def test_compare_tunes_each_methods_learning_rate_on_the_grid(tmp_path):
     assert "Learning-rate grid" in text
     assert "| scaffold (`train.lr_local`, momentum 0) | 0.01: " in text
     assert text.count("**") >= 4  # one chosen rate in bold per method
+    # a grid of two rates: every choice lies on an edge of it, and the table says so
+    assert "Chosen at an edge of the grid" in text and "fedavg (the " in text
     # --report_only on the same workdir asking for more: a table of what finished, nothing run
     report = subprocess.run(
         [c.replace("--algorithms=fedavg,scaffold", "--algorithms=fedavg,scaffold,fedprox")
@@ -409,3 +411,22 @@ def test_a_run_whose_records_hold_null_losses_is_read_as_diverged():
               {"round": 2, "train_ce_loss_mean": None, "personalized_accuracy_mean": 0.1}]
     assert experiments.training_diverged(rounds)
     assert not experiments.training_diverged(rounds[:1])
+
+
+def test_a_rate_chosen_at_an_edge_of_the_grid_is_named_under_its_table():
+    """The grid's edges, by hand: 4 local rates x 3 server rates, local major."""
+    from fedjax_pfedes.studies.lr_tuning import edge_note, grid_edges
+
+    assert grid_edges(0, 4) == ["the smallest local rate"]
+    assert grid_edges(3, 4) == ["the largest local rate"]
+    assert grid_edges(1, 4) == [] and grid_edges(2, 4) == []
+    assert grid_edges(0, 1) == []  # a single rate is no grid
+    # local 0.01 (index 1 of 4) with server 3x (index 2 of 3): cell 1 * 3 + 2
+    assert grid_edges(5, 4, 3) == ["the largest server rate"]
+    assert grid_edges(4, 4, 3) == []  # local index 1, server index 1: inside
+    assert grid_edges(9, 4, 3) == ["the largest local rate", "the smallest server rate"]
+    assert edge_note({"pfedes": [], "fedavgm": grid_edges(9, 4, 3)}) == (
+        "Chosen at an edge of the grid, beyond which no rate was tried (extend the grid to see "
+        "whether a rate past it scores better): fedavgm (the largest local rate and the "
+        "smallest server rate).")
+    assert edge_note({"pfedes": []}) == ""
