@@ -188,6 +188,13 @@ def grid_cell(score: float, chosen: bool, diverged_on: list[int]) -> str:
     return text
 
 
+def _tuning_score(record: dict) -> float:
+    """A tuning run's final mean personalized accuracy; -inf when it diverged (null: not
+    finite)."""
+    score = record["final"]["personalized_accuracy_mean"]
+    return -np.inf if record.get("diverged") or not np.isfinite(np.float64(score)) else score
+
+
 def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: str,
                         server_grid: list[float | str] = (), show_progress: bool = True,
                         reuse: bool = True, run_missing: bool = True
@@ -227,9 +234,7 @@ def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: 
                 "not run yet" if not r else f"{r[0]['final']['personalized_accuracy_mean']:.4f}"
                 for r in out.values())])
             continue
-        scores = [-np.inf if r[0].get("diverged") or not np.isfinite(np.float64(
-            r[0]["final"]["personalized_accuracy_mean"]))  # null: not finite
-            else r[0]["final"]["personalized_accuracy_mean"] for r in out.values()]
+        scores = [_tuning_score(r[0]) for r in out.values()]
         names = list(cells)
         dropped = {c: seeds for c in names if (seeds := diverged_seeds(tuning_dir, a, c, seed))}
         best = choose_rate(names, scores, dropped)
