@@ -19,6 +19,7 @@ import numpy as np
 
 from fedjax_pfedes.engine.plateau import METRIC, plateau_reached
 from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.io.metrics import read_jsonl_lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,18 +62,12 @@ def evaluated_curve(run_dir: str) -> tuple[list[int], list[float]]:
     Returns:
       (rounds, mean personalized accuracy at each).
     """
-    rounds, accuracy = [], []
-    path = os.path.join(run_dir, "metrics.jsonl")
-    with open(path) as f:
-        for line_number, line in enumerate(f, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{line_number}: not a JSON record ({e.msg})") from None
-            if METRIC in record:
-                rounds.append(int(record["round"]))
-                accuracy.append(float(record[METRIC]))
-    return rounds, accuracy
+    try:
+        records, _ = read_jsonl_lines(os.path.join(run_dir, "metrics.jsonl"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    evaluated = [r for r in records if METRIC in r]
+    return [int(r["round"]) for r in evaluated], [float(r[METRIC]) for r in evaluated]
 
 
 def first_stop(accuracy: list[float], rule: StopRule) -> int | None:

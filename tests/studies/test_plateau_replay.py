@@ -79,7 +79,7 @@ def test_no_run_and_a_broken_record_are_one_line_errors(tmp_path):
     _write_run(tmp_path / "b" / "seed0", SLOW)
     with open(tmp_path / "b" / "seed0" / "metrics.jsonl", "a") as f:
         f.write("{not json\n")
-    with pytest.raises(ConfigError, match=r"metrics.jsonl:39: not a JSON record"):
+    with pytest.raises(ConfigError, match=r"metrics.jsonl: line 39 is not JSON"):
         plateau_replay.replay(str(tmp_path), [plateau_replay.StopRule(0.2, 0.005, 10)])
 
 
