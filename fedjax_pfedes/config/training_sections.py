@@ -43,7 +43,7 @@ class TrainSection(Section):
     drop_partial_batch: bool = param(
         False, "skip an epoch's last partial batch when a client has a full one (PyTorch's "
         "drop_last); False uses every sample every epoch, at the price of a few-sample step "
-        "with full weight (docs/baselines.md measures what it costs FedAvg on small clients)")
+        "with full weight (docs/guide/methods.md: what it costs FedAvg on small clients)")
     augment: str = param(
         "none", "image augmentation inside the jitted local step: 'none' | 'crop_flip' (random "
         "crop, 4-pixel zero padding, horizontal flip) | 'flip_erase_crop' (the published pFedES "
