@@ -56,7 +56,11 @@ class RunInfo:
       out_dir: where this process writes its outputs (the workdir on process 0).
       first_round: rounds already done when this run started (> 0 after a resume).
       rounds: `config.train.rounds`.
-      start_s: `time.time()` when the run started.
+      start_s: `time.time()` when the run started; a resumed run's is moved back by
+        `resumed_wall_s`, so that its records' `elapsed_s` and its `wall_time_s` count the
+        earlier processes too.
+      resumed_wall_s: the wall time earlier processes spent on the rounds a resumed run keeps
+        (`io.metrics.process_wall_times` of its metrics.jsonl); 0 for a fresh run.
     """
 
     config: ml_collections.ConfigDict
@@ -65,6 +69,7 @@ class RunInfo:
     first_round: int
     rounds: int
     start_s: float
+    resumed_wall_s: float = 0.0
 
 
 @dataclasses.dataclass

@@ -138,13 +138,15 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
     first_round, state = saving.restore(state, config.execution.client_states == "offload")
     writers = metrics.RunWriters(out_dir, first_round, config.monitor.tensorboard,
                                  config.monitor.client_report)
+    resumed_s = sum(metrics.process_wall_times(metrics.read_jsonl(writers.metrics.path)))
     divergence = DivergenceCheck()
     chain = [Evaluation(global_test_set(data, config.eval.global_test_samples, config.seed),
                         evaluation_sample(config.eval.clients, config.seed, ctx.num_clients),
                         _batch_rates(config, ctx)),
              divergence, *plateau_stop(config.train), *callbacks, MetricsWriter(writers),
              ProgressBar(show_progress), saving]
-    run = RunInfo(config, ctx, out_dir, first_round, config.train.rounds, start)
+    run = RunInfo(config, ctx, out_dir, first_round, config.train.rounds,
+                  start - resumed_s, resumed_s)
     rejected_before = sum(1 for _ in metrics.read_jsonl(writers.rejections.path))
     try:
         for cb in chain:
@@ -271,6 +273,7 @@ def _summary(run: RunInfo, state, last: dict, data, fingerprint: str,
         "simulated_time_s": state.clock_s,
         "resumed_from_round": run.first_round,
         "clients_trained": int((state.sampler.completed > 0).sum()),
-        "wall_time_s": time.time() - run.start_s,
+        "wall_time_s": time.time() - run.start_s,  # with a resumed run's earlier processes
+        "resumed_wall_time_s": run.resumed_wall_s,
         "config": config.to_dict(),
     }

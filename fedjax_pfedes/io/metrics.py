@@ -100,6 +100,33 @@ def read_jsonl_lines(path: str) -> tuple[list[dict], bool]:
     return rows, cut
 
 
+def process_wall_times(records: list[dict]) -> list[float]:
+    """The wall time of each process that wrote a run's rounds (its metrics.jsonl, in order).
+
+    A record's `elapsed_s` counts from its run's start. A run resumed from a checkpoint carries
+    the earlier processes' time over, so its `elapsed_s` keeps growing; in files written
+    before it did, `elapsed_s` falls where a resumed process began. Each process's share is
+    then the last `elapsed_s` before such a fall (a run never resumed, or resumed since: one
+    process, its last `elapsed_s`).
+
+    Args:
+      records: the rounds' records; those without `elapsed_s` are skipped.
+
+    Returns:
+      One figure per process, first first ([] without any `elapsed_s`).
+    """
+    shares: list[float] = []
+    last = None
+    for r in records:
+        e = r.get("elapsed_s")
+        if e is None:
+            continue
+        if last is not None and e < last:
+            shares.append(last)
+        last = e
+    return shares if last is None else [*shares, last]
+
+
 def flatten(record: dict, sep: str = "/", prefix: str = "") -> dict[str, Any]:
     """Leaves of nested dicts as {'a<sep>b': value}."""
     out: dict[str, Any] = {}

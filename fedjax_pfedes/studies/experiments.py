@@ -8,7 +8,6 @@ so no state carries over.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from fedjax_pfedes import markdown
 from fedjax_pfedes.config.defaults import TrainSection
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.plateau import plateau_reached
+from fedjax_pfedes.io import metrics
 from fedjax_pfedes.io.checkpoints import ConfigChangedError
 from fedjax_pfedes.studies.run_reuse import finished_run
 
@@ -54,8 +54,17 @@ CURVES = ("train_ce_loss_mean", "train_align_loss_mean", "train_proxy_align_loss
 
 def read_rounds(run_dir: str) -> list[dict]:
     """Every round's record of the run in `run_dir` (its metrics.jsonl)."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return metrics.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+
+
+def run_wall_time_s(summary: dict, every_round: list[dict]) -> float:
+    """A run's wall time with every process that made its rounds: summary.json's
+    `wall_time_s`, which counts a resumed run's earlier processes since `resumed_wall_time_s`
+    was written beside it; in an older summary only the last process's, to which the earlier
+    processes' shares of its metrics.jsonl are added (`io.metrics.process_wall_times`)."""
+    if "resumed_wall_time_s" in summary:
+        return summary["wall_time_s"]
+    return summary["wall_time_s"] + sum(metrics.process_wall_times(every_round)[:-1])
 
 
 def training_diverged(every_round: list[dict]) -> bool:
@@ -76,7 +85,7 @@ def run_record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -
         "personalized_accuracy": [r["personalized_accuracy_mean"] for r in rows],
         "global_accuracy": [r["global_accuracy_mean"] for r in rows],
         "upload_params_per_client": summary["final"]["upload_params_per_client"],
-        "wall_time_s": summary["wall_time_s"],
+        "wall_time_s": run_wall_time_s(summary, every_round),
         "majority_class_accuracy_mean": summary["majority_class_accuracy_mean"],
         # Every round's training and monitoring losses (None where a round lacks one).
         "curves": {k: [r.get(k) for r in every_round] for k in CURVES},

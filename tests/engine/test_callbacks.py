@@ -70,8 +70,15 @@ def test_a_callback_stops_the_run_and_the_run_resumes_to_the_same_numbers(tmp_pa
                                 callbacks=[Recorder(stop_at=2)])
     assert summary["stopped_early"] == {"round": 2, "reason": "user asked"}
     assert summary["final"]["round"] == 2 and len(_rows(stopped_dir)) == 2
+    first_process_s = _rows(stopped_dir)[-1]["elapsed_s"]
+    assert summary["resumed_wall_time_s"] == 0.0
     resumed = fedjax_pfedes.run(_config(every_checkpoint=2), str(stopped_dir), progress=False)
     assert resumed["resumed_from_round"] == 2 and "stopped_early" not in resumed
+    # the wall time carries on from the rounds the first process made
+    assert resumed["resumed_wall_time_s"] == first_process_s
+    elapsed = [r["elapsed_s"] for r in _rows(stopped_dir)]
+    assert elapsed == sorted(elapsed) and elapsed[2] > first_process_s
+    assert resumed["wall_time_s"] > elapsed[-1] > first_process_s
     for key in ("personalized_accuracy_mean", "global_accuracy_mean"):
         assert resumed["final"][key] == whole["final"][key]
 

@@ -166,3 +166,13 @@ def test_a_truncated_summary_is_named(tmp_path):
     workdir = _run_dir(tmp_path, '{"final": {"round": 3, "personalized_acc')
     with pytest.raises(ValueError, match=r"summary.json is not complete JSON .*cut off"):
         run_report.write_report(workdir)
+
+
+def test_each_process_of_a_resumed_run_has_its_wall_time():
+    # elapsed_s carried over (one process), restarted by an older resume (two), absent
+    assert metrics.process_wall_times([{"elapsed_s": 1.0}, {"elapsed_s": 2.5},
+                                       {"elapsed_s": 4.0}]) == [4.0]
+    assert metrics.process_wall_times([{"elapsed_s": 1.0}, {"elapsed_s": 3.0},
+                                       {"round": 3}, {"elapsed_s": 0.5},
+                                       {"elapsed_s": 2.0}]) == [3.0, 2.0]
+    assert metrics.process_wall_times([{"round": 1}]) == []

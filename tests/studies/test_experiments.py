@@ -430,3 +430,14 @@ def test_a_rate_chosen_at_an_edge_of_the_grid_is_named_under_its_table():
         "whether a rate past it scores better): fedavgm (the largest local rate and the "
         "smallest server rate).")
     assert edge_note({"pfedes": []}) == ""
+
+
+def test_a_resumed_runs_wall_time_counts_every_process():
+    rows = lambda *elapsed: [{"round": i + 1, "elapsed_s": e} for i, e in enumerate(elapsed)]  # noqa: E731
+    # a summary from before resumes carried the time over: its last process only, plus the
+    # earlier processes' shares of metrics.jsonl (elapsed_s restarts where one began)
+    assert experiments.run_wall_time_s({"wall_time_s": 5.0}, rows(1.0, 3.0, 0.5, 4.0)) == 8.0
+    assert experiments.run_wall_time_s({"wall_time_s": 5.0}, rows(1.0, 2.0, 4.9)) == 5.0
+    # a summary that says so counts them already
+    assert experiments.run_wall_time_s({"wall_time_s": 9.0, "resumed_wall_time_s": 3.0},
+                                       rows(1.0, 3.0, 4.5, 8.9)) == 9.0
