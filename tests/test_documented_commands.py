@@ -16,7 +16,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
          *sorted((ROOT / "docs" / "guide").glob("*.md"))]
 CURRENT = [p for p in PAGES if not p.name.endswith("_history.md")]
 OURS = ("launch", "benchmarks", "tools")  # the project's own command lines
-NOT_MODULES = {"pytest", "pip", "venv", "slow", "launch.NAME"}  # `-m slow`, a placeholder
+NOT_MODULES = {"launch.NAME"}  # README's placeholder for any launcher
 # Flags a module reads by prefix rather than declares: launch.sweep's --sweep.FIELD=v1,v2,...
 PREFIX_FLAGS = {"launch.sweep": {"sweep"}}
 
