@@ -213,6 +213,7 @@ def pfedes_paper(cfg: PFedESPaperConfig) -> Algorithm:
     return Algorithm(init_server, broadcast, broadcast, server_update, cohort_program,
                      mean_server_step=True)
 
+
 def g_phase_arrays(data, schedule: local_training.LocalSchedule, extra_epochs: int):
     """One client's arrays for the G phase: a step cap (adaptive epochs) grows by
     `extra_epochs` of the client's own batches, so G runs E_i + extra epochs when F ran E_i."""
@@ -241,7 +242,7 @@ register(AlgorithmEntry(
     "pfedes_paper", _build, asynchronous=True, check=_check, modalities=("image",),
     private_optimizer=True, reads=("system.deadline_s",),
     summary="published pFedES (Yi et al., AAAI 2025): a shared image-to-image proxy G",
-    # G has 153 parameters; late in training most clients stop moving it while a few still
-    # learn, so honest upload norms of one round spread over orders of magnitude (500x the
-    # median, 57 robust deviations): the norm rule judges only uploads larger than G itself.
+    # G is tiny, and late in training most clients stop moving it while a few still learn:
+    # honest upload norms of one round spread over orders of magnitude, so the norm rule judges
+    # only uploads larger than G itself (docs/threat_model.md).
     norm_model_ratio=1.0, section=PFedESPaperSection))

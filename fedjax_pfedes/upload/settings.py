@@ -16,14 +16,14 @@ from fedjax_pfedes.upload import secure_aggregation as sa_protocol
 
 # The norm rule's defaults, as `UploadSection` declares them (its fields' help says what they
 # do; docs/threat_model.md gives the measurements behind each value). The factor: an update whose
-# norm per sample exceeds 10x the round's median (a boosted poisoning update, Bhagoji et al.,
+# norm per sample exceeds it times the round's median (a boosted poisoning update, Bhagoji et al.,
 # "Analyzing Federated Learning through an Adversarial Lens", ICML 2019, is orders of magnitude
-# larger than honest ones, which differ by a few x). The z: where a round's honest norms spread
-# over orders of magnitude (the published pFedES's small proxy on 2-class clients late in
-# training: 0.002 to 2.5 in one round) the factor alone rejected ~4 % of honest uploads; a robust
-# z-score of the log-norm scales with that spread. The hard factor: beyond it an update is
-# rejected whatever the spread (honest norms stayed within 44x the median in every 20-300-round
-# run measured, but the published pFedES's and late FedAvg's, which the model-ratio test keeps).
+# larger than honest ones, which differ by a few times). The z: where a round's honest norms
+# spread over orders of magnitude (the published pFedES's small proxy on 2-class clients late in
+# training) the factor alone rejects honest uploads; a robust z-score of the log-norm scales with
+# that spread. The hard factor: beyond it an update is rejected whatever the spread (honest
+# norms stayed below it in every run measured, but the published pFedES's and late FedAvg's,
+# which the model-ratio test keeps).
 NORM_OUTLIER_FACTOR = UploadSection.norm_outlier_factor
 NORM_OUTLIER_Z = UploadSection.norm_outlier_z
 NORM_OUTLIER_HARD_FACTOR = UploadSection.norm_outlier_hard_factor

@@ -17,6 +17,7 @@ from fedjax_pfedes.execution.strategies.protocol import (
     CohortRunner,
     Finishing,
     Strategy,
+    evaluating_every_client,
     refuse_reducer,
     register_strategy,
 )
@@ -37,7 +38,20 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
     (one small donated call each). Every client computes the same function of the same inputs,
     so the numbers are those of one thread.
     `jit`: `jax.jit` with the client programs' compiler options (`kernel_options`)."""
+    pool = ClientThreads(threads, "loop_client") if threads > 1 else None
+    evaluate_slots = _looped_evaluation(program, jit, pool)
 
+    def computed_steps(steps: np.ndarray, bucket: int) -> float:
+        del bucket  # padded slots are never called
+        return float(np.sum(steps))
+
+    return CohortRunner("loop", _looped_update(program, jit, pool),
+                        evaluating_every_client(evaluate_slots), evaluate_slots, computed_steps)
+
+
+def _looped_update(program: CohortProgram, jit: Callable, pool: ClientThreads | None
+                   ) -> Callable:
+    """`CohortRunner.update` of 'loop' (`_loop_runner`), on `pool`'s threads when given."""
     # Traced once: the output shapes below and the jitted call share this trace.
     client_update = jax.jit(program.client_update)
 
@@ -55,7 +69,7 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
 
     def update_buffers(broadcast, states, train, keys, bucket):
         # A `Finishing` broadcast adds outputs: its function is part of the shapes' key.
-        kind = ("update", broadcast.fn if isinstance(broadcast, Finishing) else None)
+        kind = broadcast.fn if isinstance(broadcast, Finishing) else None
         if kind not in shapes:
             shapes[kind] = client_update.eval_shape(broadcast, row_shapes(states),
                                                     row_shapes(train), keys[0])
@@ -66,26 +80,11 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
     def one_update(broadcast, states, train, i, keys, j):  # the threads' calls: outputs only
         return client_update(broadcast, get_row(states, i), get_row(train, i), keys[j])
 
-    @jit
-    def one_evaluate(broadcast, states, test, i):
-        return program.evaluate(broadcast, get_row(states, i), get_row(test, i))
-
-    def evaluate_buffer(broadcast, states, test, bucket):
-        if "evaluate" not in shapes:  # the same trace as one_evaluate's first call
-            shapes["evaluate"] = one_evaluate.eval_shape(broadcast, states, test, np.int32(0))
-        return zeros_in_slots(shapes["evaluate"], bucket)
-
-    @jit
-    def one_global(broadcast, states, i, global_x, global_y):
-        return global_accuracy(program, broadcast, get_row(states, i), global_x, global_y)
-
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def put_update(uploads, states, metrics, i, j, outputs):
         upload, new_row, m = outputs
         return (set_row(uploads, j, upload), set_row(states, i, new_row),
                 set_row(metrics, j, m))
-
-    put_evaluate = jax.jit(set_row, donate_argnums=0)
 
     def update(broadcast, states, train, slots, keys):
         refuse_reducer(broadcast, "loop")
@@ -105,10 +104,31 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
                 broadcast, states, train, slots[j], keys, uploads, metrics, j)
         return uploads, states, metrics
 
+    return update
+
+
+def _looped_evaluation(program: CohortProgram, jit: Callable, pool: ClientThreads | None
+                       ) -> Callable:
+    """`CohortRunner.evaluate_slots` of 'loop' (`_loop_runner`), on `pool`'s threads when
+    given."""
+    @jit
+    def one_evaluate(broadcast, states, test, i):
+        return program.evaluate(broadcast, get_row(states, i), get_row(test, i))
+
+    shape: list = []  # the metrics' shapes: the same trace as one_evaluate's first call
+
+    @jit
+    def one_global(broadcast, states, i, global_x, global_y):
+        return global_accuracy(program, broadcast, get_row(states, i), global_x, global_y)
+
+    put_evaluate = jax.jit(set_row, donate_argnums=0)
+
     def evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None):
         slots = np.asarray(slots, np.int32)
         real = np.flatnonzero(slots < test.sizes.shape[0]).astype(np.int32)
-        out = evaluate_buffer(broadcast, states, test, len(slots))
+        if not shape:
+            shape.append(one_evaluate.eval_shape(broadcast, states, test, np.int32(0)))
+        out = zeros_in_slots(shape[0], len(slots))
         accuracy = None if global_x is None else zeros_in_slots(
             jax.ShapeDtypeStruct((), jnp.float32), len(slots))
         if not len(real):
@@ -130,16 +150,7 @@ def _loop_runner(program: CohortProgram, threads: int = 1, jit: Callable = jax.j
             accuracy = put_evaluate(accuracy, j, scores[int(j)])
         return {**out, "global_accuracy": accuracy}
 
-    def evaluate(broadcast, states, test, global_x=None, global_y=None):
-        every = np.arange(test.sizes.shape[0], dtype=np.int32)
-        return evaluate_slots(broadcast, states, test, every, global_x, global_y)
-
-    def computed_steps(steps: np.ndarray, bucket: int) -> float:
-        del bucket  # padded slots are never called
-        return float(np.sum(steps))
-
-    pool = ClientThreads(threads, "loop_client") if threads > 1 else None
-    return CohortRunner("loop", update, evaluate, evaluate_slots, computed_steps)
+    return evaluate_slots
 
 
 register_strategy(Strategy("loop", lambda program, o: _loop_runner(

@@ -4,6 +4,7 @@ device mesh (`strategies.sharded`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -29,6 +30,51 @@ def _vmapped(fn: Callable, in_axes: tuple) -> Callable:
     return jax.vmap(fn, in_axes=in_axes)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where 'shard' puts a call's arrays (`mapped_runner`); every method is the identity
+    without a mesh ('vmap'). The cohort's samples and stacked states live on the mesh, split by
+    client where `row_spec` allows (put there once, `engine.build.build_context`); a broadcast,
+    the sizes and this round's slots are replicated per call; uploads and metrics go back to the
+    default device, where the server step runs."""
+
+    mesh: Mesh | None
+
+    def on_mesh(self, tree):
+        """Replicated over the mesh."""
+        return tree if self.mesh is None else replicated(tree, mesh=self.mesh)
+
+    def rows_on_mesh(self, tree):
+        """Split by client (rows) over the mesh."""
+        return tree if self.mesh is None else client_rows(tree, mesh=self.mesh)
+
+    def data_on_mesh(self, data):
+        """A cohort's samples split by client, their sizes replicated."""
+        if self.mesh is None:
+            return data
+        return self.on_mesh(data.replace(x=self.rows_on_mesh(data.x),
+                                         y=self.rows_on_mesh(data.y)))
+
+    def home(self, tree):
+        """Back on the default device."""
+        return tree if self.mesh is None else local_copy(tree)
+
+    def kept(self, tree):
+        """Inside the program: the updated states keep their placement (split by client where
+        `row_spec` says so)."""
+        if self.mesh is None:
+            return tree
+        return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
+            a, NamedSharding(self.mesh, row_spec(a.shape, self.mesh))), tree)
+
+    def gathered(self, tree):
+        """Inside the program: over several processes the slots' results must reach every
+        process: gathered (replicated on the mesh), then each process takes its local copy."""
+        if self.mesh is None or jax.process_count() == 1:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, P()))
+
+
 def mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
                    mesh: Mesh | None = None, jit: Callable = jax.jit,
                    eval_budget_bytes: float = eval_memory.DEFAULT_BUDGET_GB * 2**30
@@ -41,24 +87,9 @@ def mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
     client_update = map_clients(program.client_update, (None, 0, 0, 0))
     client_evaluate = map_clients(program.evaluate, (None, 0, 0))
     client_global = map_clients(functools.partial(global_accuracy, program), (None, 0, None, None))
-    # 'shard': the cohort's samples and stacked states live on the mesh, split by client where
-    # `row_spec` allows (put there once, `engine.build.build_context`); a broadcast, the sizes and
-    # this round's slots are replicated per call; uploads and metrics go back to the default
-    # device, where the server step runs.
-    on_mesh = (lambda tree: tree) if mesh is None else functools.partial(replicated, mesh=mesh)
-    rows_on_mesh = (lambda tree: tree) if mesh is None else functools.partial(client_rows,
-                                                                              mesh=mesh)
-    data_on_mesh = (lambda data: data) if mesh is None else (  # samples split, sizes replicated
-        lambda data: on_mesh(data.replace(x=rows_on_mesh(data.x), y=rows_on_mesh(data.y))))
-    home = (lambda tree: tree) if mesh is None else local_copy
-    # The updated states keep their placement (split by client where `row_spec` says so).
-    kept = (lambda tree: tree) if mesh is None else (lambda tree: jax.tree.map(
-        lambda a: jax.lax.with_sharding_constraint(
-            a, NamedSharding(mesh, row_spec(a.shape, mesh))), tree))
-    # Over several processes the slots' results must reach every process: gathered (replicated
-    # on the mesh) inside the program, then each process takes its local copy.
-    gathered = (lambda tree: tree) if mesh is None or jax.process_count() == 1 else (
-        lambda tree: jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P())))
+    place = _Placement(mesh)
+    on_mesh, rows_on_mesh, data_on_mesh = place.on_mesh, place.rows_on_mesh, place.data_on_mesh
+    home, kept, gathered = place.home, place.kept, place.gathered
 
     @functools.partial(jit, donate_argnums=1)
     def mapped_update(broadcast, states, train, slots, keys):
@@ -101,6 +132,18 @@ def mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
         return {**metrics, "global_accuracy": home(mapped_global_slots(
             broadcast, states, on_mesh(test.sizes), slots, *on_mesh((global_x, global_y))))}
 
+    def computed_steps(steps: np.ndarray, bucket: int) -> float:
+        return float(bucket * np.max(steps)) if len(steps) else 0.0
+
+    evaluate = _evaluating_in_calls(program, evaluate_slots, mesh, eval_budget_bytes)
+    return CohortRunner(name, update, evaluate, evaluate_slots, computed_steps)
+
+
+def _evaluating_in_calls(program: CohortProgram, evaluate_slots: Callable, mesh: Mesh | None,
+                         budget_bytes: float) -> Callable:
+    """`CohortRunner.evaluate` of 'vmap' and 'shard': every client of the cohort through
+    `evaluate_slots`, as many per call as `budget_bytes` allows (`eval_memory.clients_per_call`;
+    a multiple of the mesh's devices)."""
     widths: dict = {}  # per shapes of the evaluation: clients per call
 
     def evaluate(broadcast, states, test, global_x=None, global_y=None):
@@ -112,7 +155,7 @@ def mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
                tuple(np.shape(a) for a in jax.tree.leaves(broadcast)))
         if key not in widths:
             widths[key] = eval_memory.clients_per_call(program, broadcast, states, test,
-                                                       global_rows, eval_budget_bytes,
+                                                       global_rows, budget_bytes,
                                                        multiple)
         width = min(widths[key], padded)
         outs = [evaluate_slots(broadcast, states, test,
@@ -122,10 +165,7 @@ def mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
             lambda *parts: jnp.concatenate(parts), *outs)
         return out if len(outs) * width == n else jax.tree.map(lambda a: a[:n], out)
 
-    def computed_steps(steps: np.ndarray, bucket: int) -> float:
-        return float(bucket * np.max(steps)) if len(steps) else 0.0
-
-    return CohortRunner(name, update, evaluate, evaluate_slots, computed_steps)
+    return evaluate
 
 
 register_strategy(Strategy("vmap", lambda program, o: mapped_runner(

@@ -163,6 +163,23 @@ class CohortRunner:
         return self.strategy if self.kernels == "xla" else f"{self.strategy}/{self.kernels}"
 
 
+def evaluating_every_client(evaluate_slots: Callable[..., Metrics]) -> Callable[..., Metrics]:
+    """`CohortRunner.evaluate` of a runner whose `evaluate_slots` takes any slots at once: the
+    slots of every client of the cohort, in order.
+
+    Args:
+      evaluate_slots: the runner's `evaluate_slots`.
+
+    Returns:
+      evaluate(broadcast, states, test, global_x=None, global_y=None).
+    """
+    def evaluate(broadcast, states, test, global_x=None, global_y=None):
+        every = np.arange(test.sizes.shape[0], dtype=np.int32)
+        return evaluate_slots(broadcast, states, test, every, global_x, global_y)
+
+    return evaluate
+
+
 UPLOAD_FACTS = "upload_facts"  # the metrics entry of `Finishing.fn`'s per-client results
 
 
