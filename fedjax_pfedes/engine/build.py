@@ -232,20 +232,25 @@ def build_context(config: ml_collections.ConfigDict, data: FederatedData,
         settings=round_settings(config, valid.sections), algorithm=algorithm, cohorts=cohorts,
         server_step=jax.jit(algorithm.server_update),
         server_metrics=(jax.jit(algorithm.server_metrics) if algorithm.server_metrics else None),
-        upload=upload, system=sys_cfg,
-        profiles=profiles, client_arch=archs, sizes=sizes, epochs=epochs,
-        planned_steps=planned, strategy_choices=choices,
+        upload=upload, system=sys_cfg, profiles=profiles, client_arch=archs, sizes=sizes,
+        epochs=epochs, planned_steps=planned, strategy_choices=choices,
         statically_eligible=eligible,
         strata=sampling.size_strata(sizes, t.strata, profiles.availability_class),
         label_counts=data.train_label_counts(),
-        upload_bytes={c.arch: upload.bytes_per_client(algorithm.upload_template(server_state,
-                                                                                c.arch))
-                      for c in cohorts},
-        download_bytes={c.arch: float(tree_size(algorithm.broadcast(server_state, c.arch))[1])
-                        for c in cohorts},
+        **_bytes_per_client(algorithm, upload, server_state, cohorts),
         step_limits=uses_step_limits(config), train_key=train_key, upload_key=upload_key,
         attack=attack)
     return ctx, initial_state(ctx, server_state, client_states)
+
+
+def _bytes_per_client(algorithm, upload, server_state, cohorts) -> dict[str, dict[str, float]]:
+    """`RunContext.upload_bytes` and `download_bytes`: per cohort, what one participant sends
+    (as the upload plan encodes it) and receives."""
+    return {
+        "upload_bytes": {c.arch: upload.bytes_per_client(
+            algorithm.upload_template(server_state, c.arch)) for c in cohorts},
+        "download_bytes": {c.arch: float(tree_size(algorithm.broadcast(server_state, c.arch))[1])
+                           for c in cohorts}}
 
 
 def _local_work(config: ml_collections.ConfigDict, data: FederatedData, cohorts

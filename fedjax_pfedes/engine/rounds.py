@@ -98,24 +98,39 @@ def train_participants(ctx: RunContext, server_state, clients: dict[str, Any],
                                               facts or None, reduced, restack)
         if not valid.any():
             continue
-        if norms is None:
-            norms = np.zeros(len(slots))
-        if "local_steps" in host:
-            steps = host["local_steps"][valid]
-            useful += float(steps.sum())
-            computed += cohort.runner.computed_steps(steps, len(slots))
-        rows = np.flatnonzero(valid)
-        client_metrics.append(ClientMetrics(
-            ids[rows].astype(np.int64),
-            {**{k: np.asarray(v, np.float64)[rows] for k, v in host.items()},
-             UPLOAD_NORM: np.asarray(norms, np.float64)[rows]}))
-        upload = tree_size(template)
-        if ctx.algorithm.encoded_upload_params is not None:  # sent compressed
-            encoded = float(np.asarray(ctx.algorithm.encoded_upload_params(host))[valid].mean())
-            upload = (encoded, encoded * upload[1] / max(upload[0], 1))
-        traffic.append((int(valid.sum()), *upload, *tree_size(broadcast)))
+        metrics, sent_sizes, steps = _cohort_record(ctx, cohort, host, norms, ids, valid,
+                                                    template, broadcast)
+        client_metrics.append(metrics)
+        traffic.append(sent_sizes)
+        useful, computed = useful + steps[0], computed + steps[1]
     return (Trained(uploads, ClientMetrics.concatenate(client_metrics), traffic, useful,
                     computed), clients)
+
+
+def _cohort_record(ctx: RunContext, cohort: Cohort, host: dict[str, np.ndarray], norms,
+                   ids: np.ndarray, valid: np.ndarray, template, broadcast
+                   ) -> tuple[ClientMetrics, tuple, tuple[float, float]]:
+    """What the round records of one cohort's participants (`valid` slots of `ids`): their
+    metrics and upload norms (`host`, fetched), the traffic entry (participants, the upload's
+    and the broadcast's sizes; an encoded upload's own size when the method compresses it) and
+    the local steps (useful: the participants' own; computed: what the strategy executed)."""
+    if norms is None:
+        norms = np.zeros(len(valid))
+    useful = computed = 0.0
+    if "local_steps" in host:
+        steps = host["local_steps"][valid]
+        useful = float(steps.sum())
+        computed = cohort.runner.computed_steps(steps, len(valid))
+    rows = np.flatnonzero(valid)
+    metrics = ClientMetrics(
+        ids[rows].astype(np.int64),
+        {**{k: np.asarray(v, np.float64)[rows] for k, v in host.items()},
+         UPLOAD_NORM: np.asarray(norms, np.float64)[rows]})
+    upload = tree_size(template)
+    if ctx.algorithm.encoded_upload_params is not None:  # sent compressed
+        encoded = float(np.asarray(ctx.algorithm.encoded_upload_params(host))[valid].mean())
+        upload = (encoded, encoded * upload[1] / max(upload[0], 1))
+    return metrics, (int(valid.sum()), *upload, *tree_size(broadcast)), (useful, computed)
 
 
 def cohort_uploads(ctx: RunContext, cohort: Cohort, stacked, template, slots: np.ndarray,

@@ -42,6 +42,14 @@ def row_bytes(tree: PyTree) -> int:
                for a in jax.tree.leaves(tree))
 
 
+def zero_padded(tree: PyTree, valid: jax.Array) -> PyTree:
+    """`tree`'s rows where `valid` (leading axes of its leaves), zeros of each leaf's dtype
+    elsewhere (a bool stays a bool): padded slots' outputs."""
+    return jax.tree.map(lambda a: jnp.where(
+        valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a,
+        jnp.zeros((), a.dtype)), tree)
+
+
 @functools.cache
 def _zeros_program(treedef, leaves: tuple[tuple[tuple[int, ...], str], ...]) -> Callable:
     return jax.jit(lambda: jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from fedjax_pfedes.algorithms.base import CohortProgram, global_accuracy
 from fedjax_pfedes.execution import eval_memory
 from fedjax_pfedes.execution.placement import client_rows, local_copy, replicated, row_spec
+from fedjax_pfedes.execution.slot_rows import zero_padded
 from fedjax_pfedes.execution.strategies.protocol import (
     CohortRunner,
     Strategy,
@@ -88,8 +89,7 @@ def mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
     client_evaluate = map_clients(program.evaluate, (None, 0, 0))
     client_global = map_clients(functools.partial(global_accuracy, program), (None, 0, None, None))
     place = _Placement(mesh)
-    on_mesh, rows_on_mesh, data_on_mesh = place.on_mesh, place.rows_on_mesh, place.data_on_mesh
-    home, kept, gathered = place.home, place.kept, place.gathered
+    on_mesh, rows_on_mesh, home = place.on_mesh, place.rows_on_mesh, place.home
 
     @functools.partial(jit, donate_argnums=1)
     def mapped_update(broadcast, states, train, slots, keys):
@@ -98,35 +98,33 @@ def mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
         # Padded slots hold no samples, so they take no local steps (their results are dropped).
         rows = rows.replace(sizes=jnp.where(valid, rows.sizes, 0))
         uploads, new_rows, metrics = client_update(broadcast, take_rows(states, slots), rows, keys)
-        zero_padded = lambda a: jnp.where(valid.reshape((-1,) + (1,) * (a.ndim - 1)), a,  # noqa: E731
-                                          jnp.zeros((), a.dtype))  # keeps bools bools
-        return (gathered(jax.tree.map(zero_padded, uploads)),
-                kept(put_rows(states, slots, new_rows)),
-                gathered(jax.tree.map(zero_padded, metrics)))
+        return (place.gathered(zero_padded(uploads, valid)),
+                place.kept(put_rows(states, slots, new_rows)),
+                place.gathered(zero_padded(metrics, valid)))
 
     @jit
     def mapped_evaluate_slots(broadcast, states, test, slots):
         valid = slots < test.sizes.shape[0]
         metrics = client_evaluate(broadcast, take_rows(states, slots), take_rows(test, slots))
-        return gathered(jax.tree.map(lambda a: jnp.where(valid, a, 0), metrics))
+        return place.gathered(jax.tree.map(lambda a: jnp.where(valid, a, 0), metrics))
 
     @jit
     def mapped_global_slots(broadcast, states, sizes, slots, global_x, global_y):
         valid = slots < sizes.shape[0]
         accuracy = client_global(broadcast, take_rows(states, slots), global_x, global_y)
-        return gathered(jnp.where(valid, accuracy, 0))
+        return place.gathered(jnp.where(valid, accuracy, 0))
 
     def update(broadcast, states, train, slots, keys):
         refuse_reducer(broadcast, name)
         uploads, states, metrics = mapped_update(on_mesh(broadcast), rows_on_mesh(states),
-                                                 data_on_mesh(train),
+                                                 place.data_on_mesh(train),
                                                  on_mesh(jnp.asarray(slots)), on_mesh(keys))
         return home(uploads), states, home(metrics)
 
     def evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None):
         broadcast, states, slots = on_mesh(broadcast), rows_on_mesh(states), on_mesh(
             jnp.asarray(slots))
-        metrics = home(mapped_evaluate_slots(broadcast, states, data_on_mesh(test), slots))
+        metrics = home(mapped_evaluate_slots(broadcast, states, place.data_on_mesh(test), slots))
         if global_x is None:
             return metrics
         return {**metrics, "global_accuracy": home(mapped_global_slots(

@@ -16,7 +16,7 @@ import numpy as np
 from fedjax_pfedes.algorithms.base import CohortProgram, PyTree, global_accuracy
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution.host_threads import ClientThreads, balanced_groups
-from fedjax_pfedes.execution.slot_rows import get_row, row_bytes
+from fedjax_pfedes.execution.slot_rows import get_row, row_bytes, zero_padded
 from fedjax_pfedes.execution.strategies.protocol import (
     UPLOAD_FACTS,
     CohortRunner,
@@ -26,13 +26,6 @@ from fedjax_pfedes.execution.strategies.protocol import (
     register_strategy,
 )
 from fedjax_pfedes.tree_util import put_rows, take_rows
-
-
-def _zero_padded(tree: PyTree, valid: jax.Array) -> PyTree:
-    """`tree`'s rows where `valid`, zeros (of each leaf's dtype: a bool stays a bool) elsewhere."""
-    return jax.tree.map(lambda a: jnp.where(
-        valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a,
-        jnp.zeros((), a.dtype)), tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +75,7 @@ class _Chunks:
     def mapped(self, fn: Callable, slots: jax.Array, n: int) -> PyTree:
         """fn(slot) -> per-client pytree, over `slots`, `size` at a time; zeros where padded."""
         def one(slot):
-            return _zero_padded(fn(jnp.minimum(slot, n - 1)), slot < n)
+            return zero_padded(fn(jnp.minimum(slot, n - 1)), slot < n)
         return jax.lax.map(one, slots, batch_size=self.size if self.size > 1 else None)
 
     def computed_steps(self, steps: np.ndarray, bucket: int) -> float:
@@ -131,10 +124,10 @@ def _scanned(client_update: Callable, chunks: _Chunks, broadcast, states, train,
             states_carry = chunks.write_rows(states_carry, slot, valid, new_rows)
             new_rows = None
         if reducer is None:  # the uploads are stacked outputs
-            return (states_carry, reduced), (_zero_padded(upload, valid), new_rows,
-                                             _zero_padded(metrics, valid))
+            return (states_carry, reduced), (zero_padded(upload, valid), new_rows,
+                                             zero_padded(metrics, valid))
         reduced = reduce(reduced, upload, metrics, rows.sizes, position, valid)
-        return (states_carry, reduced), (None, new_rows, _zero_padded(metrics, valid))
+        return (states_carry, reduced), (None, new_rows, zero_padded(metrics, valid))
 
     start = None if reducer is None else reducer.init(broadcast.operand)
     (states_out, reduced), (uploads, new_rows, metrics) = jax.lax.scan(
