@@ -533,6 +533,25 @@ def test_zero_buffers_of_a_tree_compile_one_program_and_are_independent():
     assert len(compiles) == before  # cached: the same tree of shapes compiles nothing more
 
 
+def test_padded_slots_are_zeroed_and_a_chunk_costs_its_longest_schedule_by_hand():
+    """`slot_rows.zero_padded` keeps valid rows and zeroes padded ones, any leaf rank, a bool
+    staying a bool; 'scan' at chunk 3 executes, per chunk of participants, 3 x its longest
+    schedule (steps 5, 1, 2 | 4: 3 x 5 + 3 x 4 = 27), at chunk 1 the participants' own 12."""
+    valid = jnp.array([True, False, True])
+    tree = {"m": jnp.arange(6.0).reshape(3, 2), "s": jnp.array([1, 2, 3], jnp.int32),
+            "b": jnp.array([True, True, True])}
+    out = slot_rows.zero_padded(tree, valid)
+    assert np.asarray(out["m"]).tolist() == [[0.0, 1.0], [0.0, 0.0], [4.0, 5.0]]
+    assert np.asarray(out["s"]).tolist() == [1, 0, 3]
+    assert out["b"].dtype == jnp.bool_ and np.asarray(out["b"]).tolist() == [True, False, True]
+    _, program, *_ = _setup("mlp")
+    steps = np.array([5.0, 1.0, 2.0, 4.0])
+    assert runners.make_runner(program, "scan", scan_chunk=3).computed_steps(steps, 6) == 27.0
+    assert runners.make_runner(program, "scan").computed_steps(steps, 6) == 12.0
+    assert runners.make_runner(program, "loop").computed_steps(steps, 6) == 12.0
+    assert runners.make_runner(program, "vmap").computed_steps(steps, 6) == 30.0
+
+
 def test_row_bytes_count_one_clients_row_by_hand():
     """One client's row of a stacked state, counted by hand: what the cost model prices, the
     lanes budget and the evaluation chunks size (the same for arrays and shapes, and for a
