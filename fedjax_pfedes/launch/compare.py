@@ -24,6 +24,11 @@ dropped for the method (its diverged runs are kept as evidence under
 method's seeds run at it. The grid's table goes into comparison.md too, with the rates dropped
 and the seeds that diverged.
 
+`--extend_edges=1` tries, for a method whose best local rate is the grid's smallest or largest,
+the next rate past that edge (on the 1-2-5 series when the grid is: 0.002 -> 0.001, 0.05 ->
+0.1), and keeps it when it scores better (then, with a larger value, the next one): a rate
+chosen at an edge of the grid says nothing about the rates beyond it.
+
 `--unseen_seeds=100` also runs every method, at its chosen rate, on a second seed range (100 ..
 100 + --seeds - 1) that neither the tuning nor the first range saw, and reports it in its own
 table and paired differences below the first: a comparison a reader can check on seeds it was
@@ -70,6 +75,10 @@ _SERVER_LR_GRID = flags.DEFINE_list(
     "own, e.g. 0.3x,1x,3x) to tune too, for every method "
     "whose config section has a server_lr (fedavgm, fedadam, scaffold, fednova, fedgh): each "
     "such method runs every (lr, server_lr) pair; empty = its section's value.")
+_EXTEND_EDGES = flags.DEFINE_integer(
+    "extend_edges", 0, "With --lr_grid: for a method whose best local rate is the grid's "
+    "smallest or largest, try one rate past that edge (the 1-2-5 series' next, e.g. 0.002 -> "
+    "0.001, when the grid is on it), up to this many more rates per method.", lower_bound=0)
 _REUSE = flags.DEFINE_bool("reuse", True, "Reuse finished runs in the workdir made with the same "
                            "config (resume an interrupted comparison).")
 _PAIRED = flags.DEFINE_list(
@@ -137,6 +146,8 @@ def _check_flags(argv: list[str]) -> tuple[list[float], list[float | str]]:
     except ValueError:
         fail(f"--server_lr_grid: '{','.join(_SERVER_LR_GRID.value)}' is not a comma-separated "
              "list of numbers or of multiples like 0.3x")
+    if _EXTEND_EDGES.value and not grid:
+        fail("--extend_edges needs --lr_grid (it extends the learning-rate grid)")
     if factors and not grid:
         fail("--server_lr_grid needs --lr_grid (it adds an axis to the learning-rate grid)")
     if any(not v > 0 for v in factors):
@@ -179,6 +190,9 @@ def _header(config, server_grid) -> str:
                    f"steps at momentum {config.train.local_momentum:g}) on validation "
                    f"splits of seed {lr_tuning.tuning_seed(config)}, which is not "
                    "reported; a rate that diverges on a reported seed is dropped."
+                   + (f" A best rate at an edge of the local rates is tried past it, up to "
+                      f"{_EXTEND_EDGES.value} more rate(s) per method." if _EXTEND_EDGES.value
+                      else "")
                    + (f" Server learning rates over {server_grid} for the methods that "
                       "have one." if server_grid else ""))
     return header
@@ -254,7 +268,7 @@ def _reported_seeds(config, variants, grid, server_grid, report: _Report):
         if _LR_GRID.value:
             variants, tuning = lr_tuning.tune_learning_rates(
                 config, _ALGORITHMS.value, grid, _WORKDIR.value, server_grid,
-                _PROGRESS.value, _REUSE.value, not _REPORT_ONLY.value)
+                _PROGRESS.value, _REUSE.value, not _REPORT_ONLY.value, _EXTEND_EDGES.value)
         results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
                                        _PROGRESS.value, reuse=_REUSE.value,
                                        on_seed_done=report.write,

@@ -7,6 +7,7 @@ kept, and a rate where a reported seed diverged is dropped (`set_aside_diverged`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -167,6 +168,43 @@ def grid_edges(chosen: int, local_rates: int, server_rates: int = 1) -> list[str
     return out
 
 
+def _one_two_five(rate: float) -> tuple[int, int] | None:
+    """(index of the mantissa in 1, 2, 5; the decade) when `rate` is on the 1-2-5 series
+    (0.002 -> (1, -3)), else None."""
+    decade = int(np.floor(np.log10(rate) + 1e-9))
+    mantissa = rate / 10.0 ** decade
+    for i, m in enumerate((1.0, 2.0, 5.0)):
+        if abs(mantissa - m) <= 1e-6 * m:
+            return i, decade
+    return None
+
+
+def rate_past_edge(grid: list[float], side: str) -> float:
+    """The next rate beyond one edge of a grid of rates.
+
+    Args:
+      grid: the rates tried (at least one; any order).
+      side: 'smallest' or 'largest': the edge to go past.
+
+    Returns:
+      On the 1-2-5 series when every rate of `grid` is on it (0.002 -> 0.001, 0.05 -> 0.1);
+      otherwise the edge's ratio to its neighbour continued (0.003, 0.01 -> 0.0009), or a
+      factor of 2 for a grid of one rate.
+    """
+    rates = sorted(grid)
+    edge = rates[0] if side == "smallest" else rates[-1]
+    step = -1 if side == "smallest" else 1
+    if all(_one_two_five(r) is not None for r in rates):
+        i, decade = _one_two_five(edge)
+        i += step
+        decade, i = decade + i // 3, i % 3
+        return float(f"{(1.0, 2.0, 5.0)[i] * 10.0 ** decade:.6g}")
+    if len(rates) == 1:
+        return float(f"{edge * 2.0 ** step:.6g}")
+    neighbour = rates[1] if side == "smallest" else rates[-2]
+    return float(f"{edge * edge / neighbour:.6g}")
+
+
 def edge_note(edges: dict[str, list[str]]) -> str:
     """The sentence under the grid's table naming the methods tuned at an edge of it ('' when
     none): a rate beyond the edge may score better, and `--lr_grid` / `--server_lr_grid` can
@@ -195,9 +233,73 @@ def _tuning_score(record: dict) -> float:
     return -np.inf if record.get("diverged") or not np.isfinite(np.float64(score)) else score
 
 
+@dataclasses.dataclass
+class _MethodTuning:
+    """One method's tuning: the effective steps it was tried at, its cells' scores, the chosen
+    cell (None until every run is finished) and where that lies on its grid's edges."""
+
+    rates: list[float]
+    cells: dict[str, dict]
+    scores: dict[str, float]
+    dropped: dict[str, list[int]]
+    best: str | None = None
+    edges: list[str] = dataclasses.field(default_factory=list)
+
+
+def _tune_method(config, a: str, grid: list[float], server_grid: list, on_validation,
+                 tuning_dir: str, extend_edges: int, show_progress: bool, reuse: bool,
+                 run_missing: bool) -> _MethodTuning:
+    """`a` tuned over `grid`, then, while its choice lies on an edge of the local rates and
+    fewer than `extend_edges` rates were added, over one rate past that edge more
+    (`rate_past_edge`; a finished run there is reused like any other)."""
+    rates, seed = sorted(grid), tuning_seed(config)
+    while True:
+        cells = grid_cells(config, a, rates, server_grid)
+        trials = {f"{a}/{cell}": overrides for cell, overrides in cells.items()}
+        out = experiments.run_grid(on_validation, trials, 1, tuning_dir, show_progress,
+                                   reuse=reuse, run_missing=run_missing)
+        records = dict(zip(cells, out.values(), strict=True))
+        if not all(records.values()):  # only with --report_only: no rate can be chosen yet
+            return _MethodTuning(rates, cells, {c: _tuning_score(r[0])
+                                                for c, r in records.items() if r}, {})
+        scores = {c: _tuning_score(r[0]) for c, r in records.items()}
+        names = list(cells)
+        dropped = {c: seeds for c in names if (seeds := diverged_seeds(tuning_dir, a, c, seed))}
+        best = choose_rate(names, list(scores.values()), dropped)
+        edges = grid_edges(names.index(best), len(rates), len(names) // len(rates))
+        local = [e for e in edges if e.endswith("local rate")]
+        added = len(rates) - len(grid)
+        if not local or added >= extend_edges or len(rates) < 2:
+            return _MethodTuning(rates, cells, scores, dropped, best, edges)
+        rates = sorted(rates + [rate_past_edge(rates, local[0].split()[1])])
+
+
+def _grid_rows(config, a: str, t: _MethodTuning, columns: list[float]) -> list[list[str]]:
+    """The grid table's rows of method `a`: one per server rate, a cell per column (an
+    effective step; '—' where `a` was not tried)."""
+    field, server = lr_field(config, a), server_lr_field(config, a)
+    names = list(t.cells)
+    per_row = len(names) // len(t.rates)  # server rates per local rate (1 without)
+    scaled = ("" if all(grid_rate(config, a, g) == g for g in t.rates)
+              else f", momentum {method_momentum(config, a):g}")
+    rows = []
+    for r in range(per_row):
+        row = dict(zip(t.rates, names[r::per_row], strict=True))
+        label = (f"{a} (`{field}`{scaled})" if per_row == 1 else
+                 f"{a} (`{field}`{scaled}; server lr {t.cells[row[t.rates[0]]][server]:g})")
+
+        def cell(c):
+            if t.best is None:
+                return grid_cell(t.scores[c], False, []) if c in t.scores else "not run yet"
+            return ((f"{t.cells[c][field]:g}: " if scaled else "")
+                    + grid_cell(t.scores[c], c == t.best, t.dropped.get(c, [])))
+        rows.append([label, *(cell(row[g]) if g in row else "—" for g in columns)])
+    return rows
+
+
 def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: str,
                         server_grid: list[float | str] = (), show_progress: bool = True,
-                        reuse: bool = True, run_missing: bool = True
+                        reuse: bool = True, run_missing: bool = True, extend_edges: int = 0
                         ) -> tuple[dict[str, dict], str]:
     """Runs `tuning_seed` of every method on validation data at every rate of `grid`.
 
@@ -210,50 +312,34 @@ def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: 
       show_progress: progress bars.
       reuse: take a finished run made with the same config (`experiments.run_grid`).
       run_missing: False: start no run (a report on what is finished).
+      extend_edges: for a method whose best local rate is the grid's smallest or largest, try
+        one rate past that edge (`rate_past_edge`), up to this many more rates per method.
 
     Returns:
       The variants at each method's best rate (`choose_rate`: rates where a reported seed
-      diverged are dropped) and the grid as a Markdown table, with `edge_note`'s sentence
-      under it when a method was tuned at an edge of the grid.
+      diverged are dropped) and the grid as a Markdown table (a column per effective step
+      any method was tried at), with sentences under it naming the rates tried past an edge
+      and the methods still tuned at one (`edge_note`).
     """
     if not grid or any(not lr > 0 for lr in grid):
         raise ConfigError(f"--lr_grid: rates must be > 0, got {grid}")
-    tuned, rows, edges = {}, [], {}
     tuning_dir = os.path.join(workdir, "lr_tuning")
-    seed = tuning_seed(config)
-    on_validation = experiments.with_overrides(config, {"seed": seed,
+    on_validation = experiments.with_overrides(config, {"seed": tuning_seed(config),
                                                         "data.validation_split": True})
-    for a in methods:
-        field = lr_field(config, a)
-        cells = grid_cells(config, a, grid, list(server_grid))
-        trials = {f"{a}/{cell}": overrides for cell, overrides in cells.items()}
-        out = experiments.run_grid(on_validation, trials, 1, tuning_dir, show_progress,
-                                   reuse=reuse, run_missing=run_missing)
-        if not all(out.values()):  # only with --report_only: no rate can be chosen yet
-            rows.append([f"{a} (`{field}`)", *(
-                "not run yet" if not r else f"{r[0]['final']['personalized_accuracy_mean']:.4f}"
-                for r in out.values())])
-            continue
-        scores = [_tuning_score(r[0]) for r in out.values()]
-        names = list(cells)
-        dropped = {c: seeds for c in names if (seeds := diverged_seeds(tuning_dir, a, c, seed))}
-        best = choose_rate(names, scores, dropped)
-        tuned[a] = cells[best]
-        scaled = ("" if all(grid_rate(config, a, g) == g for g in grid)
-                  else f", momentum {method_momentum(config, a):g}")
-        per_row = len(names) // len(grid)  # server rates per local rate (1 without)
-        edges[a] = grid_edges(names.index(best), len(grid), per_row)
-        for r in range(per_row):
-            row = names[r::per_row]
-            server = server_lr_field(config, a)
-            label = (f"{a} (`{field}`{scaled})" if per_row == 1 else
-                     f"{a} (`{field}`{scaled}; server lr {cells[row[0]][server]:g})")
-            rows.append([label, *((f"{cells[c][field]:g}: " if scaled else "")
-                                  + grid_cell(scores[names.index(c)], c == best,
-                                              dropped.get(c, [])) for c in row)])
-    table = markdown.table(["method", *(f"effective step {lr:g}" for lr in grid)], rows)
-    note = edge_note(edges)
-    return tuned, table + (f"\n\n{note}" if note else "")
+    tunings = {a: _tune_method(config, a, grid, list(server_grid), on_validation, tuning_dir,
+                               extend_edges, show_progress, reuse, run_missing)
+               for a in methods}
+    columns = sorted({g for t in tunings.values() for g in t.rates})
+    rows = [row for a, t in tunings.items() for row in _grid_rows(config, a, t, columns)]
+    table = markdown.table(["method", *(f"effective step {lr:g}" for lr in columns)], rows)
+    extended = [f"{a} {', '.join(f'{g:g}' for g in t.rates if g not in grid)}"
+                for a, t in tunings.items() if len(t.rates) > len(grid)]
+    notes = [edge_note({a: t.edges for a, t in tunings.items()})]
+    if extended:
+        notes.insert(0, "Tried past an edge of the grid, where the best rate was an edge "
+                        f"(--extend_edges={extend_edges}): " + "; ".join(extended) + ".")
+    tuned = {a: t.cells[t.best] for a, t in tunings.items() if t.best is not None}
+    return tuned, table + "".join(f"\n\n{n}" for n in notes if n)
 
 
 def check_unseen_seeds(config, first: int, seeds: int) -> None:

@@ -441,3 +441,61 @@ def test_a_resumed_runs_wall_time_counts_every_process():
     # a summary that says so counts them already
     assert experiments.run_wall_time_s({"wall_time_s": 9.0, "resumed_wall_time_s": 3.0},
                                        rows(1.0, 3.0, 4.5, 8.9)) == 9.0
+
+
+def test_rates_past_an_edge_follow_the_one_two_five_series_or_the_grids_own_ratio():
+    from fedjax_pfedes.studies.lr_tuning import rate_past_edge
+
+    grid = [0.005, 0.002, 0.01, 0.02, 0.05]  # any order
+    assert rate_past_edge(grid, "smallest") == 0.001
+    assert rate_past_edge(grid, "largest") == 0.1
+    assert rate_past_edge([0.001, 0.002], "smallest") == 0.0005
+    assert rate_past_edge([0.5, 1.0], "largest") == 2.0
+    assert rate_past_edge([0.005], "largest") == 0.01
+    assert rate_past_edge([0.003, 0.01], "smallest") == 0.0009  # off the series: 0.003^2/0.01
+    assert rate_past_edge([0.003], "largest") == 0.006
+
+
+def test_a_best_rate_at_an_edge_is_tried_past_it_up_to_the_limit(monkeypatch, tmp_path):
+    """Tuning with a fake run per rate (validation score peaking at 0.001 for fedavg, at 0.01
+    for fedprox): --extend_edges=1 adds 0.001 for fedavg alone, which wins and is still an
+    edge; 2 adds 0.0005 too, which scores lower, so 0.001 is chosen inside the grid; 0 leaves
+    the grid as given."""
+    from configs import quickstart
+    from fedjax_pfedes.studies import lr_tuning
+
+    peak = {"fedavg": 0.001, "fedprox": 0.01}
+    asked = []
+
+    def scored_by_rate(config, trials, seeds, workdir, show_progress, reuse, run_missing):
+        out = {}
+        for name, overrides in trials.items():
+            asked.append(name)
+            lr = overrides["train.lr_local"]
+            score = 0.9 - abs(np.log10(lr) - np.log10(peak[overrides["algorithm"]])) / 10
+            out[name] = [{"final": {"personalized_accuracy_mean": score}, "diverged": False,
+                          "seed": 1000}]
+        return out
+
+    monkeypatch.setattr(experiments, "run_grid", scored_by_rate)
+    config = quickstart.get_config()
+    grid = [0.002, 0.005, 0.01, 0.02, 0.05]
+    tune = lambda n: lr_tuning.tune_learning_rates(  # noqa: E731
+        config, ["fedavg", "fedprox"], grid, str(tmp_path), show_progress=False,
+        extend_edges=n)
+    tuned, table = tune(0)
+    assert tuned["fedavg"]["train.lr_local"] == 0.002 and "0.001" not in table
+    assert "Chosen at an edge of the grid" in table and "Tried past" not in table
+    tuned, table = tune(1)
+    assert tuned["fedavg"]["train.lr_local"] == 0.001
+    assert tuned["fedprox"]["train.lr_local"] == 0.01
+    assert "| effective step 0.001 | effective step 0.002 |" in table
+    assert "| fedprox (`train.lr_local`) | — | 0.8301 |" in table  # not tried there
+    assert "(--extend_edges=1): fedavg 0.001." in table
+    assert "fedavg (the smallest local rate)" in table  # still at the edge: the limit
+    asked.clear()
+    tuned, table = tune(2)
+    assert tuned["fedavg"]["train.lr_local"] == 0.001
+    assert "fedavg/lr0.0005" in asked and not any("fedprox/lr0.001" in a for a in asked)
+    assert "(--extend_edges=2): fedavg 0.0005, 0.001." in table
+    assert "Chosen at an edge" not in table
