@@ -170,6 +170,10 @@ COMPARE_CASES = {
     "L15": (["--config=configs/quickstart.py", "--algorithms="], r"--algorithms is empty"),
     "L18": (["--config=configs/quickstart.py", "--server_lr_grid=0.1"],
             r"--server_lr_grid needs --lr_grid"),
+    "L24": (["--config=configs/quickstart.py", "--extend_edges=1"],
+            r"--extend_edges needs --lr_grid"),
+    "L25": (["--config=configs/quickstart.py", "--lr_grid=0.01,0.1", "--extend_edges=-1"],
+            r"flag --extend_edges=-1: -1 is not a non-negative integer"),
 }
 
 
