@@ -269,7 +269,7 @@ def _tune_method(config, a: str, grid: list[float], server_grid: list, on_valida
         edges = grid_edges(names.index(best), len(rates), len(names) // len(rates))
         local = [e for e in edges if e.endswith("local rate")]
         added = len(rates) - len(grid)
-        if not local or added >= extend_edges or len(rates) < 2:
+        if not local or added >= extend_edges:  # (a single rate has no edge: `grid_edges`)
             return _MethodTuning(rates, cells, scores, dropped, best, edges)
         rates = sorted(rates + [rate_past_edge(rates, local[0].split()[1])])
 

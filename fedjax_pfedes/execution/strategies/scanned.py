@@ -142,13 +142,12 @@ class _Lanes:
     """'scan' on several host threads: a round's participants split into `threads` lanes of
     nearly equal work (dealt by their samples, `host_threads.balanced_groups`; equal sizes: slot
     positions j, j + threads, ...), each one scanned call of the same program, run at the same
-    time (one scan is one thread: two lanes on two cores take about two thirds of the time of
-    one scan on a cross-device round, docs/performance.md). A lane reads its participants' state
-    rows and returns their new ones, which one donated call writes back with the lanes' metrics
-    (and stacked uploads) put in slot order; streamed uploads are merged by the reducer
-    (`merge`). Every participant computes what it computes in one scan, so states, metrics and
-    stacked uploads are equal bit for bit; a streamed sum adds the lanes' sums (float
-    reassociation).
+    time (one scan is one thread; docs/performance.md measures what lanes gain). A lane reads
+    its participants' state rows and returns their new ones, which one donated call writes back
+    with the lanes' metrics (and stacked uploads) put in slot order; streamed uploads are merged
+    by the reducer (`merge`). Every participant computes what it computes in one scan, so
+    states, metrics and stacked uploads are equal bit for bit; a streamed sum adds the lanes'
+    sums (float reassociation).
 
     Args:
       scanned: `_scanned` with the cohort's client update and chunks bound.
