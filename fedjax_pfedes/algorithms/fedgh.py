@@ -21,15 +21,18 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
 
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.algorithms.base import Algorithm, CohortProgram
 from fedjax_pfedes.algorithms.fedproto import class_prototypes
-from fedjax_pfedes.algorithms.lg_fedavg import LGFedAvgConfig, global_head_program
+from fedjax_pfedes.algorithms.lg_fedavg import (
+    LGFedAvgConfig,
+    ServerState,
+    global_head_program,
+    global_head_server,
+)
 from fedjax_pfedes.algorithms.registry import AlgorithmEntry, BuildInputs, register
 from fedjax_pfedes.config.fields import Section, above, at_least, param
-from fedjax_pfedes.models import architectures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +55,6 @@ class FedGHConfig(FedGHSection, LGFedAvgConfig):
 def _config(inputs: BuildInputs) -> FedGHConfig:
     return FedGHConfig(**inputs.local_training(), **inputs.own(),
                        dim=inputs.settings.proxy_dim)
-
-
-@struct.dataclass
-class ServerState:
-    head: dict
-    round: jnp.ndarray
 
 
 def train_header_on_prototypes(head: dict, head_apply, prototypes: jnp.ndarray,
@@ -83,20 +80,10 @@ def train_header_on_prototypes(head: dict, head_apply, prototypes: jnp.ndarray,
 
 def fedgh(cfg: FedGHConfig) -> Algorithm:
     """Builds FedGH for heterogeneous cohorts."""
-    dummy_x = cfg.input_spec.dummy_batch()
-
-    def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
-        model = architectures.projected_classifier(archs[0], cfg.num_classes, cfg.dim,
-                                                   cfg.input_spec)
-        return ServerState(model.init(rng, dummy_x)["params"]["classifier"],
-                           jnp.zeros((), jnp.int32))
+    init_server, broadcast = global_head_server(cfg)
 
     def head_apply(head: dict, e: jnp.ndarray) -> jnp.ndarray:
         return e @ head["kernel"] + head["bias"]  # the Dense header of ProjectedClassifier
-
-    def broadcast(state: ServerState, arch: str = "") -> dict:
-        del arch
-        return state.head
 
     def upload_template(state: ServerState, arch: str = "") -> dict:
         del arch

@@ -91,8 +91,16 @@ def global_head_program(arch: str, cfg: LGFedAvgConfig, make_upload) -> CohortPr
     return classifier_program(init_client, client_update, predict)
 
 
-def lg_fedavg(cfg: LGFedAvgConfig) -> Algorithm:
-    """Builds LG-FedAvg for heterogeneous cohorts."""
+def global_head_server(cfg: LGFedAvgConfig):
+    """The server side of a global head (LG-FedAvg, FedGH).
+
+    Args:
+      cfg: the method's settings (classes, the common dimension d, the input).
+
+    Returns:
+      (init_server, broadcast): the head initialized as the first architecture's
+      `ProjectedClassifier` header at round 0, and the same head sent to every cohort.
+    """
     dummy_x = cfg.input_spec.dummy_batch()
 
     def init_server(rng: jax.Array, archs: tuple[str, ...]) -> ServerState:
@@ -104,6 +112,13 @@ def lg_fedavg(cfg: LGFedAvgConfig) -> Algorithm:
     def broadcast(state: ServerState, arch: str = "") -> dict:
         del arch
         return state.head
+
+    return init_server, broadcast
+
+
+def lg_fedavg(cfg: LGFedAvgConfig) -> Algorithm:
+    """Builds LG-FedAvg for heterogeneous cohorts."""
+    init_server, broadcast = global_head_server(cfg)
 
     def server_update(state: ServerState, groups: Mapping[str, tuple[dict, jax.Array]]
                       ) -> ServerState:
