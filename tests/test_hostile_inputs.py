@@ -17,6 +17,7 @@ from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DataError, NothingTrainedError
 from fedjax_pfedes.io.workdir import RunLockedError, WorkdirLock
+from fedjax_pfedes.launch import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,6 +194,39 @@ def test_compare_command_line_errors_are_one_line_with_exit_status_2(case, tmp_p
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert re.search(message, errors[0]), errors[0]
     assert "report_only" not in errors[0]
+
+
+def test_L26_a_stray_word_is_refused_before_the_program_runs(monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(sys, "argv", ["prog", "stray"])
+    with pytest.raises(SystemExit) as refused:
+        cli.run(ran.append)
+    assert refused.value.code == 2 and ran == []
+    assert capsys.readouterr().err.strip() == (
+        "error: unexpected arguments ['stray']: flags are --name=value")
+    monkeypatch.setattr(sys, "argv", ["prog"])
+    with pytest.raises(SystemExit):
+        cli.run(ran.append)
+    assert ran == [["prog"]]
+
+
+# Every launch program but launch.report (whose one word is the run directory).
+FLAG_PROGRAMS = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "launch"))
+                       if name.endswith(".py") and name not in ("__init__.py", "report.py"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program", FLAG_PROGRAMS)
+def test_L26_every_launch_program_refuses_a_stray_word(program, tmp_path):
+    args = {"methods": [], "stop_audit": [f"--runs={tmp_path}"]}.get(
+        program, [f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}"])
+    proc = subprocess.run([sys.executable, "-m", f"launch.{program}", *args, "stray"],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: unexpected arguments ['stray']: flags are --name=value"), proc.stderr[-2000:]
+    assert os.listdir(tmp_path) == []  # nothing ran, nothing written
 
 
 @pytest.mark.slow

@@ -173,13 +173,23 @@ def split_sweep_flags(argv: list[str]) -> tuple[list[str], dict[str, list[float]
     return rest, swept
 
 
-def run(main, required: tuple[str, ...] = ()) -> None:
-    """Runs `main(argv)` as a command line whose flag errors are one line (`parse_flags`).
+def run(main, required: tuple[str, ...] = (), flags_parser=parse_flags) -> None:
+    """Runs `main(argv)` as a command line whose flag errors are one line (`parse_flags`) and
+    whose stray words (anything after the flags that is not a `--name=value`) are refused the
+    same way, never ignored.
 
     Args:
-      main: the program, given the remaining argv.
+      main: the program, given argv (the program's name only: a stray word has exited 2).
       required: flags it cannot run without (e.g. 'config').
+      flags_parser: argv -> the rest after the flags (`parse_flags`, or a program's own that
+        ends in it, as `launch.sweep`'s).
     """
     if required:
         flags.mark_flags_as_required(list(required))
-    app.run(main, flags_parser=parse_flags)
+
+    def without_stray_words(argv: list[str]) -> None:
+        if len(argv) > 1:
+            fail(f"unexpected arguments {argv[1:]}: flags are --name=value")
+        main(argv)
+
+    app.run(without_stray_words, flags_parser=flags_parser)

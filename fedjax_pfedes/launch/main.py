@@ -36,8 +36,7 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        fail(f"unexpected arguments {argv[1:]}: flags are --name=value")
+    del argv
     config = loaded_config(_CONFIG)
     try:
         summary = run_experiment(config, _WORKDIR.value, show_progress=_PROGRESS.value)

@@ -13,12 +13,13 @@ paper.
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from fedjax_pfedes import markdown
 from fedjax_pfedes.algorithms import registry
 from fedjax_pfedes.config import defaults
 from fedjax_pfedes.config import fields as config_fields
+from fedjax_pfedes.launch import cli
 
 _FIELDS = flags.DEFINE_bool("fields", False, "list each method's own config fields (declared "
                             "in its module) with their defaults, ranges and help, and the "
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> None:
 
 def console() -> None:
     """`python -m launch.methods` from a checkout; `fedjax-pfedes-methods` installed."""
-    app.run(main)
+    cli.run(main)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,7 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        fail(f"unexpected arguments {argv[1:]}: flags are --name=value")
+    del argv
     config = loaded_config(_CONFIG)
     try:
         settings = PretrainSettings(_EPOCHS.value, _LR.value, _MOMENTUM.value, _BATCH.value)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError, StorageError
@@ -45,8 +45,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        fail(f"unexpected arguments {argv[1:]}: flags are --name=value")
+    del argv
     if len(_SWEPT) != 1:
         fail("give exactly one --sweep.FIELD=v1,v2,... (e.g. --sweep.lam=0.1,0.5,1.0,2.0), got "
              f"{len(_SWEPT)}")
@@ -74,7 +73,7 @@ def main(argv: list[str]) -> None:
 
 def console() -> None:
     """`python -m launch.sweep` from a checkout; `fedjax-pfedes-sweep` installed."""
-    app.run(main, flags_parser=parse_flags)
+    cli.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":
