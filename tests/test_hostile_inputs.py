@@ -229,6 +229,35 @@ def test_L26_every_launch_program_refuses_a_stray_word(program, tmp_path):
     assert os.listdir(tmp_path) == []  # nothing ran, nothing written
 
 
+PROGRAM_CASES = {  # (program, flags beside --config=configs/quickstart.py, the error)
+    "L27a": ("leakage", ["--victims=0"], r"flag --victims=0: 0 is not a positive integer"),
+    "L27b": ("leakage", ["--steps=-5"], r"flag --steps=-5: -5 is not a positive integer"),
+    "L27c": ("leakage", ["--noise_multiplier=-1"],
+             r"flag --noise_multiplier=-1: -1.0 is not a non-negative number"),
+    "L27d": ("leakage", ["--victims=100000"],
+             r"--victims=100000 and --secagg_clients=2 need 100001 training images; mnist5k "
+             r"has 4000"),
+    "L28a": ("sweep_heterogeneity", ["--ratios=abc"],
+             r"--ratios: 'abc' is not a comma-separated list of numbers"),
+    "L28b": ("sweep_heterogeneity", ["--seeds=0"], r"flag --seeds=0: 0 is not a positive integer"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(PROGRAM_CASES))
+def test_study_program_flags_out_of_range_are_one_line(case, tmp_path):
+    program, args, message = PROGRAM_CASES[case]
+    proc = subprocess.run([sys.executable, "-m", f"launch.{program}",
+                           f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}", *args,
+                           f"--workdir={tmp_path / 'out'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.search(message, errors[0]), errors[0]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_L16_an_absurd_target_epsilon_is_one_line_from_launch_main(tmp_path):
     proc = subprocess.run(

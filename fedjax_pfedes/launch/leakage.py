@@ -26,6 +26,7 @@ from fedjax_pfedes.data.catalog import load_dataset
 from fedjax_pfedes.engine.build import load_options
 from fedjax_pfedes.errors import DatasetUnavailableError
 from fedjax_pfedes.launch import cli
+from fedjax_pfedes.launch.cli import loaded_config
 from fedjax_pfedes.models import architectures
 from fedjax_pfedes.studies.gradient_inversion import (
     AttackConfig,
@@ -39,23 +40,30 @@ from fedjax_pfedes.studies.gradient_inversion import (
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (its data).")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/leakage", "Where the table and figure go.")
 _ARCH = flags.DEFINE_string("arch", "cnn_small", "Client model under attack.")
-_VICTIMS = flags.DEFINE_integer("victims", 4, "Clients attacked (one image each).")
-_STEPS = flags.DEFINE_integer("steps", 400, "Attack optimization steps.")
-_CLIP = flags.DEFINE_float("clip_norm", 0.0, "DP clip norm C (0 = median gradient norm).")
-_SIGMA = flags.DEFINE_float("noise_multiplier", 1.0, "DP noise multiplier sigma.")
-_SECAGG = flags.DEFINE_integer("secagg_clients", 2, "Clients summed by secure aggregation.")
+_VICTIMS = flags.DEFINE_integer("victims", 4, "Clients attacked (one image each).",
+                                lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 400, "Attack optimization steps.", lower_bound=1)
+_CLIP = flags.DEFINE_float("clip_norm", 0.0, "DP clip norm C (0 = median gradient norm).",
+                           lower_bound=0.0)
+_SIGMA = flags.DEFINE_float("noise_multiplier", 1.0, "DP noise multiplier sigma.",
+                            lower_bound=0.0)
+_SECAGG = flags.DEFINE_integer("secagg_clients", 2, "Clients summed by secure aggregation.",
+                               lower_bound=2)
 
 
 def main(argv: list[str]) -> None:
     del argv
-    config = _CONFIG.value
+    config = loaded_config(_CONFIG)
     try:
         central = load_dataset(config.data.name, load_options(config))
         if central.modality != "image":
             raise ValueError(f"launch.leakage attacks images; config.data.name="
                              f"'{config.data.name}' is {central.modality}")
-        if _SECAGG.value < 2:
-            raise ValueError(f"--secagg_clients must be >= 2, got {_SECAGG.value}")
+        if _VICTIMS.value + _SECAGG.value - 1 > len(central.y_train):
+            raise ValueError(f"--victims={_VICTIMS.value} and --secagg_clients="
+                             f"{_SECAGG.value} need {_VICTIMS.value + _SECAGG.value - 1} "
+                             f"training images; {config.data.name} has "
+                             f"{len(central.y_train)}")
         model = architectures.classifier_model(_ARCH.value, central.num_classes, central.input_spec)
     except (ValueError, DatasetUnavailableError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -25,6 +25,7 @@ from fedjax_pfedes import markdown
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DatasetUnavailableError
 from fedjax_pfedes.launch import cli
+from fedjax_pfedes.launch.cli import fail, loaded_config
 from fedjax_pfedes.studies import experiments
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
@@ -35,18 +36,22 @@ _MAJORITY = flags.DEFINE_string("majority", "convnet3", "The majority architectu
 _OTHERS = flags.DEFINE_list("others", ["convnet5", "vit", "mlp", "cnn_small"],
                             "Architectures of the minority (ratio 0.8 needs 4: none may outnumber "
                             "the majority).")
-_SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per cell.")
+_SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per cell.", lower_bound=1)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/heterogeneity", "Where runs and tables go.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
 
 
 def main(argv: list[str]) -> None:
     del argv
-    config = _CONFIG.value
+    config = loaded_config(_CONFIG)
     n = config.data.num_clients
     variants = {}
     try:
-        for ratio in map(float, _RATIOS.value):
+        ratios = [float(r) for r in _RATIOS.value]
+    except ValueError:
+        fail(f"--ratios: '{','.join(_RATIOS.value)}' is not a comma-separated list of numbers")
+    try:
+        for ratio in ratios:
             archs = experiments.heterogeneous_architectures(n, ratio, _MAJORITY.value,
                                                             _OTHERS.value)
             for name in _ALGORITHMS.value:
@@ -62,7 +67,7 @@ def main(argv: list[str]) -> None:
     methods = _ALGORITHMS.value
     both = {"pfedes", "fedavg"} <= set(methods)
     rows = []
-    for ratio in map(float, _RATIOS.value):
+    for ratio in ratios:
         acc = {m: np.mean([r["final"]["personalized_accuracy_mean"]
                            for r in results[f"r{ratio:g}/{m}"]]) for m in methods}
         archs = variants[f"r{ratio:g}/{methods[0]}"]["clients.architectures"]
