@@ -2,6 +2,7 @@
 L10-L16, R12-R14 of docs/threat_model.md): each gets a one-line error naming the field, file or
 value (exit 2 from the command line), or the correct behaviour."""
 
+import errno
 import os
 import re
 import subprocess
@@ -256,6 +257,74 @@ def test_study_program_flags_out_of_range_are_one_line(case, tmp_path):
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert re.search(message, errors[0]), errors[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_L29_a_full_disk_under_any_program_is_one_line(monkeypatch, capsys):
+    def writes_on_a_full_disk(argv):
+        raise OSError(errno.ENOSPC, "No space left on device", "/out/comparison.md")
+
+    monkeypatch.setattr(sys, "argv", ["prog"])
+    with pytest.raises(SystemExit) as refused:
+        cli.run(writes_on_a_full_disk)
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: writing /out/comparison.md failed: no space left on the device (errno 28)")
+
+    def has_a_bug(argv):
+        raise OSError(errno.ENOENT, "No such file or directory", "/in/data.npz")
+
+    with pytest.raises(FileNotFoundError):  # not the disk's fault: not hidden
+        cli.run(has_a_bug)
+
+
+def test_L30_an_output_folder_is_checked_before_any_work(tmp_path, monkeypatch, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for path, message in [(a_file, f"--workdir={a_file} is a file, not a directory"),
+                          (a_file / "sub", f"--workdir={a_file / 'sub'} cannot be created "
+                                           "(Not a directory)")]:
+        with pytest.raises(SystemExit) as refused:
+            cli.output_folder("workdir", str(path))
+        assert refused.value.code == 2
+        assert capsys.readouterr().err.strip() == f"error: {message}"
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # root passes chmod
+    with pytest.raises(SystemExit):
+        cli.output_folder("figures", str(tmp_path / "new"), "the folder of --output=x/y.md")
+    assert capsys.readouterr().err.strip() == (
+        "error: the folder of --output=x/y.md cannot be written (permission denied)")
+    monkeypatch.undo()
+    assert cli.output_folder("workdir", str(tmp_path / "new")) == str(tmp_path / "new")
+
+
+OUTPUT_CASES = {  # (program, its flags; {file} is a plain file, so {file}/sub cannot be made)
+    "L30a": ("leakage", ["--workdir={file}/sub"]),
+    "L30b": ("profile_data", ["--workdir={file}/sub"]),
+    "L30c": ("sweep_heterogeneity", ["--workdir={file}/sub"]),
+    "L30d": ("sweep", ["--sweep.lam=0.5,1", "--workdir={file}/sub"]),
+    "L30e": ("compare", ["--workdir={file}/sub"]),
+    "L30f": ("findings", ["--finding=F1", "--workdir={file}/sub"]),
+    "L30g": ("findings", ["--finding=F1", "--workdir={tmp}/w", "--figures={file}/sub"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(OUTPUT_CASES))
+def test_L30_an_output_folder_that_cannot_be_made_stops_every_program_first(case, tmp_path):
+    program, args = OUTPUT_CASES[case]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    args = [a.format(file=a_file, tmp=tmp_path) for a in args]
+    proc = subprocess.run([sys.executable, "-m", f"launch.{program}",
+                           f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}", *args],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.search(r"--(workdir|figures)=.*a_file/sub cannot be created \(Not a directory\)",
+                     errors[0]), errors[0]
+    written = [name for _, _, names in os.walk(tmp_path) for name in names]
+    assert written == ["a_file"]  # no run started (at most an empty folder made)
 
 
 @pytest.mark.slow

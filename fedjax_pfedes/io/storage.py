@@ -4,8 +4,9 @@ tracebacks.
 
 Before training (`check_workdir`): the path's length against the file system's limits, with
 room for the deepest file a run writes, and the free space against an estimate of one
-checkpoint. While a run writes: `storage_error` turns an `OSError` (or orbax's wrapping of one)
-into a `StorageError`."""
+checkpoint. While a run writes: `is_storage_fault` tells a failure of the disk or file system
+(an `OSError`, or orbax's wrapping of one) from a bug, and `file_of` and `cause` name its file
+and cause for the one-line `StorageError`."""
 
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ from typing import NoReturn
 import ml_collections
 from absl import app, flags
 
+from fedjax_pfedes.io import storage
+
 # JAX's start-up notes (no TPU library, where the compilation cache lives) are INFO lines that
 # absl prints on stderr; above an error they hide the one line that matters.
 for _name in ("jax._src.xla_bridge", "jax._src.compilation_cache"):
@@ -174,9 +176,10 @@ def split_sweep_flags(argv: list[str]) -> tuple[list[str], dict[str, list[float]
 
 
 def run(main, required: tuple[str, ...] = (), flags_parser=parse_flags) -> None:
-    """Runs `main(argv)` as a command line whose flag errors are one line (`parse_flags`) and
+    """Runs `main(argv)` as a command line whose flag errors are one line (`parse_flags`),
     whose stray words (anything after the flags that is not a `--name=value`) are refused the
-    same way, never ignored.
+    same way, never ignored, and whose disk faults (full, read-only, failing) are one line
+    naming the file, exit 2.
 
     Args:
       main: the program, given argv (the program's name only: a stray word has exited 2).
@@ -187,9 +190,38 @@ def run(main, required: tuple[str, ...] = (), flags_parser=parse_flags) -> None:
     if required:
         flags.mark_flags_as_required(list(required))
 
-    def without_stray_words(argv: list[str]) -> None:
+    def checked_main(argv: list[str]) -> None:
         if len(argv) > 1:
             fail(f"unexpected arguments {argv[1:]}: flags are --name=value")
-        main(argv)
+        try:
+            main(argv)
+        except OSError as e:  # a full disk, a read-only or failing file system: one line
+            if not storage.is_storage_fault(e):
+                raise
+            fail(f"writing {storage.file_of(e) or 'the output'} failed: {storage.cause(e)}")
 
-    app.run(without_stray_words, flags_parser=flags_parser)
+    app.run(checked_main, flags_parser=flags_parser)
+
+
+def output_folder(flag: str, path: str, label: str = "") -> str:
+    """Creates the folder an output flag names before any work is done, or one line and exit 2
+    when it is a file, cannot be created or cannot be written.
+
+    Args:
+      flag: the flag's name, for the message (e.g. 'workdir').
+      path: the folder.
+      label: how the message names it, when not `--flag=path` (e.g. the folder of a file flag).
+
+    Returns:
+      `path`, an existing writable folder.
+    """
+    label = label or f"--{flag}={path}"
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"{label} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        fail(f"{label} cannot be created ({e.strerror})")
+    if not os.access(path, os.W_OK | os.X_OK):
+        fail(f"{label} cannot be written (permission denied)")
+    return path

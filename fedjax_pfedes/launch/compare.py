@@ -134,8 +134,6 @@ def _check_flags(argv: list[str]) -> tuple[list[float], list[float | str]]:
     if not _ALGORITHMS.value and not _VARIANT.value:
         fail("--algorithms is empty: name the methods to compare, e.g. "
              "--algorithms=pfedes,fedavg")
-    if os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
-        fail(f"--workdir={_WORKDIR.value} is a file, not a directory")
     try:
         grid = [float(v) for v in _LR_GRID.value]
     except ValueError:
@@ -154,6 +152,11 @@ def _check_flags(argv: list[str]) -> tuple[list[float], list[float | str]]:
     if len({v.endswith("x") for v in _SERVER_LR_GRID.value}) > 1:
         fail("--server_lr_grid: give all rates or all multiples (e.g. 0.3x,1x,3x), not both")
     server_grid = [v if v.endswith("x") else float(v) for v in _SERVER_LR_GRID.value]
+    if _REPORT_ONLY.value:
+        if os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
+            fail(f"--workdir={_WORKDIR.value} is a file, not a directory")
+    else:
+        cli.output_folder("workdir", _WORKDIR.value)
     return grid, server_grid
 
 

@@ -95,7 +95,6 @@ def write_section(output: str, name: str, text: str) -> None:
         current = head + text + rest.split(end, 1)[1]
     else:
         current = current.rstrip("\n") + "\n\n" + text + "\n"
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with open(output, "w") as f:
         f.write(current)
 
@@ -109,6 +108,10 @@ def main(argv: list[str]) -> None:
     base.train.allow_divergence = True  # a diverging variant is a result (F5), not an error
     if _SEEDS.value < 1:
         fail(f"--seeds must be >= 1, got {_SEEDS.value}")
+    cli.output_folder("workdir", _WORKDIR.value)
+    cli.output_folder("figures", _FIGURES.value)
+    cli.output_folder("output", os.path.dirname(os.path.abspath(_OUTPUT.value)),
+                      f"the folder of --output={_OUTPUT.value}")
     try:
         chosen = pfedes_findings.resolve(_FINDING.value)
         variants = pfedes_findings.variants_of(chosen, base)

@@ -68,7 +68,7 @@ def main(argv: list[str]) -> None:
     except (ValueError, DatasetUnavailableError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    os.makedirs(_WORKDIR.value, exist_ok=True)
+    cli.output_folder("workdir", _WORKDIR.value)
     rng = np.random.default_rng(config.seed)
     n = _VICTIMS.value + _SECAGG.value - 1
     idx = rng.choice(len(central.y_train), size=n, replace=False)

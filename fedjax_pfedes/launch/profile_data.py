@@ -28,7 +28,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/profile", "Where the profile fil
 
 def main(argv: list[str]) -> None:
     del argv
-    config = _CONFIG.value
+    config = cli.loaded_config(_CONFIG)
+    cli.output_folder("workdir", _WORKDIR.value)
     try:
         validate_config(config)
         data = build_federated_data(config)

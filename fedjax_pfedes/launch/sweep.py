@@ -50,6 +50,7 @@ def main(argv: list[str]) -> None:
         fail("give exactly one --sweep.FIELD=v1,v2,... (e.g. --sweep.lam=0.1,0.5,1.0,2.0), got "
              f"{len(_SWEPT)}")
     config = loaded_config(_CONFIG)
+    cli.output_folder("workdir", _WORKDIR.value)
     (field, values), = _SWEPT.items()
     try:
         records = vectorized_sweep.run_sweep(config, field, values, _WORKDIR.value, _PROGRESS.value,

@@ -44,6 +44,7 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
 def main(argv: list[str]) -> None:
     del argv
     config = loaded_config(_CONFIG)
+    cli.output_folder("workdir", _WORKDIR.value)
     n = config.data.num_clients
     variants = {}
     try:
