@@ -175,23 +175,27 @@ def split_sweep_flags(argv: list[str]) -> tuple[list[str], dict[str, list[float]
     return rest, swept
 
 
-def run(main, required: tuple[str, ...] = (), flags_parser=parse_flags) -> None:
+def run(main, required: tuple[str, ...] = (), flags_parser=parse_flags,
+        takes_words: bool = False) -> None:
     """Runs `main(argv)` as a command line whose flag errors are one line (`parse_flags`),
     whose stray words (anything after the flags that is not a `--name=value`) are refused the
     same way, never ignored, and whose disk faults (full, read-only, failing) are one line
     naming the file, exit 2.
 
     Args:
-      main: the program, given argv (the program's name only: a stray word has exited 2).
+      main: the program, given argv (the program's name only, unless `takes_words`: a stray
+        word has exited 2).
       required: flags it cannot run without (e.g. 'config').
       flags_parser: argv -> the rest after the flags (`parse_flags`, or a program's own that
         ends in it, as `launch.sweep`'s).
+      takes_words: the program reads words after its flags itself (`launch.report`'s run
+        directory) and checks them.
     """
     if required:
         flags.mark_flags_as_required(list(required))
 
     def checked_main(argv: list[str]) -> None:
-        if len(argv) > 1:
+        if len(argv) > 1 and not takes_words:
             fail(f"unexpected arguments {argv[1:]}: flags are --name=value")
         try:
             main(argv)

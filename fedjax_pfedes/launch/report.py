@@ -12,9 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app
-
 from fedjax_pfedes.io.run_report import write_report
+from fedjax_pfedes.launch import cli
 
 
 def main(argv: list[str]) -> None:
@@ -36,7 +35,7 @@ def main(argv: list[str]) -> None:
 
 def console() -> None:
     """`python -m launch.report` from a checkout; `fedjax-pfedes-report` installed."""
-    app.run(main)
+    cli.run(main, takes_words=True)
 
 
 if __name__ == "__main__":
