@@ -3,6 +3,8 @@ one client's padded arrays, and small end-to-end run configs."""
 
 import os
 import pathlib
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +109,15 @@ def client_dp_config(rounds: int, every: int, noise_multiplier: float = 1.1):
     config.dp.enabled = True
     config.dp.noise_multiplier = noise_multiplier
     return config
+
+
+def launch_error_line(program: str, args: list[str], cwd=ROOT) -> str:
+    """Runs `python -m launch.<program> <args>`, which must refuse its input: exit status 2, one
+    line starting 'error: ' on stderr and no traceback. Returns that line."""
+    proc = subprocess.run([sys.executable, "-m", f"launch.{program}", *args], cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return errors[0]

@@ -5,12 +5,11 @@ value (exit 2 from the command line), or the correct behaviour."""
 import errno
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-from fl_helpers import tiny_config
+from fl_helpers import launch_error_line, tiny_config
 
 from fedjax_pfedes.data.arrays import load_npz
 from fedjax_pfedes.data.sources import LoadOptions
@@ -188,13 +187,9 @@ def test_compare_command_line_errors_are_one_line_with_exit_status_2(case, tmp_p
     args = [a.format(file=a_file) for a in args]
     if not any(a.startswith("--workdir") for a in args):
         args.append(f"--workdir={tmp_path / 'cmp'}")
-    proc = subprocess.run([sys.executable, "-m", "launch.compare", *args, "--progress=false",
-                           "--seeds=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert re.search(message, errors[0]), errors[0]
-    assert "report_only" not in errors[0]
+    error = launch_error_line("compare", [*args, "--progress=false", "--seeds=1"])
+    assert re.search(message, error), error
+    assert "report_only" not in error
 
 
 def test_L26_a_stray_word_is_refused_before_the_program_runs(monkeypatch, capsys):
@@ -221,12 +216,8 @@ FLAG_PROGRAMS = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "laun
 def test_L26_every_launch_program_refuses_a_stray_word(program, tmp_path):
     args = {"methods": [], "stop_audit": [f"--runs={tmp_path}"]}.get(
         program, [f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}"])
-    proc = subprocess.run([sys.executable, "-m", f"launch.{program}", *args, "stray"],
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "error: unexpected arguments ['stray']: flags are --name=value"), proc.stderr[-2000:]
+    error = launch_error_line(program, [*args, "stray"], cwd=tmp_path)
+    assert error == "error: unexpected arguments ['stray']: flags are --name=value"
     assert os.listdir(tmp_path) == []  # nothing ran, nothing written
 
 
@@ -248,14 +239,9 @@ PROGRAM_CASES = {  # (program, flags beside --config=configs/quickstart.py, the 
 @pytest.mark.parametrize("case", sorted(PROGRAM_CASES))
 def test_study_program_flags_out_of_range_are_one_line(case, tmp_path):
     program, args, message = PROGRAM_CASES[case]
-    proc = subprocess.run([sys.executable, "-m", f"launch.{program}",
-                           f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}", *args,
-                           f"--workdir={tmp_path / 'out'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert re.search(message, errors[0]), errors[0]
+    error = launch_error_line(program, ["--config=configs/quickstart.py", *args,
+                                        f"--workdir={tmp_path / 'out'}"])
+    assert re.search(message, error), error
     assert not (tmp_path / "out").exists()
 
 
@@ -314,27 +300,19 @@ def test_L30_an_output_folder_that_cannot_be_made_stops_every_program_first(case
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     args = [a.format(file=a_file, tmp=tmp_path) for a in args]
-    proc = subprocess.run([sys.executable, "-m", f"launch.{program}",
-                           f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}", *args],
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    error = launch_error_line(
+        program, [f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}", *args],
+        cwd=tmp_path)
     assert re.search(r"--(workdir|figures)=.*a_file/sub cannot be created \(Not a directory\)",
-                     errors[0]), errors[0]
+                     error), error
     written = [name for _, _, names in os.walk(tmp_path) for name in names]
     assert written == ["a_file"]  # no run started (at most an empty folder made)
 
 
 @pytest.mark.slow
 def test_L16_an_absurd_target_epsilon_is_one_line_from_launch_main(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch.main", "--config=configs/private_quickstart.py",
-         "--config.dp.target_epsilon=1e9", "--config.train.rounds=1",
-         f"--workdir={tmp_path / 'run'}", "--progress=false"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "config.dp.target_epsilon=1e+09" in errors[0]
-    assert "protects nothing" in errors[0] and "math domain" not in proc.stderr
+    error = launch_error_line("main", [
+        "--config=configs/private_quickstart.py", "--config.dp.target_epsilon=1e9",
+        "--config.train.rounds=1", f"--workdir={tmp_path / 'run'}", "--progress=false"])
+    assert "config.dp.target_epsilon=1e+09" in error
+    assert "protects nothing" in error and "math domain" not in error

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fl_helpers import tiny_config
+from fl_helpers import launch_error_line, tiny_config
 
 from configs import quickstart
 from fedjax_pfedes.data import partitions
@@ -145,12 +145,8 @@ def test_command_line_errors_are_one_line_with_exit_status_2(case, tmp_path):
     args = [a.format(broken=broken, file=a_file, nan_npz=nan_npz) for a in args]
     if not any(a.startswith("--workdir") for a in args):
         args.append(f"--workdir={tmp_path / 'run'}")
-    proc = subprocess.run([sys.executable, "-m", "launch.main", *args, "--progress=false"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert re.search(message, errors[0]), errors[0]
+    error = launch_error_line("main", [*args, "--progress=false"])
+    assert re.search(message, error), error
 
 
 # --- D: data (DataError naming the file, the array and the first offending index) ---------------

@@ -44,13 +44,13 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
 def main(argv: list[str]) -> None:
     del argv
     config = loaded_config(_CONFIG)
-    cli.output_folder("workdir", _WORKDIR.value)
     n = config.data.num_clients
     variants = {}
     try:
         ratios = [float(r) for r in _RATIOS.value]
     except ValueError:
         fail(f"--ratios: '{','.join(_RATIOS.value)}' is not a comma-separated list of numbers")
+    cli.output_folder("workdir", _WORKDIR.value)
     try:
         for ratio in ratios:
             archs = experiments.heterogeneous_architectures(n, ratio, _MAJORITY.value,
