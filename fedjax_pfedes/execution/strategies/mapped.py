@@ -89,7 +89,6 @@ def mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
     client_evaluate = map_clients(program.evaluate, (None, 0, 0))
     client_global = map_clients(functools.partial(global_accuracy, program), (None, 0, None, None))
     place = _Placement(mesh)
-    on_mesh, rows_on_mesh, home = place.on_mesh, place.rows_on_mesh, place.home
 
     @functools.partial(jit, donate_argnums=1)
     def mapped_update(broadcast, states, train, slots, keys):
@@ -116,19 +115,21 @@ def mapped_runner(program: CohortProgram, name: str, map_clients: Callable,
 
     def update(broadcast, states, train, slots, keys):
         refuse_reducer(broadcast, name)
-        uploads, states, metrics = mapped_update(on_mesh(broadcast), rows_on_mesh(states),
-                                                 place.data_on_mesh(train),
-                                                 on_mesh(jnp.asarray(slots)), on_mesh(keys))
-        return home(uploads), states, home(metrics)
+        uploads, states, metrics = mapped_update(
+            place.on_mesh(broadcast), place.rows_on_mesh(states), place.data_on_mesh(train),
+            place.on_mesh(jnp.asarray(slots)), place.on_mesh(keys))
+        return place.home(uploads), states, place.home(metrics)
 
     def evaluate_slots(broadcast, states, test, slots, global_x=None, global_y=None):
-        broadcast, states, slots = on_mesh(broadcast), rows_on_mesh(states), on_mesh(
-            jnp.asarray(slots))
-        metrics = home(mapped_evaluate_slots(broadcast, states, place.data_on_mesh(test), slots))
+        broadcast, states = place.on_mesh(broadcast), place.rows_on_mesh(states)
+        slots = place.on_mesh(jnp.asarray(slots))
+        metrics = place.home(mapped_evaluate_slots(broadcast, states, place.data_on_mesh(test),
+                                                   slots))
         if global_x is None:
             return metrics
-        return {**metrics, "global_accuracy": home(mapped_global_slots(
-            broadcast, states, on_mesh(test.sizes), slots, *on_mesh((global_x, global_y))))}
+        global_accuracy = mapped_global_slots(broadcast, states, place.on_mesh(test.sizes), slots,
+                                              *place.on_mesh((global_x, global_y)))
+        return {**metrics, "global_accuracy": place.home(global_accuracy)}
 
     def computed_steps(steps: np.ndarray, bucket: int) -> float:
         return float(bucket * np.max(steps)) if len(steps) else 0.0
