@@ -23,7 +23,8 @@ class DataSection(Section):
     path: str = param("", "'npz': the .npz file (x_train, y_train, x_test, y_test)")
     max_train_samples: int = param(
         0, "keep a seeded random subset of the pool (0 = all)", at_least(0, " (0 = all)"))
-    shifted_samples: int = param(200_000, "'mnist_shifted': pool size (shifted MNIST-5k digits)")
+    shifted_samples: int = param(200_000, "'mnist_shifted': pool size (shifted MNIST-5k digits)",
+                                 at_least(1))
     text_max_length: int = param(64, "text: tokens per example (truncate / pad)", at_least(1))
     text_vocab_size: int = param(10000, "text: vocabulary incl. padding (0) and unknown (1)",
                                  at_least(3))
@@ -43,9 +44,12 @@ class DataSection(Section):
         40, "Dirichlet / quantity skew: guaranteed minimum samples per client", at_least(0))
     quantity_sigma: float = param(
         1.0, "quantity skew: client sizes ~ LogNormal(0, sigma)", at_least(0))
-    classes_per_client: int = param(2, "pathological: classes each client holds")
-    class_share_low: float = param(0.4, "pathological: per-(client, class) share ~ U(low, high)")
-    class_share_high: float = param(0.6, "pathological: the upper end of that share")
+    classes_per_client: int = param(2, "pathological: classes each client holds (at most the "
+                                    "dataset's classes)", at_least(1))
+    class_share_low: float = param(0.4, "pathological: per-(client, class) share ~ U(low, high)",
+                                   above(0))
+    class_share_high: float = param(0.6, "pathological: the upper end of that share (>= low)",
+                                    above(0))
     local_test_fraction: float = param(
         0.2, "each client's local test split (0.2: train:test 8:2)", between(0, 1))
     validation_split: bool = param(

@@ -93,7 +93,8 @@ class AsynchronousSection(Section):
     SECTION: ClassVar[str] = "asynchronous"
 
     enabled: bool = param(False, "buffered asynchronous rounds")
-    concurrency: int = param(10, "clients training at any time")
+    concurrency: int = param(10, "clients training at any time (buffer_size .. the clients)",
+                             at_least(1).when_enabled())
     buffer_size: int = param(5, "K updates per server step", at_least(1).when_enabled())
     staleness: str = param("polynomial", "'constant' | 'polynomial' | 'hinge'",
                            one_of(*STALENESS).when_enabled())
@@ -119,7 +120,8 @@ class ExecutionSection(Section):
         "cross-device strategy. Same numbers for any, up to float reassociation")
     scan_chunk: int = param(1, "'scan': participants vmapped per iteration",
                             at_least(1, integer=True))
-    devices: int = param(0, "devices of the 'shard' mesh (0 = all local devices)")
+    devices: int = param(0, "devices of the 'shard' mesh (0 = all local devices)",
+                         at_least(0, " (0 = all)"))
     eval_memory_budget_gb: float = param(
         4.0, "'vmap' / 'shard': memory one vectorized evaluation call may take; a cohort that "
         "needs more is evaluated in chunks of clients (same numbers for any value)", above(0))
@@ -140,7 +142,7 @@ class ExecutionSection(Section):
         "10,000+ clients, docs/guide/scale.md)")
     client_state_budget_gb: float = param(
         8.0, "'offload': host memory all cohorts' states may take; above it they are "
-        "memory-mapped files in client_state_dir")
+        "memory-mapped files in client_state_dir", above(0))
     client_state_dir: str = param("", "'offload': folder of those files ('' = "
                                   "<workdir>/client_states)")
     unroll_local_steps: bool = param(
@@ -151,12 +153,6 @@ class ExecutionSection(Section):
         "compiled programs ('default' = $XDG_CACHE_HOME or ~/.cache, /fedjax_pfedes/jax; '' "
         "= off)")
 
-    def check(self) -> None:
-        if self.client_states != "offload":
-            return
-        if not self.client_state_budget_gb > 0:
-            raise ConfigError("config.execution.client_state_budget_gb must be > 0, got "
-                             f"{self.client_state_budget_gb!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +165,6 @@ class DistributedSection(Section):
     coordinator_address: str = param(
         "", "'' = one process; 'host:port' of process 0; 'auto' = read the cluster's "
         "environment (TPU pod slice, SLURM)")
-    num_processes: int = param(1, "processes of the run")
-    process_id: int = param(0, "this process's index")
+    num_processes: int = param(1, "processes of the run", at_least(1))
+    process_id: int = param(0, "this process's index (below num_processes)", at_least(0))
     cpu_collectives: str = param("gloo", "between CPU processes: 'gloo' | 'mpi'")

@@ -37,8 +37,8 @@ class TrainSection(Section):
     local_epochs: int = param(2, "E: local epochs per round", at_least(1))
     adaptive_epochs: bool = param(
         False, "E_i = clip(round(E * sqrt(median n / n_i)), min_epochs, max_epochs)")
-    min_epochs: int = param(1, "adaptive epochs: the fewest")
-    max_epochs: int = param(4, "adaptive epochs: the most")
+    min_epochs: int = param(1, "adaptive epochs: the fewest", at_least(1))
+    max_epochs: int = param(4, "adaptive epochs: the most (>= min_epochs)", at_least(1))
     batch_size: int = param(32, "local batch size", at_least(1))
     drop_partial_batch: bool = param(
         False, "skip an epoch's last partial batch when a client has a full one (PyTorch's "

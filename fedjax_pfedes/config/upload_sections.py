@@ -37,7 +37,7 @@ class UploadSection(Section):
         "the round's median (0 = the factor alone)", at_least(0, " (0 = the factor alone)"))
     norm_outlier_hard_factor: float = param(
         50.0, "the norm rule: reject above this x the median per sample whatever the spread "
-        "(0 = no such bound)")
+        "(0 = no such bound; else >= norm_outlier_factor)", at_least(0, " (0 = no such bound)"))
     norm_outlier_model_ratio: float = param(
         -1.0, "the norm rule: only an update whose norm is > this x the norm of the model it "
         "updates can be rejected (0 = any; -1 = the method's AlgorithmEntry.norm_model_ratio: "
@@ -134,7 +134,8 @@ class SecAggSection(Section):
     threshold_fraction: float = param(0.6, "Shamir threshold t = ceil(fraction * participants)",
                                      between(0, 1, "(]"))
     ring_bits: int = param(64, "fixed-point ring Z_(2^bits): 32 | 64", one_of(32, 64))
-    fraction_bits: int = param(24, "fixed-point fractional bits (0 < it < ring_bits - 2)")
+    fraction_bits: int = param(24, "fixed-point fractional bits (below ring_bits - 2)",
+                               above(0))
     dropout_after_upload: float = param(0.0, "simulated share of senders lost before "
                                         "unmasking", between(0, 1, "[)"))
     min_senders: int = param(3, "fewer senders in a round: no update, no release (>= 2: with "

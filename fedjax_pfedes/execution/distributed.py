@@ -66,8 +66,6 @@ def settings(section: DistributedSection | ml_collections.ConfigDict | None) -> 
     s = Settings(**dataclasses.asdict(section))
     if s.coordinator_address == "auto":
         return s
-    if s.num_processes < 1:
-        raise ConfigError(f"config.distributed.num_processes must be >= 1, got {s.num_processes}")
     if not 0 <= s.process_id < s.num_processes:
         raise ConfigError(f"config.distributed.process_id={s.process_id} is out of range for "
                          f"config.distributed.num_processes={s.num_processes} (0.."

@@ -171,6 +171,20 @@ def test_the_repeat_check_sees_a_literal_default():
         "Opts.lr_local", "Opts.seed"]
 
 
+# A number any value of which means something: no range to declare.
+UNBOUNDED_NUMBERS = {"config.attack.value"}  # a constant, a scale (a negative flips), a std
+
+
+def test_every_number_declares_its_range():
+    """A numeric field's static range sits in its declaration (shown by `launch.methods
+    --all_fields`, checked when the section is built); a module's `check` adds only rules across
+    fields or against the data."""
+    missing = [row.path for section in every_section() for row in fields.rows(section)
+               if isinstance(row.default, (int, float)) and not isinstance(row.default, bool)
+               and not row.wanted and row.path not in UNBOUNDED_NUMBERS]
+    assert missing == []
+
+
 def test_a_value_out_of_its_declared_range_is_named_when_the_section_is_built():
     config = fedjax_pfedes.default_config()
     config.fedkd.energy_start = 1.5

@@ -111,7 +111,7 @@ def _distributed(**fields):
      r"config\.distributed\.process_id=2 is out of range for "
      r"config\.distributed\.num_processes=2 \(0\.\.1\)"),
     (dict(num_processes=2, process_id=-1, coordinator_address="127.0.0.1:1234"),
-     r"config\.distributed\.process_id=-1 is out of range"),
+     r"config\.distributed\.process_id must be >= 0, got -1"),
     (dict(num_processes=0), r"config\.distributed\.num_processes must be >= 1, got 0"),
     (dict(num_processes=2, process_id=1), r"config\.distributed\.coordinator_address: several "
      r"processes need process 0's 'host:port'"),
