@@ -53,6 +53,7 @@ from fedjax_pfedes.errors import (
     DatasetUnavailableError,
     DivergedError,
     NothingTrainedError,
+    RunInterrupted,
 )
 from fedjax_pfedes.models.backbones import register_architecture
 from fedjax_pfedes.upload.stages import UploadStage, register_stage
@@ -73,6 +74,7 @@ __all__ = [
     "InputSpec",
     "LoadOptions",
     "NothingTrainedError",
+    "RunInterrupted",
     "Range",
     "RoundEnd",
     "RunInfo",

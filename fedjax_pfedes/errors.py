@@ -30,6 +30,11 @@ class DivergedError(RuntimeError):
     `diverged: true` has been written."""
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """The user stopped a run (Ctrl-C, SIGINT): the message says where it can resume from. A
+    `KeyboardInterrupt`, so that code catching `Exception` does not swallow it."""
+
+
 class StorageError(RuntimeError):
     """The workdir's disk or file system failed (no space, I/O error, a name too long): the
     message names the file and the cause; the last good checkpoint is kept."""

@@ -89,6 +89,8 @@ class RoundEnd:
         is saved only when a checkpoint is due anyway, so a diverged state is never saved
         unless it falls on the schedule).
       stop_reason: why, for summary.json (`stopped_early`).
+      interrupted: the user pressed Ctrl-C during the round (`engine.ctrl_c`): the run stops
+        after it, its state saved as a checkpoint, without a summary (it is not finished).
     """
 
     round: int
@@ -100,6 +102,7 @@ class RoundEnd:
     evaluated: bool = False
     stop: bool = False
     stop_reason: str = ""
+    interrupted: bool = False
 
 
 class Callback:
@@ -318,7 +321,8 @@ class Checkpointing(Callback):
         return first_round, state
 
     def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
-        if not checkpoints.due(run.config.checkpoint.every, end.round, run.rounds):
+        if not (checkpoints.due(run.config.checkpoint.every, end.round, run.rounds)
+                or (end.interrupted and not end.stop and run.config.checkpoint.every > 0)):
             return
         snapshot = distributed.process_local(end.state.to_checkpoint())
         if self.writer:

@@ -33,6 +33,7 @@ from fedjax_pfedes.engine.callbacks import (
     divergence_cause,
     some,
 )
+from fedjax_pfedes.engine.ctrl_c import CtrlC
 from fedjax_pfedes.engine.evaluation import (
     dp_sgd_statement,
     evaluation_sample,
@@ -41,7 +42,13 @@ from fedjax_pfedes.engine.evaluation import (
 )
 from fedjax_pfedes.engine.plateau import PlateauStop
 from fedjax_pfedes.engine.validate import validate_config
-from fedjax_pfedes.errors import ConfigError, DivergedError, NothingTrainedError, StorageError
+from fedjax_pfedes.errors import (
+    ConfigError,
+    DivergedError,
+    NothingTrainedError,
+    RunInterrupted,
+    StorageError,
+)
 from fedjax_pfedes.execution import choice, compilation, distributed, offload
 from fedjax_pfedes.io import metrics, storage
 from fedjax_pfedes.io.workdir import WorkdirLock, data_fingerprint
@@ -95,6 +102,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
     lock.acquire()
     try:
         return _run(config, workdir, show_progress, callbacks)
+    except KeyboardInterrupt:
+        raise RunInterrupted(_where_to_resume(config, workdir)) from None
     except OSError as e:
         if not storage.is_storage_fault(e):
             raise
@@ -104,6 +113,18 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
                            f"{storage.cause(e)}{kept}") from None
     finally:
         lock.release()
+
+
+def _where_to_resume(config: ml_collections.ConfigDict, workdir: str) -> str:
+    """What an interrupted run left: its last checkpoint, which the same command resumes."""
+    steps = sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints"))
+                   if n.isdigit()) if os.path.isdir(os.path.join(workdir, "checkpoints")) else []
+    if config.checkpoint.every > 0 and steps:
+        return (f"the run in {workdir} was interrupted; its last checkpoint is round "
+                f"{steps[-1]}: the same command resumes from it")
+    return (f"the run in {workdir} was interrupted before its first checkpoint "
+            f"(config.checkpoint.every={config.checkpoint.every}): the same command starts it "
+            "over")
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
@@ -151,7 +172,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
     try:
         for cb in chain:
             cb.on_run_start(run)
-        state, last, stopped = _train(run, state, chain, rejected_before)
+        with CtrlC() as ctrl_c:
+            state, last, stopped = _train(run, state, chain, rejected_before, ctrl_c)
         summary = _summary(run, state, last, data, fingerprint, divergence.diverged,
                            stopped, workdir)
         for cb in chain:
@@ -173,8 +195,11 @@ def _batch_rates(config: ml_collections.ConfigDict, ctx) -> dict[int, float]:
             for cid, n in zip(c.client_ids, np.asarray(c.train.sizes), strict=True)}
 
 
-def _train(run: RunInfo, state, chain: Sequence[Callback], rejected_total: int):
-    """The rounds from `run.first_round`, each ended through the callbacks.
+def _train(run: RunInfo, state, chain: Sequence[Callback], rejected_total: int,
+           ctrl_c: CtrlC):
+    """The rounds from `run.first_round`, each ended through the callbacks; after a round
+    during which Ctrl-C was pressed (`ctrl_c.requested`), the callbacks save it as a
+    checkpoint and `RunInterrupted` ends the run.
 
     Returns:
       (the last state, the last evaluated round's record, the `RoundEnd` that stopped the run
@@ -193,7 +218,8 @@ def _train(run: RunInfo, state, chain: Sequence[Callback], rejected_total: int):
                   "participation_min": int(state.sampler.selected.min()),
                   "participation_max": int(state.sampler.selected.max()),
                   **ctx.upload.privacy_metrics(state.dp_noise_multipliers)}
-        end = RoundEnd(r + 1, state, record, rows, rejections, t0)
+        end = RoundEnd(r + 1, state, record, rows, rejections, t0,
+                       interrupted=ctrl_c.requested and r + 1 < run.rounds)
         for cb in chain:
             cb.on_round_end(run, end)
         state = end.state
@@ -201,6 +227,8 @@ def _train(run: RunInfo, state, chain: Sequence[Callback], rejected_total: int):
             last = end.record
         if end.stop:
             return state, last, end
+        if end.interrupted:
+            raise RunInterrupted()  # run_experiment names the checkpoint to resume from
     return state, last, None
 
 

@@ -180,7 +180,7 @@ def run(main, required: tuple[str, ...] = (), flags_parser=parse_flags,
     """Runs `main(argv)` as a command line whose flag errors are one line (`parse_flags`),
     whose stray words (anything after the flags that is not a `--name=value`) are refused the
     same way, never ignored, and whose disk faults (full, read-only, failing) are one line
-    naming the file, exit 2.
+    naming the file, exit 2. Ctrl-C is one line too (a run's says where it resumes), exit 130.
 
     Args:
       main: the program, given argv (the program's name only, unless `takes_words`: a stray
@@ -203,6 +203,9 @@ def run(main, required: tuple[str, ...] = (), flags_parser=parse_flags,
             if not storage.is_storage_fault(e):
                 raise
             fail(f"writing {storage.file_of(e) or 'the output'} failed: {storage.cause(e)}")
+        except KeyboardInterrupt as e:  # Ctrl-C: one line (where to resume), the shell's 130
+            print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+            sys.exit(130)
 
     app.run(checked_main, flags_parser=flags_parser)
 
