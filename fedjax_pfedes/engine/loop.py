@@ -119,12 +119,12 @@ def _where_to_resume(config: ml_collections.ConfigDict, workdir: str) -> str:
     """What an interrupted run left: its last checkpoint, which the same command resumes."""
     steps = sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints"))
                    if n.isdigit()) if os.path.isdir(os.path.join(workdir, "checkpoints")) else []
-    if config.checkpoint.every > 0 and steps:
-        return (f"the run in {workdir} was interrupted; its last checkpoint is round "
-                f"{steps[-1]}: the same command resumes from it")
-    return (f"the run in {workdir} was interrupted before its first checkpoint "
-            f"(config.checkpoint.every={config.checkpoint.every}): the same command starts it "
-            "over")
+    if config.checkpoint.every > 0 and config.checkpoint.resume and steps:
+        return (f"the run in {workdir} stopped; its last checkpoint is round {steps[-1]}: the "
+                "same command resumes from it")
+    return (f"the run in {workdir} stopped with no checkpoint to resume from "
+            f"(config.checkpoint.every={config.checkpoint.every}, resume="
+            f"{config.checkpoint.resume}): the same command starts it over")
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
