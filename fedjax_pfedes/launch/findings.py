@@ -108,15 +108,18 @@ def main(argv: list[str]) -> None:
     base.train.allow_divergence = True  # a diverging variant is a result (F5), not an error
     if _SEEDS.value < 1:
         fail(f"--seeds must be >= 1, got {_SEEDS.value}")
-    cli.output_folder("workdir", _WORKDIR.value)
-    cli.output_folder("figures", _FIGURES.value)
-    cli.output_folder("output", os.path.dirname(os.path.abspath(_OUTPUT.value)),
-                      f"the folder of --output={_OUTPUT.value}")
     try:
         chosen = pfedes_findings.resolve(_FINDING.value)
         variants = pfedes_findings.variants_of(chosen, base)
         for overrides in variants.values():
             validate_config(experiments.with_overrides(base, overrides))
+    except (ConfigError, ValueError) as e:
+        fail(str(e))
+    cli.output_folder("workdir", _WORKDIR.value)
+    cli.output_folder("figures", _FIGURES.value)
+    cli.output_folder("output", os.path.dirname(os.path.abspath(_OUTPUT.value)),
+                      f"the folder of --output={_OUTPUT.value}")
+    try:
         workdir = os.path.join(_WORKDIR.value, base.data.name)
         results = experiments.run_grid(base, variants, _SEEDS.value, workdir, _PROGRESS.value,
                                        reuse=True)
