@@ -14,8 +14,10 @@ import jax
 class CtrlC:
     """A context in which SIGINT sets `requested` instead of raising, once.
 
-    Only in the main thread of a single-process run: elsewhere Python cannot install the
-    handler, and processes of a multi-process run would disagree on the round to stop after.
+    Only where SIGINT raises `KeyboardInterrupt` (Python's default: not where it is ignored, as
+    in a job started with nohup, nor where a caller handles it), in the main thread (elsewhere
+    Python cannot install a handler) of a single-process run (its processes would disagree on
+    the round to stop after).
     """
 
     def __init__(self):
@@ -23,7 +25,9 @@ class CtrlC:
         self._previous = None
 
     def __enter__(self) -> CtrlC:
-        if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                and jax.process_count() == 1):
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 

@@ -16,6 +16,14 @@ from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.launch import cli
 
 
+@pytest.fixture(autouse=True)
+def python_default_sigint():
+    """SIGINT as in a terminal (pytest-xdist's workers ignore it)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def test_the_first_ctrl_c_is_a_request_the_second_stops_at_once():
     before = signal.getsignal(signal.SIGINT)
     with CtrlC() as ctrl_c:
@@ -27,6 +35,13 @@ def test_the_first_ctrl_c_is_a_request_the_second_stops_at_once():
     with CtrlC() as ctrl_c:
         pass
     assert not ctrl_c.requested and signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_sigint_the_environment_ignores_stays_ignored():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # nohup, a background job
+    with CtrlC() as ctrl_c:
+        os.kill(os.getpid(), signal.SIGINT)
+    assert not ctrl_c.requested and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 @pytest.mark.parametrize("raised, line", [
