@@ -290,6 +290,8 @@ OUTPUT_CASES = {  # (program, its flags; {file} is a plain file, so {file}/sub c
     "L30e": ("compare", ["--workdir={file}/sub"]),
     "L30f": ("findings", ["--finding=F1", "--workdir={file}/sub"]),
     "L30g": ("findings", ["--finding=F1", "--workdir={tmp}/w", "--figures={file}/sub"]),
+    "L30h": ("pretrain_proxy", ["--output={file}/sub/proxy.msgpack",
+                                "--config.data.public_fraction=0.1"]),
 }
 
 
@@ -303,8 +305,8 @@ def test_L30_an_output_folder_that_cannot_be_made_stops_every_program_first(case
     error = launch_error_line(
         program, [f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}", *args],
         cwd=tmp_path)
-    assert re.search(r"--(workdir|figures)=.*a_file/sub cannot be created \(Not a directory\)",
-                     error), error
+    assert re.search(r"(--(workdir|figures)=|the folder of --output=).*a_file/sub"
+                     r"(/proxy.msgpack)? cannot be created \(Not a directory\)", error), error
     written = [name for _, _, names in os.walk(tmp_path) for name in names]
     assert written == ["a_file"]  # no run started (at most an empty folder made)
 

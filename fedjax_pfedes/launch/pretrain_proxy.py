@@ -15,6 +15,7 @@ the global test set (a linear probe) is printed and saved in the file's metadata
 from __future__ import annotations
 
 import json
+import os
 
 from absl import flags
 from ml_collections import config_flags
@@ -45,12 +46,14 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 def main(argv: list[str]) -> None:
     del argv
     config = loaded_config(_CONFIG)
+    output = proxy_init.resolve(_OUTPUT.value, config.seed)
+    cli.output_folder("output", os.path.dirname(os.path.abspath(output)),
+                      f"the folder of --output={_OUTPUT.value}")
     try:
         settings = PretrainSettings(_EPOCHS.value, _LR.value, _MOMENTUM.value, _BATCH.value)
         view = method_settings(config, "pfedes")
         params, report = pretrain_proxy(view, settings, *load_validated_pool(config),
                                         show_progress=_PROGRESS.value)
-        output = proxy_init.resolve(_OUTPUT.value, config.seed)
         save_pretrained(output, view, params, report)
     except (ConfigError, DatasetUnavailableError, DataError) as e:
         fail(str(e))
