@@ -111,13 +111,16 @@ def client_dp_config(rounds: int, every: int, noise_multiplier: float = 1.1):
     return config
 
 
-def launch_error_line(program: str, args: list[str], cwd=ROOT) -> str:
+def launch_error_line(program: str, args: list[str], cwd=ROOT, absent: tuple[str, ...] = ()
+                      ) -> str:
     """Runs `python -m launch.<program> <args>`, which must refuse its input: exit status 2, one
-    line starting 'error: ' on stderr and no traceback. Returns that line."""
+    line starting 'error: ' on stderr, no traceback and none of the texts `absent` anywhere on
+    stderr. Returns that line."""
     proc = subprocess.run([sys.executable, "-m", f"launch.{program}", *args], cwd=cwd,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not [text for text in absent if text in proc.stderr], proc.stderr[-2000:]
     return errors[0]

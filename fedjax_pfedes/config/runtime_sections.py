@@ -154,7 +154,6 @@ class ExecutionSection(Section):
         "= off)")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class DistributedSection(Section):
     """`config.distributed`: several processes (hosts) in one run (`jax.distributed`;

@@ -117,8 +117,9 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str,
 
 def _where_to_resume(config: ml_collections.ConfigDict, workdir: str) -> str:
     """What an interrupted run left: its last checkpoint, which the same command resumes."""
-    steps = sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints"))
-                   if n.isdigit()) if os.path.isdir(os.path.join(workdir, "checkpoints")) else []
+    folder = os.path.join(workdir, "checkpoints")
+    steps = sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(
+        folder) else []
     if config.checkpoint.every > 0 and config.checkpoint.resume and steps:
         return (f"the run in {workdir} stopped; its last checkpoint is round {steps[-1]}: the "
                 "same command resumes from it")
