@@ -89,6 +89,12 @@ class EvalSection(Section):
     every: int = param(5, "evaluate every k rounds (and after the last)", at_least(1))
     global_test_samples: int = param(0, "0 = the whole global test set",
                                      at_least(0, " (0 = the whole global test set)"))
+    global_every: int = param(
+        1, "score the global test set at every k-th evaluation (every `eval.every` x k rounds; "
+        "0 = only at the run's end) and always at the evaluation that ends the run: scoring "
+        "every client's model on it can cost more than the rounds between evaluations, and "
+        "no personalized figure, stop or verdict depends on it",
+        at_least(0, " (0 = only at the run's end)"))
     after_training: bool = param(
         False, "True: every synchronous round also records "
         "`participants_accuracy_after_training`, the mean local-test accuracy of that round's "

@@ -6,9 +6,13 @@ each may add to the record, replace the state or ask the loop to stop. The loop'
 built the same way, in this order:
 
   Evaluation      decides whether the round is evaluated (every `eval.every` rounds, the last
-                  round, a round whose losses went non-finite) and adds the evaluation
+                  round, a round whose losses went non-finite) and adds the evaluation (the
+                  global test set's at every `eval.global_every`-th)
   DivergenceCheck marks a non-finite record `diverged` and stops the run
+  PlateauStop     with `train.stop_at_plateau`: stops the run where its accuracy stopped moving
   <your callbacks, in the order given to `fedjax_pfedes.run(..., callbacks=[...])`>
+  GlobalAtEnd     scores the global test set at the round that ends the run, where
+                  `eval.global_every` skipped it
   MetricsWriter   times the round, writes metrics.jsonl / clients.jsonl / rejections.jsonl /
                   TensorBoard, keeps evaluated records in `SimState.history`
   ProgressBar     the tqdm bar with the latest accuracies
@@ -125,7 +129,9 @@ class Callback:
 
 class Evaluation(Callback):
     """Evaluates every `eval.every` rounds, at the last round and in a round that diverged
-    (personalized and global accuracy, per-architecture means, the DP-SGD accountant)."""
+    (personalized accuracy, per-architecture means, the DP-SGD accountant), with the global
+    test set at every `eval.global_every`-th of those rounds (each, by default);
+    `GlobalAtEnd` scores it at the evaluation that ends the run."""
 
     def __init__(self, global_test, eval_sample, batch_rate: dict[int, float]):
         self.global_test, self.eval_sample, self.batch_rate = global_test, eval_sample, batch_rate
@@ -134,15 +140,40 @@ class Evaluation(Callback):
         r = end.round
         end.evaluated = (r % run.config.eval.every == 0 or r == run.rounds
                          or bool(non_finite_metrics(end.record)))
-        if not end.evaluated:
-            return
+        if end.evaluated:
+            k = run.config.eval.global_every
+            self.score(run, end, k == 1 or (k > 0 and r % (run.config.eval.every * k) == 0))
+
+    def score(self, run: RunInfo, end: RoundEnd, with_global: bool) -> None:
+        """Adds the round's evaluation to `end.record` (the global test set's scores when
+        `with_global`)."""
         steps = {i: int(s) for i, s in enumerate(end.state.dp_sgd_steps) if s > 0}
         d = run.config.dp_sgd
         end.record.update(dp_sgd_metrics(d.noise_multiplier if d.enabled else None, d.delta,
                                          steps, self.batch_rate,
                                          run.ctx.algorithm.dp_sgd_releases_per_step))
         end.record.update(evaluate(run.ctx.algorithm, end.state.server, run.ctx.cohorts,
-                                   end.state.clients, *self.global_test, self.eval_sample))
+                                   end.state.clients,
+                                   *(self.global_test if with_global else (None, None)),
+                                   self.eval_sample))
+
+
+class GlobalAtEnd(Callback):
+    """With `eval.global_every` other than 1: the round that ends the run (the last, or one
+    that a callback stopped) is evaluated with the global test set, evaluated at all if it was
+    not, so summary.json's final record always holds it. Placed after the callbacks that may
+    stop the run."""
+
+    def __init__(self, evaluation: Evaluation):
+        self.evaluation = evaluation
+
+    def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
+        ends = end.stop or end.round == run.rounds
+        if (run.config.eval.global_every == 1 or not ends
+                or "global_accuracy_mean" in end.record):
+            return
+        end.evaluated = True
+        self.evaluation.score(run, end, with_global=True)
 
 
 def some(names: list[str], shown: int = 3) -> str:
@@ -219,8 +250,9 @@ class ProgressBar(Callback):
     def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
         self.bar.update(1)
         if end.evaluated:
-            self.bar.set_postfix(pacc=f"{end.record['personalized_accuracy_mean']:.3f}",
-                                 gacc=f"{end.record['global_accuracy_mean']:.3f}")
+            shown = {"pacc": end.record["personalized_accuracy_mean"],
+                     "gacc": end.record.get("global_accuracy_mean")}
+            self.bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items() if v is not None})
 
     def close(self) -> None:
         if self.bar is not None:

@@ -26,6 +26,7 @@ from fedjax_pfedes.engine.callbacks import (
     Checkpointing,
     DivergenceCheck,
     Evaluation,
+    GlobalAtEnd,
     MetricsWriter,
     ProgressBar,
     RoundEnd,
@@ -162,11 +163,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str, show_progress: bool,
                                  config.monitor.client_report)
     resumed_s = sum(metrics.process_wall_times(metrics.read_jsonl(writers.metrics.path)))
     divergence = DivergenceCheck()
-    chain = [Evaluation(global_test_set(data, config.eval.global_test_samples, config.seed),
-                        evaluation_sample(config.eval.clients, config.seed, ctx.num_clients),
-                        _batch_rates(config, ctx)),
-             divergence, *plateau_stop(config.train), *callbacks, MetricsWriter(writers),
-             ProgressBar(show_progress), saving]
+    evaluation = Evaluation(global_test_set(data, config.eval.global_test_samples, config.seed),
+                            evaluation_sample(config.eval.clients, config.seed, ctx.num_clients),
+                            _batch_rates(config, ctx))
+    chain = [evaluation, divergence, *plateau_stop(config.train), *callbacks,
+             GlobalAtEnd(evaluation), MetricsWriter(writers), ProgressBar(show_progress), saving]
     run = RunInfo(config, ctx, out_dir, first_round, config.train.rounds,
                   start - resumed_s, resumed_s)
     rejected_before = sum(1 for _ in metrics.read_jsonl(writers.rejections.path))

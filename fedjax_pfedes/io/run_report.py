@@ -174,10 +174,14 @@ def _write_markdown(workdir: str, rows: list[dict], evaluated: list[dict], summa
     table = [["rounds written", last["round"]]]
     if evaluated:
         e = evaluated[-1]
-        table += [[f"personalized accuracy (round {e['round']})",
-                   f"{e['personalized_accuracy_mean']:.4f} "
-                   f"(std {e['personalized_accuracy_std']:.4f})"],
-                  ["global accuracy", f"{e['global_accuracy_mean']:.4f}"]]
+        table.append([f"personalized accuracy (round {e['round']})",
+                      f"{e['personalized_accuracy_mean']:.4f} "
+                      f"(std {e['personalized_accuracy_std']:.4f})"])
+        scored = [r for r in evaluated if "global_accuracy_mean" in r]  # eval.global_every
+        if scored:
+            g = scored[-1]
+            table.append(["global accuracy" + ("" if g is e else f" (round {g['round']})"),
+                          f"{g['global_accuracy_mean']:.4f}"])
     for key, label in (("simulated_clock_s", "simulated wall-clock (s)"),
                        ("uploads_rejected_total", "uploads rejected"),
                        ("dp_epsilon", "DP epsilon")):

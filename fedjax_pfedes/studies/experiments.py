@@ -83,7 +83,8 @@ def run_record(config: ml_collections.ConfigDict, summary: dict, run_dir: str) -
         "seed": config.seed, "final": summary["final"], "run_dir": run_dir,
         "rounds": [r["round"] for r in rows],
         "personalized_accuracy": [r["personalized_accuracy_mean"] for r in rows],
-        "global_accuracy": [r["global_accuracy_mean"] for r in rows],
+        # None at an evaluation that skipped the global test set (`eval.global_every`).
+        "global_accuracy": [r.get("global_accuracy_mean") for r in rows],
         "upload_params_per_client": summary["final"]["upload_params_per_client"],
         "wall_time_s": run_wall_time_s(summary, every_round),
         "majority_class_accuracy_mean": summary["majority_class_accuracy_mean"],

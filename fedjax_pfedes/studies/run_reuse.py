@@ -33,9 +33,10 @@ def same_config(old: Any, new: Any, default: Any) -> bool:
 
 # Fields that change what a run reports or keeps, or how fast it runs, never its numbers:
 # ignored when a finished run is matched for reuse (`loop_threads`: bit-identical numbers;
-# `scan_held_uploads`, retired, decided only whether a round could stop: archives carry it).
+# `scan_held_uploads`, retired, decided only whether a round could stop: archives carry it;
+# `global_every`: which evaluations score the global test set, the final one always).
 RESULT_NEUTRAL = (("train", "allow_divergence"), ("train", "allow_untrained"),
-                  ("monitor", "tensorboard"),
+                  ("monitor", "tensorboard"), ("eval", "global_every"),
                   ("checkpoint", "every"), ("checkpoint", "max_to_keep"),
                   ("execution", "compilation_cache_dir"), ("execution", "loop_threads"),
                   ("execution", "scan_held_uploads"))

@@ -209,6 +209,22 @@ def test_a_finished_run_is_reused_whatever_its_loop_threads_but_not_another_lr(t
     assert run_reuse.finished_run(config, str(tmp_path)) is None
 
 
+def test_a_finished_run_is_reused_whatever_its_global_every(tmp_path):
+    """`eval.global_every` decides which evaluations score the global test set, never a number
+    a comparison reports (the final evaluation always scores it): a run archived before the
+    field existed, or made with another value, is reused."""
+    import json
+
+    config = _tiny()
+    old = config.to_dict()
+    del old["eval"]["global_every"]
+    (tmp_path / "summary.json").write_text(json.dumps({"config": old}))
+    config.eval.global_every = 0
+    assert run_reuse.finished_run(config, str(tmp_path)) is not None
+    config.eval.every += 1
+    assert run_reuse.finished_run(config, str(tmp_path)) is None
+
+
 def test_the_stop_rules_settings_match_any_run_made_without_the_stop(tmp_path):
     """A run made without `train.stop_at_plateau` never reads `train.plateau_*`: a config that
     sets another minimum (configs/collaboration_mnist.py) still reuses the archived fixed-round
