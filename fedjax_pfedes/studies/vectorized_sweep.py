@@ -32,8 +32,9 @@ import numpy as np
 
 from fedjax_pfedes.algorithms.base import PyTree
 from fedjax_pfedes.data.federated import FederatedData
-from fedjax_pfedes.engine.callbacks import Callback, RunInfo
-from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.engine.callbacks import Callback, RoundEnd, RunInfo
+from fedjax_pfedes.engine.ctrl_c import CtrlC
+from fedjax_pfedes.errors import ConfigError, RunInterrupted
 from fedjax_pfedes.execution import distributed, kernels, slot_rows
 from fedjax_pfedes.execution.strategies import protocol
 from fedjax_pfedes.execution.strategies.protocol import CohortRunner
@@ -131,10 +132,15 @@ class Coordinator:
     the client update vmapped (or `lax.map`ped) over the members — and wakes the others with
     their results. A
     member whose run ends (finished or diverged) `leave`s, and the others go on without it.
+
+    A stop (Ctrl-C: `stop_requested`) is taken at such a meeting, where every active member is
+    in the same round: `stop_round` is that round, after which each member's `_Route` ends its
+    run with a checkpoint, so that all of them resume from the same round.
     """
 
     def __init__(self, config: ml_collections.ConfigDict, data: FederatedData, dotted: str,
-                 values: list[float], member_axis: str = "vmap"):
+                 values: list[float], member_axis: str = "vmap",
+                 stop_requested: Callable[[], bool] = lambda: False):
         if member_axis not in MEMBER_AXES:
             raise ConfigError(f"--member_axis: '{member_axis}' is not one of {MEMBER_AXES}")
         self.config, self.data, self.dotted = config, data, dotted
@@ -148,6 +154,9 @@ class Coordinator:
         self.cond = threading.Condition()
         self.calls: dict[str, Callable] = {}
         self.shapes: dict[str, PyTree] = {}
+        self.stop_requested = stop_requested
+        self.stop_round: int | None = None
+        self.in_round: dict[int, int] = {}  # member -> the round it is in (set by its _Route)
 
     def runner(self, member: int, arch: str, inner: CohortRunner) -> CohortRunner:
         """`inner` (the member's own runner, kept for evaluation) with its update routed here.
@@ -192,6 +201,8 @@ class Coordinator:
             return
         members = sorted(self.active)
         archs = {self.pending[m][0] for m in members}
+        if self.stop_round is None and self.stop_requested():
+            self.stop_round = max(self.in_round.get(m, 0) for m in members)
         try:
             if len(archs) != 1:
                 raise RuntimeError(f"members reached different cohorts: {sorted(archs)}")
@@ -277,14 +288,23 @@ def _stacked_facts(fn: Callable) -> Callable:
 
 
 class _Route(Callback):
-    """Routes member m's cohorts through the coordinator's batched program."""
+    """Routes member m's cohorts through the coordinator's batched program, tells it the
+    round the member is in, and ends the member's run after the coordinator's `stop_round`
+    (`RoundEnd.interrupted`: the round is checkpointed, then the run raises RunInterrupted)."""
 
     def __init__(self, coordinator: Coordinator, member: int):
         self.coordinator, self.member = coordinator, member
 
     def on_run_start(self, run: RunInfo) -> None:
+        self.coordinator.in_round[self.member] = run.first_round + 1
         for c in run.ctx.cohorts:
             c.runner = self.coordinator.runner(self.member, c.arch, c.runner)
+
+    def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
+        self.coordinator.in_round[self.member] = end.round + 1
+        stop = self.coordinator.stop_round
+        if stop is not None and stop <= end.round < run.rounds:
+            end.interrupted = True
 
 
 def _resolved_execution(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -326,7 +346,9 @@ def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float
               workdir: str, show_progress: bool = True, member_axis: str = "vmap"
               ) -> dict[str, dict]:
     """Runs one member per value of `dotted` (workdir/<field>=<value>), their local training
-    batched by a `Coordinator`; returns {member name: its `experiments.run_record`}."""
+    batched by a `Coordinator`; returns {member name: its `experiments.run_record`}. Ctrl-C
+    stops every member after the same round, with a checkpoint of it (`RunInterrupted`); the
+    same call resumes them there."""
     import os
 
     from fedjax_pfedes.engine.build import build_federated_data
@@ -346,7 +368,9 @@ def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float
     data = build_federated_data(config)
     check_field(config, data, dotted, assign_architectures(config.clients.architectures,
                                                            data.num_clients))
-    coordinator = Coordinator(config, data, dotted, list(values), member_axis)
+    ctrl_c = CtrlC()
+    coordinator = Coordinator(config, data, dotted, list(values), member_axis,
+                              stop_requested=lambda: ctrl_c.requested)
     summaries: dict[str, dict] = {}
     errors: dict[str, BaseException] = {}
 
@@ -363,13 +387,28 @@ def run_sweep(config: ml_collections.ConfigDict, dotted: str, values: list[float
 
     threads = [threading.Thread(target=run, args=(m, name, member), name=name)
                for m, (name, member) in enumerate(members.items())]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        name, e = next(iter(errors.items()))
+    with ctrl_c:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    failed = {n: e for n, e in errors.items() if not isinstance(e, RunInterrupted)}
+    if failed:
+        name, e = next(iter(failed.items()))
         if isinstance(e, ConfigError):
             raise ConfigError(f"sweep member {name}: {e}") from None
         raise RuntimeError(f"sweep member {name} failed: {e}") from e
+    if errors:
+        raise RunInterrupted(_where_to_resume(config, workdir, coordinator.stop_round))
     return {name: summaries[name] for name in members}
+
+
+def _where_to_resume(config: ml_collections.ConfigDict, workdir: str, stop_round: int) -> str:
+    """What a sweep stopped by Ctrl-C left: every member's checkpoint of the same round."""
+    ck = config.checkpoint
+    if ck.every > 0 and ck.resume:
+        return (f"the sweep in {workdir} stopped after round {stop_round}; each member's "
+                "checkpoint holds that round: the same command resumes from it")
+    return (f"the sweep in {workdir} stopped after round {stop_round} with no checkpoint to "
+            f"resume from (config.checkpoint.every={ck.every}, resume={ck.resume}): the same "
+            "command starts it over")

@@ -109,3 +109,52 @@ def test_every_member_equals_a_separate_run_with_its_value(tmp_path):
                 assert a["participants"] == b["participants"]
         finals.append(alone[-1]["train_align_loss_mean"])
     assert len(set(np.round(finals, 4))) == 3  # the members did differ
+
+
+@pytest.mark.slow  # three 2-member sweeps of 5 rounds
+def test_ctrl_c_stops_every_member_after_the_same_round_and_the_sweep_resumes(tmp_path,
+                                                                               monkeypatch):
+    """Ctrl-C (here pressed from member 0's thread at the end of its round 2) stops every member
+    after the same round with a checkpoint of it; the same call resumes them to the numbers of a
+    sweep that never stopped."""
+    import os
+    import signal
+    import time
+
+    from fedjax_pfedes import RunInterrupted
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist ignores it
+    try:
+        config = small_config("loop")
+        config.train.rounds, config.checkpoint.every = 5, 4
+        values = [0.1, 2.0]
+        reference = vectorized_sweep.run_sweep(config, "lam", values, str(tmp_path / "whole"),
+                                               show_progress=False)
+        pressed = vectorized_sweep._Route.on_round_end
+
+        def press_at_round_2(self, run, end):
+            pressed(self, run, end)
+            if self.member == 0 and end.round == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.3)  # the main thread takes the signal
+        monkeypatch.setattr(vectorized_sweep._Route, "on_round_end", press_at_round_2)
+        stopped = tmp_path / "stopped"
+        with pytest.raises(RunInterrupted, match=r"stopped after round 3; each member's "
+                                                 r"checkpoint holds that round"):
+            vectorized_sweep.run_sweep(config, "lam", values, str(stopped),
+                                       show_progress=False)
+        monkeypatch.setattr(vectorized_sweep._Route, "on_round_end", pressed)
+        for name in reference:
+            assert sorted(os.listdir(stopped / name / "checkpoints")) == ["3"]
+            assert [r["round"] for r in _metrics(stopped / name)] == [1, 2, 3]
+            assert not (stopped / name / "summary.json").exists()
+        resumed = vectorized_sweep.run_sweep(config, "lam", values, str(stopped),
+                                             show_progress=False)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    timings = ("round_time_s", "elapsed_s")
+    for name in reference:
+        assert [r["round"] for r in _metrics(stopped / name)] == [1, 2, 3, 4, 5]
+        a, b = resumed[name]["final"], reference[name]["final"]
+        assert {k: v for k, v in a.items() if k not in timings} == {
+            k: v for k, v in b.items() if k not in timings}
