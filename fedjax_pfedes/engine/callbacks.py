@@ -135,6 +135,7 @@ class Evaluation(Callback):
 
     def __init__(self, global_test, eval_sample, batch_rate: dict[int, float]):
         self.global_test, self.eval_sample, self.batch_rate = global_test, eval_sample, batch_rate
+        self.seconds = 0.0  # spent evaluating in this process
 
     def on_round_end(self, run: RunInfo, end: RoundEnd) -> None:
         r = end.round
@@ -147,6 +148,7 @@ class Evaluation(Callback):
     def score(self, run: RunInfo, end: RoundEnd, with_global: bool) -> None:
         """Adds the round's evaluation to `end.record` (the global test set's scores when
         `with_global`)."""
+        start = time.time()
         steps = {i: int(s) for i, s in enumerate(end.state.dp_sgd_steps) if s > 0}
         d = run.config.dp_sgd
         end.record.update(dp_sgd_metrics(d.noise_multiplier if d.enabled else None, d.delta,
@@ -156,6 +158,10 @@ class Evaluation(Callback):
                                    end.state.clients,
                                    *(self.global_test if with_global else (None, None)),
                                    self.eval_sample))
+        self.seconds += time.time() - start
+
+    def on_run_end(self, run: RunInfo, summary: dict[str, Any]) -> None:
+        summary["evaluation_time_s"] = self.seconds
 
 
 class GlobalAtEnd(Callback):

@@ -58,6 +58,12 @@ def main(argv: list[str]) -> None:
           f"mean global accuracy {final['global_accuracy_mean']:.4f}; "
           f"by architecture {by_arch}; "
           f"wall time {summary['wall_time_s']:.0f} s; results in {_WORKDIR.value}")
+    process_s = summary["wall_time_s"] - summary["resumed_wall_time_s"]
+    if summary["evaluation_time_s"] > 0.5 * process_s:
+        print(f"evaluation took {summary['evaluation_time_s'] / process_s:.0%} of this "
+              "process's wall time: config.eval.every, eval.global_every (the global test "
+              "set at every k-th evaluation) and eval.global_test_samples set how often and "
+              "on what")
     if summary["resumed_from_round"]:
         print(f"resumed from the checkpoint of round {summary['resumed_from_round']} in "
               f"{_WORKDIR.value}/checkpoints")

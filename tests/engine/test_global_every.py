@@ -46,6 +46,8 @@ def test_the_global_test_set_is_scored_every_kth_evaluation_and_at_the_end(tmp_p
             if GLOBAL in a:
                 assert a[GLOBAL] == b[GLOBAL]
         assert runs[k]["final"][GLOBAL] == runs[1]["final"][GLOBAL]
+    for summary in runs.values():  # the seconds spent evaluating, within the run's wall time
+        assert 0 < summary["evaluation_time_s"] < summary["wall_time_s"]
 
 
 class StopAt(fedjax_pfedes.Callback):
