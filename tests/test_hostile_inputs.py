@@ -1,4 +1,4 @@
-"""Bad inputs a second hostile test found silent, crashing or misleading (rows C33-C41, D23-D30,
+"""Bad inputs a second hostile test found silent, crashing or misleading (rows C33-C42, D23-D30,
 L10-L16, R12-R14 of docs/threat_model.md): each gets a one-line error naming the field, file or
 value (exit 2 from the command line), or the correct behaviour."""
 
@@ -71,6 +71,9 @@ CONFIG_CASES = {
     "C37": ({"system.time_jitter": 1000.0}, r"config.system.time_jitter must be in \[0, 5\]"),
     "C38": ({"system.speed_classes": "1,inf"}, r"config.system.speed_classes: values must be "
             "finite"),
+    "C42": ({"data.partition": "pathological", "data.class_share_low": 0.7},
+            r"config.data.class_share_low \(0.7\) must be <= config.data.class_share_high "
+            r"\(0.6\)"),
 }
 
 

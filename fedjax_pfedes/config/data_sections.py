@@ -6,6 +6,7 @@ import dataclasses
 from typing import ClassVar
 
 from fedjax_pfedes.config.fields import Section, above, at_least, between, param
+from fedjax_pfedes.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,11 @@ class DataSection(Section):
         False, "True: the local test split is set aside unseen and each client is evaluated on "
         "a validation split of the same fraction held out of its training rows (launch.compare "
         "tunes learning rates this way, on a seed it does not report)")
+
+    def check(self) -> None:
+        if self.class_share_low > self.class_share_high:
+            raise ConfigError(f"config.data.class_share_low ({self.class_share_low}) must be <= "
+                              f"config.data.class_share_high ({self.class_share_high})")
 
 
 @dataclasses.dataclass(frozen=True)
