@@ -35,6 +35,25 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/latest", "Where metrics and the 
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 
+def evaluation_note(summary: dict) -> str:
+    """A line naming the `eval.*` fields when evaluating took over half of this process's wall
+    time.
+
+    Args:
+      summary: a run's summary.json (`evaluation_time_s`, `wall_time_s`,
+        `resumed_wall_time_s`: the earlier processes' share of it).
+
+    Returns:
+      The line, or '' when evaluation took at most half.
+    """
+    process_s = summary["wall_time_s"] - summary["resumed_wall_time_s"]
+    if summary["evaluation_time_s"] <= 0.5 * process_s:
+        return ""
+    return (f"evaluation took {summary['evaluation_time_s'] / process_s:.0%} of this process's "
+            "wall time: config.eval.every, eval.global_every (the global test set at every "
+            "k-th evaluation) and eval.global_test_samples set how often and on what")
+
+
 def main(argv: list[str]) -> None:
     del argv
     config = loaded_config(_CONFIG)
@@ -58,12 +77,9 @@ def main(argv: list[str]) -> None:
           f"mean global accuracy {final['global_accuracy_mean']:.4f}; "
           f"by architecture {by_arch}; "
           f"wall time {summary['wall_time_s']:.0f} s; results in {_WORKDIR.value}")
-    process_s = summary["wall_time_s"] - summary["resumed_wall_time_s"]
-    if summary["evaluation_time_s"] > 0.5 * process_s:
-        print(f"evaluation took {summary['evaluation_time_s'] / process_s:.0%} of this "
-              "process's wall time: config.eval.every, eval.global_every (the global test "
-              "set at every k-th evaluation) and eval.global_test_samples set how often and "
-              "on what")
+    note = evaluation_note(summary)
+    if note:
+        print(note)
     if summary["resumed_from_round"]:
         print(f"resumed from the checkpoint of round {summary['resumed_from_round']} in "
               f"{_WORKDIR.value}/checkpoints")

@@ -70,3 +70,18 @@ def test_a_run_stopped_between_evaluations_ends_with_a_global_score(tmp_path):
     assert summary["final"]["round"] == 3 and GLOBAL in summary["final"]
     assert [r["round"] for r in _rows(tmp_path) if GLOBAL in r] == [3]
     assert [r["round"] for r in _rows(tmp_path) if "personalized_accuracy_mean" in r] == [2, 3]
+
+
+@pytest.mark.parametrize("evaluating_s, resumed_s, line", [
+    (6.0, 0.0, "evaluation took 60% of this process's wall time: config.eval.every, "
+               "eval.global_every"),
+    (4.0, 0.0, ""),
+    (4.0, 4.0, "evaluation took 67% of this process's wall time"),  # 4 of this process's 6 s
+])
+def test_launch_main_names_the_eval_fields_when_evaluation_takes_most_of_a_run(
+        evaluating_s, resumed_s, line):
+    from fedjax_pfedes.launch.main import evaluation_note
+
+    note = evaluation_note({"wall_time_s": 10.0, "resumed_wall_time_s": resumed_s,
+                            "evaluation_time_s": evaluating_s})
+    assert note.startswith(line) and (note == "") == (line == "")
