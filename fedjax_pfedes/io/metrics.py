@@ -100,6 +100,11 @@ def read_jsonl_lines(path: str) -> tuple[list[dict], bool]:
     return rows, cut
 
 
+# The fields of a round's record that time the machine, not the simulation: two runs with the
+# same numbers (a resumed run and an unbroken one, two execution strategies) differ only in these.
+WALL_CLOCK_FIELDS = ("round_time_s", "elapsed_s")
+
+
 def process_wall_times(records: list[dict]) -> list[float]:
     """The wall time of each process that wrote a run's rounds (its metrics.jsonl, in order).
 

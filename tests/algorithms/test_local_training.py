@@ -8,6 +8,7 @@ import pytest
 
 from fedjax_pfedes.algorithms import local_training
 from fedjax_pfedes.data.federated import ClientArrays
+from fedjax_pfedes.io.metrics import WALL_CLOCK_FIELDS
 from fedjax_pfedes.models import layers
 
 
@@ -277,7 +278,7 @@ def test_simulation_numbers_equal_the_padded_unrolled_schedule(tmp_path):
     unrolled, _, _ = _run(tmp_path, "unrolled", unroll_local_steps=True)
     for a, b in zip(rolled, unrolled, strict=True):
         for k, v in a.items():
-            if isinstance(v, float) and k not in ("round_time_s", "elapsed_s"):
+            if isinstance(v, float) and k not in WALL_CLOCK_FIELDS:
                 assert v == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
 
 

@@ -9,6 +9,7 @@ from fl_helpers import small_config
 from fedjax_pfedes.engine.build import build_federated_data
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.schema import default_values
+from fedjax_pfedes.io.metrics import WALL_CLOCK_FIELDS
 
 # Written every round (docs/guide/monitoring.md), and the evaluation written at evaluated rounds.
 ROUND_KEYS = {
@@ -20,7 +21,7 @@ ROUND_KEYS = {
     "loss_after_aggregation", "upload_params_per_client", "upload_bytes_per_client",
     "download_params_per_client", "download_bytes_per_client", "uploads_rejected",
     "uploads_rejected_total", "simulated_round_s", "simulated_clock_s", "participation_min",
-    "participation_max", "round_time_s", "elapsed_s", "padded_step_fraction",
+    "participation_max", *WALL_CLOCK_FIELDS, "padded_step_fraction",
     "selected_label_coverage", "align_loss_at_start_mean", "align_loss_at_end_mean",
     "align_loss_before_aggregation", "align_loss_after_aggregation", "proxy_relative_change",
 }

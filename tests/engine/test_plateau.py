@@ -12,6 +12,7 @@ from fl_helpers import tiny_config
 from fedjax_pfedes.engine.callbacks import RoundEnd
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.plateau import PlateauStop, plateau_reached
+from fedjax_pfedes.io.metrics import WALL_CLOCK_FIELDS
 from fedjax_pfedes.studies import experiments
 
 RISING = [0.1 * i for i in range(1, 11)]  # 0.1 .. 1.0
@@ -77,7 +78,7 @@ def _config(rounds):
 
 
 def _rows(workdir):
-    return [{k: v for k, v in json.loads(line).items() if k not in ("round_time_s", "elapsed_s")}
+    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK_FIELDS}
             for line in open(workdir / "metrics.jsonl")]
 
 

@@ -16,8 +16,8 @@ from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.schema import default_values
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.io.checkpoints import config_changes
+from fedjax_pfedes.io.metrics import WALL_CLOCK_FIELDS
 
-WALL_CLOCK = ("round_time_s", "elapsed_s")
 ROUNDS = 30
 OVERRIDES = [
     "--config.data.name=digits", "--config.data.num_clients=8",
@@ -37,7 +37,7 @@ def _main(workdir) -> list[str]:
 
 
 def _rows(path):
-    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK}
+    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK_FIELDS}
             for line in open(path)]
 
 

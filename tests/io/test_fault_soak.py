@@ -25,11 +25,11 @@ from fl_helpers import CHILD_PATH, ROOT
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.errors import StorageError
 from fedjax_pfedes.io import checkpoints
+from fedjax_pfedes.io.metrics import WALL_CLOCK_FIELDS
 
 FULL = os.environ.get("FEDJAX_PFEDES_SOAK") == "1"
 POINTS = 12 if FULL else 3
 ROUNDS = 10
-TIMING = ("round_time_s", "elapsed_s")
 OVERRIDES = [
     "--config.data.name=digits", "--config.data.num_clients=6",
     "--config.data.min_samples_per_client=30", "--config.clients.architectures=mlp",
@@ -53,11 +53,11 @@ def _files(workdir) -> dict:
     """What must equal an unbroken run's: every record less its wall-clock fields."""
     def rows(name):
         path = os.path.join(workdir, name)
-        return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+        return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK_FIELDS}
                 for line in open(path)] if os.path.exists(path) else []
 
     summary = json.load(open(os.path.join(workdir, "summary.json")))
-    final = {k: v for k, v in summary["final"].items() if k not in TIMING}
+    final = {k: v for k, v in summary["final"].items() if k not in WALL_CLOCK_FIELDS}
     return {"metrics": rows("metrics.jsonl"), "clients": rows("clients.jsonl"),
             "rejections": rows("rejections.jsonl"), "final": final,
             "participation": summary["participation"],

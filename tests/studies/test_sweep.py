@@ -9,6 +9,7 @@ from fl_helpers import small_config, tiny_config
 from fedjax_pfedes.engine.build import build_federated_data
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.errors import ConfigError
+from fedjax_pfedes.io.metrics import WALL_CLOCK_FIELDS
 from fedjax_pfedes.launch.cli import split_sweep_flags
 from fedjax_pfedes.studies import vectorized_sweep
 from fedjax_pfedes.studies.experiments import with_overrides
@@ -152,9 +153,8 @@ def test_ctrl_c_stops_every_member_after_the_same_round_and_the_sweep_resumes(tm
                                              show_progress=False)
     finally:
         signal.signal(signal.SIGINT, before)
-    timings = ("round_time_s", "elapsed_s")
     for name in reference:
         assert [r["round"] for r in _metrics(stopped / name)] == [1, 2, 3, 4, 5]
         a, b = resumed[name]["final"], reference[name]["final"]
-        assert {k: v for k, v in a.items() if k not in timings} == {
-            k: v for k, v in b.items() if k not in timings}
+        assert {k: v for k, v in a.items() if k not in WALL_CLOCK_FIELDS} == {
+            k: v for k, v in b.items() if k not in WALL_CLOCK_FIELDS}
