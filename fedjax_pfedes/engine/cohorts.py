@@ -16,7 +16,9 @@ from fedjax_pfedes.data.federated import ClientArrays, FederatedData
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.execution import offload as client_states
 from fedjax_pfedes.execution.strategies.protocol import CohortRunner
+from fedjax_pfedes.io import storage
 from fedjax_pfedes.models.architectures import check_architecture
+from fedjax_pfedes.tree_util import tree_size
 
 
 def assign_architectures(spec: str, num_clients: int) -> list[str]:
@@ -129,6 +131,9 @@ def build_cohorts(data: FederatedData, archs: list[str], programs: dict[str, Coh
         rows = {a: jax.eval_shape(programs[a].init_client, rng) for a in members}
         in_memory = client_states.check_budget(rows, {a: len(i) for a, i in members.items()},
                                                buckets, offload.budget_gb)
+        if not in_memory:
+            storage.check_states_space(offload.directory, sum(
+                tree_size(rows[a])[1] * len(ids) for a, ids in members.items()))
     cohorts, states_of = [], {}
     for arch, ids in members.items():
         init = functools.partial(_init_states, programs[arch].init_client, rng)

@@ -88,6 +88,30 @@ def check_space(workdir: str, checkpoint_bytes: int, checkpointing: bool) -> Non
                         mib(free))
 
 
+def check_states_space(directory: str, state_bytes: int) -> None:
+    """Refuses a run whose clients' states go to memory-mapped files under `directory` when the
+    disk lacks their space (files already there, a resumed run's, count as space they reuse):
+    before any of them is written, not after filling the disk.
+
+    Args:
+      directory: where the state files go (it may not exist yet).
+      state_bytes: the bytes of every offloaded client state together.
+    """
+    existing = sum(os.path.getsize(os.path.join(root, f))
+                   for root, _, files in os.walk(directory) for f in files)
+    probe = directory
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free + existing
+    gib = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
+    if free < state_bytes + OUTPUT_ALLOWANCE_BYTES:
+        raise StorageError(
+            f"the clients' states go to files under {directory} (beyond "
+            f"config.execution.client_state_budget_gb): they need {gib(state_bytes)}, "
+            f"{gib(free)} is free there; free space, set config.execution.client_state_dir to "
+            "a larger disk, or raise the budget to hold them in memory")
+
+
 def cause(error: BaseException) -> str:
     """The one-line cause of an I/O failure, from an OSError's errno or from the message of a
     library that wrapped one (orbax/TensorStore: "... [os_error_code='28']")."""

@@ -211,6 +211,25 @@ def test_a_finished_run_leaves_none_of_its_state_files_open(tmp_path):
     assert _open_files_under(tmp_path) == []
 
 
+@pytest.mark.slow  # the start of one small run
+def test_states_the_disk_cannot_hold_stop_the_run_before_a_file_is_written(tmp_path,
+                                                                           monkeypatch):
+    """A run whose offloaded states would not fit on the disk ends with the figures, before it
+    writes a state file (the check itself: tests/io/test_storage.py)."""
+    from fedjax_pfedes.errors import StorageError
+    from fedjax_pfedes.io import storage
+
+    monkeypatch.setattr(storage.shutil, "disk_usage",
+                        lambda path: type("U", (), {"free": 2**20})())
+    config = tiny_config(rounds=2)
+    config.checkpoint.every = 0
+    config.execution.client_states, config.execution.client_state_budget_gb = "offload", 0.002
+    with pytest.raises(StorageError, match=r"the clients' states go to files under .* they "
+                                           r"need .* GiB, 0.00 GiB is free there"):
+        run_experiment(config, str(tmp_path / "run"), show_progress=False)
+    assert not list((tmp_path / "run").glob("client_states/*/leaf*.npy"))
+
+
 def test_rounds_prefetch_the_next_rounds_participants_from_disk(tmp_path, monkeypatch):
     """With states on disk each round hints the next round's selection (exactly the clients that
     then train, under uniform sampling) and the hint changes no row that is read."""

@@ -176,3 +176,21 @@ def test_each_process_of_a_resumed_run_has_its_wall_time():
                                        {"round": 3}, {"elapsed_s": 0.5},
                                        {"elapsed_s": 2.0}]) == [3.0, 2.0]
     assert metrics.process_wall_times([{"round": 1}]) == []
+
+
+def test_client_states_that_would_fill_the_disk_are_refused_before_a_file_is_written(
+        tmp_path, monkeypatch):
+    """Offloaded states of a large population (configs/cross_device_10k.py: 33 GiB) are
+    refused with the figures when the disk lacks their space; files already there (a resumed
+    run's) count as space they reuse."""
+    monkeypatch.setattr(storage.shutil, "disk_usage",
+                        lambda path: type("U", (), {"free": 3 * 2**30})())
+    directory = tmp_path / "run" / "client_states"  # not made yet
+    with pytest.raises(StorageError, match=r"they need 10.00 GiB, 3.00 GiB is free there"):
+        storage.check_states_space(str(directory), 10 * 2**30)
+    assert not directory.exists()
+    storage.check_states_space(str(directory), 2 * 2**30)
+    (directory / "cnn").mkdir(parents=True)
+    with open(directory / "cnn" / "leaf0.npy", "wb") as f:
+        f.truncate(8 * 2**30)  # sparse: its apparent size is the space it reuses
+    storage.check_states_space(str(directory), 10 * 2**30)
