@@ -145,3 +145,22 @@ def non_finite_metrics(record: dict[str, Any]) -> list[str]:
     """Names of the round's loss metrics that are NaN or infinite (training diverged)."""
     return sorted(k for k, v in record.items()
                   if "loss" in k and isinstance(v, float) and not math.isfinite(v))
+
+
+def evaluation_note(summary: dict) -> str:
+    """A line naming the `eval.*` fields when evaluating took over half of this process's wall
+    time.
+
+    Args:
+      summary: a run's summary.json (`evaluation_time_s`, `wall_time_s`,
+        `resumed_wall_time_s`: the earlier processes' share of it).
+
+    Returns:
+      The line, or '' when evaluation took at most half.
+    """
+    process_s = summary["wall_time_s"] - summary["resumed_wall_time_s"]
+    if summary["evaluation_time_s"] <= 0.5 * process_s:
+        return ""
+    return (f"evaluation took {summary['evaluation_time_s'] / process_s:.0%} of this process's "
+            "wall time: config.eval.every, eval.global_every (the global test set at every "
+            "k-th evaluation) and eval.global_test_samples set how often and on what")

@@ -17,6 +17,7 @@ import jax
 from absl import flags
 from ml_collections import config_flags
 
+from fedjax_pfedes.engine.evaluation import evaluation_note
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.errors import (
     ConfigError,
@@ -33,25 +34,6 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/latest", "Where metrics and the summary go.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
-
-
-def evaluation_note(summary: dict) -> str:
-    """A line naming the `eval.*` fields when evaluating took over half of this process's wall
-    time.
-
-    Args:
-      summary: a run's summary.json (`evaluation_time_s`, `wall_time_s`,
-        `resumed_wall_time_s`: the earlier processes' share of it).
-
-    Returns:
-      The line, or '' when evaluation took at most half.
-    """
-    process_s = summary["wall_time_s"] - summary["resumed_wall_time_s"]
-    if summary["evaluation_time_s"] <= 0.5 * process_s:
-        return ""
-    return (f"evaluation took {summary['evaluation_time_s'] / process_s:.0%} of this process's "
-            "wall time: config.eval.every, eval.global_every (the global test set at every "
-            "k-th evaluation) and eval.global_test_samples set how often and on what")
 
 
 def main(argv: list[str]) -> None:

@@ -81,7 +81,7 @@ def test_a_run_stopped_between_evaluations_ends_with_a_global_score(tmp_path):
 ])
 def test_launch_main_names_the_eval_fields_when_evaluation_takes_most_of_a_run(
         evaluating_s, resumed_s, line):
-    from fedjax_pfedes.launch.main import evaluation_note
+    from fedjax_pfedes.engine.evaluation import evaluation_note
 
     note = evaluation_note({"wall_time_s": 10.0, "resumed_wall_time_s": resumed_s,
                             "evaluation_time_s": evaluating_s})
