@@ -178,6 +178,8 @@ COMPARE_CASES = {
             r"--extend_edges needs --lr_grid"),
     "L25": (["--config=configs/quickstart.py", "--lr_grid=0.01,0.1", "--extend_edges=-1"],
             r"flag --extend_edges=-1: -1 is not a non-negative integer"),
+    "L32": (["--config=configs/quickstart.py", "--jobs=0"],
+            r"flag --jobs=0: 0 is not a positive integer"),
 }
 
 

@@ -34,6 +34,11 @@ chosen at an edge of the grid says nothing about the rates beyond it.
 table and paired differences below the first: a comparison a reader can check on seeds it was
 not chosen on. A diverged run there is kept and marked (no rate is re-chosen on it).
 
+`--jobs=2` runs two runs at a time, each in a worker process (`studies.run_pool`): the same
+runs, numbers (bit for bit) and tables as one at a time, in less time where one run does not
+keep every core busy (docs/performance.md). Ctrl-C stops every running
+run after its round in progress with a checkpoint; the same command resumes them.
+
 `--report_only` starts no run: it writes the table (and the grid) from the runs already finished
 in --workdir, saying for each method how many seeds it has; a method whose grid is unfinished is
 left out and named. For looking at a comparison that is still running or was interrupted.
@@ -57,6 +62,7 @@ from fedjax_pfedes.io.workdir import RunLockedError
 from fedjax_pfedes.launch import cli
 from fedjax_pfedes.launch.cli import fail, loaded_config
 from fedjax_pfedes.studies import experiments, lr_tuning
+from fedjax_pfedes.studies.run_pool import RunPool
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _ALGORITHMS = flags.DEFINE_list("algorithms", ["pfedes", "standalone", "fedavg"],
@@ -87,6 +93,10 @@ _PAIRED = flags.DEFINE_list(
 _UNSEEN = flags.DEFINE_integer(
     "unseen_seeds", -1, "Also run and report the seeds START .. START + --seeds - 1 at the "
     "chosen rates, a range no tuning or earlier table used (-1 = none).")
+_JOBS = flags.DEFINE_integer(
+    "jobs", 1, "Runs at a time, each in a worker process (the same runs, numbers and tables as "
+    "one at a time; docs/performance.md).",
+    lower_bound=1)
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Start no run: write the table from the "
                                  "runs already finished in the workdir.")
 
@@ -258,7 +268,7 @@ class _Report:
         return table
 
 
-def _reported_seeds(config, variants, grid, server_grid, report: _Report):
+def _reported_seeds(config, variants, grid, server_grid, report: _Report, pool: RunPool):
     """Tunes the rates (with --lr_grid) and runs the reported seeds until no chosen rate
     diverges on a further seed (each pass sets one aside).
 
@@ -270,11 +280,11 @@ def _reported_seeds(config, variants, grid, server_grid, report: _Report):
         if _LR_GRID.value:
             variants, tuning = lr_tuning.tune_learning_rates(
                 config, _ALGORITHMS.value, grid, _WORKDIR.value, server_grid,
-                _PROGRESS.value, _REUSE.value, not _REPORT_ONLY.value, _EXTEND_EDGES.value)
+                _PROGRESS.value, _REUSE.value, not _REPORT_ONLY.value, _EXTEND_EDGES.value, pool)
         results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
                                        _PROGRESS.value, reuse=_REUSE.value,
                                        on_seed_done=report.write,
-                                       run_missing=not _REPORT_ONLY.value)
+                                       run_missing=not _REPORT_ONLY.value, pool=pool)
         moved = [] if not _LR_GRID.value or _REPORT_ONLY.value else (
             lr_tuning.set_aside_diverged(config, results, variants, _WORKDIR.value))
         if not moved:
@@ -294,16 +304,18 @@ def main(argv: list[str]) -> None:
         _checked_methods(config, central)
         variants, paired = _variants_and_pairs(config)
         report = _Report(_header(config, server_grid), paired, list(variants))
-        results, variants, tuning = _reported_seeds(config, variants, grid, server_grid, report)
-        if _UNSEEN.value >= 0:
-            def write_unseen(partial):
-                report.unseen.update(partial)
-                report.write(results)
+        with RunPool(_JOBS.value, _PROGRESS.value) as pool:
+            results, variants, tuning = _reported_seeds(config, variants, grid, server_grid,
+                                                        report, pool)
+            if _UNSEEN.value >= 0:
+                def write_unseen(partial):
+                    report.unseen.update(partial)
+                    report.write(results)
 
-            report.unseen.update(experiments.run_grid(
-                experiments.with_overrides(config, {"seed": _UNSEEN.value}), variants,
-                _SEEDS.value, _WORKDIR.value, _PROGRESS.value, reuse=_REUSE.value,
-                on_seed_done=write_unseen, run_missing=not _REPORT_ONLY.value))
+                report.unseen.update(experiments.run_grid(
+                    experiments.with_overrides(config, {"seed": _UNSEEN.value}), variants,
+                    _SEEDS.value, _WORKDIR.value, _PROGRESS.value, reuse=_REUSE.value,
+                    on_seed_done=write_unseen, run_missing=not _REPORT_ONLY.value, pool=pool))
         table = report.write(results)
     except (ConfigError, DatasetUnavailableError, DataError, RunLockedError, KeyError,
             TypeError, StorageError) as e:

@@ -2,8 +2,8 @@
 
 `launch.compare` (methods side by side) and `launch.sweep_heterogeneity` (findings F1/F2 of
 docs/design.md) are thin wrappers around `run_grid`. Every run is a fresh
-`engine.loop.run_experiment` in the same process: algorithms are rebuilt from the config each time,
-so no state carries over.
+`engine.loop.run_experiment`, in this process or in a worker process of a `run_pool.RunPool`:
+algorithms are rebuilt from the config each time, so no state carries over.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import numpy as np
 
 from fedjax_pfedes import markdown
 from fedjax_pfedes.config.defaults import TrainSection
-from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.plateau import plateau_reached
 from fedjax_pfedes.io import metrics
-from fedjax_pfedes.io.checkpoints import ConfigChangedError
+from fedjax_pfedes.studies.run_pool import RunPool
 from fedjax_pfedes.studies.run_reuse import finished_run
 
 
@@ -153,7 +152,7 @@ def with_overrides(base: ml_collections.ConfigDict, overrides: dict[str, Any],
 def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]],
              seeds: int, workdir: str, show_progress: bool = True, reuse: bool = False,
              on_seed_done: Callable[[dict[str, list[dict]]], None] | None = None,
-             run_missing: bool = True) -> dict[str, list[dict]]:
+             run_missing: bool = True, pool: RunPool | None = None) -> dict[str, list[dict]]:
     """Runs every variant (name -> dotted config overrides) for seeds base.seed .. +seeds-1.
 
     Seeds are the outer loop, so after the first seed every variant has one result.
@@ -164,46 +163,58 @@ def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]
       on_seed_done: called with the results so far after each seed (e.g. to write the table).
       run_missing: False = start no run: only finished runs (reuse) are collected, so a variant
         may have fewer records than `seeds` (a report on an unfinished grid).
+      pool: where the runs execute (`run_pool.RunPool`: several at a time in worker
+        processes); default: in this process, one after another. The results are the same.
 
     Returns:
       name -> one record per seed: the summary's final metrics, the personalized/global accuracy
       curve, upload size and wall time. Each run's files go to <workdir>/<name>/seed<k>.
     """
+    planned = submit_grid(base, variants, seeds, workdir, pool or RunPool(1, show_progress),
+                          reuse, run_missing)
     results: dict[str, list[dict]] = {name: [] for name in variants}
-    for s in range(seeds):
-        for name, overrides in variants.items():
-            config = with_overrides(base, overrides)
-            config.seed = base.seed + s
-            run_dir = os.path.join(workdir, name, f"seed{config.seed}")
-            summary = finished_run(config, run_dir) if reuse or not run_missing else None
-            if summary is None:
-                if not run_missing:
-                    continue
-                summary = _run_in(config, run_dir, show_progress)
-            results[name].append(run_record(config, summary, run_dir))
+    for seed_runs in planned:
+        for name, config, run_dir, outcome in seed_runs:
+            if outcome is not None:
+                results[name].append(run_record(config, outcome.result(), run_dir))
         if on_seed_done is not None:
             on_seed_done(results)
     return results
 
 
-def _run_in(config: ml_collections.ConfigDict, run_dir: str, show_progress: bool) -> dict:
-    """Runs `config` in `run_dir`, resuming its checkpoint; a folder whose checkpoint holds a run
-    of another config (a tuned rate that moved when its grid was extended) is moved aside to
-    `<run_dir>.replaced<k>` with a warning and the run starts anew."""
-    os.makedirs(run_dir, exist_ok=True)
-    try:
-        return run_experiment(config, run_dir, show_progress=show_progress)
-    except ConfigChangedError as e:
-        k = 1
-        while os.path.exists(f"{run_dir}.replaced{k}"):
-            k += 1
-        os.rename(run_dir, f"{run_dir}.replaced{k}")
-        lines = str(e).splitlines()
-        change = lines[1].strip() if len(lines) > 2 else lines[0]
-        warnings.warn(f"{run_dir} held a run of another config ({change}); moved to "
-                      f"{run_dir}.replaced{k}, running this config anew", stacklevel=2)
-        os.makedirs(run_dir)
-        return run_experiment(config, run_dir, show_progress=show_progress)
+class _Finished:
+    """A reused run's outcome."""
+
+    def __init__(self, summary: dict):
+        self.summary = summary
+
+    def result(self) -> dict:
+        return self.summary
+
+
+def submit_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]],
+                seeds: int, workdir: str, pool: RunPool, reuse: bool = False,
+                run_missing: bool = True) -> list[list[tuple]]:
+    """`run_grid`'s runs handed to `pool` (a finished run reused instead, with `reuse`; none
+    started without `run_missing`), without waiting for them.
+
+    Returns:
+      Per seed, (name, config, run folder, outcome) per variant; `outcome.result()` is the
+      run's summary (None: not finished and not run).
+    """
+    planned = []
+    for s in range(seeds):
+        seed_runs = []
+        for name, overrides in variants.items():
+            config = with_overrides(base, overrides)
+            config.seed = base.seed + s
+            run_dir = os.path.join(workdir, name, f"seed{config.seed}")
+            summary = finished_run(config, run_dir) if reuse or not run_missing else None
+            outcome = (_Finished(summary) if summary is not None
+                       else pool.submit(config, run_dir) if run_missing else None)
+            seed_runs.append((name, config, run_dir, outcome))
+        planned.append(seed_runs)
+    return planned
 
 
 def mean_std(values: Sequence[float], digits: int = 4) -> str:

@@ -16,6 +16,7 @@ import numpy as np
 from fedjax_pfedes import markdown
 from fedjax_pfedes.errors import ConfigError
 from fedjax_pfedes.studies import experiments
+from fedjax_pfedes.studies.run_pool import RunPool
 
 
 def lr_field(config, algorithm: str) -> str:
@@ -246,18 +247,24 @@ class _MethodTuning:
     edges: list[str] = dataclasses.field(default_factory=list)
 
 
+def _trials(config, a: str, rates: list[float], server_grid: list) -> dict[str, dict]:
+    """Method `a`'s tuning runs at `rates`: '<method>/<cell>' -> overrides."""
+    return {f"{a}/{cell}": overrides
+            for cell, overrides in grid_cells(config, a, rates, server_grid).items()}
+
+
 def _tune_method(config, a: str, grid: list[float], server_grid: list, on_validation,
                  tuning_dir: str, extend_edges: int, show_progress: bool, reuse: bool,
-                 run_missing: bool) -> _MethodTuning:
+                 run_missing: bool, pool: RunPool | None) -> _MethodTuning:
     """`a` tuned over `grid`, then, while its choice lies on an edge of the local rates and
     fewer than `extend_edges` rates were added, over one rate past that edge more
     (`rate_past_edge`; a finished run there is reused like any other)."""
     rates, seed = sorted(grid), tuning_seed(config)
     while True:
         cells = grid_cells(config, a, rates, server_grid)
-        trials = {f"{a}/{cell}": overrides for cell, overrides in cells.items()}
-        out = experiments.run_grid(on_validation, trials, 1, tuning_dir, show_progress,
-                                   reuse=reuse, run_missing=run_missing)
+        out = experiments.run_grid(on_validation, _trials(config, a, rates, server_grid), 1,
+                                   tuning_dir, show_progress, reuse=reuse,
+                                   run_missing=run_missing, pool=pool)
         records = dict(zip(cells, out.values(), strict=True))
         if not all(records.values()):  # only with --report_only: no rate can be chosen yet
             return _MethodTuning(rates, cells, {c: _tuning_score(r[0])
@@ -299,8 +306,8 @@ def _grid_rows(config, a: str, t: _MethodTuning, columns: list[float]) -> list[l
 
 def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: str,
                         server_grid: list[float | str] = (), show_progress: bool = True,
-                        reuse: bool = True, run_missing: bool = True, extend_edges: int = 0
-                        ) -> tuple[dict[str, dict], str]:
+                        reuse: bool = True, run_missing: bool = True, extend_edges: int = 0,
+                        pool: RunPool | None = None) -> tuple[dict[str, dict], str]:
     """Runs `tuning_seed` of every method on validation data at every rate of `grid`.
 
     Args:
@@ -314,6 +321,8 @@ def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: 
       run_missing: False: start no run (a report on what is finished).
       extend_edges: for a method whose best local rate is the grid's smallest or largest, try
         one rate past that edge (`rate_past_edge`), up to this many more rates per method.
+      pool: where the runs execute (`experiments.run_grid`); with several workers every
+        method's grid is handed over at once, so no worker waits for one method's last run.
 
     Returns:
       The variants at each method's best rate (`choose_rate`: rates where a reported seed
@@ -326,8 +335,13 @@ def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: 
     tuning_dir = os.path.join(workdir, "lr_tuning")
     on_validation = experiments.with_overrides(config, {"seed": tuning_seed(config),
                                                         "data.validation_split": True})
+    if pool is not None and pool.jobs > 1 and run_missing:
+        for a in methods:
+            experiments.submit_grid(on_validation, _trials(config, a, sorted(grid),
+                                                           list(server_grid)),
+                                    1, tuning_dir, pool, reuse)
     tunings = {a: _tune_method(config, a, grid, list(server_grid), on_validation, tuning_dir,
-                               extend_edges, show_progress, reuse, run_missing)
+                               extend_edges, show_progress, reuse, run_missing, pool)
                for a in methods}
     columns = sorted({g for t in tunings.values() for g in t.rates})
     rows = [row for a, t in tunings.items() for row in _grid_rows(config, a, t, columns)]

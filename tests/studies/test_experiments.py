@@ -483,7 +483,8 @@ def test_a_best_rate_at_an_edge_is_tried_past_it_up_to_the_limit(monkeypatch, tm
     peak = {"fedavg": 0.001, "fedprox": 0.01}
     asked = []
 
-    def scored_by_rate(config, trials, seeds, workdir, show_progress, reuse, run_missing):
+    def scored_by_rate(config, trials, seeds, workdir, show_progress, reuse, run_missing,
+                       pool=None):
         out = {}
         for name, overrides in trials.items():
             asked.append(name)
