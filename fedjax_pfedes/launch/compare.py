@@ -59,7 +59,7 @@ from fedjax_pfedes.engine.build import load_options
 from fedjax_pfedes.engine.validate import check_against_data, validate_config
 from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError, StorageError
 from fedjax_pfedes.io.workdir import RunLockedError
-from fedjax_pfedes.launch import cli
+from fedjax_pfedes.launch import cli, jobs_flag
 from fedjax_pfedes.launch.cli import fail, loaded_config
 from fedjax_pfedes.studies import experiments, lr_tuning
 from fedjax_pfedes.studies.run_pool import RunPool
@@ -93,10 +93,6 @@ _PAIRED = flags.DEFINE_list(
 _UNSEEN = flags.DEFINE_integer(
     "unseen_seeds", -1, "Also run and report the seeds START .. START + --seeds - 1 at the "
     "chosen rates, a range no tuning or earlier table used (-1 = none).")
-_JOBS = flags.DEFINE_integer(
-    "jobs", 1, "Runs at a time, each in a worker process (the same runs, numbers and tables as "
-    "one at a time; docs/performance.md).",
-    lower_bound=1)
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Start no run: write the table from the "
                                  "runs already finished in the workdir.")
 
@@ -304,7 +300,7 @@ def main(argv: list[str]) -> None:
         _checked_methods(config, central)
         variants, paired = _variants_and_pairs(config)
         report = _Report(_header(config, server_grid), paired, list(variants))
-        with RunPool(_JOBS.value, _PROGRESS.value) as pool:
+        with jobs_flag.run_pool(_PROGRESS.value) as pool:
             results, variants, tuning = _reported_seeds(config, variants, grid, server_grid,
                                                         report, pool)
             if _UNSEEN.value >= 0:

@@ -28,7 +28,7 @@ from ml_collections import config_flags
 from fedjax_pfedes import markdown
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DataError, DatasetUnavailableError
-from fedjax_pfedes.launch import cli
+from fedjax_pfedes.launch import cli, jobs_flag
 from fedjax_pfedes.launch.cli import fail, loaded_config
 from fedjax_pfedes.studies import experiments, pfedes_findings
 
@@ -121,8 +121,9 @@ def main(argv: list[str]) -> None:
                       f"the folder of --output={_OUTPUT.value}")
     try:
         workdir = os.path.join(_WORKDIR.value, base.data.name)
-        results = experiments.run_grid(base, variants, _SEEDS.value, workdir, _PROGRESS.value,
-                                       reuse=True)
+        with jobs_flag.run_pool(_PROGRESS.value) as pool:
+            results = experiments.run_grid(base, variants, _SEEDS.value, workdir,
+                                           _PROGRESS.value, reuse=True, pool=pool)
     except (ConfigError, DatasetUnavailableError, DataError, ValueError) as e:
         fail(str(e))
     verdicts = []

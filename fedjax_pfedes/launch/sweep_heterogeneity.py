@@ -24,7 +24,7 @@ from ml_collections import config_flags
 from fedjax_pfedes import markdown
 from fedjax_pfedes.engine.validate import validate_config
 from fedjax_pfedes.errors import ConfigError, DatasetUnavailableError
-from fedjax_pfedes.launch import cli
+from fedjax_pfedes.launch import cli, jobs_flag
 from fedjax_pfedes.launch.cli import fail, loaded_config
 from fedjax_pfedes.studies import experiments
 
@@ -60,8 +60,9 @@ def main(argv: list[str]) -> None:
                                                   "clients.architectures": archs}
                 config.algorithm, config.clients.architectures = name, archs
                 validate_config(config)
-        results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
-                                       _PROGRESS.value)
+        with jobs_flag.run_pool(_PROGRESS.value) as pool:
+            results = experiments.run_grid(config, variants, _SEEDS.value, _WORKDIR.value,
+                                           _PROGRESS.value, pool=pool)
     except (ConfigError, DatasetUnavailableError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
