@@ -148,8 +148,8 @@ class RunPool:
         self._futures: dict[tuple[str, str], Any] = {}
         self._executor = None
         self._stop = None
-        self._lock = threading.Lock()
-        self._started: dict[Any, float] = {}
+        # re-entrant: a future already done calls `_finished` from `submit` itself
+        self._lock = threading.RLock()
 
     def __enter__(self) -> RunPool:
         return self
@@ -172,7 +172,6 @@ class RunPool:
         with self._lock:
             if key not in self._futures:
                 future = self._workers().submit(_work, config, run_dir)
-                self._started[future] = time.time()
                 future.add_done_callback(lambda f, d=run_dir: self._finished(f, d))
                 self._futures[key] = future
             return _Outcome(self._futures[key], run_dir)
@@ -189,8 +188,9 @@ class RunPool:
     def _finished(self, future, run_dir: str) -> None:
         if future.cancelled() or future.exception() is not None or future.result() is None:
             return
-        waiting = sum(1 for f in self._futures.values() if not f.done())
-        seconds = time.time() - self._started.get(future, time.time())
+        with self._lock:  # (called from the pool's own thread while `submit` may add)
+            waiting = sum(1 for f in self._futures.values() if not f.done())
+        seconds = future.result().get("wall_time_s", float("nan"))
         print(f"finished {run_dir} ({seconds:.0f} s; {waiting} run(s) running or waiting)",
               file=sys.stderr, flush=True)
 
