@@ -53,12 +53,13 @@ import jax
 from absl import app, flags
 
 from benchmarks import works
-from benchmarks.peers import fedjax_loop, flower_loop, plain_jax, torch_loop
+from benchmarks.peers import fedjax_loop, flower_loop, plain_jax
 from benchmarks.works import fedavg_config, pfedes_config, write_cifar_shaped
 from fedjax_pfedes.engine.build import build_federated_data
 from fedjax_pfedes.engine.loop import run_experiment
 
 WORKS = ("fedavg", "pfedes", "cross_device", "pfl_cifar")
+torch_loop = None  # benchmarks.peers.torch_loop, imported by `main` (it needs PyTorch)
 _WORK = flags.DEFINE_list("work", ["fedavg", "pfedes"], "Works to run: " + ", ".join(WORKS)
                           + ".")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "Rounds per run (>= 3).")
@@ -234,7 +235,12 @@ def row(work: str, name: str, result: dict, reference: dict | None) -> str:
 
 def main(argv):
     del argv
-    import torch
+    global torch_loop
+    try:  # here, not at the top: --help works without PyTorch
+        from benchmarks.peers import torch_loop
+    except ImportError as e:
+        raise app.UsageError(str(e)) from None
+    torch = torch_loop.torch
     rounds = max(_ROUNDS.value, 3)
     device = _TORCH_DEVICE.value
     if device == "auto":
