@@ -199,8 +199,8 @@ def submit_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, A
     started without `run_missing`), without waiting for them.
 
     Returns:
-      Per seed, (name, config, run folder, outcome) per variant; `outcome.result()` is the
-      run's summary (None: not finished and not run).
+      Per seed, (name, config, run folder, outcome) per variant: `outcome.result()` is the
+      run's summary; the outcome is None for a run neither finished nor started.
     """
     planned = []
     for s in range(seeds):
