@@ -2,8 +2,8 @@
 
 A test must be marked `slow` when it, a fixture it uses, or a helper of its module that either
 calls (two levels deep) runs whole experiments or processes: `run_experiment`,
-`fedjax_pfedes.run`, `run_grid`, `submit_grid`, `run_in`, `RunPool` workers, `subprocess`, or
-the notebook; an unmarked one stops the
+`fedjax_pfedes.run`, `run_grid`, `submit_grid`, `run_in` (studies.run_pool's), `subprocess`,
+or the notebook; an unmarked one stops the
 collection naming it. Other tests may be marked slow too. `python -m pytest tests -m "not slow"`
 is the fast tier (unit tests of every module against independent references);
 `python -m pytest tests` runs everything (CI).
@@ -15,8 +15,9 @@ import re
 
 import pytest
 
+# " run_in(": studies.run_pool's, called by name (not the benchmark peers' `flower_loop.run_in(`)
 SLOW_CALLS = ("run_experiment(", "fedjax_pfedes.run(", "run_grid(", "submit_grid(", " run_in(",
-              "RunPool(2", "subprocess.", "NotebookClient(")
+              "subprocess.", "NotebookClient(")
 
 
 def _source(func) -> str:

@@ -247,10 +247,9 @@ class _MethodTuning:
     edges: list[str] = dataclasses.field(default_factory=list)
 
 
-def _trials(config, a: str, rates: list[float], server_grid: list) -> dict[str, dict]:
-    """Method `a`'s tuning runs at `rates`: '<method>/<cell>' -> overrides."""
-    return {f"{a}/{cell}": overrides
-            for cell, overrides in grid_cells(config, a, rates, server_grid).items()}
+def _trials(a: str, cells: dict[str, dict]) -> dict[str, dict]:
+    """Method `a`'s tuning runs at its grid `cells`: '<method>/<cell>' -> overrides."""
+    return {f"{a}/{cell}": overrides for cell, overrides in cells.items()}
 
 
 def _tune_method(config, a: str, grid: list[float], server_grid: list, on_validation,
@@ -262,9 +261,9 @@ def _tune_method(config, a: str, grid: list[float], server_grid: list, on_valida
     rates, seed = sorted(grid), tuning_seed(config)
     while True:
         cells = grid_cells(config, a, rates, server_grid)
-        out = experiments.run_grid(on_validation, _trials(config, a, rates, server_grid), 1,
-                                   tuning_dir, show_progress, reuse=reuse,
-                                   run_missing=run_missing, pool=pool)
+        out = experiments.run_grid(on_validation, _trials(a, cells), 1, tuning_dir,
+                                   show_progress, reuse=reuse, run_missing=run_missing,
+                                   pool=pool)
         records = dict(zip(cells, out.values(), strict=True))
         if not all(records.values()):  # only with --report_only: no rate can be chosen yet
             return _MethodTuning(rates, cells, {c: _tuning_score(r[0])
@@ -337,9 +336,9 @@ def tune_learning_rates(config, methods: list[str], grid: list[float], workdir: 
                                                         "data.validation_split": True})
     if pool is not None and pool.jobs > 1 and run_missing:
         for a in methods:
-            experiments.submit_grid(on_validation, _trials(config, a, sorted(grid),
-                                                           list(server_grid)),
-                                    1, tuning_dir, pool, reuse)
+            cells = grid_cells(config, a, sorted(grid), list(server_grid))
+            experiments.submit_grid(on_validation, _trials(a, cells), 1, tuning_dir, pool,
+                                    reuse)
     tunings = {a: _tune_method(config, a, grid, list(server_grid), on_validation, tuning_dir,
                                extend_edges, show_progress, reuse, run_missing, pool)
                for a in methods}
