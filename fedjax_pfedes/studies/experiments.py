@@ -20,7 +20,7 @@ from fedjax_pfedes import markdown
 from fedjax_pfedes.config.defaults import TrainSection
 from fedjax_pfedes.engine.plateau import plateau_reached
 from fedjax_pfedes.io import metrics
-from fedjax_pfedes.studies.run_pool import RunPool
+from fedjax_pfedes.studies.run_pool import Later, RunPool
 from fedjax_pfedes.studies.run_reuse import finished_run
 
 
@@ -182,16 +182,6 @@ def run_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]
     return results
 
 
-class _Finished:
-    """A reused run's outcome."""
-
-    def __init__(self, summary: dict):
-        self.summary = summary
-
-    def result(self) -> dict:
-        return self.summary
-
-
 def submit_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, Any]],
                 seeds: int, workdir: str, pool: RunPool, reuse: bool = False,
                 run_missing: bool = True) -> list[list[tuple]]:
@@ -210,7 +200,7 @@ def submit_grid(base: ml_collections.ConfigDict, variants: dict[str, dict[str, A
             config.seed = base.seed + s
             run_dir = os.path.join(workdir, name, f"seed{config.seed}")
             summary = finished_run(config, run_dir) if reuse or not run_missing else None
-            outcome = (_Finished(summary) if summary is not None
+            outcome = (Later(lambda s=summary: s) if summary is not None
                        else pool.submit(config, run_dir) if run_missing else None)
             seed_runs.append((name, config, run_dir, outcome))
         planned.append(seed_runs)

@@ -117,9 +117,10 @@ def run_in(config: ml_collections.ConfigDict, run_dir: str, show_progress: bool,
         return run_experiment(config, run_dir, show_progress=show_progress, callbacks=callbacks)
 
 
-class _Later:
-    """A run of the in-process pool: it executes when its outcome is first read, so a grid
-    read in order runs in that order (and a table written after each seed sees each seed)."""
+class Later:
+    """An outcome computed when first read: a run of the in-process pool (a grid read in
+    order runs in that order, and a table written after each seed sees each seed), or a
+    finished run's summary read back."""
 
     def __init__(self, fn: Callable[[], dict]):
         self._fn, self._done, self._value = fn, False, None
@@ -167,7 +168,7 @@ class RunPool:
         folder is not scheduled twice). Returns a handle whose `result()` is the run's
         summary (it raises what the run raised)."""
         if self.jobs == 1:
-            return _Later(lambda: run_in(config, run_dir, self.show_progress))
+            return Later(lambda: run_in(config, run_dir, self.show_progress))
         key = (run_dir, config.to_json(sort_keys=True))
         with self._lock:
             if key not in self._futures:
