@@ -297,6 +297,8 @@ class Checkpointing(Callback):
         """
         ck = config.checkpoint
         if ck.every <= 0:
+            if writer and ck.resume:
+                checkpoints.check_finished_run(workdir, config.to_dict(), defaults)
             return cls(None, writer)
         checkpointer, meta = None, None
         if writer:
@@ -305,6 +307,8 @@ class Checkpointing(Callback):
                 shutil.rmtree(ckpt_dir)  # start this workdir over
             checkpointer = checkpoints.Checkpointer(workdir, ck.max_to_keep)
             meta = checkpointer.check_config(config.to_dict(), defaults)
+            if meta is None and ck.resume:
+                checkpoints.check_finished_run(workdir, config.to_dict(), defaults)
         # Over several processes: process 0 chose the round; the others read that checkpoint.
         chosen = distributed.from_process_0(
             checkpointer.step if writer and meta is not None else -1)

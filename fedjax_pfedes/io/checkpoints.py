@@ -65,7 +65,8 @@ logging.get_absl_logger().addFilter(_QuietOrbax())
 pylogging.getLogger("asyncio").addFilter(_ReportedStorageFaults())
 
 
-def config_changes(saved: dict, current: dict, defaults: dict) -> list[str]:
+def config_changes(saved: dict, current: dict, defaults: dict,
+                   source: str = "the checkpoint") -> list[str]:
     """'config.FIELD: saved -> current' for every field that differs and would corrupt a resume.
 
     train.rounds may grow (a run continued for longer) unless the run depends on the total:
@@ -78,6 +79,7 @@ def config_changes(saved: dict, current: dict, defaults: dict) -> list[str]:
       saved: the config a checkpoint was written with (nested plain values).
       current: this run's config (nested plain values).
       defaults: the shipped defaults (nested plain values).
+      source: where `saved` was read, as each line names it.
 
     Returns:
       One line per field that may not change; empty when the run may resume.
@@ -95,7 +97,7 @@ def config_changes(saved: dict, current: dict, defaults: dict) -> list[str]:
             continue
         if key.startswith(RESUMABLE_CHANGES) and not (key == "train.rounds" and depends_on_total):
             continue
-        changes.append(f"config.{key}: {a.get(key, '<missing>')!r} in the checkpoint, "
+        changes.append(f"config.{key}: {a.get(key, '<missing>')!r} in {source}, "
                        f"{b.get(key, '<missing>')!r} now")
     return changes
 
@@ -114,6 +116,35 @@ def due(every: int, rounds_done: int, total_rounds: int) -> bool:
 class ConfigChangedError(ConfigError):
     """The workdir's checkpoint was written under a config that differs in a field that changes
     the run: resuming would corrupt it (a study that owns its run folders moves it aside)."""
+
+
+def check_finished_run(workdir: str, current: dict, defaults: dict) -> None:
+    """Refuses to start a run over the records of a finished run of another config: a workdir
+    whose checkpoints were removed (an archive keeps summary.json and the metrics, not the
+    checkpoints) still says, in summary.json, which config made it.
+
+    Args:
+      workdir: the run's folder.
+      current: this run's config (nested plain values).
+      defaults: as `config_changes`.
+
+    Raises:
+      ConfigChangedError: summary.json's config differs from `current` in a field that changes
+        the run (`config_changes`). An unreadable summary.json is no finished run.
+    """
+    path = os.path.join(workdir, "summary.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    changes = (config_changes(saved, current, defaults, "summary.json")
+               if isinstance(saved, dict) else [])
+    if changes:
+        raise ConfigChangedError(
+            f"{workdir} holds the records of a finished run of another config (summary.json, no "
+            "checkpoint to resume):\n  " + "\n  ".join(changes) + "\nUse another --workdir, or "
+            "--config.checkpoint.resume=False to write this run over them.")
 
 
 class Checkpointer:

@@ -88,9 +88,10 @@ def _work(config: ml_collections.ConfigDict, run_dir: str) -> dict | None:
 
 def run_in(config: ml_collections.ConfigDict, run_dir: str, show_progress: bool,
            callbacks: Sequence[Callback] = ()) -> dict:
-    """Runs `config` in `run_dir`, resuming its checkpoint; a folder whose checkpoint holds a run
-    of another config (a tuned rate that moved when its grid was extended) is moved aside to
-    `<run_dir>.replaced<k>` with a warning and the run starts anew.
+    """Runs `config` in `run_dir`, resuming its checkpoint; a folder whose checkpoint, or with
+    none its summary.json, holds a run of another config (a tuned rate that moved when its
+    grid was extended) is moved aside to `<run_dir>.replaced<k>` with a warning and the run
+    starts anew.
 
     Args:
       config: the run's config.

@@ -15,7 +15,7 @@ import pytest
 from fedjax_pfedes.engine.loop import run_experiment
 from fedjax_pfedes.engine.schema import default_values
 from fedjax_pfedes.errors import ConfigError
-from fedjax_pfedes.io.checkpoints import config_changes
+from fedjax_pfedes.io.checkpoints import ConfigChangedError, check_finished_run, config_changes
 from fedjax_pfedes.io.metrics import WALL_CLOCK_FIELDS
 
 ROUNDS = 30
@@ -113,6 +113,25 @@ def test_resume_false_starts_the_workdir_over(checkpointed):
     assert summary["resumed_from_round"] == 0 and summary["final"]["round"] == 2
     rows = [json.loads(line) for line in open(checkpointed / "metrics.jsonl")]
     assert [r["round"] for r in rows] == [1, 2]
+
+
+def test_a_finished_run_of_another_config_without_checkpoints_is_not_written_over(tmp_path):
+    """An unpacked archive keeps summary.json, not the checkpoints: a run of another config
+    started in its folder is refused (a comparison moves the folder aside), one of the same
+    config, or one that may extend it (more rounds), goes ahead; an unreadable summary.json
+    is no finished run."""
+    made = _small(rounds=3).to_dict()
+    (tmp_path / "summary.json").write_text(json.dumps({"config": made}))
+    changed = _small(rounds=3)
+    changed.train.lr_local = changed.train.lr_local * 2
+    with pytest.raises(ConfigChangedError, match=r"summary\.json, no checkpoint to resume"
+                       r"\):\n  config\.train\.lr_local: .* in summary\.json") as e:
+        check_finished_run(str(tmp_path), changed.to_dict(), default_values())
+    assert "--config.checkpoint.resume=False" in str(e.value)
+    check_finished_run(str(tmp_path), made, default_values())
+    check_finished_run(str(tmp_path), _small(rounds=6).to_dict(), default_values())
+    (tmp_path / "summary.json").write_text("{not json")
+    check_finished_run(str(tmp_path), changed.to_dict(), default_values())
 
 
 @pytest.mark.parametrize("strategy,kernels,candidates", [

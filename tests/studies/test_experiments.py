@@ -1,5 +1,7 @@
 """Comparison runner: identical seeds across methods, no state leaking between runs, tables."""
 
+import re
+import shutil
 import subprocess
 import sys
 
@@ -174,16 +176,20 @@ def test_run_grid_without_running_collects_only_finished_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_folder_of_another_config_is_moved_aside_and_run_anew(tmp_path):
+@pytest.mark.parametrize("source", ["the checkpoint", "summary.json"])
+def test_a_run_folder_of_another_config_is_moved_aside_and_run_anew(tmp_path, source):
     """A tuned rate that moves (its grid extended) re-runs the reported seeds in the folders of
-    the old choice: their checkpoints hold another config, which the engine refuses to resume;
-    the grid moves such a folder aside with a warning and runs the new config."""
+    the old choice: their checkpoints hold another config, which the engine refuses to resume,
+    or, removed (an unpacked archive has none), summary.json does; the grid moves such a
+    folder aside with a warning and runs the new config."""
     config = _tiny()
     config.checkpoint.every = 1
     experiments.run_grid(config, {"a": {"train.lr_local": 0.1}}, 1, str(tmp_path),
                          show_progress=False, reuse=True)
+    if source == "summary.json":
+        shutil.rmtree(tmp_path / "a" / "seed0" / "checkpoints")
     with pytest.warns(UserWarning, match=r"held a run of another config \(config\.train\."
-                                         r"lr_local: 0\.1 in the checkpoint, 0\.2 now\)"):
+                                         rf"lr_local: 0\.1 in {re.escape(source)}, 0\.2 now\)"):
         out = experiments.run_grid(config, {"a": {"train.lr_local": 0.2}}, 1, str(tmp_path),
                                    show_progress=False, reuse=True)
     assert len(out["a"]) == 1
