@@ -111,7 +111,8 @@ def diverged_seeds(tuning_dir: str, method: str, cell, seed: int) -> list[int]:
 def choose_rate(grid: list[float], scores: list[float], dropped: dict[float, list[int]]
                 ) -> float:
     """The rate of `grid` with the best tuning-seed score (-inf: diverged) among those not
-    `dropped` (a further seed diverged there); the best of all when every rate is dropped."""
+    `dropped` (a further seed diverged there); the best of all when every rate is dropped. Of
+    equal scores the first in `grid` (in ascending order: the smallest rate)."""
     kept = [s if lr not in dropped else -np.inf for lr, s in zip(grid, scores, strict=True)]
     return grid[int(np.argmax(kept if np.isfinite(max(kept)) else scores))]
 

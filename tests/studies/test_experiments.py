@@ -315,6 +315,7 @@ def test_a_rate_that_diverges_on_a_further_seed_is_dropped_for_the_next_best(tmp
     assert choose_rate(grid, [0.70, -np.inf, 0.82], {0.05: [1]}) == 0.01  # diverged on seed 0
     every = {0.01: [1], 0.02: [1], 0.05: [2]}
     assert choose_rate(grid, scores, every) == 0.05  # all dropped: the best of the tuning seed
+    assert choose_rate(grid, [0.82, 0.70, 0.82], {}) == 0.01  # a tie: the smallest rate
 
     def run(folder, diverged):
         folder.mkdir(parents=True)
